@@ -1,0 +1,296 @@
+"""Capture pass: model + sample batch -> an ``fx.GraphModule`` of the training forward (with loss).
+
+Two capture paths, as decided in DESIGN.md:
+
+* ``fx``: ``torch.fx`` symbolic tracing with transformer blocks as leaf modules. Plain-PyTorch
+  models (the zoo). The graph keeps the user's modules, so a 200B-parameter model is ~150 nodes.
+* ``export``: ``torch.export(strict=False)``. transformers models (symbolic tracing fails on
+  every transformers-5 VLM), and the fallback when ``fx`` tracing fails.
+
+Both tag every node with its layer and region (:mod:`vlmcompile.layering`). A model that
+returns a ModelOutput is captured up to its ``loss``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+from tabulate import tabulate
+from torch import nn
+
+from vlmcompile.errors import CaptureError, ModelError, SampleBatchError
+from vlmcompile.layering import LayerAssigner, assign_layers, check_regions_detected
+from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META
+from vlmcompile.regions import Region, check_override_paths, parse_overrides
+
+CaptureMethod = Literal["fx", "export"]
+_WRAPPED = "inner"  # attribute under which a ModelOutput-returning model is wrapped
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """A capture path that was tried and failed, and why."""
+
+    method: CaptureMethod
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRegion:
+    layer: str
+    region: Region
+    source: str
+    """How the region was found: override, module attribute, path keyword, undetected."""
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureReport:
+    model: str
+    method: CaptureMethod
+    fallbacks: tuple[Fallback, ...]
+    num_nodes: int
+    layers: tuple[LayerRegion, ...]
+    numerics: str
+    """'equal to eager (max abs diff ...)', or why the check was skipped."""
+
+    def __str__(self) -> str:
+        lines = [f"capture: {self.model} via {self.method}, {self.num_nodes} nodes, {len(self.layers)} layers"]
+        lines += [f"  {f.method} failed first: {f.reason}" for f in self.fallbacks]
+        lines.append(f"  numerics: {self.numerics}")
+        by_region: dict[Region, list[LayerRegion]] = {}
+        for lr in self.layers:
+            by_region.setdefault(lr.region, []).append(lr)
+        rows = [
+            [r.value, len(lrs), f"{lrs[0].layer} .. {lrs[-1].layer}" if len(lrs) > 1 else lrs[0].layer,
+             ", ".join(sorted({lr.source for lr in lrs}))]
+            for r, lrs in by_region.items()
+        ]
+        lines.append(tabulate(rows, headers=["region", "layers", "span", "found by"]))
+        undetected = [lr.layer for lr in self.layers if lr.region is Region.OTHER]
+        if undetected:
+            lines.append(f"  layers with no detected region (give region_overrides to place them): {undetected}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureResult:
+    gm: fx.GraphModule
+    report: CaptureReport
+
+
+def check_sample_batch(model: nn.Module, sample_batch: Any) -> dict[str, Any]:
+    """The batch as keyword arguments of ``model.forward``, or a SampleBatchError saying what is off."""
+    if not isinstance(sample_batch, Mapping):
+        raise SampleBatchError(
+            f"sample_batch is a {type(sample_batch).__name__}; give a dict from forward's argument names "
+            "to tensors, e.g. {'pixel_values': ..., 'input_ids': ..., 'labels': ...}"
+        )
+    params = inspect.signature(model.forward).parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(set(sample_batch) - named)
+    if unknown and not takes_kwargs:
+        raise SampleBatchError(
+            f"sample_batch has key(s) {unknown} that {type(model).__name__}.forward does not take; "
+            f"its arguments are {sorted(named)}"
+        )
+    required = [
+        n for n, p in params.items()
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    missing = [n for n in required if n not in sample_batch]
+    if missing:
+        raise SampleBatchError(
+            f"sample_batch lacks {missing}, required by {type(model).__name__}.forward; "
+            f"add them (batch keys: {sorted(sample_batch)})"
+        )
+    if not any(isinstance(v, torch.Tensor) for v in sample_batch.values()):
+        raise SampleBatchError("sample_batch holds no tensor; give the model's input tensors")
+    return dict(sample_batch)
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("transformers.")
+
+
+class _LossOf(nn.Module):
+    """Returns only the loss of a model that returns a ModelOutput or a dict with 'loss'."""
+
+    def __init__(self, inner: nn.Module, no_cache: bool):
+        super().__init__()
+        self.inner = inner
+        self.no_cache = no_cache
+
+    def forward(self, **batch):
+        out = self.inner(**batch, use_cache=False) if self.no_cache else self.inner(**batch)
+        return _loss_of(out)
+
+
+def _loss_of(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if loss is None:
+        raise SampleBatchError(
+            "the model returned no loss for the sample batch; include the labels (e.g. 'labels') "
+            "so that the captured step ends in the training loss"
+        )
+    return loss
+
+
+class _BlockLeafTracer(fx.Tracer):
+    def __init__(self, blocks: set[str]):
+        super().__init__()
+        self.blocks = blocks
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.blocks or super().is_leaf_module(m, module_qualified_name)
+
+
+def _trace_fx(model: nn.Module, batch: dict[str, Any], blocks: set[str]) -> fx.GraphModule:
+    params = inspect.signature(model.forward).parameters
+    concrete = {n: p.default for n, p in params.items() if n not in batch and p.default is not inspect.Parameter.empty}
+    tracer = _BlockLeafTracer(blocks)
+    graph = tracer.trace(model, concrete_args=concrete or None)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _export(model: nn.Module, batch: dict[str, Any]) -> fx.GraphModule:
+    program = torch.export.export(model, (), batch, strict=False)
+    return program.module()
+
+
+def _describe_failure(err: BaseException) -> str:
+    """One paragraph naming the operation that failed and torch's suggested fix, if any."""
+    text = str(err)
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    where = re.search(r"The following call raised this error:\n\s*(File .*?)\n\s*(.+?)\n", text)
+    fix = re.search(r"To fix the error, insert one of the following checks before this call:\n(.*?)\n\n", text, re.S)
+    parts = [f"{type(err).__name__}: {first[:300]}"]
+    if where:
+        parts.append(f"at {where.group(1).strip()}: `{where.group(2).strip()}`")
+    if fix:
+        parts.append("torch suggests: " + " or ".join(line.strip() for line in fix.group(1).splitlines()))
+    return "; ".join(parts)
+
+
+_DATA_DEPENDENT_HELP = (
+    "The model's control flow or shapes depend on tensor values, which neither capture path can "
+    "follow. Workarounds: compute such sizes from tensor shapes or Python ints instead of tensor "
+    "values (e.g. pass image sizes as a Python list), replace the data-dependent branch with "
+    "torch.where / torch.cond, or add the torch._check hints torch suggests above."
+)
+
+
+def _check_numerics(model: nn.Module, gm: fx.GraphModule, batch: dict[str, Any]) -> str:
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)] + list(model.parameters())
+    if any(t.device.type == "meta" for t in tensors):
+        return "not checked (meta tensors hold no values)"
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(0)
+        expected = _loss_of(model(**batch))
+        torch.manual_seed(0)
+        actual = gm(**batch)
+    try:
+        torch.testing.assert_close(actual, expected)
+    except AssertionError as err:
+        raise CaptureError(
+            f"the captured graph's output differs from eager on the sample batch: {err}. "
+            "Report this model to the vlmcompile developers; meanwhile try the other capture path "
+            "(method='export' or method='fx')."
+        ) from None
+    diff = (actual.detach().float() - expected.detach().float()).abs().max().item()
+    return f"equal to eager on the sample batch (max abs diff {diff:.1e})"
+
+
+def capture(
+    model: nn.Module,
+    sample_batch: Mapping[str, Any],
+    *,
+    region_overrides: Mapping[str, str | Region] | None = None,
+    method: CaptureMethod | Literal["auto"] = "auto",
+    check_numerics: bool = True,
+) -> CaptureResult:
+    """Capture ``model``'s forward on ``sample_batch`` and tag each node with layer and region.
+
+    Args:
+        model: the VLM; its forward returns the loss (a tensor or a ModelOutput with ``loss``).
+        sample_batch: one batch, keyed by ``forward``'s argument names.
+        region_overrides: module-path prefix -> region, taking precedence over detection.
+        method: ``fx``, ``export``, or ``auto`` (export for transformers models, else fx first).
+        check_numerics: run the captured graph and eager on the batch and compare (skipped on meta).
+    """
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model is a {type(model).__name__}; give a torch.nn.Module")
+    if next(model.parameters(), None) is None:
+        raise ModelError(
+            f"{type(model).__name__} has no parameters, so there is nothing to train or partition; "
+            "pass the model with its parameters registered (nn.Parameter attributes or submodules)"
+        )
+    batch = check_sample_batch(model, sample_batch)
+    overrides = parse_overrides(region_overrides)
+    check_override_paths(overrides, [p for p, _ in model.named_modules()])
+
+    root = model
+    if _is_transformers_model(model):
+        no_cache = "use_cache" in inspect.signature(model.forward).parameters
+        root = _LossOf(model, no_cache)
+    strip = f"{_WRAPPED}." if root is not model else ""
+    assigner = LayerAssigner(model, overrides)
+
+    order = ["export", "fx"] if method == "auto" and _is_transformers_model(model) else ["fx", "export"]
+    if method != "auto":
+        order = [method]
+    fallbacks: list[Fallback] = []
+    gm = None
+    for attempt in order:
+        try:
+            if attempt == "fx":
+                # The wrapper would hide the blocks' paths from the tracer: trace the bare model.
+                if root is not model:
+                    raise CaptureError("fx tracing captures plain-tensor outputs only; the model returns a ModelOutput")
+                gm = _trace_fx(model, batch, assigner.blocks)
+            else:
+                gm = _export(root, batch)
+            used: CaptureMethod = attempt  # type: ignore[assignment]
+            break
+        except (SampleBatchError, ModelError):
+            raise
+        except Exception as err:  # each path fails in its own exception types
+            fallbacks.append(Fallback(attempt, _describe_failure(err)))  # type: ignore[arg-type]
+    if gm is None:
+        tried = "; ".join(f"{f.method}: {f.reason}" for f in fallbacks)
+        raise CaptureError(f"could not capture {type(model).__name__}. {tried}. {_DATA_DEPENDENT_HELP}")
+
+    layer_order = assign_layers(gm, assigner, strip_prefix=strip)
+    top_level = [name for name, _ in model.named_children()]
+    check_regions_detected(layer_order, assigner, top_level=top_level)
+    gm.meta[LAYER_ORDER_META] = layer_order
+    numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
+
+    layers = tuple(LayerRegion(layer, *assigner.region_of(layer)) for layer in layer_order)
+    report = CaptureReport(
+        model=type(model).__name__,
+        method=used,
+        fallbacks=tuple(fallbacks),
+        num_nodes=len(gm.graph.nodes),
+        layers=layers,
+        numerics=numerics,
+    )
+    return CaptureResult(gm, report)
+
+
+def layer_nodes(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """The nodes of each layer, in graph order."""
+    out: dict[str, list[fx.Node]] = {layer: [] for layer in gm.meta[LAYER_ORDER_META]}
+    for n in gm.graph.nodes:
+        if n.meta.get(LAYER_META):
+            out[n.meta[LAYER_META]].append(n)
+    return out
+

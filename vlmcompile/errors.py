@@ -1,0 +1,38 @@
+"""Errors raised for bad user input. Each message names the value at fault and what to do."""
+
+from __future__ import annotations
+
+
+class VlmCompileError(Exception):
+    """Base class of every error vlmcompile raises for bad input."""
+
+
+class CaptureError(VlmCompileError):
+    """The model could not be captured as an FX graph."""
+
+
+class SampleBatchError(VlmCompileError):
+    """The sample batch does not fit the model's forward signature."""
+
+
+class RegionError(VlmCompileError):
+    """Regions (vision, projector, llm, head) could not be assigned to the model's layers."""
+
+
+class ModelError(VlmCompileError):
+    """The model itself cannot be compiled (no parameters, unknown zoo name, ...)."""
+
+
+class PassError(VlmCompileError):
+    """A compiler pass failed; the message names the pass and the passes that ran before it."""
+
+    def __init__(self, pass_name: str, index: int, passes_run: list[str], cause: BaseException):
+        self.pass_name = pass_name
+        self.index = index
+        self.passes_run = list(passes_run)
+        self.cause = cause
+        ran = ", ".join(passes_run) if passes_run else "none"
+        super().__init__(
+            f"pass {index} '{pass_name}' failed ({type(cause).__name__}: {cause}); "
+            f"passes already run: {ran}"
+        )

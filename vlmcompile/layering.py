@@ -1,0 +1,195 @@
+"""Group the nodes of a captured graph into layers and give each layer a region.
+
+A *block* is a repeated transformer layer: an element of an ``nn.ModuleList`` that holds a
+norm and a linear layer and no block list of its own (so ``encoders.0`` of a two-encoder
+VLM is not a block, ``encoders.0.blocks.3`` is, and an MoE expert without a norm is not).
+A *container* is a module that holds a block (the model, an encoder, a ModuleList of
+blocks). A node's layer is the block on its module path if there is one, else the first
+module on that path that is neither a container nor a ModuleList/ModuleDict (``llm.embed``,
+``projectors.0``, ``lm_head``).
+
+Nodes with no layer of their own - code written directly in a container's ``forward``
+(concatenating image and text tokens, building masks) and parameter reads - join the layer
+of their first user; nodes no layer consumes (the loss after ``lm_head``) join the layer of
+their last producer. Layers are ordered topologically along the values they exchange, ties
+broken by where each first appears in the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import networkx as nx
+import torch.fx as fx
+from torch import nn
+
+from vlmcompile.errors import RegionError
+from vlmcompile.meta_keys import LAYER_META, REGION_META
+from vlmcompile.regions import (
+    ENCODER_REGIONS,
+    LANGUAGE_REGIONS,
+    REGION_ATTR,
+    Region,
+    override_region,
+    region_from_keywords,
+)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ in {"Conv1D", "Linear"}
+
+
+def find_blocks(model: nn.Module) -> set[str]:
+    """Module paths of the model's transformer blocks (see the module docstring)."""
+    candidates: set[str] = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList):
+            continue
+        for index, child in enumerate(module):
+            subs = list(child.modules())
+            if any(_is_norm(m) for m in subs) and any(_is_linear(m) for m in subs):
+                candidates.add(f"{path}.{index}" if path else str(index))
+    return {c for c in candidates if not any(o.startswith(c + ".") for o in candidates)}
+
+
+def module_path(node: fx.Node, strip_prefix: str = "") -> str | None:
+    """Innermost module path on the node's ``nn_module_stack`` (None when it has none)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    if strip_prefix:
+        if path == strip_prefix.rstrip("."):
+            return ""
+        path = path.removeprefix(strip_prefix)
+    return path
+
+
+class LayerAssigner:
+    """Maps module paths of one model to layer names and regions."""
+
+    def __init__(self, model: nn.Module, overrides: Mapping[str, Region]):
+        self.modules = dict(model.named_modules())
+        self.blocks = find_blocks(model)
+        self.containers = {p for b in self.blocks for p in _prefixes(b)} | {""}
+        self.overrides = dict(overrides)
+
+    def layer_of(self, path: str | None) -> str | None:
+        """The layer a module path belongs to, or None for container-level code."""
+        if path is None or path in self.containers:
+            return None
+        parts = path.split(".")
+        prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
+        for prefix in prefixes:
+            if prefix in self.blocks:
+                return prefix
+        for prefix in prefixes:
+            module = self.modules.get(prefix)
+            if prefix in self.containers or isinstance(module, nn.ModuleList | nn.ModuleDict):
+                continue
+            return prefix
+        return None
+
+    def region_of(self, layer: str) -> tuple[Region, str]:
+        """(region, how it was found) for a layer name."""
+        found = override_region(layer, self.overrides)
+        if found is not None:
+            return found, "override"
+        parts = layer.split(".")
+        for i in range(len(parts), 0, -1):
+            attr = getattr(type(self.modules.get(".".join(parts[:i]))), REGION_ATTR, None)
+            if attr is not None:
+                return Region(attr), "module attribute"
+        found = region_from_keywords(layer)
+        if found is not None:
+            return found, "path keyword"
+        return Region.OTHER, "undetected"
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def assign_layers(gm: fx.GraphModule, assigner: LayerAssigner, *, strip_prefix: str = "") -> list[str]:
+    """Tag every node with its layer and region; return the layers in pipeline order."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    own: dict[fx.Node, str | None] = {}
+    for n in nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "get_attr":
+            own[n] = None
+        elif n.op == "call_module":
+            own[n] = assigner.layer_of(str(n.target)) or assigner.layer_of(module_path(n, strip_prefix))
+        else:
+            own[n] = assigner.layer_of(module_path(n, strip_prefix))
+
+    # Glue joins its first user with a layer (users come later, so walk backwards) ...
+    for n in reversed(nodes):
+        if n in own and own[n] is None:
+            users = sorted((u for u in n.users if own.get(u)), key=position.__getitem__)
+            own[n] = own[users[0]] if users else None
+    # ... or else its last producer with a layer.
+    for n in nodes:
+        if n in own and own[n] is None:
+            producers = sorted((p for p in n.all_input_nodes if own.get(p)), key=position.__getitem__)
+            own[n] = own[producers[-1]] if producers else None
+    orphans = [n.name for n in nodes if n in own and own[n] is None]
+    if orphans:
+        first_layer = next((v for v in own.values() if v), None)
+        if first_layer is None:
+            raise RegionError(
+                "no node of the captured graph belongs to a module of the model, so no layers can be "
+                "formed; wrap the computation in nn.Module children"
+            )
+        for n in nodes:
+            if n in own and own[n] is None:
+                own[n] = first_layer
+
+    first_seen: dict[str, int] = {}
+    for n in nodes:
+        if own.get(n):
+            first_seen.setdefault(own[n], position[n])
+    flow = nx.DiGraph()
+    flow.add_nodes_from(first_seen)
+    for n in nodes:
+        for p in n.all_input_nodes:
+            if own.get(p) and own.get(n) and own[p] != own[n]:
+                flow.add_edge(own[p], own[n])
+    try:
+        order = list(nx.lexicographical_topological_sort(flow, key=first_seen.__getitem__))
+    except nx.NetworkXUnfeasible:
+        cycle = nx.find_cycle(flow)
+        raise RegionError(
+            f"layers exchange values in a cycle {cycle}; the graph cannot be cut into a pipeline "
+            "along these layers. Give region_overrides or restructure the modules involved."
+        ) from None
+
+    regions = {layer: assigner.region_of(layer)[0] for layer in order}
+    for n in nodes:
+        layer = own.get(n)
+        n.meta[LAYER_META] = layer
+        n.meta[REGION_META] = regions[layer] if layer else None
+    return order
+
+
+def check_regions_detected(order: list[str], assigner: LayerAssigner, *, top_level: list[str]) -> None:
+    """Without overrides, a VLM must show an encoder and a language part."""
+    if assigner.overrides:
+        return
+    regions = {assigner.region_of(layer)[0] for layer in order}
+    if regions & ENCODER_REGIONS and regions & LANGUAGE_REGIONS:
+        return
+    found = ", ".join(sorted(r.value for r in regions))
+    example = {name: "vision|projector|llm|head" for name in top_level[:4]}
+    raise RegionError(
+        f"could not detect the regions of this model (found only: {found}); a VLM needs a vision "
+        f"encoder and a language model. Pass region_overrides, a mapping from module-path prefix to "
+        f"region, e.g. region_overrides={example}"
+    )

@@ -1,0 +1,17 @@
+"""Keys under which vlmcompile writes into ``fx.Node.meta``.
+
+torch's own keys (``val``, ``tensor_meta``, ``nn_module_stack``) are read, never written.
+Tests import these constants rather than spelling the strings.
+"""
+
+LAYER_META = "vlmcompile.layer"
+"""Name of the layer the node belongs to (a module path such as ``llm.blocks.3``)."""
+
+REGION_META = "vlmcompile.region"
+"""The node's :class:`vlmcompile.regions.Region`."""
+
+NODE_COST_META = "vlmcompile.node_cost"
+"""The node's :class:`vlmcompile.layer_graph.NodeCost`, written by the annotate pass."""
+
+LAYER_ORDER_META = "vlmcompile.layer_order"
+"""On ``GraphModule.meta``: the layer names in pipeline order."""

@@ -1,0 +1,306 @@
+"""Configurations of the reference zoo, and every model named in shared/reference/paper_setups.json.
+
+Where a paper gives no value, the choice is ours and is stated next to it:
+
+* Optimus GPT LLMs use the GPT-3 block (GELU MLP of width 4h, full multi-head attention) and
+  the GPT-2/3 vocabulary of 50257; LLAMA-70B uses Llama-2-70B's (gated MLP 28672, 8 KV heads,
+  vocabulary 32000).
+* Optimus ViTs see 224 px images in 14 px patches (256 tokens each); the paper fixes only the
+  LLM sequence (2048), so a VLM built from them feeds 1 image + 1792 text tokens.
+* InternViT-6B sees 448 px tiles in 14 px patches (1024 tokens), reduced to 256 LLM tokens by
+  pixel shuffle (factor 2); an OmniBal VLM sample is 9 tiles in a 4096-token LLM sequence
+  (Q_v = 9, Q_t = 4096 in the OmniBal dataset settings). InternViT's QK-norm and layer scale
+  are left out: they add no matmul FLOPs.
+* DistMM towers use heads of 64 (width <= 1536) or 128 dims, except width 5140, which only
+  20 heads of 257 divide; MLP width 4h; 336 px images in 14 px patches; 77 text tokens with
+  CLIP's vocabulary of 49408. CoCa and LiT are modelled as contrastive pairs (their
+  captioning decoder and frozen tower are not modelled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ViTConfig:
+    """A vision transformer encoder."""
+
+    name: str
+    width: int
+    depth: int
+    mlp: int
+    heads: int
+    head_dim: int
+    image_px: int = 224
+    """Side of the square input image in pixels."""
+    patch: int = 14
+    """Side of a square patch in pixels; tokens per image = (image_px / patch)^2."""
+    channels: int = 3
+    family: Literal["optimus", "omnibal", "distmm", "tiny"] = "tiny"
+    """Which paper's input conventions a VLM built on this encoder follows."""
+
+    def __post_init__(self):
+        if self.image_px % self.patch:
+            raise ValueError(f"{self.name}: image_px={self.image_px} is not a multiple of patch={self.patch}")
+
+    @property
+    def grid(self) -> int:
+        return self.image_px // self.patch
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.grid**2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LLMConfig:
+    """A decoder-only language model."""
+
+    name: str
+    width: int
+    depth: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int
+    gated_mlp: bool = True
+    """Llama's SiLU-gated MLP (3 matrices) when True, GPT-3's GELU MLP (2 matrices) when False."""
+    tie_embeddings: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProjectorConfig:
+    pixel_shuffle: int = 1
+    """Token-reduction factor r: r x r neighbouring patches become one token (1 = none)."""
+    hidden: int | None = None
+    """Hidden width of the projector MLP; None means the LLM's width."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VLMConfig:
+    """Encoder(s) + projector(s) + LLM; image tokens come before text tokens in the LLM sequence."""
+
+    name: str
+    encoders: tuple[ViTConfig, ...]
+    projectors: tuple[ProjectorConfig, ...]
+    llm: LLMConfig
+    images_per_sample: int
+    llm_tokens: int
+    """Total LLM sequence length per sample: image tokens + text tokens."""
+
+    def __post_init__(self):
+        if len(self.encoders) != len(self.projectors):
+            raise ValueError(f"{self.name}: {len(self.encoders)} encoders but {len(self.projectors)} projectors")
+        for enc, proj in zip(self.encoders, self.projectors):
+            if enc.grid % proj.pixel_shuffle:
+                raise ValueError(
+                    f"{self.name}: pixel shuffle {proj.pixel_shuffle} does not divide the {enc.grid}x{enc.grid} "
+                    f"patch grid of {enc.name}"
+                )
+        if len({(e.image_px, e.channels) for e in self.encoders}) != 1:
+            raise ValueError(f"{self.name}: all encoders must read the same image size")
+        if self.text_tokens < 2:
+            raise ValueError(
+                f"{self.name}: {self.image_tokens} image tokens leave {self.text_tokens} text tokens in a "
+                f"{self.llm_tokens}-token sequence; raise llm_tokens to at least {self.image_tokens + 2}"
+            )
+
+    @property
+    def image_tokens(self) -> int:
+        per_image = sum(e.tokens_per_image // p.pixel_shuffle**2 for e, p in zip(self.encoders, self.projectors))
+        return per_image * self.images_per_sample
+
+    @property
+    def text_tokens(self) -> int:
+        return self.llm_tokens - self.image_tokens
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TextEncoderConfig:
+    name: str
+    width: int
+    depth: int
+    heads: int
+    head_dim: int
+    mlp: int
+    vocab: int = 49408
+    tokens: int = 77
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContrastiveConfig:
+    """A CLIP-style image/text pair trained with a contrastive loss."""
+
+    name: str
+    vision: ViTConfig
+    text: TextEncoderConfig
+    embed_dim: int = 512
+
+
+ModelConfig = ViTConfig | LLMConfig | TextEncoderConfig | VLMConfig | ContrastiveConfig
+
+
+def _vit(name, width, depth, mlp, heads, head_dim=128, **kw) -> ViTConfig:
+    return ViTConfig(name=name, width=width, depth=depth, mlp=mlp, heads=heads, head_dim=head_dim, **kw)
+
+
+ENCODERS: dict[str, ViTConfig] = {
+    c.name: c
+    for c in (
+        # Optimus Table (ViT configurations).
+        _vit("ViT-3B", 2304, 48, 9216, 18, family="optimus"),
+        _vit("ViT-5B", 3072, 48, 12288, 24, family="optimus"),
+        _vit("ViT-11B", 4096, 48, 16384, 32, family="optimus"),
+        _vit("ViT-22B", 6144, 48, 24576, 48, family="optimus"),
+        # OmniBal: InternViT-6B (45 layers, width 3200, 25 heads of 128).
+        _vit("InternViT-6B", 3200, 45, 12800, 25, image_px=448, family="omnibal"),
+        # Tiny encoders for tests.
+        _vit("tiny-vit", 32, 2, 64, 2, head_dim=16, image_px=16, patch=4),
+        _vit("tiny-vit-coarse", 24, 2, 48, 2, head_dim=12, image_px=16, patch=8),
+    )
+}
+
+LLMS: dict[str, LLMConfig] = {
+    c.name: c
+    for c in (
+        LLMConfig(name="GPT-11B", width=3072, depth=80, heads=24, kv_heads=24, head_dim=128, mlp=4 * 3072, vocab=50257, gated_mlp=False),
+        LLMConfig(name="LLAMA-70B", width=8192, depth=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, vocab=32000),
+        LLMConfig(name="GPT-175B", width=12288, depth=96, heads=96, kv_heads=96, head_dim=128, mlp=4 * 12288, vocab=50257, gated_mlp=False),
+        LLMConfig(name="InternLM2-20B", width=6144, depth=48, heads=48, kv_heads=8, head_dim=128, mlp=16384, vocab=92544),
+        LLMConfig(name="Llama3-8B", width=4096, depth=32, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256),
+        LLMConfig(name="Yi-34B", width=7168, depth=60, heads=56, kv_heads=8, head_dim=128, mlp=20480, vocab=64000),
+        LLMConfig(name="Llama3-70B", width=8192, depth=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, vocab=128256),
+        LLMConfig(name="Qwen1.5-110B", width=8192, depth=80, heads=64, kv_heads=8, head_dim=128, mlp=49152, vocab=152064),
+        LLMConfig(name="tiny-llm", width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64, vocab=64),
+        LLMConfig(name="tiny-llm-tied", width=32, depth=2, heads=4, kv_heads=4, head_dim=8, mlp=64, vocab=64, tie_embeddings=True),
+    )
+}
+
+
+def _distmm_heads(width: int) -> tuple[int, int]:
+    """(heads, head_dim) for a DistMM tower width."""
+    if width == 5140:
+        return 20, 257
+    head_dim = 64 if width <= 1536 else 128
+    return width // head_dim, head_dim
+
+
+def _distmm_pair(name: str, vision: tuple[int, int], text: tuple[int, int]) -> ContrastiveConfig:
+    (v_depth, v_width), (t_depth, t_width) = vision, text
+    v_heads, v_hd = _distmm_heads(v_width)
+    t_heads, t_hd = _distmm_heads(t_width)
+    return ContrastiveConfig(
+        name=name,
+        vision=_vit(f"{name}/vision", v_width, v_depth, 4 * v_width, v_heads, v_hd, image_px=336, family="distmm"),
+        text=TextEncoderConfig(name=f"{name}/text", width=t_width, depth=t_depth, heads=t_heads, head_dim=t_hd, mlp=4 * t_width),
+        embed_dim=1024,
+    )
+
+
+# DistMM's CLIP / CoCa / LiT sizes: (layers, hidden) of the vision and the text tower.
+_DISTMM = {
+    "CLIP": [((24, 1536), (24, 1024)), ((32, 4096), (32, 2560)), ((40, 5140), (32, 4096))],
+    "CoCa": [((24, 1536), (24, 1536)), ((32, 4096), (32, 4096)), ((40, 5140), (40, 5140))],
+    "LiT": [((24, 1024), (24, 1536)), ((32, 2560), (32, 4096)), ((32, 4096), (40, 5140))],
+}
+
+# Defaults a composed VLM takes from its (first) encoder's family: images per sample, LLM
+# sequence length, pixel shuffle.
+_FAMILY_INPUTS = {
+    "optimus": (1, 2048, 1),
+    "omnibal": (9, 4096, 2),
+    "distmm": (1, 2048, 1),
+    "tiny": (1, 12, 2),
+}
+
+
+def compose(
+    encoders: list[str] | tuple[str, ...],
+    llm: str,
+    *,
+    name: str | None = None,
+    images_per_sample: int | None = None,
+    llm_tokens: int | None = None,
+    pixel_shuffle: int | None = None,
+) -> VLMConfig:
+    """A VLM from named encoder(s) and LLM, with input sizes from the encoder's paper."""
+    unknown = [e for e in encoders if e not in ENCODERS] + ([llm] if llm not in LLMS else [])
+    if unknown:
+        raise KeyError(
+            f"unknown component(s) {unknown}; encoders: {sorted(ENCODERS)}; LLMs: {sorted(LLMS)}"
+        )
+    encs = tuple(ENCODERS[e] for e in encoders)
+    images, tokens, shuffle = _FAMILY_INPUTS[encs[0].family]
+    shuffle = pixel_shuffle if pixel_shuffle is not None else shuffle
+    return VLMConfig(
+        name=name or "+".join([*encoders, llm]),
+        encoders=encs,
+        projectors=tuple(ProjectorConfig(pixel_shuffle=shuffle if e.grid % shuffle == 0 else 1) for e in encs),
+        llm=LLMS[llm],
+        images_per_sample=images_per_sample or images,
+        llm_tokens=llm_tokens or tokens,
+    )
+
+
+DEMO = VLMConfig(
+    name="demo",
+    encoders=(_vit("demo-vit", 192, 6, 768, 3, head_dim=64, image_px=112, patch=14),),
+    projectors=(ProjectorConfig(pixel_shuffle=2),),
+    llm=LLMConfig(name="demo-llm", width=256, depth=8, heads=4, kv_heads=2, head_dim=64, mlp=704, vocab=2048),
+    images_per_sample=4,
+    llm_tokens=128,
+)
+"""Small enough to train a step on a laptop CPU in about a second, with the forward-FLOP
+share per region of InternVL-Chat-1.5 (see :mod:`vlmcompile.models` for the figures)."""
+
+VLMS: dict[str, VLMConfig | ContrastiveConfig] = {
+    c.name: c
+    for c in (
+        compose(["tiny-vit"], "tiny-llm", name="tiny"),
+        compose(["tiny-vit"], "tiny-llm-tied", name="tiny-tied"),
+        compose(["tiny-vit", "tiny-vit-coarse"], "tiny-llm", name="tiny-two-encoder", llm_tokens=16),
+        ContrastiveConfig(
+            name="tiny-contrastive",
+            vision=ENCODERS["tiny-vit"],
+            text=TextEncoderConfig(name="tiny-text", width=24, depth=2, heads=2, head_dim=12, mlp=48, vocab=64, tokens=8),
+            embed_dim=16,
+        ),
+        DEMO,
+        compose(["InternViT-6B"], "InternLM2-20B", name="InternVL-Chat-1.5"),
+        *(
+            compose([w["encoder"]], w["llm"], name=f"Optimus-{w['name'].replace(' ', '-')}")
+            for w in (
+                {"name": "Model A", "encoder": "ViT-11B", "llm": "LLAMA-70B"},
+                {"name": "Model B", "encoder": "ViT-22B", "llm": "LLAMA-70B"},
+                {"name": "Model C", "encoder": "ViT-11B", "llm": "GPT-175B"},
+                {"name": "Model D", "encoder": "ViT-22B", "llm": "GPT-175B"},
+            )
+        ),
+        *(
+            _distmm_pair(f"{family}-{size}", vision, text)
+            for family, sizes in _DISTMM.items()
+            for size, (vision, text) in zip("SML", sizes)
+        ),
+    )
+}
+
+
+def resolve(name: str) -> ModelConfig:
+    """The configuration a zoo name stands for: a VLM, ``ENC[+ENC]+LLM``, or one tower."""
+    if name in VLMS:
+        return VLMS[name]
+    if "+" in name:
+        *encoders, llm = name.split("+")
+        return compose(encoders, llm)
+    if name in ENCODERS:
+        return ENCODERS[name]
+    if name in LLMS:
+        return LLMS[name]
+    raise KeyError(
+        f"unknown model {name!r}; use a VLM name ({', '.join(sorted(VLMS))}), a composition "
+        f"'ENCODER+LLM' of encoders ({', '.join(sorted(ENCODERS))}) and LLMs ({', '.join(sorted(LLMS))}), "
+        f"or one of those towers alone"
+    )

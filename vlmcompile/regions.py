@@ -1,0 +1,100 @@
+"""Regions of a VLM and how a module path is assigned to one.
+
+A region is the part of the model a layer belongs to: a vision encoder, the projector that
+maps image features into the LLM's width, the LLM, its head (output projection and loss),
+a text encoder (the text tower of a contrastive pair), or ``other``.
+
+Assignment order, first match wins:
+
+1. a user override: module-path prefix -> region (longest prefix wins);
+2. a ``vlmcompile_region`` attribute on a module's class (the reference zoo sets it);
+3. a keyword in the module path, innermost component first, so ``visual.merger`` (Qwen2-VL)
+   is a projector inside a vision tower (rules below, covering the transformers VLMs).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping, Sequence
+
+from vlmcompile.errors import RegionError
+
+
+class Region(str, enum.Enum):
+    VISION = "vision"
+    PROJECTOR = "projector"
+    LLM = "llm"
+    TEXT = "text"
+    HEAD = "head"
+    OTHER = "other"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ENCODER_REGIONS = frozenset({Region.VISION})
+LANGUAGE_REGIONS = frozenset({Region.LLM, Region.TEXT})
+
+REGION_ATTR = "vlmcompile_region"
+"""Class attribute a plain-PyTorch module sets to declare its region."""
+
+# Path components of the transformers VLMs (LLaVA, InternVL, Idefics3, PaliGemma, Qwen2-VL,
+# CLIP, SigLIP) mapped to regions. Matched against whole components, innermost first.
+_KEYWORD_REGIONS: tuple[tuple[re.Pattern[str], Region], ...] = tuple(
+    (re.compile(pattern), region)
+    for pattern, region in (
+        (r"^(multi_modal_projector|mm_projector|connector|projector|merger|mlp1|visual_projection)$", Region.PROJECTOR),
+        (r"^(vision_tower|vision_model|visual|vision_encoder|image_encoder|vision)$", Region.VISION),
+        (r"^(lm_head|head|logit_scale)$", Region.HEAD),
+        (r"^(text_model|text_encoder)$", Region.TEXT),
+        (r"^(language_model|llm|decoder)$", Region.LLM),
+    )
+)
+
+
+def region_from_keywords(path: str) -> Region | None:
+    """The region a module path names by keyword, innermost component first, or None."""
+    for component in reversed(path.split(".")):
+        for pattern, region in _KEYWORD_REGIONS:
+            if pattern.match(component):
+                return region
+    return None
+
+
+def parse_overrides(overrides: Mapping[str, str | Region] | None) -> dict[str, Region]:
+    """Validate a user's ``{module-path prefix: region}`` mapping."""
+    parsed: dict[str, Region] = {}
+    for prefix, region in (overrides or {}).items():
+        try:
+            parsed[prefix] = Region(region)
+        except ValueError:
+            choices = ", ".join(r.value for r in Region)
+            raise RegionError(
+                f"region override {prefix!r} -> {region!r}: unknown region; use one of {choices}"
+            ) from None
+    return parsed
+
+
+def check_override_paths(overrides: Mapping[str, Region], module_paths: Sequence[str]) -> None:
+    """Every override prefix must name a module of the model (or the start of one's path)."""
+    known = set(module_paths)
+    for prefix in overrides:
+        if prefix not in known:
+            close = sorted(p for p in known if p and (p.startswith(prefix) or prefix.startswith(p)))[:5]
+            top = sorted({p.split(".")[0] for p in known if p})
+            hint = f"close matches: {close}" if close else f"top-level modules: {top}"
+            raise RegionError(
+                f"region override names module {prefix!r}, which the model does not have; "
+                f"give a module path as in model.named_modules() ({hint})"
+            )
+
+
+def override_region(path: str, overrides: Mapping[str, Region]) -> Region | None:
+    """The region of the longest override prefix that covers ``path``, or None."""
+    best: tuple[int, Region] | None = None
+    for prefix, region in overrides.items():
+        if path == prefix or path.startswith(prefix + ".") or prefix == "":
+            if best is None or len(prefix) > best[0]:
+                best = (len(prefix), region)
+    return best[1] if best else None
