@@ -1,0 +1,1 @@
+"""Cost models: FLOP formulas now; compute, communication and memory models follow."""

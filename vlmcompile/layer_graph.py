@@ -1,0 +1,212 @@
+"""LayerGraph: the IR every planning pass reads.
+
+Layers in pipeline order, each with its region and costs; edges (a networkx DiGraph) carry
+the bytes one layer sends another, so a two-encoder model shows two branches that meet at
+the LLM. Boundary bytes say what a stage cut after a layer would send forward (activations)
+and receive back (their gradients) - every value made at or before the cut and read after it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+from tabulate import tabulate
+
+from vlmcompile.regions import Region
+
+SCHEMA = "vlmcompile.layer_graph"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * getattr(torch, self.dtype).itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    """What the annotate pass measured for one FX node."""
+
+    outputs: tuple[TensorSpec, ...]
+    fwd_flops: int
+    bwd_flops: int
+    saved_bytes: int
+    """Bytes of storages first saved for backward while this node ran (parameters excluded)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One layer (a transformer block, an embedding, a projector, a head) and its costs."""
+
+    index: int
+    name: str
+    region: Region
+    num_nodes: int
+    num_params: int
+    param_bytes: int
+    fwd_flops: int
+    bwd_flops: int
+    """Input-gradient and weight-gradient FLOPs together."""
+    saved_bytes: int
+    """Bytes saved for backward by this layer, without recompute (measured, parameters excluded)."""
+    saved_bytes_recompute: int
+    """Bytes this layer keeps with recompute: the inputs a non-reentrant checkpoint holds."""
+    boundary_fwd_bytes: int
+    """Bytes a stage cut right after this layer sends forward."""
+    boundary_bwd_bytes: int
+    """Bytes of gradients that cut receives back."""
+    outputs: tuple[TensorSpec, ...] = ()
+    """Tensors this layer hands to later layers or returns."""
+
+    def __post_init__(self):
+        if self.saved_bytes < 0 or self.fwd_flops < 0 or self.bwd_flops < 0:
+            raise ValueError(f"layer {self.name}: negative cost (saved {self.saved_bytes}, fwd {self.fwd_flops}, bwd {self.bwd_flops})")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGraph:
+    layers: tuple[Layer, ...]
+    edges: tuple[tuple[str, str, int], ...]
+    """(producer layer, consumer layer, bytes) for every pair of layers that exchange values."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Where the figures come from: model name, batch shapes, tensor mode."""
+
+    def __post_init__(self):
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate layer names: {sorted({n for n in names if names.count(n) > 1})}")
+        for src, dst, _ in self.edges:
+            if src not in names or dst not in names:
+                raise ValueError(f"edge {src} -> {dst} names a layer the graph does not have")
+            if names.index(src) >= names.index(dst):
+                raise ValueError(f"edge {src} -> {dst} goes backwards in the layer order")
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        for layer in self.layers:
+            g.add_node(layer.name, layer=layer)
+        for src, dst, nbytes in self.edges:
+            g.add_edge(src, dst, bytes=nbytes)
+        return g
+
+    def __getitem__(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"no layer {name!r}; layers: {[l.name for l in self.layers][:8]}...")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def in_region(self, *regions: Region) -> list[Layer]:
+        return [layer for layer in self.layers if layer.region in regions]
+
+    def totals(self, layers: Iterable[Layer] | None = None) -> dict[str, int]:
+        chosen = list(self.layers if layers is None else layers)
+        keys = ("num_params", "param_bytes", "fwd_flops", "bwd_flops", "saved_bytes", "saved_bytes_recompute")
+        return {k: sum(getattr(layer, k) for layer in chosen) for k in keys}
+
+    def region_table(self) -> str:
+        total_fwd = max(1, self.totals()["fwd_flops"])
+        rows = []
+        for region in Region:
+            layers = self.in_region(region)
+            if not layers:
+                continue
+            t = self.totals(layers)
+            rows.append([
+                region.value, len(layers), f"{t['num_params'] / 1e9:.3f}", _flops(t["fwd_flops"]),
+                _flops(t["bwd_flops"]), f"{100 * t['fwd_flops'] / total_fwd:.1f}",
+                _bytes(t["saved_bytes"]), _bytes(t["saved_bytes_recompute"]),
+            ])
+        t = self.totals()
+        rows.append(["total", len(self.layers), f"{t['num_params'] / 1e9:.3f}", _flops(t["fwd_flops"]),
+                     _flops(t["bwd_flops"]), "100.0", _bytes(t["saved_bytes"]), _bytes(t["saved_bytes_recompute"])])
+        return tabulate(rows, headers=["region", "layers", "params (B)", "fwd FLOPs", "bwd FLOPs", "fwd %",
+                                       "saved", "saved w/ recompute"], disable_numparse=True)
+
+    def layer_table(self, max_rows: int | None = None) -> str:
+        rows = []
+        layers = list(self.layers)
+        shown = layers if max_rows is None or len(layers) <= max_rows else layers[: max_rows // 2] + layers[-max_rows // 2 :]
+        for layer in shown:
+            if max_rows is not None and len(layers) > max_rows and layer is layers[-max_rows // 2]:
+                rows.append(["...", f"({len(layers) - len(shown)} more layers)", "", "", "", "", "", "", "", ""])
+            rows.append([
+                layer.index, layer.name, layer.region.value, f"{layer.num_params / 1e6:.2f}",
+                _flops(layer.fwd_flops), _flops(layer.bwd_flops), _bytes(layer.saved_bytes),
+                _bytes(layer.saved_bytes_recompute), _bytes(layer.boundary_fwd_bytes),
+                ", ".join(str(o) for o in layer.outputs[:2]) + (" ..." if len(layer.outputs) > 2 else ""),
+            ])
+        return tabulate(rows, headers=["#", "layer", "region", "params (M)", "fwd FLOPs", "bwd FLOPs", "saved",
+                                       "saved w/ rc", "cut sends", "outputs"], disable_numparse=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "version": SCHEMA_VERSION,
+            "meta": self.meta,
+            "layers": [
+                {**asdict(layer), "region": layer.region.value,
+                 "outputs": [{"shape": list(o.shape), "dtype": o.dtype} for o in layer.outputs]}
+                for layer in self.layers
+            ],
+            "edges": [{"src": s, "dst": d, "bytes": b} for s, d, b in self.edges],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LayerGraph:
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"not a LayerGraph JSON (schema {data.get('schema')!r}, expected {SCHEMA!r})")
+        if data.get("version") != SCHEMA_VERSION:
+            raise ValueError(
+                f"LayerGraph JSON version {data.get('version')} is not {SCHEMA_VERSION}; re-run "
+                "`vlmcompile annotate` to regenerate it"
+            )
+        layers = tuple(
+            Layer(**{**d, "region": Region(d["region"]),
+                     "outputs": tuple(TensorSpec(tuple(o["shape"]), o["dtype"]) for o in d["outputs"])})
+            for d in data["layers"]
+        )
+        edges = tuple((e["src"], e["dst"], e["bytes"]) for e in data["edges"])
+        return cls(layers=layers, edges=edges, meta=dict(data.get("meta", {})))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> LayerGraph:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
