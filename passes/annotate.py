@@ -38,13 +38,13 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from vlmcompile.cost_models.flops import cpu_sdpa_flop_mapping
 from vlmcompile.errors import ModelError
-from vlmcompile.layer_graph import Layer, LayerGraph, NodeCost, TensorSpec
+from vlmcompile.layer_graph import Layer, LayerGraph, NodeCost, TensorSpec, format_count
 from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META, NODE_COST_META, REGION_META
 
 TensorMode = Literal["fake", "real"]
@@ -54,17 +54,21 @@ TensorMode = Literal["fake", "real"]
 class AnnotateReport:
     layer_graph: LayerGraph
     tensor_mode: TensorMode
+    """The mode the figures were measured in."""
     fwd_time_s: float
     bwd_time_s: float
+    fallback: str | None = None
+    """Why fake tensors were abandoned for real ones, if they were."""
 
     def __str__(self) -> str:
         t = self.layer_graph.totals()
         head = (
             f"annotate: {len(self.layer_graph)} layers on {self.tensor_mode} CPU tensors "
             f"(forward {self.fwd_time_s:.2f} s, backward {self.bwd_time_s:.2f} s); "
-            f"{t['num_params'] / 1e9:.3f} B parameters"
+            f"{format_count(t['num_params'])} parameters"
         )
-        return "\n".join([head, "", "per region:", self.layer_graph.region_table(), "",
+        lines = [head] + ([f"  fell back to real tensors: {self.fallback}"] if self.fallback else [])
+        return "\n".join([*lines, "", "per region:", self.layer_graph.region_table(), "",
                           "per layer:", self.layer_graph.layer_table(max_rows=40)])
 
 
@@ -249,6 +253,38 @@ def annotate(
     if tensor_mode == "real" and any(t.device.type == "meta" for t in [*params, *_tensors(dict(sample_batch))]):
         raise ValueError("tensor_mode='real' needs real CPU weights and inputs; use tensor_mode='fake' for meta models")
 
+    has_values = not any(t.device.type == "meta" for t in [*params, *_tensors(dict(sample_batch))])
+    fallback = None
+    try:
+        layer_graph, fwd_s, bwd_s = _measure(gm, sample_batch, tensor_mode, model_name)
+    except _DATA_DEPENDENT as err:
+        where = _failing_node(err)
+        if tensor_mode == "real" or not has_values:
+            raise ModelError(
+                f"fake tensors cannot follow the data-dependent operation at {where} "
+                f"({type(err).__name__}); annotate this model with real weights and inputs "
+                "(tensor_mode='real', small configurations) or make that shape independent of tensor values"
+            ) from None
+        fallback = f"data-dependent operation at {where} ({type(err).__name__})"
+        tensor_mode = "real"
+        layer_graph, fwd_s, bwd_s = _measure(gm, sample_batch, tensor_mode, model_name)
+    report = AnnotateReport(layer_graph, tensor_mode, fwd_s, bwd_s, fallback)
+    return AnnotateResult(gm, layer_graph, report)
+
+
+_DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
+
+
+def _failing_node(err: BaseException) -> str:
+    """The FX node an Interpreter error came from ('While executing %name : ...')."""
+    for note in getattr(err, "__notes__", []) or []:
+        if note.startswith("While executing"):
+            return note.splitlines()[0].removeprefix("While executing ").split(" : ")[0]
+    return "an unknown node"
+
+
+def _measure(gm: fx.GraphModule, sample_batch: Mapping[str, Any], tensor_mode: TensorMode,
+             model_name: str | None) -> tuple[LayerGraph, float, float]:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if tensor_mode == "fake" else None
     make = _fake_factory(fake_mode) if fake_mode else _detached_parameter
     batch = {k: make(v) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()}
@@ -268,8 +304,7 @@ def annotate(
             bwd_s = time.perf_counter() - start
         layer_graph = _build_layer_graph(gm, interp, model_name=model_name, tensor_mode=tensor_mode,
                                          batch=sample_batch)
-    report = AnnotateReport(layer_graph, tensor_mode, fwd_s, bwd_s)
-    return AnnotateResult(gm, layer_graph, report)
+    return layer_graph, fwd_s, bwd_s
 
 
 def _default_of(n: fx.Node) -> Any:

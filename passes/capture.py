@@ -13,8 +13,11 @@ returns a ModelOutput is captured up to its ``loss``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -58,11 +61,16 @@ class CaptureReport:
     layers: tuple[LayerRegion, ...]
     numerics: str
     """'equal to eager (max abs diff ...)', or why the check was skipped."""
+    dropped_checks: tuple[str, ...] = ()
+    """Runtime assertions export inserted and capture removed (they held on the sample batch)."""
 
     def __str__(self) -> str:
         lines = [f"capture: {self.model} via {self.method}, {self.num_nodes} nodes, {len(self.layers)} layers"]
         lines += [f"  {f.method} failed first: {f.reason}" for f in self.fallbacks]
         lines.append(f"  numerics: {self.numerics}")
+        if self.dropped_checks:
+            lines.append(f"  dropped {len(self.dropped_checks)} runtime check(s) that held on the sample batch: "
+                         + "; ".join(self.dropped_checks))
         by_region: dict[Region, list[LayerRegion]] = {}
         for lr in self.layers:
             by_region.setdefault(lr.region, []).append(lr)
@@ -161,9 +169,29 @@ def _trace_fx(model: nn.Module, batch: dict[str, Any], blocks: set[str]) -> fx.G
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
-def _export(model: nn.Module, batch: dict[str, Any]) -> fx.GraphModule:
-    program = torch.export.export(model, (), batch, strict=False)
-    return program.module()
+_RUNTIME_ASSERTS = ("aten._assert_scalar", "aten._assert_async", "aten._functional_assert_async")
+
+
+def _export(model: nn.Module, batch: dict[str, Any]) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    """Export, then drop the data-dependent runtime assertions export inserts (each reads a
+    tensor value with .item(), which fake tensors cannot answer). They held on the sample
+    batch, and a compiled pipeline runs at the sample's shapes; the report lists them."""
+    # On failure torch.export prints the whole partial graph to stderr; the CaptureError says
+    # what matters, so keep stderr for a successful export only.
+    buffer = io.StringIO()
+    with contextlib.redirect_stderr(buffer):
+        program = torch.export.export(model, (), batch, strict=False)
+    sys.stderr.write(buffer.getvalue())
+    gm = program.module(check_guards=False)
+    dropped = []
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and str(n.target).startswith(_RUNTIME_ASSERTS):
+            dropped.append(str(n.args[1]) if len(n.args) > 1 else str(n.target))
+            gm.graph.erase_node(n)
+    if dropped:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm, tuple(dropped)
 
 
 def _describe_failure(err: BaseException) -> str:
@@ -244,11 +272,13 @@ def capture(
     strip = f"{_WRAPPED}." if root is not model else ""
     assigner = LayerAssigner(model, overrides)
 
-    order = ["export", "fx"] if method == "auto" and _is_transformers_model(model) else ["fx", "export"]
+    # Symbolic tracing fails on every transformers-5 VLM (DESIGN.md): export only, for those.
+    order = ["export"] if method == "auto" and _is_transformers_model(model) else ["fx", "export"]
     if method != "auto":
         order = [method]
     fallbacks: list[Fallback] = []
     gm = None
+    dropped: tuple[str, ...] = ()
     for attempt in order:
         try:
             if attempt == "fx":
@@ -257,7 +287,7 @@ def capture(
                     raise CaptureError("fx tracing captures plain-tensor outputs only; the model returns a ModelOutput")
                 gm = _trace_fx(model, batch, assigner.blocks)
             else:
-                gm = _export(root, batch)
+                gm, dropped = _export(root, batch)
             used: CaptureMethod = attempt  # type: ignore[assignment]
             break
         except (SampleBatchError, ModelError):
@@ -282,6 +312,7 @@ def capture(
         num_nodes=len(gm.graph.nodes),
         layers=layers,
         numerics=numerics,
+        dropped_checks=dropped,
     )
     return CaptureResult(gm, report)
 

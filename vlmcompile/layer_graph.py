@@ -134,14 +134,14 @@ class LayerGraph:
                 continue
             t = self.totals(layers)
             rows.append([
-                region.value, len(layers), f"{t['num_params'] / 1e9:.3f}", _flops(t["fwd_flops"]),
+                region.value, len(layers), format_count(t["num_params"]), _flops(t["fwd_flops"]),
                 _flops(t["bwd_flops"]), f"{100 * t['fwd_flops'] / total_fwd:.1f}",
                 _bytes(t["saved_bytes"]), _bytes(t["saved_bytes_recompute"]),
             ])
         t = self.totals()
-        rows.append(["total", len(self.layers), f"{t['num_params'] / 1e9:.3f}", _flops(t["fwd_flops"]),
+        rows.append(["total", len(self.layers), format_count(t["num_params"]), _flops(t["fwd_flops"]),
                      _flops(t["bwd_flops"]), "100.0", _bytes(t["saved_bytes"]), _bytes(t["saved_bytes_recompute"])])
-        return tabulate(rows, headers=["region", "layers", "params (B)", "fwd FLOPs", "bwd FLOPs", "fwd %",
+        return tabulate(rows, headers=["region", "layers", "params", "fwd FLOPs", "bwd FLOPs", "fwd %",
                                        "saved", "saved w/ recompute"], disable_numparse=True)
 
     def layer_table(self, max_rows: int | None = None) -> str:
@@ -152,12 +152,12 @@ class LayerGraph:
             if max_rows is not None and len(layers) > max_rows and layer is layers[-max_rows // 2]:
                 rows.append(["...", f"({len(layers) - len(shown)} more layers)", "", "", "", "", "", "", "", ""])
             rows.append([
-                layer.index, layer.name, layer.region.value, f"{layer.num_params / 1e6:.2f}",
+                layer.index, layer.name, layer.region.value, format_count(layer.num_params),
                 _flops(layer.fwd_flops), _flops(layer.bwd_flops), _bytes(layer.saved_bytes),
                 _bytes(layer.saved_bytes_recompute), _bytes(layer.boundary_fwd_bytes),
                 ", ".join(str(o) for o in layer.outputs[:2]) + (" ..." if len(layer.outputs) > 2 else ""),
             ])
-        return tabulate(rows, headers=["#", "layer", "region", "params (M)", "fwd FLOPs", "bwd FLOPs", "saved",
+        return tabulate(rows, headers=["#", "layer", "region", "params", "fwd FLOPs", "bwd FLOPs", "saved",
                                        "saved w/ rc", "cut sends", "outputs"], disable_numparse=True)
 
     def to_json(self) -> dict[str, Any]:
@@ -196,6 +196,14 @@ class LayerGraph:
     @classmethod
     def load(cls, path: str | Path) -> LayerGraph:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def format_count(n: float) -> str:
+    """47.4 K, 10.0 M, 197.2 B: parameter counts at a glance."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
 
 
 def _flops(n: float) -> str:

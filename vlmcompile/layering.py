@@ -77,6 +77,7 @@ class LayerAssigner:
         self.blocks = find_blocks(model)
         self.containers = {p for b in self.blocks for p in _prefixes(b)} | {""}
         self.overrides = dict(overrides)
+        self.generative = any(path.rsplit(".", 1)[-1] == "lm_head" for path in self.modules)
 
     def layer_of(self, path: str | None) -> str | None:
         """The layer a module path belongs to, or None for container-level code."""
@@ -104,7 +105,7 @@ class LayerAssigner:
             attr = getattr(type(self.modules.get(".".join(parts[:i]))), REGION_ATTR, None)
             if attr is not None:
                 return Region(attr), "module attribute"
-        found = region_from_keywords(layer)
+        found = region_from_keywords(layer, generative=self.generative)
         if found is not None:
             return found, "path keyword"
         return Region.OTHER, "undetected"
@@ -119,49 +120,47 @@ def assign_layers(gm: fx.GraphModule, assigner: LayerAssigner, *, strip_prefix: 
     """Tag every node with its layer and region; return the layers in pipeline order."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
-    own: dict[fx.Node, str | None] = {}
+    own: dict[fx.Node, str] = {}
+    glue: list[fx.Node] = []
     for n in nodes:
         if n.op in ("placeholder", "output"):
             continue
-        if n.op == "get_attr":
-            own[n] = None
-        elif n.op == "call_module":
-            own[n] = assigner.layer_of(str(n.target)) or assigner.layer_of(module_path(n, strip_prefix))
+        layer = None
+        if n.op == "call_module":
+            layer = assigner.layer_of(str(n.target)) or assigner.layer_of(module_path(n, strip_prefix))
+        elif n.op != "get_attr":
+            layer = assigner.layer_of(module_path(n, strip_prefix))
+        if layer is None:
+            glue.append(n)
         else:
-            own[n] = assigner.layer_of(module_path(n, strip_prefix))
+            own[n] = layer
+    if not own:
+        raise RegionError(
+            "no node of the captured graph belongs to a module of the model, so no layers can be "
+            "formed; wrap the computation in nn.Module children"
+        )
 
-    # Glue joins its first user with a layer (users come later, so walk backwards) ...
-    for n in reversed(nodes):
-        if n in own and own[n] is None:
-            users = sorted((u for u in n.users if own.get(u)), key=position.__getitem__)
-            own[n] = own[users[0]] if users else None
-    # ... or else its last producer with a layer.
-    for n in nodes:
-        if n in own and own[n] is None:
-            producers = sorted((p for p in n.all_input_nodes if own.get(p)), key=position.__getitem__)
-            own[n] = own[producers[-1]] if producers else None
-    orphans = [n.name for n in nodes if n in own and own[n] is None]
-    if orphans:
-        first_layer = next((v for v in own.values() if v), None)
-        if first_layer is None:
-            raise RegionError(
-                "no node of the captured graph belongs to a module of the model, so no layers can be "
-                "formed; wrap the computation in nn.Module children"
-            )
-        for n in nodes:
-            if n in own and own[n] is None:
-                own[n] = first_layer
+    # Glue is transparent: which owned layers does each glue node feed, and which feed it?
+    glue_set = set(glue)
+    consumers: dict[fx.Node, set[str]] = {}
+    for n in reversed(glue):
+        consumers[n] = set().union(*([{own[u]} if u in own else consumers.get(u, set()) for u in n.users] or [set()]))
+    # producers: the owned layers whose values reach a glue node through glue alone.
+    producers: dict[fx.Node, set[str]] = {}
+    for n in glue:
+        producers[n] = set().union(*([{own[p]} if p in own else producers.get(p, set()) for p in n.all_input_nodes] or [set()]))
 
     first_seen: dict[str, int] = {}
     for n in nodes:
-        if own.get(n):
+        if n in own:
             first_seen.setdefault(own[n], position[n])
     flow = nx.DiGraph()
     flow.add_nodes_from(first_seen)
-    for n in nodes:
+    for n, layer in own.items():
         for p in n.all_input_nodes:
-            if own.get(p) and own.get(n) and own[p] != own[n]:
-                flow.add_edge(own[p], own[n])
+            for src in ({own[p]} if p in own else producers.get(p, set()) if p in glue_set else set()):
+                if src != layer:
+                    flow.add_edge(src, layer)
     try:
         order = list(nx.lexicographical_topological_sort(flow, key=first_seen.__getitem__))
     except nx.NetworkXUnfeasible:
@@ -170,12 +169,26 @@ def assign_layers(gm: fx.GraphModule, assigner: LayerAssigner, *, strip_prefix: 
             f"layers exchange values in a cycle {cycle}; the graph cannot be cut into a pipeline "
             "along these layers. Give region_overrides or restructure the modules involved."
         ) from None
+    rank = {layer: i for i, layer in enumerate(order)}
+
+    # A glue node joins the earliest layer that reads it. One no layer reads (the loss after
+    # the head, shape checks) joins the latest layer among its inputs', taken in graph order
+    # once the others are placed. Either way every value flows forward in the layer order.
+    for n in glue:
+        if consumers[n]:
+            own[n] = min(consumers[n], key=rank.__getitem__)
+    for n in glue:
+        if not consumers[n]:
+            inputs = [own[p] for p in n.all_input_nodes if p in own]
+            own[n] = max(inputs, key=rank.__getitem__) if inputs else order[0]
 
     regions = {layer: assigner.region_of(layer)[0] for layer in order}
     for n in nodes:
         layer = own.get(n)
         n.meta[LAYER_META] = layer
         n.meta[REGION_META] = regions[layer] if layer else None
+        for p in n.all_input_nodes:
+            assert p not in own or layer is None or rank[own[p]] <= rank[layer], (p, n)
     return order
 
 

@@ -53,12 +53,16 @@ _KEYWORD_REGIONS: tuple[tuple[re.Pattern[str], Region], ...] = tuple(
 )
 
 
-def region_from_keywords(path: str) -> Region | None:
-    """The region a module path names by keyword, innermost component first, or None."""
+def region_from_keywords(path: str, *, generative: bool = False) -> Region | None:
+    """The region a module path names by keyword, innermost component first, or None.
+
+    In a generative model (one with an ``lm_head``) a ``text_model`` is the LLM (Idefics3);
+    otherwise it is the text tower of a contrastive pair (CLIP).
+    """
     for component in reversed(path.split(".")):
         for pattern, region in _KEYWORD_REGIONS:
             if pattern.match(component):
-                return region
+                return Region.LLM if generative and region is Region.TEXT else region
     return None
 
 
