@@ -247,11 +247,11 @@ def compose(
 
 DEMO = VLMConfig(
     name="demo",
-    encoders=(_vit("demo-vit", 192, 6, 768, 3, head_dim=64, image_px=112, patch=14),),
+    encoders=(_vit("demo-vit", 256, 4, 1024, 4, head_dim=64, image_px=224, patch=14),),
     projectors=(ProjectorConfig(pixel_shuffle=2),),
-    llm=LLMConfig(name="demo-llm", width=256, depth=8, heads=4, kv_heads=2, head_dim=64, mlp=704, vocab=2048),
+    llm=LLMConfig(name="demo-llm", width=384, depth=8, heads=6, kv_heads=2, head_dim=64, mlp=1024, vocab=2048),
     images_per_sample=4,
-    llm_tokens=128,
+    llm_tokens=384,
 )
 """Small enough to train a step on a laptop CPU in about a second, with the forward-FLOP
 share per region of InternVL-Chat-1.5 (see :mod:`vlmcompile.models` for the figures)."""

@@ -41,7 +41,9 @@ class ViTEncoder(nn.Module):
         self.norm = nn.LayerNorm(cfg.width)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.embed(images)
+        """images (..., channels, px, px); leading dims (batch, images per sample) are merged here,
+        inside the encoder, so two encoders reading the same images stay independent branches."""
+        x = self.embed(images.flatten(0, -4))
         for block in self.blocks:
             x = block(x)
         return self.norm(x)

@@ -27,10 +27,9 @@ class VLM(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """pixel_values (batch, images, channels, px, px); input_ids and labels (batch, text tokens)."""
-        images = pixel_values.flatten(0, 1)
         parts = []
         for encoder, projector in zip(self.encoders, self.projectors):
-            tokens = projector(encoder(images))
+            tokens = projector(encoder(pixel_values))
             parts.append(tokens.reshape(input_ids.shape[0], -1, tokens.shape[-1]))
         parts.append(self.llm.embed(input_ids))
         return self.head(self.llm(torch.cat(parts, dim=1)), labels)
