@@ -32,11 +32,12 @@ def _sdpa_shapes_bwd(grad_out_shape, query_shape, key_shape, value_shape, *args,
 
 def cpu_sdpa_flop_mapping() -> dict:
     """``FlopCounterMode(custom_mapping=...)`` entries (functions of shapes) for the CPU flash-attention kernels, which
-    torch's FLOP registry does not cover (so SDPA on CPU would count as 0 FLOPs)."""
+    torch's FLOP registry does not cover (so SDPA on CPU would count as 0 FLOPs). Keyed by
+    op packet, as FlopCounterMode looks ops up by packet, not by overload."""
     aten = torch.ops.aten
     return {
-        aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_shapes_fwd,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_shapes_bwd,
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_shapes_fwd,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_shapes_bwd,
     }
 
 

@@ -257,30 +257,27 @@ def annotate(
     fallback = None
     try:
         layer_graph, fwd_s, bwd_s = _measure(gm, sample_batch, tensor_mode, model_name)
-    except _DATA_DEPENDENT as err:
-        where = _failing_node(err)
+    except _DataDependentNode as err:
+        where = f"node {err.node.name} ({err.node.target}, layer {err.node.meta.get(LAYER_META)})"
         if tensor_mode == "real" or not has_values:
             raise ModelError(
-                f"fake tensors cannot follow the data-dependent operation at {where} "
-                f"({type(err).__name__}); annotate this model with real weights and inputs "
+                f"fake tensors cannot follow the data-dependent operation at {where}: "
+                f"{type(err.cause).__name__}; annotate this model with real weights and inputs "
                 "(tensor_mode='real', small configurations) or make that shape independent of tensor values"
             ) from None
-        fallback = f"data-dependent operation at {where} ({type(err).__name__})"
+        fallback = f"data-dependent operation at {where}: {type(err.cause).__name__}"
         tensor_mode = "real"
         layer_graph, fwd_s, bwd_s = _measure(gm, sample_batch, tensor_mode, model_name)
     report = AnnotateReport(layer_graph, tensor_mode, fwd_s, bwd_s, fallback)
     return AnnotateResult(gm, layer_graph, report)
 
 
-_DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
+class _DataDependentNode(Exception):
+    """A node whose output shape or value depends on tensor data, which fake tensors lack."""
 
-
-def _failing_node(err: BaseException) -> str:
-    """The FX node an Interpreter error came from ('While executing %name : ...')."""
-    for note in getattr(err, "__notes__", []) or []:
-        if note.startswith("While executing"):
-            return note.splitlines()[0].removeprefix("While executing ").split(" : ")[0]
-    return "an unknown node"
+    def __init__(self, node: fx.Node, cause: BaseException):
+        super().__init__(f"{node.name}: {cause}")
+        self.node, self.cause = node, cause
 
 
 def _measure(gm: fx.GraphModule, sample_batch: Mapping[str, Any], tensor_mode: TensorMode,
@@ -297,7 +294,10 @@ def _measure(gm: fx.GraphModule, sample_batch: Mapping[str, Any], tensor_mode: T
         interp = _Annotator(gm, flops, param_storages)
         with flops:
             start = time.perf_counter()
-            interp.run(*args)
+            try:
+                interp.run(*args)
+            except (DynamicOutputShapeException, DataDependentOutputException) as err:
+                raise _DataDependentNode(interp.current, err) from err
             fwd_s = time.perf_counter() - start
             start = time.perf_counter()
             interp.run_backward(gm)

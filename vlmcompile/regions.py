@@ -14,6 +14,7 @@ Assignment order, first match wins:
 
 from __future__ import annotations
 
+import difflib
 import enum
 import re
 from collections.abc import Mapping, Sequence
@@ -85,7 +86,7 @@ def check_override_paths(overrides: Mapping[str, Region], module_paths: Sequence
     known = set(module_paths)
     for prefix in overrides:
         if prefix not in known:
-            close = sorted(p for p in known if p and (p.startswith(prefix) or prefix.startswith(p)))[:5]
+            close = difflib.get_close_matches(prefix, sorted(p for p in known if p), n=5)
             top = sorted({p.split(".")[0] for p in known if p})
             hint = f"close matches: {close}" if close else f"top-level modules: {top}"
             raise RegionError(

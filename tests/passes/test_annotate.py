@@ -1,0 +1,165 @@
+"""Annotate: FLOPs against the cited formulas, saved bytes on fake == real, boundaries, fallbacks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from tests.models import ALL, build, needs_transformers
+from vlmcompile import ModelError, models
+from vlmcompile.cost_models.flops import (
+    attention_fwd_flops,
+    cpu_sdpa_flop_mapping,
+    decoder_block_fwd_flops,
+    vit_block_fwd_flops,
+)
+from vlmcompile.meta_keys import NODE_COST_META
+from vlmcompile.models.configs import LLMConfig, ViTConfig
+from vlmcompile.passes.annotate import annotate
+from vlmcompile.passes.capture import capture
+
+
+def _annotate(model, batch, overrides=None, **kw):
+    return annotate(capture(model, batch, region_overrides=overrides).gm, batch, **kw)
+
+
+@pytest.mark.parametrize(
+    ("width", "heads", "head_dim", "mlp", "image_px", "patch", "batch"),
+    [(32, 2, 16, 64, 16, 4, 2), (48, 3, 16, 192, 24, 4, 3), (64, 4, 32, 96, 28, 7, 1)],
+)
+def test_vit_block_forward_flops_match_the_formula(width, heads, head_dim, mlp, image_px, patch, batch):
+    cfg = ViTConfig(name="t", width=width, depth=2, mlp=mlp, heads=heads, head_dim=head_dim, image_px=image_px,
+                    patch=patch)
+    model = models.build(cfg)
+    images = torch.randn(batch, 3, image_px, image_px)
+    graph = _annotate(model, {"images": images}, {"": "vision"}).layer_graph
+    expected = vit_block_fwd_flops(batch=batch, tokens=cfg.tokens_per_image, width=width, heads=heads,
+                                   head_dim=head_dim, mlp=mlp)
+    for block in ("blocks.0", "blocks.1"):
+        assert graph[block].fwd_flops == pytest.approx(expected, rel=0.01)
+        assert graph[block].bwd_flops == 2 * graph[block].fwd_flops
+
+
+@pytest.mark.parametrize(
+    ("width", "heads", "kv_heads", "head_dim", "mlp", "gated", "tokens", "batch"),
+    [(32, 4, 2, 8, 64, True, 12, 2), (64, 8, 2, 8, 160, True, 20, 1), (48, 6, 6, 8, 96, False, 16, 3),
+     (64, 4, 1, 16, 128, True, 9, 2)],
+)
+def test_gqa_decoder_block_forward_flops_match_the_formula(width, heads, kv_heads, head_dim, mlp, gated, tokens, batch):
+    cfg = LLMConfig(name="t", width=width, depth=2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, mlp=mlp,
+                    vocab=32, gated_mlp=gated)
+    model = models.build(cfg)
+    hidden = torch.randn(batch, tokens, width, requires_grad=True)
+    graph = _annotate(model, {"hidden": hidden}, {"": "llm"}).layer_graph
+    expected = decoder_block_fwd_flops(batch=batch, tokens=tokens, width=width, heads=heads, kv_heads=kv_heads,
+                                       head_dim=head_dim, mlp=mlp, gated_mlp=gated)
+    for block in ("blocks.0", "blocks.1"):
+        assert graph[block].fwd_flops == pytest.approx(expected, rel=0.01)
+        # Every counted op is a matrix product (linear or attention): backward = 2 x forward.
+        assert graph[block].bwd_flops == 2 * graph[block].fwd_flops
+
+
+def test_cpu_sdpa_kernel_is_counted_although_torch_registry_misses_it():
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False) as plain:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert plain.get_total_flops() == 0  # torch has no formula for the CPU flash kernel
+    with FlopCounterMode(display=False, custom_mapping=cpu_sdpa_flop_mapping()) as ours:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        fwd = ours.get_total_flops()
+        out.sum().backward()
+    assert fwd == attention_fwd_flops(2, 4, 16, 16, 8, 8)
+    assert ours.get_total_flops() == 3 * fwd
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_saved_bytes_on_fake_tensors_equal_real_cpu_tensors(name):
+    model, batch = build(name)
+    gm = capture(model, batch).gm
+    fake = annotate(gm, batch).layer_graph
+    real = annotate(gm, batch, tensor_mode="real").layer_graph
+    assert [l.name for l in fake.layers] == [l.name for l in real.layers]
+    for f, r in zip(fake.layers, real.layers):
+        assert f.saved_bytes == pytest.approx(r.saved_bytes, rel=0.01), f.name
+        assert f.saved_bytes_recompute == pytest.approx(r.saved_bytes_recompute, rel=0.01), f.name
+        assert (f.fwd_flops, f.bwd_flops) == (r.fwd_flops, r.bwd_flops), f.name
+    assert fake.totals()["saved_bytes"] > 0
+
+
+def test_recompute_keeps_less_than_it_saves_and_params_are_counted_once():
+    model, batch = build("tiny-tied")
+    graph = _annotate(model, batch).layer_graph
+    for layer in graph.layers:
+        if ".blocks." in layer.name:
+            assert 0 < layer.saved_bytes_recompute < layer.saved_bytes
+    assert graph.totals()["num_params"] == sum(p.numel() for p in model.parameters())
+    assert graph["head"].num_params == 0  # the tied weight belongs to llm.embed, which reads it first
+
+
+def test_boundary_bytes_are_the_hidden_state_and_its_gradient():
+    model, batch = build("tiny", batch_size=3)
+    graph = _annotate(model, batch).layer_graph
+    cfg = models.config("tiny")
+    hidden = 3 * cfg.llm_tokens * cfg.llm.width * 4
+    assert graph["llm.blocks.0"].boundary_fwd_bytes == hidden
+    assert graph["llm.blocks.0"].boundary_bwd_bytes == hidden
+    assert graph.layers[-1].boundary_fwd_bytes == 0
+    # A cut between the embedding and the first block carries the image tokens and the text embeddings.
+    assert graph["llm.embed"].boundary_fwd_bytes == hidden
+
+
+def test_two_encoder_branches_meet_only_at_the_llm():
+    model, batch = build("tiny-two-encoder")
+    graph = _annotate(model, batch).layer_graph.graph
+    enc0 = {n for n in graph if n.startswith("encoders.0") or n == "projectors.0"}
+    enc1 = {n for n in graph if n.startswith("encoders.1") or n == "projectors.1"}
+    assert not any((a in enc0 and b in enc1) or (a in enc1 and b in enc0) for a, b in graph.edges)
+    assert graph.has_edge("projectors.0", "llm.blocks.0") and graph.has_edge("projectors.1", "llm.blocks.0")
+
+
+def test_node_costs_sum_to_layer_costs_and_user_parameters_get_no_gradient():
+    model, batch = build("tiny")
+    result = _annotate(model, batch)
+    nodes = [n for n in result.gm.graph.nodes if NODE_COST_META in n.meta]
+    assert sum(n.meta[NODE_COST_META].fwd_flops for n in nodes) == result.layer_graph.totals()["fwd_flops"]
+    assert sum(n.meta[NODE_COST_META].bwd_flops for n in nodes) == result.layer_graph.totals()["bwd_flops"]
+    assert all(p.grad is None for p in model.parameters())
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision = nn.Linear(4, 4)
+        self.llm = nn.Linear(4, 1)
+
+    def forward(self, x):
+        kept = x[x.sum(-1) > 0]  # data-dependent output shape
+        return self.llm(self.vision(kept)).mean()
+
+
+def test_data_dependent_shapes_fall_back_to_real_tensors_or_say_why_not():
+    x = torch.randn(6, 4)
+    x[0] = 1.0
+    result = _annotate(_Masked(), {"x": x}, {"vision": "vision", "llm": "llm"})
+    assert result.report.tensor_mode == "real"
+    assert "data-dependent operation at node getitem" in result.report.fallback
+    with torch.device("meta"):
+        meta_model = _Masked()
+    with pytest.raises(ModelError, match="fake tensors cannot follow the data-dependent operation at"):
+        _annotate(meta_model, {"x": torch.empty(6, 4, device="meta")}, {"vision": "vision", "llm": "llm"})
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_idefics3_is_annotated_through_the_real_tensor_fallback():
+    model, batch = build("hf-idefics3")
+    report = _annotate(model, batch).report
+    assert report.tensor_mode == "real"
+    assert "DynamicOutputShapeException" in report.fallback and "model.vision_model" in report.fallback
+
+
+def test_annotate_rejects_a_graph_that_was_not_captured():
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="capture pass"):
+        annotate(gm, {"input": torch.randn(1, 2)})

@@ -1,0 +1,168 @@
+"""Capture: graph equals eager, every node tagged, regions detected, bad input named."""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.models import ALL, ZOO, build, needs_transformers
+from vlmcompile import CaptureError, ModelError, Region, RegionError, SampleBatchError
+from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META, REGION_META
+from vlmcompile.passes.capture import capture, layer_nodes
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_captured_graph_equals_eager_and_tags_every_node(name):
+    model, batch = build(name)
+    result = capture(model, batch)
+    torch.manual_seed(0)
+    expected = model(**batch)
+    expected = expected if isinstance(expected, torch.Tensor) else expected.loss
+    torch.manual_seed(0)
+    torch.testing.assert_close(result.gm(**batch), expected)
+    assert result.report.numerics.startswith("equal to eager")
+    for node in result.gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        assert node.meta[LAYER_META] in result.gm.meta[LAYER_ORDER_META], node
+        assert isinstance(node.meta[REGION_META], Region), node
+    regions = {lr.region for lr in result.report.layers}
+    assert Region.VISION in regions and regions & {Region.LLM, Region.TEXT} and Region.HEAD in regions
+    assert Region.OTHER not in regions
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("tiny", {"vision": 4, "projector": 1, "llm": 4, "head": 1}),
+        ("tiny-two-encoder", {"vision": 8, "projector": 2, "llm": 4, "head": 1}),
+        ("tiny-contrastive", {"vision": 4, "text": 4, "head": 1}),
+    ],
+)
+def test_zoo_layers_per_region(name, expected):
+    model, batch = build(name)
+    result = capture(model, batch)
+    counts: dict[str, int] = {}
+    for lr in result.report.layers:
+        counts[lr.region.value] = counts.get(lr.region.value, 0) + 1
+    assert counts == expected
+    assert result.report.method == "fx"
+
+
+def test_zoo_blocks_are_single_leaf_nodes_and_export_path_agrees():
+    model, batch = build("tiny")
+    fx_result = capture(model, batch)
+    assert [n.op for n in layer_nodes(fx_result.gm)["llm.blocks.1"]] == ["call_module"]
+    export_result = capture(model, batch, method="export")
+    assert export_result.report.method == "export"
+    assert [lr.layer for lr in export_result.report.layers] == [lr.layer for lr in fx_result.report.layers]
+    torch.testing.assert_close(export_result.gm(**batch), fx_result.gm(**batch))
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_transformers_llava_layers_and_regions():
+    model, batch = build("hf-llava")
+    report = capture(model, batch).report
+    assert report.method == "export"
+    by_layer = {lr.layer: lr.region for lr in report.layers}
+    assert by_layer["model.vision_tower.encoder.layers.0"] is Region.VISION
+    assert by_layer["model.multi_modal_projector"] is Region.PROJECTOR
+    assert by_layer["model.language_model.layers.1"] is Region.LLM
+    assert by_layer["lm_head"] is Region.HEAD
+    assert report.dropped_checks  # export's runtime asserts are listed, not silently removed
+
+
+def test_region_override_takes_precedence_and_is_reported():
+    model, batch = build("tiny")
+    report = capture(model, batch, region_overrides={"projectors.0": "vision"}).report
+    projector = next(lr for lr in report.layers if lr.layer == "projectors.0")
+    assert projector.region is Region.VISION and projector.source == "override"
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision = nn.Linear(4, 4)
+        self.llm = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.vision(x)
+        if h.sum() > 0:  # data-dependent control flow
+            h = h * 2
+        return self.llm(h).mean()
+
+
+def test_data_dependent_control_flow_names_the_operation_and_the_workaround():
+    with pytest.raises(CaptureError) as err:
+        capture(_Branchy(), {"x": torch.randn(2, 4)})
+    message = str(err.value)
+    assert "if h.sum() > 0" in message or "data-dependent" in message
+    assert "fx:" in message and "export:" in message
+    assert "Workarounds" in message and "torch.cond" in message
+
+
+def test_sample_batch_keys_that_forward_does_not_take_are_named():
+    model, batch = build("tiny")
+    with pytest.raises(SampleBatchError, match=r"\['images'\].*arguments are \['input_ids', 'labels', 'pixel_values'\]"):
+        capture(model, {"images": batch["pixel_values"], "input_ids": batch["input_ids"], "labels": batch["labels"]})
+    with pytest.raises(SampleBatchError, match=r"lacks \['labels'\]"):
+        capture(model, {"pixel_values": batch["pixel_values"], "input_ids": batch["input_ids"]})
+    with pytest.raises(SampleBatchError, match="give a dict"):
+        capture(model, [batch["pixel_values"]])
+
+
+class _Anonymous(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).mean()
+
+
+def test_undetectable_regions_ask_for_an_override_with_an_example():
+    with pytest.raises(RegionError, match=r"could not detect the regions.*region_overrides=\{'a': .*'b': "):
+        capture(_Anonymous(), {"x": torch.randn(2, 4)})
+    report = capture(_Anonymous(), {"x": torch.randn(2, 4)}, region_overrides={"a": "vision", "b": "llm"}).report
+    assert [lr.region for lr in report.layers] == [Region.VISION, Region.LLM]
+
+
+class _NoParams(nn.Module):
+    def forward(self, x):
+        return x.sum()
+
+
+def test_a_model_without_parameters_is_rejected():
+    with pytest.raises(ModelError, match="no parameters"):
+        capture(_NoParams(), {"x": torch.randn(2)})
+
+
+def test_an_override_naming_a_missing_module_is_rejected():
+    model, batch = build("tiny")
+    with pytest.raises(RegionError, match=r"'encoder\.0'.*does not have.*close matches"):
+        capture(model, batch, region_overrides={"encoder.0": "vision"})
+    with pytest.raises(RegionError, match="unknown region"):
+        capture(model, batch, region_overrides={"llm": "language"})
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_qwen2_vl_error_names_the_data_dependent_operation():
+    from vlmcompile.models import hf_tiny
+
+    model, batch = hf_tiny.build("hf-qwen2-vl")
+    with pytest.raises(CaptureError) as err:
+        capture(model, batch)
+    message = str(err.value)
+    assert "modeling_qwen2_vl.py" in message and "torch.split" in message and "lengths.tolist()" in message
+    assert "Workarounds" in message
+
+
+def test_capture_does_not_need_real_weights():
+    from vlmcompile import models
+
+    model = models.build("tiny", device="meta")
+    result = capture(model, models.sample_batch("tiny", device="meta"))
+    assert "not checked" in result.report.numerics
+    assert len(result.report.layers) == 10
