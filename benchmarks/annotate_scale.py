@@ -30,7 +30,9 @@ def _peak_rss_gib() -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="ViT-22B+GPT-175B")
     parser.add_argument("--batch-size", type=int, default=2, help="Optimus's microbatch size (default 2)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -42,14 +44,19 @@ def main() -> int:
     for i in range(args.repeats):
         start = time.perf_counter()
         model = models.build(args.model, device="meta", dtype=torch.bfloat16)
-        batch = models.sample_batch(args.model, batch_size=args.batch_size, device="meta", dtype=torch.bfloat16)
+        batch = models.sample_batch(
+            args.model, batch_size=args.batch_size, device="meta", dtype=torch.bfloat16
+        )
         built = time.perf_counter()
         pipe = vlmcompile.compile(model, batch, model_name=args.model, log=None)
         done = time.perf_counter()
         passes = {t.name: t.time_s for t in pipe.report.run.timings}
         runs.append({"build_s": built - start, "compile_s": done - built, "total_s": done - start, **passes})
-        print(f"run {i + 1}/{args.repeats}: build {built - start:.2f} s, capture {passes['capture']:.2f} s, "
-              f"annotate {passes['annotate']:.2f} s, total {done - start:.2f} s", file=sys.stderr)
+        print(
+            f"run {i + 1}/{args.repeats}: build {built - start:.2f} s, capture {passes['capture']:.2f} s, "
+            f"annotate {passes['annotate']:.2f} s, total {done - start:.2f} s",
+            file=sys.stderr,
+        )
         del model, batch
     totals = pipe.layer_graph.totals()
     result = {
@@ -64,15 +71,20 @@ def main() -> int:
         "rss_after_import_gib": rss_after_import,
         "runs": runs,
         "targets": {"total_s": 30, "peak_rss_gib": 2},
-        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__},
+        "machine": {
+            "cpus": __import__("os").cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"{args.model}: {totals['num_params'] / 1e9:.1f} B parameters, {len(pipe.layer_graph)} layers; "
-          f"median wall time {result['median_total_s']:.2f} s (annotate {result['median_annotate_s']:.2f} s) "
-          f"over {args.repeats} runs; peak RSS {result['peak_rss_gib']:.2f} GiB "
-          f"(after imports {rss_after_import:.2f} GiB); written to {args.out}")
+    print(
+        f"{args.model}: {totals['num_params'] / 1e9:.1f} B parameters, {len(pipe.layer_graph)} layers; "
+        f"median wall time {result['median_total_s']:.2f} s (annotate {result['median_annotate_s']:.2f} s) "
+        f"over {args.repeats} runs; peak RSS {result['peak_rss_gib']:.2f} GiB "
+        f"(after imports {rss_after_import:.2f} GiB); written to {args.out}"
+    )
     ok = result["median_total_s"] <= 30 and result["peak_rss_gib"] <= 2
     print("targets (<= 30 s, <= 2 GiB): " + ("met" if ok else "MISSED"))
     return 0 if ok else 1

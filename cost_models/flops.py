@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 
 
-def attention_fwd_flops(batch: int, q_heads: int, q_tokens: int, kv_tokens: int, qk_dim: int, v_dim: int) -> int:
+def attention_fwd_flops(
+    batch: int, q_heads: int, q_tokens: int, kv_tokens: int, qk_dim: int, v_dim: int
+) -> int:
     """Scores Q K^T and the weighted sum P V: 2 b h s_q s_k (d_qk + d_v). Key/value heads
     shared by several query heads (GQA) are broadcast, so FLOPs follow the query heads."""
     return 2 * batch * q_heads * q_tokens * kv_tokens * (qk_dim + v_dim)
@@ -26,7 +28,9 @@ def _sdpa_shapes_fwd(query_shape, key_shape, value_shape, *args, out_shape=None,
     return attention_fwd_flops(b, h, s_q, s_k, d_qk, d_v)
 
 
-def _sdpa_shapes_bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+def _sdpa_shapes_bwd(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
     return 2 * _sdpa_shapes_fwd(query_shape, key_shape, value_shape)
 
 
@@ -52,7 +56,15 @@ def vit_block_fwd_flops(*, batch: int, tokens: int, width: int, heads: int, head
 
 
 def decoder_block_fwd_flops(
-    *, batch: int, tokens: int, width: int, heads: int, kv_heads: int, head_dim: int, mlp: int, gated_mlp: bool = True
+    *,
+    batch: int,
+    tokens: int,
+    width: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    mlp: int,
+    gated_mlp: bool = True,
 ) -> int:
     """One decoder block with grouped-query attention (k and v projections of kv_heads x
     head_dim, Ainslie et al. 2023) and a gated MLP of 3 matrices (Shazeer 2020) or 2 without

@@ -38,11 +38,15 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
-
 from vlmcompile.cost_models.flops import cpu_sdpa_flop_mapping
+
 from vlmcompile.errors import ModelError
 from vlmcompile.layer_graph import Layer, LayerGraph, NodeCost, TensorSpec, format_count
 from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META, NODE_COST_META, REGION_META
@@ -68,8 +72,17 @@ class AnnotateReport:
             f"{format_count(t['num_params'])} parameters"
         )
         lines = [head] + ([f"  fell back to real tensors: {self.fallback}"] if self.fallback else [])
-        return "\n".join([*lines, "", "per region:", self.layer_graph.region_table(), "",
-                          "per layer:", self.layer_graph.layer_table(max_rows=40)])
+        return "\n".join(
+            [
+                *lines,
+                "",
+                "per region:",
+                self.layer_graph.region_table(),
+                "",
+                "per layer:",
+                self.layer_graph.layer_table(max_rows=40),
+            ]
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +160,7 @@ class _Annotator(fx.Interpreter):
             return value
         key = (arg, layer)
         if key not in self.leaves:
+
             def leaf(t: Any) -> Any:
                 if not isinstance(t, torch.Tensor):
                     return t
@@ -156,6 +170,7 @@ class _Annotator(fx.Interpreter):
                 if arg.op != "placeholder" and t.requires_grad:
                     return t.detach().requires_grad_(True)
                 return t.detach()
+
             self.leaves[key] = tree_map(leaf, value)
         return self.leaves[key]
 
@@ -199,7 +214,9 @@ class _Annotator(fx.Interpreter):
                 continue
             if any(u.op == "output" or u.meta.get(LAYER_META) != layer for u in n.users):
                 outputs += [t for t in _tensors(self.env[n]) if t.requires_grad and t.grad_fn is not None]
-        inputs = [t for v in self.leaves.values() for t in _tensors(v) if t.requires_grad and t.grad_fn is None]
+        inputs = [
+            t for v in self.leaves.values() for t in _tensors(v) if t.requires_grad and t.grad_fn is None
+        ]
         inputs += [p for p in gm.parameters() if p.requires_grad]
         unique_out = list({id(t): t for t in outputs}.values())
         unique_in = list({id(t): t for t in inputs}.values())
@@ -225,6 +242,7 @@ def _fake_factory(mode: FakeTensorMode):
         if isinstance(t, nn.Parameter):
             return nn.Parameter(fake, requires_grad=t.requires_grad)
         return fake
+
     return make
 
 
@@ -250,8 +268,12 @@ def annotate(
     params = list(gm.parameters())
     if not params:
         raise ModelError("the captured graph has no parameters; nothing to annotate")
-    if tensor_mode == "real" and any(t.device.type == "meta" for t in [*params, *_tensors(dict(sample_batch))]):
-        raise ValueError("tensor_mode='real' needs real CPU weights and inputs; use tensor_mode='fake' for meta models")
+    if tensor_mode == "real" and any(
+        t.device.type == "meta" for t in [*params, *_tensors(dict(sample_batch))]
+    ):
+        raise ValueError(
+            "tensor_mode='real' needs real CPU weights and inputs; use tensor_mode='fake' for meta models"
+        )
 
     has_values = not any(t.device.type == "meta" for t in [*params, *_tensors(dict(sample_batch))])
     fallback = None
@@ -280,15 +302,16 @@ class _DataDependentNode(Exception):
         self.node, self.cause = node, cause
 
 
-def _measure(gm: fx.GraphModule, sample_batch: Mapping[str, Any], tensor_mode: TensorMode,
-             model_name: str | None) -> tuple[LayerGraph, float, float]:
+def _measure(
+    gm: fx.GraphModule, sample_batch: Mapping[str, Any], tensor_mode: TensorMode, model_name: str | None
+) -> tuple[LayerGraph, float, float]:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if tensor_mode == "fake" else None
     make = _fake_factory(fake_mode) if fake_mode else _detached_parameter
     batch = {k: make(v) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     args = [batch[n.target] if n.target in batch else _default_of(n) for n in placeholders]
 
-    with _swapped_tensors(gm, make), (fake_mode or contextlib.nullcontext()):
+    with _swapped_tensors(gm, make), fake_mode or contextlib.nullcontext():
         flops = FlopCounterMode(display=False, custom_mapping=cpu_sdpa_flop_mapping())
         param_storages = {st[0] for p in gm.parameters() if (st := _storage(p))}
         interp = _Annotator(gm, flops, param_storages)
@@ -302,8 +325,9 @@ def _measure(gm: fx.GraphModule, sample_batch: Mapping[str, Any], tensor_mode: T
             start = time.perf_counter()
             interp.run_backward(gm)
             bwd_s = time.perf_counter() - start
-        layer_graph = _build_layer_graph(gm, interp, model_name=model_name, tensor_mode=tensor_mode,
-                                         batch=sample_batch)
+        layer_graph = _build_layer_graph(
+            gm, interp, model_name=model_name, tensor_mode=tensor_mode, batch=sample_batch
+        )
     return layer_graph, fwd_s, bwd_s
 
 
@@ -313,29 +337,29 @@ def _default_of(n: fx.Node) -> Any:
     raise ValueError(f"sample_batch has no value for graph input {n.target!r}")
 
 
-def _build_layer_graph(gm: fx.GraphModule, interp: _Annotator, *, model_name: str | None,
-                       tensor_mode: TensorMode, batch: Mapping[str, Any]) -> LayerGraph:
+def _build_layer_graph(
+    gm: fx.GraphModule,
+    interp: _Annotator,
+    *,
+    model_name: str | None,
+    tensor_mode: TensorMode,
+    batch: Mapping[str, Any],
+) -> LayerGraph:
     order: list[str] = gm.meta[LAYER_ORDER_META]
     position = {layer: i for i, layer in enumerate(order)}
     nodes = [n for n in gm.graph.nodes if n.meta.get(LAYER_META)]
 
+    # Parameters: each counted once, in the first layer (pipeline order) that reads it.
+    owner: dict[int, tuple[int, nn.Parameter]] = {}
     for n in nodes:
+        found = _params_read(gm, n)
         n.meta[NODE_COST_META] = NodeCost(
             outputs=tuple(_spec(t) for t in _tensors(interp.env.get(n))),
             fwd_flops=interp.fwd_flops.get(n, 0),
             bwd_flops=interp.bwd_flops.get(n, 0),
             saved_bytes=interp.saved.get(n, 0),
+            param_bytes=sum(p.numel() * p.element_size() for p in found),
         )
-
-    # Parameters: each counted once, in the first layer (pipeline order) that reads it.
-    owner: dict[int, tuple[int, nn.Parameter]] = {}
-    for n in nodes:
-        if n.op == "get_attr":
-            found = [_param_or_none(gm, str(n.target))]
-        elif n.op == "call_module":
-            found = list(gm.get_submodule(str(n.target)).parameters())
-        else:
-            continue
         for p in found:
             if p is not None and (id(p) not in owner or position[n.meta[LAYER_META]] < owner[id(p)][0]):
                 owner[id(p)] = (position[n.meta[LAYER_META]], p)
@@ -380,22 +404,29 @@ def _build_layer_graph(gm: fx.GraphModule, interp: _Annotator, *, model_name: st
         running_fwd += diff_fwd[i]
         running_bwd += diff_bwd[i]
         members = per_layer[name]
-        layers.append(Layer(
-            index=i,
-            name=name,
-            region=members[0].meta[REGION_META],
-            num_nodes=len(members),
-            num_params=num_params[i],
-            param_bytes=param_bytes[i],
-            fwd_flops=sum(n.meta[NODE_COST_META].fwd_flops for n in members),
-            bwd_flops=sum(n.meta[NODE_COST_META].bwd_flops for n in members),
-            saved_bytes=sum(n.meta[NODE_COST_META].saved_bytes for n in members),
-            saved_bytes_recompute=sum(interp.layer_inputs[name].values()),
-            boundary_fwd_bytes=running_fwd if i < len(order) - 1 else 0,
-            boundary_bwd_bytes=running_bwd if i < len(order) - 1 else 0,
-            outputs=tuple(outputs[name]),
-        ))
-    edges = tuple((src, dst, b) for (src, dst), b in sorted(edge_bytes.items(), key=lambda kv: (position[kv[0][0]], position[kv[0][1]])))
+        layers.append(
+            Layer(
+                index=i,
+                name=name,
+                region=members[0].meta[REGION_META],
+                num_nodes=len(members),
+                num_params=num_params[i],
+                param_bytes=param_bytes[i],
+                fwd_flops=sum(n.meta[NODE_COST_META].fwd_flops for n in members),
+                bwd_flops=sum(n.meta[NODE_COST_META].bwd_flops for n in members),
+                saved_bytes=sum(n.meta[NODE_COST_META].saved_bytes for n in members),
+                saved_bytes_recompute=sum(interp.layer_inputs[name].values()),
+                boundary_fwd_bytes=running_fwd if i < len(order) - 1 else 0,
+                boundary_bwd_bytes=running_bwd if i < len(order) - 1 else 0,
+                outputs=tuple(outputs[name]),
+            )
+        )
+    edges = tuple(
+        (src, dst, b)
+        for (src, dst), b in sorted(
+            edge_bytes.items(), key=lambda kv: (position[kv[0][0]], position[kv[0][1]])
+        )
+    )
     meta = {
         "model": model_name or gm.__class__.__name__,
         "tensor_mode": tensor_mode,
@@ -404,8 +435,12 @@ def _build_layer_graph(gm: fx.GraphModule, interp: _Annotator, *, model_name: st
     return LayerGraph(layers=tuple(layers), edges=edges, meta=meta)
 
 
-def _param_or_none(gm: fx.GraphModule, target: str) -> nn.Parameter | None:
-    try:
-        return gm.get_parameter(target)
-    except AttributeError:
-        return None
+def _params_read(gm: fx.GraphModule, n: fx.Node) -> list[nn.Parameter]:
+    if n.op == "call_module":
+        return list(gm.get_submodule(str(n.target)).parameters())
+    if n.op == "get_attr":
+        try:
+            return [gm.get_parameter(str(n.target))]
+        except AttributeError:  # a buffer or constant
+            return []
+    return []

@@ -65,24 +65,34 @@ class CaptureReport:
     """Runtime assertions export inserted and capture removed (they held on the sample batch)."""
 
     def __str__(self) -> str:
-        lines = [f"capture: {self.model} via {self.method}, {self.num_nodes} nodes, {len(self.layers)} layers"]
+        lines = [
+            f"capture: {self.model} via {self.method}, {self.num_nodes} nodes, {len(self.layers)} layers"
+        ]
         lines += [f"  {f.method} failed first: {f.reason}" for f in self.fallbacks]
         lines.append(f"  numerics: {self.numerics}")
         if self.dropped_checks:
-            lines.append(f"  dropped {len(self.dropped_checks)} runtime check(s) that held on the sample batch: "
-                         + "; ".join(self.dropped_checks))
+            lines.append(
+                f"  dropped {len(self.dropped_checks)} runtime check(s) that held on the sample batch: "
+                + "; ".join(self.dropped_checks)
+            )
         by_region: dict[Region, list[LayerRegion]] = {}
         for lr in self.layers:
             by_region.setdefault(lr.region, []).append(lr)
         rows = [
-            [r.value, len(lrs), f"{lrs[0].layer} .. {lrs[-1].layer}" if len(lrs) > 1 else lrs[0].layer,
-             ", ".join(sorted({lr.source for lr in lrs}))]
+            [
+                r.value,
+                len(lrs),
+                f"{lrs[0].layer} .. {lrs[-1].layer}" if len(lrs) > 1 else lrs[0].layer,
+                ", ".join(sorted({lr.source for lr in lrs})),
+            ]
             for r, lrs in by_region.items()
         ]
         lines.append(tabulate(rows, headers=["region", "layers", "span", "found by"]))
         undetected = [lr.layer for lr in self.layers if lr.region is Region.OTHER]
         if undetected:
-            lines.append(f"  layers with no detected region (give region_overrides to place them): {undetected}")
+            lines.append(
+                f"  layers with no detected region (give region_overrides to place them): {undetected}"
+            )
         return "\n".join(lines)
 
 
@@ -109,7 +119,8 @@ def check_sample_batch(model: nn.Module, sample_batch: Any) -> dict[str, Any]:
             f"its arguments are {sorted(named)}"
         )
     required = [
-        n for n, p in params.items()
+        n
+        for n, p in params.items()
         if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
     missing = [n for n in required if n not in sample_batch]
@@ -163,7 +174,9 @@ class _BlockLeafTracer(fx.Tracer):
 
 def _trace_fx(model: nn.Module, batch: dict[str, Any], blocks: set[str]) -> fx.GraphModule:
     params = inspect.signature(model.forward).parameters
-    concrete = {n: p.default for n, p in params.items() if n not in batch and p.default is not inspect.Parameter.empty}
+    concrete = {
+        n: p.default for n, p in params.items() if n not in batch and p.default is not inspect.Parameter.empty
+    }
     tracer = _BlockLeafTracer(blocks)
     graph = tracer.trace(model, concrete_args=concrete or None)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -199,7 +212,9 @@ def _describe_failure(err: BaseException) -> str:
     text = str(err)
     first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
     where = re.search(r"The following call raised this error:\n\s*(File .*?)\n\s*(.+?)\n", text)
-    fix = re.search(r"To fix the error, insert one of the following checks before this call:\n(.*?)\n\n", text, re.S)
+    fix = re.search(
+        r"To fix the error, insert one of the following checks before this call:\n(.*?)\n\n", text, re.S
+    )
     parts = [f"{type(err).__name__}: {first[:300]}"]
     if where:
         parts.append(f"at {where.group(1).strip()}: `{where.group(2).strip()}`")
@@ -284,7 +299,9 @@ def capture(
             if attempt == "fx":
                 # The wrapper would hide the blocks' paths from the tracer: trace the bare model.
                 if root is not model:
-                    raise CaptureError("fx tracing captures plain-tensor outputs only; the model returns a ModelOutput")
+                    raise CaptureError(
+                        "fx tracing captures plain-tensor outputs only; the model returns a ModelOutput"
+                    )
                 gm = _trace_fx(model, batch, assigner.blocks)
             else:
                 gm, dropped = _export(root, batch)
@@ -324,4 +341,3 @@ def layer_nodes(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
         if n.meta.get(LAYER_META):
             out[n.meta[LAYER_META]].append(n)
     return out
-

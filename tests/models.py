@@ -11,8 +11,9 @@ from vlmcompile import models
 ZOO = ["tiny", "tiny-two-encoder", "tiny-contrastive", "tiny-tied"]
 HF = ["hf-llava", "hf-internvl", "hf-idefics3", "hf-paligemma"]
 
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="needs transformers (pip install '.[test]')")
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs transformers (pip install '.[test]')"
+)
 
 
 def build(name: str, batch_size: int = 2):

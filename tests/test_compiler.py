@@ -14,7 +14,12 @@ def test_compile_returns_graph_layer_graph_and_a_readable_report():
     log = io.StringIO()
     pipe = vlmcompile.compile(model, batch, log=log)
     text = str(pipe.report)
-    assert "== capture ==" in text and "== annotate ==" in text and "per region:" in text and "per layer:" in text
+    assert (
+        "== capture ==" in text
+        and "== annotate ==" in text
+        and "per region:" in text
+        and "per layer:" in text
+    )
     assert "llm.blocks.1" in text
     assert "[1/2] capture" in log.getvalue() and "[2/2] annotate done" in log.getvalue()
     assert len(pipe.layer_graph) == 10

@@ -1,11 +1,11 @@
 import json
 
 import pytest
+from vlmcompile.passes.annotate import annotate
+from vlmcompile.passes.capture import capture
 
 from tests.models import build
 from vlmcompile.layer_graph import Layer, LayerGraph
-from vlmcompile.passes.annotate import annotate
-from vlmcompile.passes.capture import capture
 from vlmcompile.regions import Region
 
 
@@ -44,8 +44,20 @@ def test_tables_show_every_region_and_layer(graph):
 
 
 def test_edges_only_go_forward():
-    layer = Layer(index=0, name="a", region=Region.LLM, num_nodes=1, num_params=0, param_bytes=0, fwd_flops=0,
-                  bwd_flops=0, saved_bytes=0, saved_bytes_recompute=0, boundary_fwd_bytes=0, boundary_bwd_bytes=0)
+    layer = Layer(
+        index=0,
+        name="a",
+        region=Region.LLM,
+        num_nodes=1,
+        num_params=0,
+        param_bytes=0,
+        fwd_flops=0,
+        bwd_flops=0,
+        saved_bytes=0,
+        saved_bytes_recompute=0,
+        boundary_fwd_bytes=0,
+        boundary_bwd_bytes=0,
+    )
     other = Layer(**{**{f: getattr(layer, f) for f in layer.__slots__}, "index": 1, "name": "b"})
     with pytest.raises(ValueError, match="goes backwards"):
         LayerGraph(layers=(layer, other), edges=(("b", "a", 4),))

@@ -3,13 +3,13 @@ FLOP shares match InternVL-Chat-1.5's."""
 
 import pytest
 import torch
+from vlmcompile.passes.annotate import annotate
+from vlmcompile.passes.capture import capture
 
 from tests.models import ZOO
 from vlmcompile import Region, models
 from vlmcompile.errors import ModelError
 from vlmcompile.models.configs import ENCODERS, LLMS, VLMS, ProjectorConfig, VLMConfig
-from vlmcompile.passes.annotate import annotate
-from vlmcompile.passes.capture import capture
 
 
 def _num_params(model: torch.nn.Module) -> int:
@@ -27,8 +27,13 @@ def test_every_named_vlm_builds_on_meta_with_a_matching_batch(name):
 @pytest.mark.parametrize(
     ("name", "billions"),
     [
-        ("ViT-22B", 21.7), ("ViT-3B", 3.06), ("InternViT-6B", 5.53),
-        ("GPT-175B", 175.0), ("LLAMA-70B", 69.0), ("Llama3-8B", 8.03), ("InternLM2-20B", 19.9),
+        ("ViT-22B", 21.7),
+        ("ViT-3B", 3.06),
+        ("InternViT-6B", 5.53),
+        ("GPT-175B", 175.0),
+        ("LLAMA-70B", 69.0),
+        ("Llama3-8B", 8.03),
+        ("InternLM2-20B", 19.9),
         ("ViT-22B+GPT-175B", 197.2),
     ],
 )
@@ -42,8 +47,16 @@ def test_parameter_counts_match_the_published_sizes(name, billions):
 def test_every_paper_tower_is_in_the_zoo():
     for name in ("ViT-3B", "ViT-5B", "ViT-11B", "ViT-22B", "InternViT-6B"):
         assert name in ENCODERS
-    for name in ("GPT-11B", "LLAMA-70B", "GPT-175B", "InternLM2-20B", "Llama3-8B", "Yi-34B", "Llama3-70B",
-                 "Qwen1.5-110B"):
+    for name in (
+        "GPT-11B",
+        "LLAMA-70B",
+        "GPT-175B",
+        "InternLM2-20B",
+        "Llama3-8B",
+        "Yi-34B",
+        "Llama3-70B",
+        "Qwen1.5-110B",
+    ):
         assert name in LLMS
     for family in ("CLIP", "CoCa", "LiT"):
         for size in "SML":
@@ -69,7 +82,11 @@ def _forward_shares(name: str) -> dict[str, float]:
     batch = models.sample_batch(name, device="meta")
     graph = annotate(capture(model, batch).gm, batch).layer_graph
     total = graph.totals()["fwd_flops"]
-    return {r.value: 100 * graph.totals(graph.in_region(r))["fwd_flops"] / total for r in Region if graph.in_region(r)}
+    return {
+        r.value: 100 * graph.totals(graph.in_region(r))["fwd_flops"] / total
+        for r in Region
+        if graph.in_region(r)
+    }
 
 
 def test_demo_forward_flop_shares_match_internvl_chat_1_5_within_5_points():
@@ -94,8 +111,20 @@ def test_unknown_names_and_bad_batches_raise_model_errors():
 def test_inconsistent_vlm_configs_say_what_to_change():
     vit, llm = ENCODERS["tiny-vit"], LLMS["tiny-llm"]
     with pytest.raises(ValueError, match="pixel shuffle 3 does not divide the 4x4 patch grid"):
-        VLMConfig(name="x", encoders=(vit,), projectors=(ProjectorConfig(pixel_shuffle=3),), llm=llm,
-                  images_per_sample=1, llm_tokens=12)
+        VLMConfig(
+            name="x",
+            encoders=(vit,),
+            projectors=(ProjectorConfig(pixel_shuffle=3),),
+            llm=llm,
+            images_per_sample=1,
+            llm_tokens=12,
+        )
     with pytest.raises(ValueError, match="raise llm_tokens to at least"):
-        VLMConfig(name="x", encoders=(vit,), projectors=(ProjectorConfig(),), llm=llm, images_per_sample=1,
-                  llm_tokens=16)
+        VLMConfig(
+            name="x",
+            encoders=(vit,),
+            projectors=(ProjectorConfig(),),
+            llm=llm,
+            images_per_sample=1,
+            llm_tokens=16,
+        )

@@ -9,6 +9,7 @@ from vlmcompile.pass_runner import Pass, PassRunner
 def _record(name):
     def run(state):
         state.append(name)
+
     return run
 
 
@@ -23,7 +24,9 @@ def test_runs_in_order_prints_the_numbered_list_and_times():
 
 def test_disabled_passes_are_skipped_and_unknown_names_rejected():
     state: list[str] = []
-    report = PassRunner([Pass("a", _record("a")), Pass("b", _record("b"))], disabled=["a"], log=None).run(state)
+    report = PassRunner([Pass("a", _record("a")), Pass("b", _record("b"))], disabled=["a"], log=None).run(
+        state
+    )
     assert state == ["b"] and report.timings[0].time_s is None and "disabled" in str(report)
     with pytest.raises(VlmCompileError, match=r"unknown pass\(es\) \['c'\]; the passes are \['a', 'b'\]"):
         PassRunner([Pass("a", _record("a")), Pass("b", _record("b"))], disabled=["c"])
@@ -34,7 +37,9 @@ def test_a_failure_names_the_pass_and_those_already_run():
         raise RuntimeError("kaput")
 
     runner = PassRunner([Pass("a", _record("a")), Pass("b", boom)], log=None)
-    with pytest.raises(PassError, match=r"pass 2 'b' failed \(RuntimeError: kaput\); passes already run: a") as err:
+    with pytest.raises(
+        PassError, match=r"pass 2 'b' failed \(RuntimeError: kaput\); passes already run: a"
+    ) as err:
         runner.run([])
     assert isinstance(err.value.__cause__, RuntimeError)
 

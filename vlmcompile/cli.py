@@ -23,8 +23,12 @@ def _annotate(args: argparse.Namespace) -> int:
     else:
         device = "cpu" if args.real else "meta"
         model = models.build(args.model, device=device, dtype=_DTYPES[args.dtype])
-        batch = models.sample_batch(args.model, batch_size=args.batch_size, device=device, dtype=_DTYPES[args.dtype])
-    pipe = vlmcompile.compile(model, batch, model_name=args.model, tensor_mode="real" if args.real else "fake")
+        batch = models.sample_batch(
+            args.model, batch_size=args.batch_size, device=device, dtype=_DTYPES[args.dtype]
+        )
+    pipe = vlmcompile.compile(
+        model, batch, model_name=args.model, tensor_mode="real" if args.real else "fake"
+    )
     print(pipe.report)
     if args.json:
         Path(args.json).write_text(json.dumps(pipe.layer_graph.to_json(), indent=1))
@@ -36,14 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlmcompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("annotate", help="capture and annotate a zoo model; print the report")
-    p.add_argument("--model", required=True,
-                   help="zoo name (demo, tiny, InternVL-Chat-1.5, ViT-22B+GPT-175B, CLIP-L, ...) or a tiny "
-                        "transformers model (hf-llava, hf-internvl, hf-idefics3, hf-paligemma)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="zoo name (demo, tiny, InternVL-Chat-1.5, ViT-22B+GPT-175B, CLIP-L, ...) or a tiny "
+        "transformers model (hf-llava, hf-internvl, hf-idefics3, hf-paligemma)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the LayerGraph (per-layer figures) as JSON")
     p.add_argument("--batch-size", type=int, default=1, help="samples in the sample batch (default 1)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="parameter and activation dtype")
-    p.add_argument("--real", action="store_true",
-                   help="build with real CPU weights and measure on real tensors (small models only)")
+    p.add_argument(
+        "--real",
+        action="store_true",
+        help="build with real CPU weights and measure on real tensors (small models only)",
+    )
     p.set_defaults(run=_annotate)
     args = parser.parse_args(argv)
     from vlmcompile.errors import VlmCompileError

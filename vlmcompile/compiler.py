@@ -47,8 +47,12 @@ def _capture_pass(state: CompileState, *, region_overrides, method) -> None:
 
 
 def _annotate_pass(state: CompileState, *, tensor_mode) -> None:
-    result = annotate(state.gm, state.sample_batch, tensor_mode=tensor_mode,
-                      model_name=state.model_name or type(state.model).__name__)
+    result = annotate(
+        state.gm,
+        state.sample_batch,
+        tensor_mode=tensor_mode,
+        model_name=state.model_name or type(state.model).__name__,
+    )
     state.layer_graph = result.layer_graph
     state.reports["annotate"] = result.report
 
@@ -99,7 +103,10 @@ def compile(
         log: where the pass runner prints progress (None for silence).
     """
     passes = [
-        Pass("capture", functools.partial(_capture_pass, region_overrides=region_overrides, method=capture_method)),
+        Pass(
+            "capture",
+            functools.partial(_capture_pass, region_overrides=region_overrides, method=capture_method),
+        ),
         Pass("annotate", functools.partial(_annotate_pass, tensor_mode=tensor_mode)),
     ]
     state = CompileState(model=model, sample_batch=sample_batch, cluster=cluster, model_name=model_name)
@@ -109,5 +116,9 @@ def compile(
             f"passes {list(disable_passes)} were disabled, but capture and annotate are needed to build a "
             "pipeline; disable only optional passes"
         )
-    return CompiledPipeline(gm=state.gm, layer_graph=state.layer_graph,
-                            report=CompileReport(dict(state.reports), run), cluster=cluster)
+    return CompiledPipeline(
+        gm=state.gm,
+        layer_graph=state.layer_graph,
+        report=CompileReport(dict(state.reports), run),
+        cluster=cluster,
+    )

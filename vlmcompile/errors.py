@@ -33,6 +33,5 @@ class PassError(VlmCompileError):
         self.cause = cause
         ran = ", ".join(passes_run) if passes_run else "none"
         super().__init__(
-            f"pass {index} '{pass_name}' failed ({type(cause).__name__}: {cause}); "
-            f"passes already run: {ran}"
+            f"pass {index} '{pass_name}' failed ({type(cause).__name__}: {cause}); passes already run: {ran}"
         )

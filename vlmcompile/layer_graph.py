@@ -50,6 +50,8 @@ class NodeCost:
     bwd_flops: int
     saved_bytes: int
     """Bytes of storages first saved for backward while this node ran (parameters excluded)."""
+    param_bytes: int = 0
+    """Bytes of the parameters this node reads (a ``get_attr``, or a leaf module's own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,9 @@ class Layer:
 
     def __post_init__(self):
         if self.saved_bytes < 0 or self.fwd_flops < 0 or self.bwd_flops < 0:
-            raise ValueError(f"layer {self.name}: negative cost (saved {self.saved_bytes}, fwd {self.fwd_flops}, bwd {self.bwd_flops})")
+            raise ValueError(
+                f"layer {self.name}: negative cost (saved {self.saved_bytes}, fwd {self.fwd_flops}, bwd {self.bwd_flops})"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +116,7 @@ class LayerGraph:
         for layer in self.layers:
             if layer.name == name:
                 return layer
-        raise KeyError(f"no layer {name!r}; layers: {[l.name for l in self.layers][:8]}...")
+        raise KeyError(f"no layer {name!r}; layers: {[layer.name for layer in self.layers][:8]}...")
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -133,32 +137,89 @@ class LayerGraph:
             if not layers:
                 continue
             t = self.totals(layers)
-            rows.append([
-                region.value, len(layers), format_count(t["num_params"]), _flops(t["fwd_flops"]),
-                _flops(t["bwd_flops"]), f"{100 * t['fwd_flops'] / total_fwd:.1f}",
-                _bytes(t["saved_bytes"]), _bytes(t["saved_bytes_recompute"]),
-            ])
+            rows.append(
+                [
+                    region.value,
+                    len(layers),
+                    format_count(t["num_params"]),
+                    _flops(t["fwd_flops"]),
+                    _flops(t["bwd_flops"]),
+                    f"{100 * t['fwd_flops'] / total_fwd:.1f}",
+                    _bytes(t["saved_bytes"]),
+                    _bytes(t["saved_bytes_recompute"]),
+                ]
+            )
         t = self.totals()
-        rows.append(["total", len(self.layers), format_count(t["num_params"]), _flops(t["fwd_flops"]),
-                     _flops(t["bwd_flops"]), "100.0", _bytes(t["saved_bytes"]), _bytes(t["saved_bytes_recompute"])])
-        return tabulate(rows, headers=["region", "layers", "params", "fwd FLOPs", "bwd FLOPs", "fwd %",
-                                       "saved", "saved w/ recompute"], disable_numparse=True)
+        rows.append(
+            [
+                "total",
+                len(self.layers),
+                format_count(t["num_params"]),
+                _flops(t["fwd_flops"]),
+                _flops(t["bwd_flops"]),
+                "100.0",
+                _bytes(t["saved_bytes"]),
+                _bytes(t["saved_bytes_recompute"]),
+            ]
+        )
+        return tabulate(
+            rows,
+            headers=[
+                "region",
+                "layers",
+                "params",
+                "fwd FLOPs",
+                "bwd FLOPs",
+                "fwd %",
+                "saved",
+                "saved w/ recompute",
+            ],
+            disable_numparse=True,
+        )
 
     def layer_table(self, max_rows: int | None = None) -> str:
         rows = []
         layers = list(self.layers)
-        shown = layers if max_rows is None or len(layers) <= max_rows else layers[: max_rows // 2] + layers[-max_rows // 2 :]
+        shown = (
+            layers
+            if max_rows is None or len(layers) <= max_rows
+            else layers[: max_rows // 2] + layers[-max_rows // 2 :]
+        )
         for layer in shown:
             if max_rows is not None and len(layers) > max_rows and layer is layers[-max_rows // 2]:
-                rows.append(["...", f"({len(layers) - len(shown)} more layers)", "", "", "", "", "", "", "", ""])
-            rows.append([
-                layer.index, layer.name, layer.region.value, format_count(layer.num_params),
-                _flops(layer.fwd_flops), _flops(layer.bwd_flops), _bytes(layer.saved_bytes),
-                _bytes(layer.saved_bytes_recompute), _bytes(layer.boundary_fwd_bytes),
-                ", ".join(str(o) for o in layer.outputs[:2]) + (" ..." if len(layer.outputs) > 2 else ""),
-            ])
-        return tabulate(rows, headers=["#", "layer", "region", "params", "fwd FLOPs", "bwd FLOPs", "saved",
-                                       "saved w/ rc", "cut sends", "outputs"], disable_numparse=True)
+                rows.append(
+                    ["...", f"({len(layers) - len(shown)} more layers)", "", "", "", "", "", "", "", ""]
+                )
+            rows.append(
+                [
+                    layer.index,
+                    layer.name,
+                    layer.region.value,
+                    format_count(layer.num_params),
+                    _flops(layer.fwd_flops),
+                    _flops(layer.bwd_flops),
+                    _bytes(layer.saved_bytes),
+                    _bytes(layer.saved_bytes_recompute),
+                    _bytes(layer.boundary_fwd_bytes),
+                    ", ".join(str(o) for o in layer.outputs[:2]) + (" ..." if len(layer.outputs) > 2 else ""),
+                ]
+            )
+        return tabulate(
+            rows,
+            headers=[
+                "#",
+                "layer",
+                "region",
+                "params",
+                "fwd FLOPs",
+                "bwd FLOPs",
+                "saved",
+                "saved w/ rc",
+                "cut sends",
+                "outputs",
+            ],
+            disable_numparse=True,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -166,8 +227,11 @@ class LayerGraph:
             "version": SCHEMA_VERSION,
             "meta": self.meta,
             "layers": [
-                {**asdict(layer), "region": layer.region.value,
-                 "outputs": [{"shape": list(o.shape), "dtype": o.dtype} for o in layer.outputs]}
+                {
+                    **asdict(layer),
+                    "region": layer.region.value,
+                    "outputs": [{"shape": list(o.shape), "dtype": o.dtype} for o in layer.outputs],
+                }
                 for layer in self.layers
             ],
             "edges": [{"src": s, "dst": d, "bytes": b} for s, d, b in self.edges],
@@ -183,8 +247,13 @@ class LayerGraph:
                 "`vlmcompile annotate` to regenerate it"
             )
         layers = tuple(
-            Layer(**{**d, "region": Region(d["region"]),
-                     "outputs": tuple(TensorSpec(tuple(o["shape"]), o["dtype"]) for o in d["outputs"])})
+            Layer(
+                **{
+                    **d,
+                    "region": Region(d["region"]),
+                    "outputs": tuple(TensorSpec(tuple(o["shape"]), o["dtype"]) for o in d["outputs"]),
+                }
+            )
             for d in data["layers"]
         )
         edges = tuple((e["src"], e["dst"], e["bytes"]) for e in data["edges"])

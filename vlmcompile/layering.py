@@ -144,11 +144,15 @@ def assign_layers(gm: fx.GraphModule, assigner: LayerAssigner, *, strip_prefix: 
     glue_set = set(glue)
     consumers: dict[fx.Node, set[str]] = {}
     for n in reversed(glue):
-        consumers[n] = set().union(*([{own[u]} if u in own else consumers.get(u, set()) for u in n.users] or [set()]))
+        consumers[n] = set().union(
+            *([{own[u]} if u in own else consumers.get(u, set()) for u in n.users] or [set()])
+        )
     # producers: the owned layers whose values reach a glue node through glue alone.
     producers: dict[fx.Node, set[str]] = {}
     for n in glue:
-        producers[n] = set().union(*([{own[p]} if p in own else producers.get(p, set()) for p in n.all_input_nodes] or [set()]))
+        producers[n] = set().union(
+            *([{own[p]} if p in own else producers.get(p, set()) for p in n.all_input_nodes] or [set()])
+        )
 
     first_seen: dict[str, int] = {}
     for n in nodes:
@@ -158,7 +162,7 @@ def assign_layers(gm: fx.GraphModule, assigner: LayerAssigner, *, strip_prefix: 
     flow.add_nodes_from(first_seen)
     for n, layer in own.items():
         for p in n.all_input_nodes:
-            for src in ({own[p]} if p in own else producers.get(p, set()) if p in glue_set else set()):
+            for src in {own[p]} if p in own else producers.get(p, set()) if p in glue_set else set():
                 if src != layer:
                     flow.add_edge(src, layer)
     try:

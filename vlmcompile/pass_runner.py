@@ -38,12 +38,16 @@ class RunReport:
     timings: tuple[PassTiming, ...]
 
     def __str__(self) -> str:
-        rows = [[t.index, t.name, "disabled" if t.time_s is None else f"{t.time_s:.2f} s"] for t in self.timings]
+        rows = [
+            [t.index, t.name, "disabled" if t.time_s is None else f"{t.time_s:.2f} s"] for t in self.timings
+        ]
         return tabulate(rows, headers=["#", "pass", "time"])
 
 
 class PassRunner:
-    def __init__(self, passes: Sequence[Pass], *, disabled: Sequence[str] = (), log: TextIO | None = sys.stderr):
+    def __init__(
+        self, passes: Sequence[Pass], *, disabled: Sequence[str] = (), log: TextIO | None = sys.stderr
+    ):
         names = [p.name for p in passes]
         unknown = [d for d in disabled if d not in names]
         if unknown:
@@ -57,9 +61,13 @@ class PassRunner:
             print(text, file=self.log, flush=True)
 
     def run(self, state: Any) -> RunReport:
-        self._say("passes: " + ", ".join(
-            f"{i} {p.name}" + (" (disabled)" if p.name in self.disabled else "")
-            for i, p in enumerate(self.passes, 1)))
+        self._say(
+            "passes: "
+            + ", ".join(
+                f"{i} {p.name}" + (" (disabled)" if p.name in self.disabled else "")
+                for i, p in enumerate(self.passes, 1)
+            )
+        )
         timings: list[PassTiming] = []
         ran: list[str] = []
         for i, p in enumerate(self.passes, 1):
@@ -72,8 +80,10 @@ class PassRunner:
                 p.run(state)
             except VlmCompileError as err:
                 # Our own errors already say what to fix: keep their type, add where.
-                err.args = (f"{err.args[0] if err.args else err} (in pass {i} '{p.name}'; "
-                            f"passes already run: {', '.join(ran) or 'none'})",)
+                err.args = (
+                    f"{err.args[0] if err.args else err} (in pass {i} '{p.name}'; "
+                    f"passes already run: {', '.join(ran) or 'none'})",
+                )
                 raise
             except Exception as err:
                 raise PassError(p.name, i, ran, err) from err

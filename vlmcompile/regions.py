@@ -45,7 +45,10 @@ REGION_ATTR = "vlmcompile_region"
 _KEYWORD_REGIONS: tuple[tuple[re.Pattern[str], Region], ...] = tuple(
     (re.compile(pattern), region)
     for pattern, region in (
-        (r"^(multi_modal_projector|mm_projector|connector|projector|merger|mlp1|visual_projection)$", Region.PROJECTOR),
+        (
+            r"^(multi_modal_projector|mm_projector|connector|projector|merger|mlp1|visual_projection)$",
+            Region.PROJECTOR,
+        ),
         (r"^(vision_tower|vision_model|visual|vision_encoder|image_encoder|vision)$", Region.VISION),
         (r"^(lm_head|head|logit_scale)$", Region.HEAD),
         (r"^(text_model|text_encoder)$", Region.TEXT),

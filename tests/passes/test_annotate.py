@@ -5,19 +5,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-
-from tests.models import ALL, build, needs_transformers
-from vlmcompile import ModelError, models
 from vlmcompile.cost_models.flops import (
     attention_fwd_flops,
     cpu_sdpa_flop_mapping,
     decoder_block_fwd_flops,
     vit_block_fwd_flops,
 )
-from vlmcompile.meta_keys import NODE_COST_META
-from vlmcompile.models.configs import LLMConfig, ViTConfig
 from vlmcompile.passes.annotate import annotate
 from vlmcompile.passes.capture import capture
+
+from tests.models import ALL, ZOO, build, needs_transformers
+from vlmcompile import ModelError, models
+from vlmcompile.meta_keys import NODE_COST_META
+from vlmcompile.models.configs import LLMConfig, ViTConfig
 
 
 def _annotate(model, batch, overrides=None, **kw):
@@ -29,13 +29,22 @@ def _annotate(model, batch, overrides=None, **kw):
     [(32, 2, 16, 64, 16, 4, 2), (48, 3, 16, 192, 24, 4, 3), (64, 4, 32, 96, 28, 7, 1)],
 )
 def test_vit_block_forward_flops_match_the_formula(width, heads, head_dim, mlp, image_px, patch, batch):
-    cfg = ViTConfig(name="t", width=width, depth=2, mlp=mlp, heads=heads, head_dim=head_dim, image_px=image_px,
-                    patch=patch)
+    cfg = ViTConfig(
+        name="t",
+        width=width,
+        depth=2,
+        mlp=mlp,
+        heads=heads,
+        head_dim=head_dim,
+        image_px=image_px,
+        patch=patch,
+    )
     model = models.build(cfg)
     images = torch.randn(batch, 3, image_px, image_px)
     graph = _annotate(model, {"images": images}, {"": "vision"}).layer_graph
-    expected = vit_block_fwd_flops(batch=batch, tokens=cfg.tokens_per_image, width=width, heads=heads,
-                                   head_dim=head_dim, mlp=mlp)
+    expected = vit_block_fwd_flops(
+        batch=batch, tokens=cfg.tokens_per_image, width=width, heads=heads, head_dim=head_dim, mlp=mlp
+    )
     for block in ("blocks.0", "blocks.1"):
         assert graph[block].fwd_flops == pytest.approx(expected, rel=0.01)
         assert graph[block].bwd_flops == 2 * graph[block].fwd_flops
@@ -43,17 +52,40 @@ def test_vit_block_forward_flops_match_the_formula(width, heads, head_dim, mlp, 
 
 @pytest.mark.parametrize(
     ("width", "heads", "kv_heads", "head_dim", "mlp", "gated", "tokens", "batch"),
-    [(32, 4, 2, 8, 64, True, 12, 2), (64, 8, 2, 8, 160, True, 20, 1), (48, 6, 6, 8, 96, False, 16, 3),
-     (64, 4, 1, 16, 128, True, 9, 2)],
+    [
+        (32, 4, 2, 8, 64, True, 12, 2),
+        (64, 8, 2, 8, 160, True, 20, 1),
+        (48, 6, 6, 8, 96, False, 16, 3),
+        (64, 4, 1, 16, 128, True, 9, 2),
+    ],
 )
-def test_gqa_decoder_block_forward_flops_match_the_formula(width, heads, kv_heads, head_dim, mlp, gated, tokens, batch):
-    cfg = LLMConfig(name="t", width=width, depth=2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, mlp=mlp,
-                    vocab=32, gated_mlp=gated)
+def test_gqa_decoder_block_forward_flops_match_the_formula(
+    width, heads, kv_heads, head_dim, mlp, gated, tokens, batch
+):
+    cfg = LLMConfig(
+        name="t",
+        width=width,
+        depth=2,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        mlp=mlp,
+        vocab=32,
+        gated_mlp=gated,
+    )
     model = models.build(cfg)
     hidden = torch.randn(batch, tokens, width, requires_grad=True)
     graph = _annotate(model, {"hidden": hidden}, {"": "llm"}).layer_graph
-    expected = decoder_block_fwd_flops(batch=batch, tokens=tokens, width=width, heads=heads, kv_heads=kv_heads,
-                                       head_dim=head_dim, mlp=mlp, gated_mlp=gated)
+    expected = decoder_block_fwd_flops(
+        batch=batch,
+        tokens=tokens,
+        width=width,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        mlp=mlp,
+        gated_mlp=gated,
+    )
     for block in ("blocks.0", "blocks.1"):
         assert graph[block].fwd_flops == pytest.approx(expected, rel=0.01)
         # Every counted op is a matrix product (linear or attention): backward = 2 x forward.
@@ -79,12 +111,26 @@ def test_saved_bytes_on_fake_tensors_equal_real_cpu_tensors(name):
     gm = capture(model, batch).gm
     fake = annotate(gm, batch).layer_graph
     real = annotate(gm, batch, tensor_mode="real").layer_graph
-    assert [l.name for l in fake.layers] == [l.name for l in real.layers]
+    assert [layer.name for layer in fake.layers] == [layer.name for layer in real.layers]
     for f, r in zip(fake.layers, real.layers):
         assert f.saved_bytes == pytest.approx(r.saved_bytes, rel=0.01), f.name
         assert f.saved_bytes_recompute == pytest.approx(r.saved_bytes_recompute, rel=0.01), f.name
         assert (f.fwd_flops, f.bwd_flops) == (r.fwd_flops, r.bwd_flops), f.name
     assert fake.totals()["saved_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_figures_of_a_model_built_on_meta_equal_real_cpu_measurements(name):
+    meta_model = models.build(name, device="meta")
+    meta_batch = models.sample_batch(name, batch_size=2, device="meta")
+    on_meta = _annotate(meta_model, meta_batch).layer_graph
+    model, batch = build(name)
+    real = annotate(capture(model, batch).gm, batch, tensor_mode="real").layer_graph
+    for m, r in zip(on_meta.layers, real.layers, strict=True):
+        assert m.name == r.name
+        assert m.saved_bytes == pytest.approx(r.saved_bytes, rel=0.01), m.name
+        assert m.saved_bytes_recompute == pytest.approx(r.saved_bytes_recompute, rel=0.01), m.name
+        assert (m.fwd_flops, m.bwd_flops, m.param_bytes) == (r.fwd_flops, r.bwd_flops, r.param_bytes), m.name
 
 
 def test_recompute_keeps_less_than_it_saves_and_params_are_counted_once():
@@ -124,6 +170,9 @@ def test_node_costs_sum_to_layer_costs_and_user_parameters_get_no_gradient():
     nodes = [n for n in result.gm.graph.nodes if NODE_COST_META in n.meta]
     assert sum(n.meta[NODE_COST_META].fwd_flops for n in nodes) == result.layer_graph.totals()["fwd_flops"]
     assert sum(n.meta[NODE_COST_META].bwd_flops for n in nodes) == result.layer_graph.totals()["bwd_flops"]
+    assert (
+        sum(n.meta[NODE_COST_META].param_bytes for n in nodes) == result.layer_graph.totals()["param_bytes"]
+    )
     assert all(p.grad is None for p in model.parameters())
 
 

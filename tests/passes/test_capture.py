@@ -3,11 +3,11 @@
 import pytest
 import torch
 from torch import nn
+from vlmcompile.passes.capture import capture, layer_nodes
 
-from tests.models import ALL, ZOO, build, needs_transformers
+from tests.models import ALL, build, needs_transformers
 from vlmcompile import CaptureError, ModelError, Region, RegionError, SampleBatchError
 from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META, REGION_META
-from vlmcompile.passes.capture import capture, layer_nodes
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -103,8 +103,13 @@ def test_data_dependent_control_flow_names_the_operation_and_the_workaround():
 
 def test_sample_batch_keys_that_forward_does_not_take_are_named():
     model, batch = build("tiny")
-    with pytest.raises(SampleBatchError, match=r"\['images'\].*arguments are \['input_ids', 'labels', 'pixel_values'\]"):
-        capture(model, {"images": batch["pixel_values"], "input_ids": batch["input_ids"], "labels": batch["labels"]})
+    with pytest.raises(
+        SampleBatchError, match=r"\['images'\].*arguments are \['input_ids', 'labels', 'pixel_values'\]"
+    ):
+        capture(
+            model,
+            {"images": batch["pixel_values"], "input_ids": batch["input_ids"], "labels": batch["labels"]},
+        )
     with pytest.raises(SampleBatchError, match=r"lacks \['labels'\]"):
         capture(model, {"pixel_values": batch["pixel_values"], "input_ids": batch["input_ids"]})
     with pytest.raises(SampleBatchError, match="give a dict"):
@@ -124,7 +129,9 @@ class _Anonymous(nn.Module):
 def test_undetectable_regions_ask_for_an_override_with_an_example():
     with pytest.raises(RegionError, match=r"could not detect the regions.*region_overrides=\{'a': .*'b': "):
         capture(_Anonymous(), {"x": torch.randn(2, 4)})
-    report = capture(_Anonymous(), {"x": torch.randn(2, 4)}, region_overrides={"a": "vision", "b": "llm"}).report
+    report = capture(
+        _Anonymous(), {"x": torch.randn(2, 4)}, region_overrides={"a": "vision", "b": "llm"}
+    ).report
     assert [lr.region for lr in report.layers] == [Region.VISION, Region.LLM]
 
 

@@ -128,7 +128,9 @@ def sample_batch(
         enc = cfg.encoders[0]
         ids = tokens(cfg.llm.vocab, cfg.text_tokens)
         return {
-            "pixel_values": images(batch_size, cfg.images_per_sample, enc.channels, enc.image_px, enc.image_px),
+            "pixel_values": images(
+                batch_size, cfg.images_per_sample, enc.channels, enc.image_px, enc.image_px
+            ),
             "input_ids": ids,
             "labels": ids.clone(),
         }

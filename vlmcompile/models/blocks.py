@@ -74,7 +74,9 @@ class DecoderBlock(nn.Module):
     ):
         super().__init__()
         if heads % kv_heads:
-            raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}; choose kv_heads dividing heads")
+            raise ValueError(
+                f"heads={heads} is not a multiple of kv_heads={kv_heads}; choose kv_heads dividing heads"
+            )
         self.heads, self.kv_heads, self.head_dim, self.gated_mlp = heads, kv_heads, head_dim, gated_mlp
         self.attn_norm = RMSNorm(width)
         self.q_proj = nn.Linear(width, heads * head_dim, bias=False)

@@ -93,7 +93,9 @@ class VLMConfig:
 
     def __post_init__(self):
         if len(self.encoders) != len(self.projectors):
-            raise ValueError(f"{self.name}: {len(self.encoders)} encoders but {len(self.projectors)} projectors")
+            raise ValueError(
+                f"{self.name}: {len(self.encoders)} encoders but {len(self.projectors)} projectors"
+            )
         for enc, proj in zip(self.encoders, self.projectors):
             if enc.grid % proj.pixel_shuffle:
                 raise ValueError(
@@ -110,7 +112,9 @@ class VLMConfig:
 
     @property
     def image_tokens(self) -> int:
-        per_image = sum(e.tokens_per_image // p.pixel_shuffle**2 for e, p in zip(self.encoders, self.projectors))
+        per_image = sum(
+            e.tokens_per_image // p.pixel_shuffle**2 for e, p in zip(self.encoders, self.projectors)
+        )
         return per_image * self.images_per_sample
 
     @property
@@ -166,16 +170,86 @@ ENCODERS: dict[str, ViTConfig] = {
 LLMS: dict[str, LLMConfig] = {
     c.name: c
     for c in (
-        LLMConfig(name="GPT-11B", width=3072, depth=80, heads=24, kv_heads=24, head_dim=128, mlp=4 * 3072, vocab=50257, gated_mlp=False),
-        LLMConfig(name="LLAMA-70B", width=8192, depth=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, vocab=32000),
-        LLMConfig(name="GPT-175B", width=12288, depth=96, heads=96, kv_heads=96, head_dim=128, mlp=4 * 12288, vocab=50257, gated_mlp=False),
-        LLMConfig(name="InternLM2-20B", width=6144, depth=48, heads=48, kv_heads=8, head_dim=128, mlp=16384, vocab=92544),
-        LLMConfig(name="Llama3-8B", width=4096, depth=32, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256),
-        LLMConfig(name="Yi-34B", width=7168, depth=60, heads=56, kv_heads=8, head_dim=128, mlp=20480, vocab=64000),
-        LLMConfig(name="Llama3-70B", width=8192, depth=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, vocab=128256),
-        LLMConfig(name="Qwen1.5-110B", width=8192, depth=80, heads=64, kv_heads=8, head_dim=128, mlp=49152, vocab=152064),
+        LLMConfig(
+            name="GPT-11B",
+            width=3072,
+            depth=80,
+            heads=24,
+            kv_heads=24,
+            head_dim=128,
+            mlp=4 * 3072,
+            vocab=50257,
+            gated_mlp=False,
+        ),
+        LLMConfig(
+            name="LLAMA-70B", width=8192, depth=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, vocab=32000
+        ),
+        LLMConfig(
+            name="GPT-175B",
+            width=12288,
+            depth=96,
+            heads=96,
+            kv_heads=96,
+            head_dim=128,
+            mlp=4 * 12288,
+            vocab=50257,
+            gated_mlp=False,
+        ),
+        LLMConfig(
+            name="InternLM2-20B",
+            width=6144,
+            depth=48,
+            heads=48,
+            kv_heads=8,
+            head_dim=128,
+            mlp=16384,
+            vocab=92544,
+        ),
+        LLMConfig(
+            name="Llama3-8B",
+            width=4096,
+            depth=32,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            mlp=14336,
+            vocab=128256,
+        ),
+        LLMConfig(
+            name="Yi-34B", width=7168, depth=60, heads=56, kv_heads=8, head_dim=128, mlp=20480, vocab=64000
+        ),
+        LLMConfig(
+            name="Llama3-70B",
+            width=8192,
+            depth=80,
+            heads=64,
+            kv_heads=8,
+            head_dim=128,
+            mlp=28672,
+            vocab=128256,
+        ),
+        LLMConfig(
+            name="Qwen1.5-110B",
+            width=8192,
+            depth=80,
+            heads=64,
+            kv_heads=8,
+            head_dim=128,
+            mlp=49152,
+            vocab=152064,
+        ),
         LLMConfig(name="tiny-llm", width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64, vocab=64),
-        LLMConfig(name="tiny-llm-tied", width=32, depth=2, heads=4, kv_heads=4, head_dim=8, mlp=64, vocab=64, tie_embeddings=True),
+        LLMConfig(
+            name="tiny-llm-tied",
+            width=32,
+            depth=2,
+            heads=4,
+            kv_heads=4,
+            head_dim=8,
+            mlp=64,
+            vocab=64,
+            tie_embeddings=True,
+        ),
     )
 }
 
@@ -194,8 +268,12 @@ def _distmm_pair(name: str, vision: tuple[int, int], text: tuple[int, int]) -> C
     t_heads, t_hd = _distmm_heads(t_width)
     return ContrastiveConfig(
         name=name,
-        vision=_vit(f"{name}/vision", v_width, v_depth, 4 * v_width, v_heads, v_hd, image_px=336, family="distmm"),
-        text=TextEncoderConfig(name=f"{name}/text", width=t_width, depth=t_depth, heads=t_heads, head_dim=t_hd, mlp=4 * t_width),
+        vision=_vit(
+            f"{name}/vision", v_width, v_depth, 4 * v_width, v_heads, v_hd, image_px=336, family="distmm"
+        ),
+        text=TextEncoderConfig(
+            name=f"{name}/text", width=t_width, depth=t_depth, heads=t_heads, head_dim=t_hd, mlp=4 * t_width
+        ),
         embed_dim=1024,
     )
 
@@ -229,16 +307,16 @@ def compose(
     """A VLM from named encoder(s) and LLM, with input sizes from the encoder's paper."""
     unknown = [e for e in encoders if e not in ENCODERS] + ([llm] if llm not in LLMS else [])
     if unknown:
-        raise KeyError(
-            f"unknown component(s) {unknown}; encoders: {sorted(ENCODERS)}; LLMs: {sorted(LLMS)}"
-        )
+        raise KeyError(f"unknown component(s) {unknown}; encoders: {sorted(ENCODERS)}; LLMs: {sorted(LLMS)}")
     encs = tuple(ENCODERS[e] for e in encoders)
     images, tokens, shuffle = _FAMILY_INPUTS[encs[0].family]
     shuffle = pixel_shuffle if pixel_shuffle is not None else shuffle
     return VLMConfig(
         name=name or "+".join([*encoders, llm]),
         encoders=encs,
-        projectors=tuple(ProjectorConfig(pixel_shuffle=shuffle if e.grid % shuffle == 0 else 1) for e in encs),
+        projectors=tuple(
+            ProjectorConfig(pixel_shuffle=shuffle if e.grid % shuffle == 0 else 1) for e in encs
+        ),
         llm=LLMS[llm],
         images_per_sample=images_per_sample or images,
         llm_tokens=llm_tokens or tokens,
@@ -249,7 +327,9 @@ DEMO = VLMConfig(
     name="demo",
     encoders=(_vit("demo-vit", 256, 4, 1024, 4, head_dim=64, image_px=224, patch=14),),
     projectors=(ProjectorConfig(pixel_shuffle=2),),
-    llm=LLMConfig(name="demo-llm", width=384, depth=8, heads=6, kv_heads=2, head_dim=64, mlp=1024, vocab=2048),
+    llm=LLMConfig(
+        name="demo-llm", width=384, depth=8, heads=6, kv_heads=2, head_dim=64, mlp=1024, vocab=2048
+    ),
     images_per_sample=4,
     llm_tokens=384,
 )
@@ -265,7 +345,9 @@ VLMS: dict[str, VLMConfig | ContrastiveConfig] = {
         ContrastiveConfig(
             name="tiny-contrastive",
             vision=ENCODERS["tiny-vit"],
-            text=TextEncoderConfig(name="tiny-text", width=24, depth=2, heads=2, head_dim=12, mlp=48, vocab=64, tokens=8),
+            text=TextEncoderConfig(
+                name="tiny-text", width=24, depth=2, heads=2, head_dim=12, mlp=48, vocab=64, tokens=8
+            ),
             embed_dim=16,
         ),
         DEMO,

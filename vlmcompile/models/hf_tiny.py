@@ -14,8 +14,14 @@ from torch import nn
 
 from vlmcompile.errors import ModelError
 
-_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
+_LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 _IMAGE_TOKEN = 100
 _VOCAB = 128
 
@@ -37,10 +43,21 @@ def _finish(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[nn.Module
 def llava(batch: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                              image_size=28, patch_size=14, projection_dim=32)
-    cfg = LlavaConfig(vision_config=vision, text_config=LlamaConfig(vocab_size=_VOCAB, **_LLAMA),
-                      image_token_id=_IMAGE_TOKEN, vision_feature_layer=-1)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        projection_dim=32,
+    )
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(vocab_size=_VOCAB, **_LLAMA),
+        image_token_id=_IMAGE_TOKEN,
+        vision_feature_layer=-1,
+    )
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(cfg)
     image_tokens = (28 // 14) ** 2  # the "default" strategy drops the CLS token
@@ -52,11 +69,22 @@ def internvl(batch: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     from transformers import InternVLConfig, InternVLForConditionalGeneration, Qwen2Config
     from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
-    vision = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                  image_size=[28, 28], patch_size=[7, 7])
+    vision = InternVLVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=[28, 28],
+        patch_size=[7, 7],
+    )
     text = Qwen2Config(vocab_size=_VOCAB, **_LLAMA)
-    cfg = InternVLConfig(vision_config=vision, text_config=text, image_token_id=_IMAGE_TOKEN,
-                         downsample_ratio=0.5, vision_feature_layer=-1)
+    cfg = InternVLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=_IMAGE_TOKEN,
+        downsample_ratio=0.5,
+        vision_feature_layer=-1,
+    )
     torch.manual_seed(0)
     model = InternVLForConditionalGeneration(cfg)
     image_tokens = ((28 // 7) // 2) ** 2  # 4x4 patches, pixel shuffle 0.5 -> 2x2
@@ -68,10 +96,20 @@ def idefics3(batch: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
 
-    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                  image_size=28, patch_size=7)
-    cfg = Idefics3Config(vision_config=vision, text_config=LlamaConfig(vocab_size=_VOCAB, **_LLAMA),
-                         image_token_id=_IMAGE_TOKEN, scale_factor=2)
+    vision = Idefics3VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=7,
+    )
+    cfg = Idefics3Config(
+        vision_config=vision,
+        text_config=LlamaConfig(vocab_size=_VOCAB, **_LLAMA),
+        image_token_id=_IMAGE_TOKEN,
+        scale_factor=2,
+    )
     torch.manual_seed(0)
     model = Idefics3ForConditionalGeneration(cfg)
     image_tokens = ((28 // 7) // 2) ** 2
@@ -80,12 +118,26 @@ def idefics3(batch: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 
 def paligemma(batch: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    from transformers import GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, SiglipVisionConfig
+    from transformers import (
+        GemmaConfig,
+        PaliGemmaConfig,
+        PaliGemmaForConditionalGeneration,
+        SiglipVisionConfig,
+    )
 
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                image_size=28, patch_size=14, projection_dim=32)
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        projection_dim=32,
+    )
     text = GemmaConfig(vocab_size=_VOCAB, head_dim=8, **_LLAMA)
-    cfg = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_id=_IMAGE_TOKEN, projection_dim=32)
+    cfg = PaliGemmaConfig(
+        vision_config=vision, text_config=text, image_token_id=_IMAGE_TOKEN, projection_dim=32
+    )
     torch.manual_seed(0)
     model = PaliGemmaForConditionalGeneration(cfg)
     image_tokens = (28 // 14) ** 2
@@ -99,11 +151,25 @@ def qwen2_vl(batch: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     cfg = Qwen2VLConfig(
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        text_config=dict(vocab_size=160, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, **_LLAMA),
-        image_token_id=_IMAGE_TOKEN, video_token_id=_IMAGE_TOKEN + 1, vision_start_token_id=_IMAGE_TOKEN + 2,
-        bos_token_id=1, eos_token_id=2,
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+        ),
+        text_config=dict(
+            vocab_size=160, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, **_LLAMA
+        ),
+        image_token_id=_IMAGE_TOKEN,
+        video_token_id=_IMAGE_TOKEN + 1,
+        vision_start_token_id=_IMAGE_TOKEN + 2,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(cfg)
@@ -111,8 +177,15 @@ def qwen2_vl(batch: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     ids = _ids(batch, 8, 4, start=2)
     ids[:, 1] = _IMAGE_TOKEN + 2
     pixels = torch.randn(16 * batch, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
-    return _finish(model, {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid,
-                           "mm_token_type_ids": (ids == _IMAGE_TOKEN).long()})
+    return _finish(
+        model,
+        {
+            "input_ids": ids,
+            "pixel_values": pixels,
+            "image_grid_thw": grid,
+            "mm_token_type_ids": (ids == _IMAGE_TOKEN).long(),
+        },
+    )
 
 
 BUILDERS: dict[str, Callable[..., tuple[nn.Module, dict[str, torch.Tensor]]]] = {

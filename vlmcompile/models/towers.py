@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmcompile.models.blocks import DecoderBlock, EncoderBlock, RMSNorm
-from vlmcompile.models.configs import ContrastiveConfig, LLMConfig, ProjectorConfig, TextEncoderConfig, ViTConfig
+from vlmcompile.models.configs import (
+    ContrastiveConfig,
+    LLMConfig,
+    ProjectorConfig,
+    TextEncoderConfig,
+    ViTConfig,
+)
 
 
 class PatchEmbed(nn.Module):
@@ -36,7 +42,8 @@ class ViTEncoder(nn.Module):
         self.cfg = cfg
         self.embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(
-            EncoderBlock(width=cfg.width, heads=cfg.heads, head_dim=cfg.head_dim, mlp=cfg.mlp) for _ in range(cfg.depth)
+            EncoderBlock(width=cfg.width, heads=cfg.heads, head_dim=cfg.head_dim, mlp=cfg.mlp)
+            for _ in range(cfg.depth)
         )
         self.norm = nn.LayerNorm(cfg.width)
 

@@ -25,7 +25,9 @@ class VLM(nn.Module):
         if cfg.llm.tie_embeddings:
             self.head.proj.weight = self.llm.embed.weight
 
-    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, pixel_values: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
         """pixel_values (batch, images, channels, px, px); input_ids and labels (batch, text tokens)."""
         parts = []
         for encoder, projector in zip(self.encoders, self.projectors):
