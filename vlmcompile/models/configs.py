@@ -167,91 +167,39 @@ ENCODERS: dict[str, ViTConfig] = {
     )
 }
 
+
+def _llm(name, width, depth, heads, kv_heads, mlp, vocab, head_dim=128, **kw) -> LLMConfig:
+    return LLMConfig(
+        name=name,
+        width=width,
+        depth=depth,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        mlp=mlp,
+        vocab=vocab,
+        **kw,
+    )
+
+
+# fmt: off
 LLMS: dict[str, LLMConfig] = {
     c.name: c
     for c in (
-        LLMConfig(
-            name="GPT-11B",
-            width=3072,
-            depth=80,
-            heads=24,
-            kv_heads=24,
-            head_dim=128,
-            mlp=4 * 3072,
-            vocab=50257,
-            gated_mlp=False,
-        ),
-        LLMConfig(
-            name="LLAMA-70B", width=8192, depth=80, heads=64, kv_heads=8, head_dim=128, mlp=28672, vocab=32000
-        ),
-        LLMConfig(
-            name="GPT-175B",
-            width=12288,
-            depth=96,
-            heads=96,
-            kv_heads=96,
-            head_dim=128,
-            mlp=4 * 12288,
-            vocab=50257,
-            gated_mlp=False,
-        ),
-        LLMConfig(
-            name="InternLM2-20B",
-            width=6144,
-            depth=48,
-            heads=48,
-            kv_heads=8,
-            head_dim=128,
-            mlp=16384,
-            vocab=92544,
-        ),
-        LLMConfig(
-            name="Llama3-8B",
-            width=4096,
-            depth=32,
-            heads=32,
-            kv_heads=8,
-            head_dim=128,
-            mlp=14336,
-            vocab=128256,
-        ),
-        LLMConfig(
-            name="Yi-34B", width=7168, depth=60, heads=56, kv_heads=8, head_dim=128, mlp=20480, vocab=64000
-        ),
-        LLMConfig(
-            name="Llama3-70B",
-            width=8192,
-            depth=80,
-            heads=64,
-            kv_heads=8,
-            head_dim=128,
-            mlp=28672,
-            vocab=128256,
-        ),
-        LLMConfig(
-            name="Qwen1.5-110B",
-            width=8192,
-            depth=80,
-            heads=64,
-            kv_heads=8,
-            head_dim=128,
-            mlp=49152,
-            vocab=152064,
-        ),
-        LLMConfig(name="tiny-llm", width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64, vocab=64),
-        LLMConfig(
-            name="tiny-llm-tied",
-            width=32,
-            depth=2,
-            heads=4,
-            kv_heads=4,
-            head_dim=8,
-            mlp=64,
-            vocab=64,
-            tie_embeddings=True,
-        ),
+        #    name             width  depth heads kv  mlp        vocab
+        _llm("GPT-11B",        3072,  80,  24,  24,  4 * 3072,  50257, gated_mlp=False),
+        _llm("LLAMA-70B",      8192,  80,  64,   8,  28672,     32000),
+        _llm("GPT-175B",      12288,  96,  96,  96,  4 * 12288, 50257, gated_mlp=False),
+        _llm("InternLM2-20B",  6144,  48,  48,   8,  16384,     92544),
+        _llm("Llama3-8B",      4096,  32,  32,   8,  14336,    128256),
+        _llm("Yi-34B",         7168,  60,  56,   8,  20480,     64000),
+        _llm("Llama3-70B",     8192,  80,  64,   8,  28672,    128256),
+        _llm("Qwen1.5-110B",   8192,  80,  64,   8,  49152,    152064),
+        _llm("tiny-llm",         32,   2,   4,   2,  64,           64, head_dim=8),
+        _llm("tiny-llm-tied",    32,   2,   4,   4,  64,           64, head_dim=8, tie_embeddings=True),
     )
 }
+# fmt: on
 
 
 def _distmm_heads(width: int) -> tuple[int, int]:
