@@ -28,15 +28,6 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
 
-    @property
-    def nbytes(self) -> int:
-        import torch
-
-        numel = 1
-        for s in self.shape:
-            numel *= s
-        return numel * getattr(torch, self.dtype).itemsize
-
     def __str__(self) -> str:
         return f"{self.dtype}[{','.join(map(str, self.shape))}]"
 
