@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 from vlmcompile.cost_models.flops import cpu_sdpa_flop_mapping
+from vlmcompile.passes.capture import layer_nodes
 
 from vlmcompile.errors import ModelError
 from vlmcompile.layer_graph import Layer, LayerGraph, NodeCost, TensorSpec, format_count
@@ -268,14 +269,12 @@ def annotate(
     params = list(gm.parameters())
     if not params:
         raise ModelError("the captured graph has no parameters; nothing to annotate")
-    if tensor_mode == "real" and any(
-        t.device.type == "meta" for t in [*params, *_tensors(dict(sample_batch))]
-    ):
+    has_values = not any(t.device.type == "meta" for t in [*params, *_tensors(dict(sample_batch))])
+    if tensor_mode == "real" and not has_values:
         raise ValueError(
             "tensor_mode='real' needs real CPU weights and inputs; use tensor_mode='fake' for meta models"
         )
 
-    has_values = not any(t.device.type == "meta" for t in [*params, *_tensors(dict(sample_batch))])
     fallback = None
     try:
         layer_graph, fwd_s, bwd_s = _measure(gm, sample_batch, tensor_mode, model_name)
@@ -395,9 +394,7 @@ def _build_layer_graph(
             diff_bwd[position[layer]] += grad_bytes
             diff_bwd[last] -= grad_bytes
 
-    per_layer: dict[str, list[fx.Node]] = defaultdict(list)
-    for n in nodes:
-        per_layer[n.meta[LAYER_META]].append(n)
+    per_layer = layer_nodes(gm)
     layers = []
     running_fwd = running_bwd = 0
     for i, name in enumerate(order):

@@ -316,12 +316,15 @@ def capture(
         raise CaptureError(f"could not capture {type(model).__name__}. {tried}. {_DATA_DEPENDENT_HELP}")
 
     layer_order = assign_layers(gm, assigner, strip_prefix=strip)
-    top_level = [name for name, _ in model.named_children()]
-    check_regions_detected(layer_order, assigner, top_level=top_level)
+    layers = tuple(LayerRegion(layer, *assigner.region_of(layer)) for layer in layer_order)
+    check_regions_detected(
+        {lr.region for lr in layers},
+        overridden=bool(overrides),
+        top_level=[n for n, _ in model.named_children()],
+    )
     gm.meta[LAYER_ORDER_META] = layer_order
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
 
-    layers = tuple(LayerRegion(layer, *assigner.region_of(layer)) for layer in layer_order)
     report = CaptureReport(
         model=type(model).__name__,
         method=used,

@@ -196,12 +196,9 @@ def assign_layers(gm: fx.GraphModule, assigner: LayerAssigner, *, strip_prefix: 
     return order
 
 
-def check_regions_detected(order: list[str], assigner: LayerAssigner, *, top_level: list[str]) -> None:
+def check_regions_detected(regions: set[Region], *, overridden: bool, top_level: list[str]) -> None:
     """Without overrides, a VLM must show an encoder and a language part."""
-    if assigner.overrides:
-        return
-    regions = {assigner.region_of(layer)[0] for layer in order}
-    if regions & ENCODER_REGIONS and regions & LANGUAGE_REGIONS:
+    if overridden or (regions & ENCODER_REGIONS and regions & LANGUAGE_REGIONS):
         return
     found = ", ".join(sorted(r.value for r in regions))
     example = {name: "vision|projector|llm|head" for name in top_level[:4]}
