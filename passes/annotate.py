@@ -10,8 +10,12 @@ interpretation on real CPU tensors - the tests compare the two.
 How each figure is measured:
 
 * forward FLOPs: ``FlopCounterMode`` around each node, with the CPU SDPA kernels added
-  (``cost_models.flops.cpu_sdpa_flop_mapping``);
-* backward FLOPs: one ``torch.autograd.grad`` over all layers after the forward, each
+  (``cost_models.flops.cpu_sdpa_flop_mapping``); the attention kernels' share is kept apart,
+  as the cost model rates attention and matrix products differently;
+* memory traffic: the bytes every FLOP-free op (norms, activations, softmax, adds, copies;
+  views excluded) reads and writes, counted by a dispatch mode - the memory-bound share of a
+  layer's time in the roofline;
+* backward FLOPs and traffic: one ``torch.autograd.backward`` over all layers after the forward, each
   autograd node tagged with the FX node that created it (a pre-hook marks which node's
   backward is running);
 * saved bytes: a ``saved_tensors_hooks`` pack hook keyed by ``untyped_storage()._cdata``, so
@@ -43,8 +47,9 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from vlmcompile.cost_models.flops import cpu_sdpa_flop_mapping
 from vlmcompile.passes.capture import layer_nodes
 
@@ -131,21 +136,63 @@ def _swapped_tensors(gm: nn.Module, make: Any) -> Iterator[None]:
             table[name] = t
 
 
+_NO_COPY_OPS = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
+
+
+class _MemoryTraffic(TorchDispatchMode):
+    """Adds up the bytes that FLOP-free ops read and write (their tensor arguments and results)."""
+
+    def __init__(self, flop_ops: set[Any]):
+        super().__init__()
+        self.flop_ops = flop_ops
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        # Ops that return no tensor (prim.device, size queries) move nothing.
+        results = _tensors(out)
+        if results and packet not in self.flop_ops and packet not in _NO_COPY_OPS and not func.is_view:
+            self.bytes += sum(t.numel() * t.element_size() for t in [*_tensors((args, kwargs)), *results])
+        return out
+
+
+class _Counters:
+    """Running totals (FLOPs, attention FLOPs, memory-traffic bytes) that nodes take deltas of."""
+
+    def __init__(self, flops: FlopCounterMode, traffic: _MemoryTraffic, attention_ops: set[Any]):
+        self.flops, self.traffic, self.attention_ops = flops, traffic, attention_ops
+
+    def snapshot(self) -> tuple[int, int, int]:
+        per_op = self.flops.flop_counts.get("Global", {})
+        attn = sum(v for op, v in per_op.items() if op in self.attention_ops)
+        return self.flops.get_total_flops(), attn, self.traffic.bytes
+
+
+def _delta(after: tuple[int, ...], before: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(a - b for a, b in zip(after, before))
+
+
+def _add(total: tuple[int, ...], more: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(a + b for a, b in zip(total, more))
+
+
 class _Annotator(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, flops: FlopCounterMode, param_storages: set[int]):
+    def __init__(self, gm: fx.GraphModule, counters: _Counters, param_storages: set[int]):
         super().__init__(gm, garbage_collect_values=False)
-        self.flops = flops
+        self.counters = counters
         self.param_storages = param_storages
         self.seen_storages: set[int] = set()
         self.current: fx.Node | None = None
-        self.fwd_flops: dict[fx.Node, int] = defaultdict(int)
-        self.bwd_flops: dict[fx.Node, int] = defaultdict(int)
+        # (FLOPs, attention FLOPs, memory-traffic bytes) per node
+        self.fwd_cost: dict[fx.Node, tuple[int, int, int]] = defaultdict(lambda: (0, 0, 0))
+        self.bwd_cost: dict[fx.Node, tuple[int, int, int]] = defaultdict(lambda: (0, 0, 0))
         self.saved: dict[fx.Node, int] = defaultdict(int)
         self.layer_inputs: dict[str, dict[int, int]] = defaultdict(dict)
         self.leaves: dict[tuple[fx.Node, str], Any] = {}
         self.grad_owner: dict[Any, fx.Node] = {}
         self._bwd_node: fx.Node | None = None
-        self._bwd_mark = 0
+        self._bwd_mark = (0, 0, 0)
 
     # ---- forward -------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -181,10 +228,10 @@ class _Annotator(fx.Interpreter):
             return super().run_node(n)
         self.current = n
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._input_for(a, layer))
-        before = self.flops.get_total_flops()
+        before = self.counters.snapshot()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             out = getattr(self, n.op)(n.target, args, kwargs)
-        self.fwd_flops[n] = self.flops.get_total_flops() - before
+        self.fwd_cost[n] = _add(self.fwd_cost[n], _delta(self.counters.snapshot(), before))
         self._own_grad_fns(n, out)
         return out
 
@@ -200,10 +247,10 @@ class _Annotator(fx.Interpreter):
 
     # ---- backward ------------------------------------------------------------------------
     def _enter_backward_of(self, n: fx.Node) -> None:
-        total = self.flops.get_total_flops()
+        now = self.counters.snapshot()
         if self._bwd_node is not None:
-            self.bwd_flops[self._bwd_node] += total - self._bwd_mark
-        self._bwd_node, self._bwd_mark = n, total
+            self.bwd_cost[self._bwd_node] = _add(self.bwd_cost[self._bwd_node], _delta(now, self._bwd_mark))
+        self._bwd_node, self._bwd_mark = n, now
         return None
 
     def run_backward(self, gm: fx.GraphModule) -> None:
@@ -223,12 +270,15 @@ class _Annotator(fx.Interpreter):
         unique_in = list({id(t): t for t in inputs}.values())
         if not unique_out or not unique_in:
             return
-        self._bwd_node, self._bwd_mark = None, self.flops.get_total_flops()
+        # The seeds are made before the mark, so their bytes are nobody's backward.
+        seeds = [torch.ones_like(t) for t in unique_out]
+        self._bwd_node, self._bwd_mark = None, self.counters.snapshot()
         # backward(), not autograd.grad(): FlopCounterMode's module tracker hooks reject grad().
         # Gradients accumulate into the swapped-in leaves, never into the user's parameters.
-        torch.autograd.backward(unique_out, [torch.ones_like(t) for t in unique_out], inputs=unique_in)
+        torch.autograd.backward(unique_out, seeds, inputs=unique_in)
         if self._bwd_node is not None:
-            self.bwd_flops[self._bwd_node] += self.flops.get_total_flops() - self._bwd_mark
+            last = _delta(self.counters.snapshot(), self._bwd_mark)
+            self.bwd_cost[self._bwd_node] = _add(self.bwd_cost[self._bwd_node], last)
 
 
 def _detached_parameter(t: torch.Tensor) -> torch.Tensor:
@@ -311,10 +361,14 @@ def _measure(
     args = [batch[n.target] if n.target in batch else _default_of(n) for n in placeholders]
 
     with _swapped_tensors(gm, make), fake_mode or contextlib.nullcontext():
-        flops = FlopCounterMode(display=False, custom_mapping=cpu_sdpa_flop_mapping())
+        sdpa = cpu_sdpa_flop_mapping()
+        flops = FlopCounterMode(display=False, custom_mapping=sdpa)
+        flop_ops = set(flop_registry) | set(sdpa)
+        traffic = _MemoryTraffic(flop_ops)
+        counters = _Counters(flops, traffic, {op for op in flop_ops if "attention" in str(op)})
         param_storages = {st[0] for p in gm.parameters() if (st := _storage(p))}
-        interp = _Annotator(gm, flops, param_storages)
-        with flops:
+        interp = _Annotator(gm, counters, param_storages)
+        with flops, traffic:
             start = time.perf_counter()
             try:
                 interp.run(*args)
@@ -354,10 +408,14 @@ def _build_layer_graph(
         found = _params_read(gm, n)
         n.meta[NODE_COST_META] = NodeCost(
             outputs=tuple(_spec(t) for t in _tensors(interp.env.get(n))),
-            fwd_flops=interp.fwd_flops.get(n, 0),
-            bwd_flops=interp.bwd_flops.get(n, 0),
+            fwd_flops=interp.fwd_cost[n][0],
+            bwd_flops=interp.bwd_cost[n][0],
             saved_bytes=interp.saved.get(n, 0),
             param_bytes=sum(p.numel() * p.element_size() for p in found),
+            fwd_attn_flops=interp.fwd_cost[n][1],
+            bwd_attn_flops=interp.bwd_cost[n][1],
+            fwd_mem_bytes=interp.fwd_cost[n][2],
+            bwd_mem_bytes=interp.bwd_cost[n][2],
         )
         for p in found:
             if p is not None and (id(p) not in owner or position[n.meta[LAYER_META]] < owner[id(p)][0]):
@@ -401,6 +459,7 @@ def _build_layer_graph(
         running_fwd += diff_fwd[i]
         running_bwd += diff_bwd[i]
         members = per_layer[name]
+        costs = [n.meta[NODE_COST_META] for n in members]
         layers.append(
             Layer(
                 index=i,
@@ -409,13 +468,17 @@ def _build_layer_graph(
                 num_nodes=len(members),
                 num_params=num_params[i],
                 param_bytes=param_bytes[i],
-                fwd_flops=sum(n.meta[NODE_COST_META].fwd_flops for n in members),
-                bwd_flops=sum(n.meta[NODE_COST_META].bwd_flops for n in members),
-                saved_bytes=sum(n.meta[NODE_COST_META].saved_bytes for n in members),
+                fwd_flops=sum(c.fwd_flops for c in costs),
+                bwd_flops=sum(c.bwd_flops for c in costs),
+                saved_bytes=sum(c.saved_bytes for c in costs),
                 saved_bytes_recompute=sum(interp.layer_inputs[name].values()),
                 boundary_fwd_bytes=running_fwd if i < len(order) - 1 else 0,
                 boundary_bwd_bytes=running_bwd if i < len(order) - 1 else 0,
                 outputs=tuple(outputs[name]),
+                fwd_attn_flops=sum(c.fwd_attn_flops for c in costs),
+                bwd_attn_flops=sum(c.bwd_attn_flops for c in costs),
+                fwd_mem_bytes=sum(c.fwd_mem_bytes for c in costs),
+                bwd_mem_bytes=sum(c.bwd_mem_bytes for c in costs),
             )
         )
     edges = tuple(
@@ -428,8 +491,25 @@ def _build_layer_graph(
         "model": model_name or gm.__class__.__name__,
         "tensor_mode": tensor_mode,
         "batch": {k: str(_spec(v)) for k, v in batch.items() if isinstance(v, torch.Tensor)},
+        "batch_size": _batch_size(batch),
     }
     return LayerGraph(layers=tuple(layers), edges=edges, meta=meta)
+
+
+def _batch_size(batch: Mapping[str, Any]) -> int:
+    """Samples in the sample batch, which the cost model scales per-sample costs by: the leading
+    size of ``input_ids`` if there is one (image inputs of transformers models stack the images
+    of all samples), else the leading size the tensors share."""
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if "input_ids" in tensors:
+        return int(tensors["input_ids"].shape[0])
+    leading = {int(v.shape[0]) for v in tensors.values()}
+    if len(leading) != 1:
+        raise ValueError(
+            f"cannot tell the batch size of a sample batch whose tensors lead with {sorted(leading)}; "
+            "give every input the batch as its first dimension, or pass input_ids"
+        )
+    return leading.pop()
 
 
 def _params_read(gm: fx.GraphModule, n: fx.Node) -> list[nn.Parameter]:

@@ -27,7 +27,7 @@ def test_json_round_trip_is_lossless(graph, tmp_path):
 def test_an_old_schema_version_is_rejected_with_the_fix(graph):
     data = graph.to_json()
     data["version"] = 0
-    with pytest.raises(ValueError, match="version 0 is not 1; re-run `vlmcompile annotate`"):
+    with pytest.raises(ValueError, match="version 0 is not 2; re-run `vlmcompile annotate`"):
         LayerGraph.from_json(data)
     with pytest.raises(ValueError, match="not a LayerGraph JSON"):
         LayerGraph.from_json({"schema": "something"})

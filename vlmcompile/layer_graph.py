@@ -20,7 +20,8 @@ from tabulate import tabulate
 from vlmcompile.regions import Region
 
 SCHEMA = "vlmcompile.layer_graph"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: attention FLOPs and memory traffic per layer; 1 had neither."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,10 @@ class NodeCost:
     """Bytes of storages first saved for backward while this node ran (parameters excluded)."""
     param_bytes: int = 0
     """Bytes of the parameters this node reads (a ``get_attr``, or a leaf module's own)."""
+    fwd_attn_flops: int = 0
+    bwd_attn_flops: int = 0
+    fwd_mem_bytes: int = 0
+    bwd_mem_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +73,20 @@ class Layer:
     """Bytes of gradients that cut receives back."""
     outputs: tuple[TensorSpec, ...] = ()
     """Tensors this layer hands to later layers or returns."""
+    fwd_attn_flops: int = 0
+    """The part of ``fwd_flops`` spent in attention kernels (the rest is matrix products)."""
+    bwd_attn_flops: int = 0
+    fwd_mem_bytes: int = 0
+    """Bytes read and written by the forward's FLOP-free ops (norms, activations, softmax, adds,
+    copies; views excluded): the memory-bound share of the layer's time."""
+    bwd_mem_bytes: int = 0
 
     def __post_init__(self):
+        if not (0 <= self.fwd_attn_flops <= self.fwd_flops and 0 <= self.bwd_attn_flops <= self.bwd_flops):
+            raise ValueError(
+                f"layer {self.name}: attention FLOPs (fwd {self.fwd_attn_flops}, bwd {self.bwd_attn_flops}) "
+                f"exceed the layer's (fwd {self.fwd_flops}, bwd {self.bwd_flops})"
+            )
         if self.saved_bytes < 0 or self.fwd_flops < 0 or self.bwd_flops < 0:
             raise ValueError(
                 f"layer {self.name}: negative cost (saved {self.saved_bytes}, fwd {self.fwd_flops}, bwd {self.bwd_flops})"
@@ -117,7 +134,16 @@ class LayerGraph:
 
     def totals(self, layers: Iterable[Layer] | None = None) -> dict[str, int]:
         chosen = list(self.layers if layers is None else layers)
-        keys = ("num_params", "param_bytes", "fwd_flops", "bwd_flops", "saved_bytes", "saved_bytes_recompute")
+        keys = (
+            "num_params",
+            "param_bytes",
+            "fwd_flops",
+            "bwd_flops",
+            "fwd_attn_flops",
+            "fwd_mem_bytes",
+            "saved_bytes",
+            "saved_bytes_recompute",
+        )
         return {k: sum(getattr(layer, k) for layer in chosen) for k in keys}
 
     def region_table(self) -> str:

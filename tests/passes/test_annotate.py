@@ -45,9 +45,14 @@ def test_vit_block_forward_flops_match_the_formula(width, heads, head_dim, mlp, 
     expected = vit_block_fwd_flops(
         batch=batch, tokens=cfg.tokens_per_image, width=width, heads=heads, head_dim=head_dim, mlp=mlp
     )
+    attention = attention_fwd_flops(
+        batch, heads, cfg.tokens_per_image, cfg.tokens_per_image, head_dim, head_dim
+    )
     for block in ("blocks.0", "blocks.1"):
         assert graph[block].fwd_flops == pytest.approx(expected, rel=0.01)
         assert graph[block].bwd_flops == 2 * graph[block].fwd_flops
+        assert graph[block].fwd_attn_flops == attention
+        assert graph[block].bwd_attn_flops == 2 * attention
 
 
 @pytest.mark.parametrize(
@@ -170,10 +175,36 @@ def test_node_costs_sum_to_layer_costs_and_user_parameters_get_no_gradient():
     nodes = [n for n in result.gm.graph.nodes if NODE_COST_META in n.meta]
     assert sum(n.meta[NODE_COST_META].fwd_flops for n in nodes) == result.layer_graph.totals()["fwd_flops"]
     assert sum(n.meta[NODE_COST_META].bwd_flops for n in nodes) == result.layer_graph.totals()["bwd_flops"]
+    totals = result.layer_graph.totals()
+    assert sum(n.meta[NODE_COST_META].fwd_mem_bytes for n in nodes) == totals["fwd_mem_bytes"] > 0
     assert (
         sum(n.meta[NODE_COST_META].param_bytes for n in nodes) == result.layer_graph.totals()["param_bytes"]
     )
     assert all(p.grad is None for p in model.parameters())
+
+
+class _Norms(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.vision = nn.LayerNorm(width)
+        self.llm = nn.Linear(width, 1, bias=False)
+
+    def forward(self, x):
+        return self.llm(self.vision(x)).sum()
+
+
+def test_memory_traffic_counts_what_flop_free_ops_read_and_write():
+    tokens, width = 6, 16
+    x = torch.randn(tokens, width)
+    graph = _annotate(_Norms(width), {"x": x}).layer_graph
+    norm = graph["vision"]
+    assert norm.fwd_flops == 0 and norm.fwd_attn_flops == 0
+    # native_layer_norm reads x, weight, bias and writes y, mean, rstd
+    hidden = tokens * width * 4
+    expected = 2 * hidden + 2 * width * 4 + 2 * tokens * 4
+    assert norm.fwd_mem_bytes == expected
+    assert norm.bwd_mem_bytes > norm.fwd_mem_bytes  # its backward reads more than it writes
+    assert graph["llm"].fwd_flops == 2 * tokens * width and graph["llm"].fwd_attn_flops == 0
 
 
 class _Masked(nn.Module):
