@@ -35,3 +35,11 @@ class PassError(VlmCompileError):
         super().__init__(
             f"pass {index} '{pass_name}' failed ({type(cause).__name__}: {cause}); passes already run: {ran}"
         )
+
+
+class ClusterError(VlmCompileError, ValueError):
+    """A cluster description or preset is unknown or inconsistent."""
+
+
+class PlanError(VlmCompileError, ValueError):
+    """A plan is malformed: a layer in no stage, a missing action, a deadlock, memory over the limit."""

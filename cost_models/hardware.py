@@ -1,0 +1,134 @@
+"""Device catalogue: peak rates and memory of the accelerators we plan for, and a CPU whose
+rates are measured on the machine at hand.
+
+Rates are dense bf16 (fp16 on V100) tensor-core peaks from the vendors' datasheets, the same
+figures as ``shared/reference/paper_setups.json`` where it gives them. Achieved rates are a
+fraction of peak; the default fractions per op class (:class:`Efficiency`) are:
+
+* matrix products 0.75: large bf16 GEMMs in cuBLAS reach 70-80 % of the dense peak on A100
+  and H100 (the Megatron-LM GPT runs of Narayanan et al. 2021 sustain 52 % of peak end to end,
+  communication and bubbles included, so the GEMMs themselves run well above that);
+* attention 0.5: FlashAttention-2 reaches 50-73 % of A100 peak in the forward and less in the
+  backward (Dao 2023, sec. 4.1); FlashAttention-3 about 75 % of H100 peak forward (Shah et al.
+  2024). 0.5 is the fwd+bwd average we assume;
+* memory-bound ops 0.8 of the HBM bandwidth (STREAM-like copies reach 80-90 %).
+
+They are priors: :mod:`vlmcompile.cost_models.calibrate` fits them to measured layer times.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+from vlmcompile.errors import ClusterError
+
+GB = 10**9
+GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """Fractions of the peak rates that kernels of each op class achieve."""
+
+    matmul: float = 0.75
+    attention: float = 0.5
+    memory: float = 0.8
+
+    def __post_init__(self):
+        for name in ("matmul", "attention", "memory"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{name} efficiency {value} is outside (0, 1]; it is a fraction of peak")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    name: str
+    peak_flops_per_s: float
+    """Dense tensor-core peak in the training dtype (bf16; fp16 on V100)."""
+    mem_bytes: int
+    mem_bw_bytes_per_s: float
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    source: str = ""
+    """Where the figures come from."""
+
+    def __post_init__(self):
+        if self.peak_flops_per_s <= 0 or self.mem_bytes <= 0 or self.mem_bw_bytes_per_s <= 0:
+            raise ValueError(
+                f"device {self.name}: peak {self.peak_flops_per_s} FLOP/s, memory {self.mem_bytes} B and "
+                f"bandwidth {self.mem_bw_bytes_per_s} B/s must all be positive"
+            )
+
+    def with_efficiency(self, efficiency: Efficiency) -> DeviceSpec:
+        return replace(self, efficiency=efficiency)
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        DeviceSpec("A100-40GB", 312e12, 40 * GB, 1.555e12, source="NVIDIA A100 datasheet (SXM4)"),
+        DeviceSpec("A100-80GB", 312e12, 80 * GB, 2.0e12, source="NVIDIA A100 datasheet; paper_setups.json"),
+        DeviceSpec(
+            "H100-80GB", 989e12, 80 * GB, 3.35e12, source="NVIDIA H100 SXM datasheet; paper_setups.json"
+        ),
+        DeviceSpec("H200", 989e12, 141 * GB, 4.8e12, source="NVIDIA H200 SXM datasheet"),
+        DeviceSpec(
+            "V100-16GB", 125e12, 16 * GB, 0.9e12, source="NVIDIA V100 SXM2 datasheet; paper_setups.json"
+        ),
+    )
+}
+
+
+def device(name: str, *, num_local_ranks: int = 1) -> DeviceSpec:
+    """A catalogue device by name, or ``cpu`` measured here for ``num_local_ranks`` ranks sharing it."""
+    if name == "cpu":
+        return measure_cpu(num_local_ranks)
+    if name not in DEVICES:
+        raise ClusterError(f"unknown device {name!r}; choose one of {', '.join([*DEVICES, 'cpu'])}")
+    return DEVICES[name]
+
+
+@functools.cache
+def measure_cpu(num_local_ranks: int = 1) -> DeviceSpec:
+    """This machine's CPU as one of ``num_local_ranks`` ranks sharing it: the cores are split
+    between the ranks, so the rates are measured with that many threads (fp32 GEMM for the
+    peak, a large copy for the bandwidth) and the memory is divided."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // num_local_ranks)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 512
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        gemm_s = _median_time(lambda: torch.mm(a, b))
+        src = torch.empty(16 * 2**20 // 4)
+        dst = torch.empty_like(src)
+        copy_s = _median_time(lambda: dst.copy_(src))
+    finally:
+        torch.set_num_threads(saved)
+    total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return DeviceSpec(
+        "cpu",
+        peak_flops_per_s=2 * n**3 / gemm_s,
+        mem_bytes=total_mem // num_local_ranks,
+        mem_bw_bytes_per_s=2 * src.numel() * 4 / copy_s,
+        # Measured rates are achieved rates already: matmul and copies run at 1.0; the CPU flash
+        # attention kernel is slower than a GEMM of the same FLOPs (calibrate to refine).
+        efficiency=Efficiency(matmul=1.0, attention=0.5, memory=1.0),
+        source=f"measured on this machine: {threads} threads of {cores} cores, fp32 GEMM {n}^3, 16 MiB copy",
+    )
+
+
+def _median_time(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]

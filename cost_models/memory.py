@@ -1,0 +1,63 @@
+"""Memory per rank: model states by precision and ZeRO stage, activations per microbatch.
+
+Model states follow Rajbhandari et al. 2020 (ZeRO) with Megatron-LM's mixed precision: bf16
+parameters (2 B), fp32 main gradients (4 B) and Adam's fp32 master weights and two moments
+(12 B) per parameter; ZeRO stage 1 (Megatron's distributed optimizer) shards the optimizer
+states over the data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters.
+
+Activations are the annotate pass's measured saved bytes, scaled to the microbatch, on one TP
+rank (see :func:`vlmcompile.cost_models.compute.sharded_share`). With full recompute a layer
+keeps only its inputs, and re-creates its saved tensors during its own backward (one layer at
+a time: the transient). Selective recompute (the attention core) frees the s^2 softmax
+tensors of Korthikanti et al. 2022; the flash-attention kernels we annotate never store
+them, so it frees nothing here and only costs the attention forward again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vlmcompile.cost_models.compute import sharded_share
+
+from vlmcompile.layer_graph import Layer
+from vlmcompile.plan import Recompute, Training
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStateBytes:
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(num_params: float, training: Training, *, dp: int, zero_stage: int) -> ModelStateBytes:
+    """Bytes of ``num_params`` parameters (already divided by TP) on one rank."""
+    return ModelStateBytes(
+        params=num_params * training.param_bytes / (dp if zero_stage >= 3 else 1),
+        grads=num_params * training.grad_bytes / (dp if zero_stage >= 2 else 1),
+        optimizer=num_params * training.optimizer_bytes / (dp if zero_stage >= 1 else 1),
+    )
+
+
+def kept_activation_bytes(
+    layer: Layer, recompute: Recompute, *, samples: float, tp: int, sequence_parallel: bool
+) -> float:
+    """Bytes one microbatch leaves on the rank from this layer's forward until its backward."""
+    if recompute is Recompute.FULL:
+        # The checkpoint keeps the layer's input: the hidden state, sharded only under SP.
+        share = 1.0 / tp if sequence_parallel else 1.0
+        return samples * layer.saved_bytes_recompute * share
+    return samples * layer.saved_bytes * sharded_share(layer, tp, sequence_parallel)
+
+
+def recompute_transient_bytes(
+    layer: Layer, recompute: Recompute, *, samples: float, tp: int, sequence_parallel: bool
+) -> float:
+    """Extra bytes while a fully recomputed layer runs its backward (its re-created saved tensors)."""
+    if recompute is not Recompute.FULL:
+        return 0.0
+    return samples * layer.saved_bytes * sharded_share(layer, tp, sequence_parallel)

@@ -1,0 +1,251 @@
+"""What each stage of a plan costs: compute and TP communication per action kind,
+point-to-point transfers, activation bytes per microbatch, model states, and the DP
+collectives per layer. The simulator reads only this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from vlmcompile.cost_models import comm
+from vlmcompile.cost_models.compute import is_tensor_parallel, layer_time
+from vlmcompile.cost_models.memory import (
+    kept_activation_bytes,
+    model_state_bytes,
+    recompute_transient_bytes,
+)
+
+from vlmcompile.cluster import Cluster
+from vlmcompile.errors import PlanError
+from vlmcompile.layer_graph import Layer, LayerGraph
+from vlmcompile.plan import Parallel, Plan, Recompute, Training
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """One layer on one TP rank for one microbatch."""
+
+    name: str
+    fwd_s: float
+    input_grad_s: float
+    """Includes recomputing the forward when the layer is recomputed."""
+    weight_grad_s: float
+    fwd_tp_comm_s: float
+    bwd_tp_comm_s: float
+    """Includes the recomputed forward's TP collectives."""
+    num_params: float
+    """Parameters on one TP rank."""
+    dp_all_gather_s: float
+    """Gathering the layer's updated parameters over the DP group (distributed optimizer)."""
+    dp_reduce_s: float
+    """Reduce-scattering (ZeRO >= 1) or all-reducing (ZeRO 0) the layer's gradients over DP."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    index: int
+    rank: int
+    layers: tuple[LayerCost, ...]
+    send_fwd_s: float
+    """Activations to the next stage (0 when it is on the same rank or there is none)."""
+    send_bwd_s: float
+    """Gradients to the previous stage."""
+    act_bytes: float
+    """Kept from a microbatch's forward until its backward."""
+    transient_bytes: float
+    """Extra bytes during this stage's backward (recomputed saved tensors)."""
+
+    @property
+    def fwd_s(self) -> float:
+        return sum(c.fwd_s for c in self.layers)
+
+    @property
+    def input_grad_s(self) -> float:
+        return sum(c.input_grad_s for c in self.layers)
+
+    @property
+    def weight_grad_s(self) -> float:
+        return sum(c.weight_grad_s for c in self.layers)
+
+    @property
+    def fwd_tp_comm_s(self) -> float:
+        return sum(c.fwd_tp_comm_s for c in self.layers)
+
+    @property
+    def bwd_tp_comm_s(self) -> float:
+        return sum(c.bwd_tp_comm_s for c in self.layers)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCosts:
+    stages: tuple[StageCost, ...]
+    static_bytes: tuple[float, ...]
+    """Model states per pipeline rank."""
+    model_flops: float
+    """FLOPs of one step of one pipeline (forward + backward, no recompute), for MFU."""
+    samples: float
+    """Microbatch size over the annotated batch size: the factor every per-sample figure takes."""
+
+
+def _tp_collectives(layer: Layer) -> int:
+    """Collectives per pass (Megatron-LM): an attention block all-reduces after attention and
+    after the MLP (with sequence parallelism: an all-gather and a reduce-scatter each, the same
+    bytes); other sharded layers (embedding, projector MLP, output layer) once."""
+    if not is_tensor_parallel(layer):
+        return 0
+    return 2 if layer.fwd_attn_flops > 0 else 1
+
+
+def _hidden_bytes(layer_graph: LayerGraph, layer: Layer) -> int:
+    largest_out = max((_spec_bytes(o.shape, o.dtype) for o in layer.outputs), default=0)
+    incoming = layer_graph.layers[layer.index - 1].boundary_fwd_bytes if layer.index > 0 else 0
+    return max(largest_out, incoming)
+
+
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
+
+
+def _spec_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * _DTYPE_BYTES.get(dtype, 4)
+
+
+def layer_cost(
+    layer: Layer,
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    par: Parallel,
+    *,
+    samples: float,
+    recompute: Recompute = Recompute.NONE,
+    training: Training | None = None,
+) -> LayerCost:
+    """One layer on one TP rank for one microbatch of ``samples`` annotated batches."""
+    training = training or Training()
+    device = cluster.device
+    tp_bw, tp_lat = cluster.group_link(par.tp, 1)
+    dp_bw, dp_lat = cluster.group_link(par.dp, par.tp)
+    t = layer_time(layer, device, samples=samples, tp=par.tp, sequence_parallel=par.sequence_parallel)
+    coll = _tp_collectives(layer) if par.tp > 1 else 0
+    fwd_comm = coll * comm.all_reduce_s(samples * _hidden_bytes(layer_graph, layer), par.tp, tp_bw, tp_lat)
+    sharded = is_tensor_parallel(layer)
+    redo = redo_comm = 0.0
+    if recompute is Recompute.FULL:
+        redo, redo_comm = t.fwd_s, fwd_comm
+    elif recompute is Recompute.SELECTIVE and layer.fwd_attn_flops:
+        flop_div = par.tp if sharded else 1
+        redo = (
+            samples
+            * layer.fwd_attn_flops
+            / flop_div
+            / (device.peak_flops_per_s * device.efficiency.attention)
+        )
+    params = layer.num_params / (par.tp if sharded else 1)
+    grads_wire = params * training.dp_grad_bytes
+    if par.zero_stage >= 1:
+        reduce = comm.reduce_scatter_s(grads_wire, par.dp, dp_bw, dp_lat)
+        gather = comm.all_gather_s(params * training.param_bytes, par.dp, dp_bw, dp_lat)
+    else:
+        reduce, gather = comm.all_reduce_s(grads_wire, par.dp, dp_bw, dp_lat), 0.0
+    return LayerCost(
+        name=layer.name,
+        fwd_s=t.fwd_s,
+        input_grad_s=t.input_grad_s + redo,
+        weight_grad_s=t.weight_grad_s,
+        fwd_tp_comm_s=fwd_comm,
+        bwd_tp_comm_s=fwd_comm + redo_comm,
+        num_params=params,
+        dp_all_gather_s=gather,
+        dp_reduce_s=reduce,
+    )
+
+
+def samples_per_microbatch(layer_graph: LayerGraph, microbatch_size: int) -> float:
+    return microbatch_size / (layer_graph.meta.get("batch_size", 1) or 1)
+
+
+def layer_costs(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    par: Parallel,
+    *,
+    microbatch_size: int,
+    recompute: Mapping[str, Recompute] | None = None,
+    training: Training | None = None,
+) -> list[LayerCost]:
+    """Every layer's cost under one parallel setting (planning passes compare cuts with these)."""
+    cluster.check_tensor_parallel(par.tp)
+    samples = samples_per_microbatch(layer_graph, microbatch_size)
+    flags = recompute or {}
+    return [
+        layer_cost(
+            layer,
+            layer_graph,
+            cluster,
+            par,
+            samples=samples,
+            recompute=flags.get(layer.name, Recompute.NONE),
+            training=training,
+        )
+        for layer in layer_graph.layers
+    ]
+
+
+def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCosts:
+    if plan.pieces:
+        raise PlanError(
+            "sub-layer pieces are not costed yet; plans that split layers come with the scheduler"
+        )
+    samples = samples_per_microbatch(layer_graph, plan.microbatch_size)
+    training = plan.training
+    stage_costs = []
+    for stage in plan.stages:
+        par = plan.parallel[stage.group]
+        cluster.check_tensor_parallel(par.tp)
+        layers = []
+        act = transient = 0.0
+        kw = {"samples": samples, "tp": par.tp, "sequence_parallel": par.sequence_parallel}
+        for name in stage.layers:
+            layer = layer_graph[name]
+            rc = plan.recompute_of(name)
+            layers.append(
+                layer_cost(layer, layer_graph, cluster, par, samples=samples, recompute=rc, training=training)
+            )
+            act += kept_activation_bytes(layer, rc, **kw)
+            transient = max(transient, recompute_transient_bytes(layer, rc, **kw))
+        stage_costs.append((stage, par, layers, act, transient))
+
+    result = []
+    for i, (stage, par, layers, act, transient) in enumerate(stage_costs):
+        last = layer_graph[stage.layers[-1]]
+        first = layer_graph[stage.layers[0]]
+        shard = 1 / par.tp if par.sequence_parallel else 1.0
+        send_fwd = send_bwd = 0.0
+        if i + 1 < len(stage_costs) and stage_costs[i + 1][0].rank != stage.rank:
+            bw, lat = _p2p_link(cluster, plan, stage.rank, stage_costs[i + 1][0].rank, par)
+            send_fwd = comm.p2p_s(samples * last.boundary_fwd_bytes * shard, bw, lat)
+        if i > 0 and stage_costs[i - 1][0].rank != stage.rank:
+            prev_last = layer_graph.layers[first.index - 1]
+            bw, lat = _p2p_link(cluster, plan, stage.rank, stage_costs[i - 1][0].rank, par)
+            send_bwd = comm.p2p_s(samples * prev_last.boundary_bwd_bytes * shard, bw, lat)
+        result.append(StageCost(stage.index, stage.rank, tuple(layers), send_fwd, send_bwd, act, transient))
+
+    static = [0.0] * plan.num_ranks
+    for stage, par, layers, _, _ in stage_costs:
+        params = sum(c.num_params for c in layers)
+        static[stage.rank] += model_state_bytes(params, training, dp=par.dp, zero_stage=par.zero_stage).total
+    model_flops = (
+        samples
+        * plan.num_microbatches
+        * sum(layer_graph[n].fwd_flops + layer_graph[n].bwd_flops for s in plan.stages for n in s.layers)
+    )
+    return PlanCosts(tuple(result), tuple(static), model_flops, samples)
+
+
+def _p2p_link(cluster: Cluster, plan: Plan, rank_a: int, rank_b: int, par) -> tuple[float, float]:
+    # Pipeline ranks sit tp * dp global ranks apart in Megatron's layout.
+    stride = par.tp * par.dp * abs(rank_a - rank_b)
+    return cluster.group_link(2, stride)

@@ -1,0 +1,102 @@
+"""Actions: one unit of pipeline work, a forward or backward of one stage on one microbatch.
+
+Written like torch.distributed.pipelining's ``_Action``: ``2F0`` is the forward of stage 2 on
+microbatch 0; ``B`` is a full backward, ``I`` and ``W`` its input-gradient and
+weight-gradient halves (zero-bubble schedules run them apart). A schedule is one action list
+per pipeline rank, executed in order; :func:`format_grid` prints it as a step x rank grid.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class ActionKind(str, enum.Enum):
+    F = "F"
+    """forward"""
+    B = "B"
+    """full backward (input and weight gradients)"""
+    I = "I"  # noqa: E741 - the name torch and the zero-bubble paper use
+    """input-gradient half of the backward"""
+    W = "W"
+    """weight-gradient half of the backward"""
+
+
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Action:
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __post_init__(self):
+        if self.stage < 0 or self.microbatch < 0:
+            raise ValueError(f"action {self}: stage and microbatch must be >= 0")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    @classmethod
+    def from_str(cls, text: str) -> Action:
+        match = _ACTION.match(text.strip())
+        if not match:
+            raise ValueError(f"{text!r} is not an action; write <stage><F|B|I|W><microbatch>, e.g. 2F0")
+        return cls(int(match[1]), ActionKind(match[2]), int(match[3]))
+
+
+def dependencies(
+    action: Action, num_stages: int, split_backward: frozenset[int] = frozenset()
+) -> list[Action]:
+    """The actions that must finish before ``action`` may start. ``split_backward`` holds the
+    stages whose backward runs as I + W (their input gradient is what the stage before waits for)."""
+    s, m = action.stage, action.microbatch
+
+    def grad_of(stage: int) -> Action:
+        return Action(stage, ActionKind.I if stage in split_backward else ActionKind.B, m)
+
+    if action.kind is ActionKind.F:
+        return [Action(s - 1, ActionKind.F, m)] if s > 0 else []
+    if action.kind is ActionKind.W:
+        return [Action(s, ActionKind.I, m)]
+    deps = [Action(s, ActionKind.F, m)]
+    if s + 1 < num_stages:
+        deps.append(grad_of(s + 1))
+    return deps
+
+
+def format_grid(
+    rank_actions: Sequence[Sequence[Action]],
+    *,
+    mark: dict[tuple[int, int], str] | None = None,
+    steps: range | None = None,
+) -> str:
+    """Step x rank grid: row i holds each rank's i-th action. ``mark`` maps (rank, step) to a
+    note printed next to that cell (e.g. ``<- stuck``); ``steps`` limits the rows shown."""
+    mark = mark or {}
+    num_steps = max((len(a) for a in rank_actions), default=0)
+    shown = steps if steps is not None else range(num_steps)
+    cells = [
+        [
+            str(rank_actions[r][i]) + (f" {mark[(r, i)]}" if (r, i) in mark else "")
+            if i < len(rank_actions[r])
+            else ""
+            for r in range(len(rank_actions))
+        ]
+        for i in shown
+    ]
+    width = max([len(c) for row in cells for c in row] + [len(f"rank {len(rank_actions) - 1}")])
+    header = "step  " + "  ".join(f"rank {r}".ljust(width) for r in range(len(rank_actions)))
+    lines = [header.rstrip()]
+    for i, row in zip(shown, cells):
+        lines.append(f"{i:<4}  " + "  ".join(c.ljust(width) for c in row).rstrip())
+    if steps is not None and (steps.start > 0 or steps.stop < num_steps):
+        lines.append(f"(steps {steps.start}-{steps.stop - 1} of {num_steps})")
+    return "\n".join(lines)

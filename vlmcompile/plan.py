@@ -1,0 +1,441 @@
+"""Plan: everything the simulator and the runtime need to run one training step.
+
+A plan is a chain of stages (virtual stages when a rank holds several), each a run of
+consecutive pieces of the model placed on one pipeline rank; per-layer recompute flags;
+parallel degrees per stage group; microbatch size and count; and one action list per
+pipeline rank. A piece is a layer of the LayerGraph, or a named group of FX nodes inside one
+(``pieces``), so encoder work split below layer granularity and placed on any rank is a
+plan of this same format. Every choice a planning pass made is kept as a :class:`Decision`.
+
+``Plan.validate`` rejects malformed plans with a message that names the rank and step, and
+prints the step x rank grid with the fault marked.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tabulate import tabulate
+
+from vlmcompile.actions import Action, ActionKind, dependencies, format_grid
+from vlmcompile.errors import PlanError
+
+if TYPE_CHECKING:
+    from vlmcompile.cluster import Cluster
+    from vlmcompile.layer_graph import LayerGraph
+
+SCHEMA = "vlmcompile.plan"
+SCHEMA_VERSION = 1
+
+
+class Recompute(str, enum.Enum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    """Megatron's selective recompute: the attention core is recomputed in the backward."""
+    FULL = "full"
+    """The whole layer is recomputed; only its inputs are kept."""
+
+
+class Reason(str, enum.Enum):
+    """Why a planning pass made a decision (the report and the tests read these)."""
+
+    ENCODER_ON_FIRST_STAGE = "encoder_on_first_stage"
+    EVEN_SPLIT = "even_split"
+    FIRST_STAGE_LAYERS = "first_stage_layers"
+    LAST_STAGE_LAYERS = "last_stage_layers"
+    HEAD_ON_LAST_STAGE = "head_on_last_stage"
+    BALANCED = "balanced"
+    GLOBAL_RECOMPUTE = "global_recompute"
+    SCHEDULE = "schedule"
+    MICROBATCHES = "microbatches"
+    LINEARISED_BRANCHES = "linearised_branches"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    subject: str
+    """What was decided about: a stage, a layer, the schedule."""
+    reason: Reason
+    detail: str
+    numbers: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """Parallel degrees of one group of stages (the whole model in Megatron's policy)."""
+
+    dp: int
+    tp: int
+    pp: int
+    v: int = 1
+    """Virtual stages (model chunks) per pipeline rank."""
+    sequence_parallel: bool = True
+    zero_stage: int = 1
+    """0: replicated optimizer; 1: optimizer states sharded over DP (Megatron's distributed
+    optimizer); 2: and gradients; 3: and parameters."""
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "v"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"parallel degree {name}={getattr(self, name)} must be >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"zero_stage={self.zero_stage}; use 0, 1, 2 or 3")
+
+    def __str__(self) -> str:
+        sp = ", SP" if self.sequence_parallel and self.tp > 1 else ""
+        return f"DP={self.dp} TP={self.tp} PP={self.pp} V={self.v}{sp}, ZeRO-{self.zero_stage}"
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    index: int
+    """Position in the stage chain: activations flow from stage i to stage i + 1."""
+    rank: int
+    """Pipeline rank that runs it."""
+    layers: tuple[str, ...]
+    """Pieces in order: LayerGraph layer names, or names in ``Plan.pieces``."""
+    group: str = "model"
+    """Key into ``Plan.parallel``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Training:
+    """Precision of the model states (Megatron mixed precision with Adam by default)."""
+
+    param_bytes: int = 2
+    grad_bytes: int = 4
+    """fp32 main gradients."""
+    optimizer_bytes: int = 12
+    """fp32 master weights + Adam's two moments."""
+    dp_grad_bytes: int = 4
+    """Bytes per gradient element on the wire in the DP reduction."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model: str
+    policy: str
+    stages: tuple[Stage, ...]
+    parallel: Mapping[str, Parallel]
+    microbatch_size: int
+    num_microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    """One action list per pipeline rank."""
+    schedule: str
+    recompute: Mapping[str, Recompute] = field(default_factory=dict)
+    """Layer -> recompute flag; layers not named are not recomputed."""
+    pieces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Sub-layer pieces: name -> the FX nodes it runs (empty while plans cut at layers)."""
+    training: Training = field(default_factory=Training)
+    cluster: str = ""
+    decisions: tuple[Decision, ...] = ()
+
+    # ---- views -----------------------------------------------------------------------------
+    @property
+    def num_ranks(self) -> int:
+        return len(self.actions)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_of(self) -> dict[str, int]:
+        return {name: s.index for s in self.stages for name in s.layers}
+
+    def stages_on(self, rank: int) -> list[Stage]:
+        return [s for s in self.stages if s.rank == rank]
+
+    def split_backward(self) -> frozenset[int]:
+        """Stages whose backward runs as separate I and W actions."""
+        return frozenset(a.stage for acts in self.actions for a in acts if a.kind is ActionKind.I)
+
+    def recompute_of(self, layer: str) -> Recompute:
+        return self.recompute.get(layer, Recompute.NONE)
+
+    def grid(self, max_steps: int | None = 40) -> str:
+        longest = max((len(a) for a in self.actions), default=0)
+        steps = None if max_steps is None or longest <= max_steps else range(max_steps)
+        return format_grid(self.actions, steps=steps)
+
+    def stage_table(self) -> str:
+        rows = []
+        for s in self.stages:
+            rc = Counter(self.recompute_of(name).value for name in s.layers)
+            names = list(s.layers)
+            shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            rows.append(
+                [s.index, s.rank, len(names), shown, ", ".join(f"{k} {v}" for k, v in sorted(rc.items()))]
+            )
+        return tabulate(rows, headers=["stage", "rank", "layers", "from .. to", "recompute"])
+
+    def __str__(self) -> str:
+        par = "; ".join(f"{k}: {v}" for k, v in self.parallel.items())
+        head = (
+            f"plan '{self.policy}' for {self.model} on {self.cluster or '?'}: {par}; "
+            f"{self.num_microbatches} microbatches of {self.microbatch_size}; schedule {self.schedule}"
+        )
+        decisions = [f"  - [{d.reason.value}] {d.subject}: {d.detail}" for d in self.decisions]
+        return "\n".join([head, "", self.stage_table(), "", "decisions:", *decisions])
+
+    # ---- JSON ------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "version": SCHEMA_VERSION,
+            "model": self.model,
+            "policy": self.policy,
+            "cluster": self.cluster,
+            "schedule": self.schedule,
+            "microbatch_size": self.microbatch_size,
+            "num_microbatches": self.num_microbatches,
+            "parallel": {k: asdict(v) for k, v in self.parallel.items()},
+            "training": asdict(self.training),
+            "stages": [asdict(s) for s in self.stages],
+            "recompute": {k: v.value for k, v in self.recompute.items()},
+            "pieces": {k: list(v) for k, v in self.pieces.items()},
+            "actions": [[str(a) for a in acts] for acts in self.actions],
+            "decisions": [
+                {
+                    "subject": d.subject,
+                    "reason": d.reason.value,
+                    "detail": d.detail,
+                    "numbers": dict(d.numbers),
+                }
+                for d in self.decisions
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        if data.get("schema") != SCHEMA:
+            raise PlanError(f"not a plan JSON (schema {data.get('schema')!r}, expected {SCHEMA!r})")
+        if data.get("version") != SCHEMA_VERSION:
+            raise PlanError(
+                f"plan JSON version {data.get('version')} is not {SCHEMA_VERSION} (this vlmcompile reads "
+                f"version {SCHEMA_VERSION} only); re-create the plan with `vlmcompile plan ... --json FILE`"
+            )
+        return cls(
+            model=data["model"],
+            policy=data["policy"],
+            cluster=data.get("cluster", ""),
+            schedule=data["schedule"],
+            microbatch_size=data["microbatch_size"],
+            num_microbatches=data["num_microbatches"],
+            parallel={k: Parallel(**v) for k, v in data["parallel"].items()},
+            training=Training(**data.get("training", {})),
+            stages=tuple(
+                Stage(index=s["index"], rank=s["rank"], layers=tuple(s["layers"]), group=s["group"])
+                for s in data["stages"]
+            ),
+            recompute={k: Recompute(v) for k, v in data.get("recompute", {}).items()},
+            pieces={k: tuple(v) for k, v in data.get("pieces", {}).items()},
+            actions=tuple(tuple(Action.from_str(a) for a in acts) for acts in data["actions"]),
+            decisions=tuple(
+                Decision(d["subject"], Reason(d["reason"]), d["detail"], d.get("numbers", {}))
+                for d in data.get("decisions", [])
+            ),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    # ---- validation ------------------------------------------------------------------------
+    def validate(self, layer_graph: LayerGraph | None = None, cluster: Cluster | None = None) -> None:
+        """Raise :class:`PlanError` for the first fault found: structure, layer coverage (with
+        ``layer_graph``), missing or misplaced actions, deadlock, and memory over the device
+        limit (with ``layer_graph`` and ``cluster``)."""
+        _check_structure(self)
+        if layer_graph is not None:
+            _check_layers(self, layer_graph)
+        _check_actions(self)
+        _check_deadlock(self)
+        if layer_graph is not None and cluster is not None:
+            from vlmcompile.simulator import simulate
+
+            result = simulate(self, layer_graph, cluster)
+            limit = cluster.device.mem_bytes
+            for rank, peak in enumerate(result.peak_mem_bytes):
+                if peak > limit:
+                    step = result.peak_step[rank]
+                    raise PlanError(
+                        f"rank {rank} needs {peak / 2**30:.1f} GiB at step {step} ({self.actions[rank][step]}), "
+                        f"over the {limit / 2**30:.1f} GiB of a {cluster.device.name}; recompute more layers, "
+                        "use more pipeline or tensor parallelism, or fewer microbatches in flight\n"
+                        + _grid_around(self, rank, step, "<- peak memory")
+                    )
+
+
+def _check_structure(plan: Plan) -> None:
+    if plan.microbatch_size < 1 or plan.num_microbatches < 1:
+        raise PlanError(
+            f"microbatch size {plan.microbatch_size} and count {plan.num_microbatches} must both be >= 1"
+        )
+    if not plan.stages:
+        raise PlanError("the plan has no stages")
+    if not plan.actions:
+        raise PlanError("the plan has no action lists (one per pipeline rank)")
+    for i, stage in enumerate(plan.stages):
+        if stage.index != i:
+            raise PlanError(
+                f"stage at position {i} has index {stage.index}; stages must be listed 0, 1, 2, ..."
+            )
+        if not 0 <= stage.rank < plan.num_ranks:
+            raise PlanError(
+                f"stage {i} is placed on rank {stage.rank}, but the plan has {plan.num_ranks} pipeline ranks "
+                f"(action lists); use a rank in 0..{plan.num_ranks - 1}"
+            )
+        if stage.group not in plan.parallel:
+            raise PlanError(f"stage {i} names parallel group {stage.group!r}, not in {sorted(plan.parallel)}")
+        if not stage.layers:
+            raise PlanError(f"stage {i} (rank {stage.rank}) holds no layers")
+    for name, par in plan.parallel.items():
+        if par.pp != plan.num_ranks:
+            raise PlanError(
+                f"parallel group {name!r} says PP={par.pp}, but the plan has {plan.num_ranks} pipeline ranks"
+            )
+    placed = Counter(n for s in plan.stages for n in s.layers)
+    twice = sorted(n for n, c in placed.items() if c > 1)
+    if twice:
+        raise PlanError(
+            f"layers in more than one stage: {twice[:5]}; each layer belongs to exactly one stage"
+        )
+    unknown_rc = sorted(set(plan.recompute) - set(placed))
+    if unknown_rc:
+        raise PlanError(f"recompute flags for layers in no stage: {unknown_rc[:5]}")
+
+
+def _check_layers(plan: Plan, layer_graph: LayerGraph) -> None:
+    names = [layer.name for layer in layer_graph.layers]
+    expanded = [n for s in plan.stages for piece in s.layers for n in _layers_of(plan, piece)]
+    missing = [n for n in names if n not in set(expanded)]
+    if missing:
+        raise PlanError(
+            f"layers in no stage: {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"({len(missing)} of {len(names)}); every layer must be placed on a stage"
+        )
+    unknown = [n for n in expanded if n not in set(names)]
+    if unknown:
+        raise PlanError(f"stages name layers the model does not have: {unknown[:5]}")
+    order = {n: i for i, n in enumerate(names)}
+    positions = [order[n] for n in expanded]
+    for a, b in zip(range(len(positions)), range(1, len(positions))):
+        if positions[b] < positions[a]:
+            raise PlanError(
+                f"layer {expanded[b]} comes after {expanded[a]} in the stage chain but before it in the model; "
+                "stages must hold consecutive layers in pipeline order"
+            )
+
+
+def _layers_of(plan: Plan, piece: str) -> list[str]:
+    # A sub-layer piece is named "<layer>#<k>"; it stands for part of that layer.
+    return [piece.split("#", 1)[0]] if piece in plan.pieces else [piece]
+
+
+def _check_actions(plan: Plan) -> None:
+    rank_of = {s.index: s.rank for s in plan.stages}
+    seen: dict[Action, tuple[int, int]] = {}
+    for rank, acts in enumerate(plan.actions):
+        for step, a in enumerate(acts):
+            if a.stage not in rank_of:
+                raise PlanError(
+                    f"rank {rank} step {step}: {a} names stage {a.stage}, but the plan has stages "
+                    f"0..{plan.num_stages - 1}\n" + _grid_around(plan, rank, step, "<- unknown stage")
+                )
+            if rank_of[a.stage] != rank:
+                raise PlanError(
+                    f"rank {rank} step {step}: {a} belongs to stage {a.stage}, which is placed on rank "
+                    f"{rank_of[a.stage]}\n" + _grid_around(plan, rank, step, "<- wrong rank")
+                )
+            if a.microbatch >= plan.num_microbatches:
+                raise PlanError(
+                    f"rank {rank} step {step}: {a} names microbatch {a.microbatch}, but the plan has "
+                    f"{plan.num_microbatches}\n" + _grid_around(plan, rank, step, "<- no such microbatch")
+                )
+            if a in seen:
+                raise PlanError(
+                    f"rank {rank} step {step}: {a} is scheduled twice (also at step {seen[a][1]})\n"
+                    + _grid_around(plan, rank, step, "<- again")
+                )
+            seen[a] = (rank, step)
+    kinds: dict[tuple[int, int], set[ActionKind]] = defaultdict(set)
+    for a in seen:
+        kinds[(a.stage, a.microbatch)].add(a.kind)
+    for stage in plan.stages:
+        for m in range(plan.num_microbatches):
+            have = kinds[(stage.index, m)]
+            if ActionKind.B in have and (ActionKind.I in have or ActionKind.W in have):
+                raise PlanError(
+                    f"stage {stage.index} microbatch {m} has both a full backward (B) and split (I/W) actions "
+                    f"on rank {stage.rank}; use B, or I and W"
+                )
+            split = ActionKind.I in have or ActionKind.W in have
+            need = (ActionKind.F, ActionKind.I, ActionKind.W) if split else (ActionKind.F, ActionKind.B)
+            absent = [k for k in need if k not in have]
+            if absent:
+                missing = ", ".join(str(Action(stage.index, k, m)) for k in absent)
+                raise PlanError(
+                    f"rank {stage.rank} is missing {missing} (stage {stage.index}, microbatch {m}); every stage "
+                    f"runs F and B (or I and W) once per microbatch\n" + plan.grid()
+                )
+
+
+def _check_deadlock(plan: Plan) -> None:
+    """Run the action lists with every action taking no time: a deadlock is a state where no
+    rank's next action has its inputs."""
+    split = plan.split_backward()
+    done: set[Action] = set()
+    position = [0] * plan.num_ranks
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in enumerate(plan.actions):
+            while position[rank] < len(acts):
+                a = acts[position[rank]]
+                if all(d in done for d in dependencies(a, plan.num_stages, split)):
+                    done.add(a)
+                    position[rank] += 1
+                    progress = True
+                else:
+                    break
+    stuck = [r for r in range(plan.num_ranks) if position[r] < len(plan.actions[r])]
+    if not stuck:
+        return
+    where = {}
+    for rank, acts in enumerate(plan.actions):
+        for step, a in enumerate(acts):
+            where[a] = (rank, step)
+    lines = []
+    mark = {}
+    for r in stuck:
+        a = plan.actions[r][position[r]]
+        waits = [d for d in dependencies(a, plan.num_stages, split) if d not in done]
+        desc = ", ".join(
+            f"{d} (rank {where[d][0]} step {where[d][1]})" if d in where else f"{d} (nowhere)" for d in waits
+        )
+        lines.append(f"rank {r} is stuck at step {position[r]} on {a}, waiting for {desc}")
+        mark[(r, position[r])] = "<- stuck"
+    lo = max(0, min(position[r] for r in stuck) - 3)
+    hi = min(max(len(a) for a in plan.actions), max(position[r] for r in stuck) + 4)
+    raise PlanError(
+        "the action lists deadlock: "
+        + "; ".join(lines)
+        + "\n"
+        + format_grid(plan.actions, mark=mark, steps=range(lo, hi))
+    )
+
+
+def _grid_around(plan: Plan, rank: int, step: int, note: str) -> str:
+    longest = max(len(a) for a in plan.actions)
+    return format_grid(
+        plan.actions, mark={(rank, step): note}, steps=range(max(0, step - 3), min(longest, step + 4))
+    )

@@ -1,0 +1,302 @@
+"""Discrete-event simulation of a plan's per-rank action lists under the cost model.
+
+One pipeline group (its pp ranks, each standing for its TP group) is executed action by
+action: an action starts when its rank is free and its inputs have arrived (the producer's
+finish plus the point-to-point transfer, which overlaps compute). Data-parallel collectives
+are analytic, per layer, on one DP stream per rank: at the start of the step every layer's
+parameters are all-gathered (distributed optimizer) in the order the rank first runs them, and
+a layer's first forward waits for its bucket; a layer's gradients are reduce-scattered when
+its last backward has produced them. TP collectives are inside each action and block compute
+(Megatron runs them on the critical path: the TP bubbles of Optimus sec. 2.2).
+
+Idle time on each rank is attributed to one cause:
+
+* ``dp_all_gather``: before anyone can compute (waiting for the first parameters) and inside a
+  first forward waiting for a later layer's bucket;
+* ``pp_warmup``: the rest of the wait before the rank's first action, and gaps before its
+  first backward;
+* ``pp_other``: gaps between its first backward and its last forward;
+* ``pp_cooldown``: gaps after its last forward, and the wait after its last action until
+  the last rank of the pipeline finishes computing;
+* ``tp_comm``: TP collectives inside actions;
+* ``dp_reduce_scatter``: from the pipeline's last compute until the last gradient reduction ends.
+
+Busy time plus the idle causes equals the step time on every rank (the tests check it).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from tabulate import tabulate
+
+from vlmcompile.actions import Action, ActionKind, dependencies
+from vlmcompile.cluster import Cluster
+from vlmcompile.cost_models.stage_costs import PlanCosts, StageCost, plan_costs
+from vlmcompile.errors import PlanError
+from vlmcompile.layer_graph import LayerGraph
+from vlmcompile.plan import Plan
+
+CAUSES = ("dp_all_gather", "pp_warmup", "pp_other", "pp_cooldown", "tp_comm", "dp_reduce_scatter")
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRun:
+    """One executed action: when it ran and what its time was spent on."""
+
+    rank: int
+    step: int
+    action: Action
+    start_s: float
+    end_s: float
+    compute_s: float
+    tp_comm_s: float
+    dp_wait_s: float = 0.0
+    """Waiting inside a first forward for a later layer's parameters."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankStats:
+    rank: int
+    busy_s: float
+    idle_s: dict[str, float]
+    peak_mem_bytes: float
+    peak_step: int
+    static_bytes: float
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    plan: Plan
+    cluster: Cluster
+    step_time_s: float
+    runs: tuple[ActionRun, ...]
+    ranks: tuple[RankStats, ...]
+    mfu: float
+    dp_collectives: tuple[tuple[int, str, float, float], ...] = field(default=())
+    """(rank, "all_gather" | "reduce_scatter", start, end) per layer bucket."""
+
+    @property
+    def peak_mem_bytes(self) -> list[float]:
+        return [r.peak_mem_bytes for r in self.ranks]
+
+    @property
+    def peak_step(self) -> list[int]:
+        return [r.peak_step for r in self.ranks]
+
+    def idle_share(self) -> dict[str, float]:
+        """Idle time by cause as a share of (step time x ranks)."""
+        total = self.step_time_s * len(self.ranks)
+        return {c: sum(r.idle_s[c] for r in self.ranks) / total for c in CAUSES}
+
+    @property
+    def bubble_share(self) -> float:
+        return sum(self.idle_share().values())
+
+    def rank_table(self) -> str:
+        rows = []
+        for r in self.ranks:
+            rows.append(
+                [r.rank, f"{r.busy_s * 1e3:.1f}"]
+                + [f"{r.idle_s[c] * 1e3:.1f}" for c in CAUSES]
+                + [f"{r.peak_mem_bytes / 2**30:.2f}"]
+            )
+        headers = ["rank", "busy ms", *[f"{c} ms" for c in CAUSES], "peak GiB"]
+        return tabulate(rows, headers=headers, disable_numparse=True)
+
+    def __str__(self) -> str:
+        share = self.idle_share()
+        lines = [
+            f"simulated step: {self.step_time_s * 1e3:.1f} ms on {self.cluster.name} "
+            f"(prediction of the cost model), MFU {100 * self.mfu:.1f} %, "
+            f"bubbles {100 * self.bubble_share:.1f} % of rank time",
+            "bubbles by cause: " + ", ".join(f"{c} {100 * share[c]:.1f} %" for c in CAUSES),
+            f"peak memory: {max(self.peak_mem_bytes) / 2**30:.2f} GiB of {self.cluster.device.mem_bytes / 2**30:.1f} "
+            f"GiB (rank {max(range(len(self.ranks)), key=lambda r: self.ranks[r].peak_mem_bytes)})",
+            "",
+            self.rank_table(),
+        ]
+        return "\n".join(lines)
+
+
+def simulate(
+    plan: Plan, layer_graph: LayerGraph, cluster: Cluster, *, costs: PlanCosts | None = None
+) -> SimResult:
+    """Execute ``plan`` on ``cluster`` under the cost model; see the module docstring."""
+    costs = costs or plan_costs(plan, layer_graph, cluster)
+    stages = costs.stages
+    num_ranks = plan.num_ranks
+    split = plan.split_backward()
+
+    # DP all-gather: every layer of the rank, in the order of first use, one after another.
+    gathered: dict[str, float] = {}
+    dp_events: list[tuple[int, str, float, float]] = []
+    for rank, acts in enumerate(plan.actions):
+        clock = 0.0
+        for a in acts:
+            if a.kind is ActionKind.F:
+                for c in stages[a.stage].layers:
+                    if c.name not in gathered:
+                        gathered[c.name] = clock = clock + c.dp_all_gather_s
+                        dp_events.append((rank, "all_gather", clock - c.dp_all_gather_s, clock))
+
+    finish: dict[Action, float] = {}
+    runs: list[ActionRun] = []
+    free = [0.0] * num_ranks
+    pos = [0] * num_ranks
+    first_fwd_done: set[int] = set()
+    remaining = sum(len(a) for a in plan.actions)
+    while remaining:
+        progressed = False
+        for rank, acts in enumerate(plan.actions):
+            while pos[rank] < len(acts):
+                a = acts[pos[rank]]
+                deps = dependencies(a, plan.num_stages, split)
+                if any(d not in finish for d in deps):
+                    break
+                ready = max([finish[d] + _transfer_s(d, a, stages) for d in deps], default=0.0)
+                start = max(free[rank], ready)
+                run = _run(a, rank, pos[rank], start, stages[a.stage], gathered, first_fwd_done)
+                runs.append(run)
+                finish[a] = free[rank] = run.end_s
+                pos[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [str(plan.actions[r][pos[r]]) for r in range(num_ranks) if pos[r] < len(plan.actions[r])]
+            raise PlanError(
+                f"the action lists deadlock (next actions {stuck}); run plan.validate() for the grid"
+            )
+
+    # DP gradient reduction: a layer's gradients are complete after its stage's last backward.
+    reduced_end = [0.0] * num_ranks
+    last_bwd: dict[int, ActionRun] = {}
+    for run in runs:
+        if run.action.kind in (ActionKind.B, ActionKind.W):
+            prev = last_bwd.get(run.action.stage)
+            if prev is None or run.end_s > prev.end_s:
+                last_bwd[run.action.stage] = run
+    ready_layers = []
+    for stage_index, run in last_bwd.items():
+        stage = stages[stage_index]
+        # Backward walks the layers in reverse: the last layer's gradients are ready first.
+        t = run.start_s
+        scale = (run.end_s - run.start_s) / max(sum(_bwd_of(c, run.action.kind) for c in stage.layers), 1e-30)
+        for c in reversed(stage.layers):
+            t += _bwd_of(c, run.action.kind) * scale
+            ready_layers.append((t, stage.rank, c))
+    stream = [0.0] * num_ranks
+    for t, rank, c in sorted(ready_layers, key=lambda x: x[0]):
+        begin = max(stream[rank], t)
+        stream[rank] = begin + c.dp_reduce_s
+        dp_events.append((rank, "reduce_scatter", begin, stream[rank]))
+        reduced_end[rank] = max(reduced_end[rank], stream[rank])
+
+    compute_end = max(r.end_s for r in runs)
+    step = max(compute_end, max(reduced_end))
+    ranks = _rank_stats(plan, runs, costs, step, compute_end)
+    peak = cluster.device.peak_flops_per_s
+    group_gpus = num_ranks * max(p.tp for p in plan.parallel.values())
+    mfu = costs.model_flops / (step * group_gpus * peak) if step > 0 else 0.0
+    return SimResult(plan, cluster, step, tuple(runs), ranks, mfu, tuple(dp_events))
+
+
+def _bwd_of(c, kind: ActionKind) -> float:
+    return c.weight_grad_s if kind is ActionKind.W else c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s
+
+
+def _transfer_s(dep: Action, action: Action, stages: tuple[StageCost, ...]) -> float:
+    if dep.stage == action.stage:
+        return 0.0
+    if dep.kind is ActionKind.F:
+        return stages[dep.stage].send_fwd_s
+    return stages[dep.stage].send_bwd_s
+
+
+def _run(
+    a: Action,
+    rank: int,
+    step: int,
+    start: float,
+    stage: StageCost,
+    gathered: dict[str, float],
+    first: set[int],
+) -> ActionRun:
+    if a.kind is ActionKind.F:
+        compute, tp = stage.fwd_s, stage.fwd_tp_comm_s
+        if a.stage not in first:
+            first.add(a.stage)
+            # Layer by layer, each waiting for its parameters.
+            t = start
+            for c in stage.layers:
+                t = max(t, gathered.get(c.name, 0.0)) + c.fwd_s + c.fwd_tp_comm_s
+            end = t
+            return ActionRun(rank, step, a, start, end, compute, tp, dp_wait_s=end - start - compute - tp)
+    elif a.kind is ActionKind.B:
+        compute, tp = stage.input_grad_s + stage.weight_grad_s, stage.bwd_tp_comm_s
+    elif a.kind is ActionKind.I:
+        compute, tp = stage.input_grad_s, stage.bwd_tp_comm_s
+    else:
+        compute, tp = stage.weight_grad_s, 0.0
+    return ActionRun(rank, step, a, start, start + compute + tp, compute, tp)
+
+
+def _rank_stats(
+    plan: Plan, runs: list[ActionRun], costs: PlanCosts, step: float, compute_end: float
+) -> tuple[RankStats, ...]:
+    by_rank: dict[int, list[ActionRun]] = defaultdict(list)
+    for run in runs:
+        by_rank[run.rank].append(run)
+    first_start = min(r.start_s for r in runs)
+    stats = []
+    for rank in range(plan.num_ranks):
+        mine = sorted(by_rank[rank], key=lambda r: r.start_s)
+        idle = dict.fromkeys(CAUSES, 0.0)
+        idle["dp_all_gather"] += first_start + sum(r.dp_wait_s for r in mine)
+        idle["pp_warmup"] += mine[0].start_s - first_start
+        idle["tp_comm"] += sum(r.tp_comm_s for r in mine)
+        first_bwd = min((r.start_s for r in mine if r.action.kind is not ActionKind.F), default=step)
+        last_fwd = max((r.end_s for r in mine if r.action.kind is ActionKind.F), default=0.0)
+        for prev, nxt in zip(mine, mine[1:]):
+            gap = nxt.start_s - prev.end_s
+            if gap <= 0:
+                continue
+            if nxt.start_s <= first_bwd:
+                idle["pp_warmup"] += gap
+            elif prev.end_s >= last_fwd:
+                idle["pp_cooldown"] += gap
+            else:
+                idle["pp_other"] += gap
+        idle["pp_cooldown"] += compute_end - mine[-1].end_s
+        idle["dp_reduce_scatter"] += step - compute_end
+        busy = sum(r.compute_s for r in mine)
+        peak, peak_step = _peak_memory(mine, costs)
+        stats.append(
+            RankStats(rank, busy, idle, costs.static_bytes[rank] + peak, peak_step, costs.static_bytes[rank])
+        )
+    return tuple(stats)
+
+
+def _peak_memory(mine: list[ActionRun], costs: PlanCosts) -> tuple[float, int]:
+    """Activations in flight: a microbatch's bytes are held from its forward until its last
+    backward action (B, or W when the backward is split); a recomputed stage adds its transient
+    while its backward runs."""
+    live = 0.0
+    peak, peak_step = 0.0, mine[0].step if mine else 0
+    split = {r.action.stage for r in mine if r.action.kind is ActionKind.W}
+    for run in sorted(mine, key=lambda r: r.step):
+        stage = costs.stages[run.action.stage]
+        kind = run.action.kind
+        if kind is ActionKind.F:
+            live += stage.act_bytes
+            here = live
+        elif kind in (ActionKind.B, ActionKind.I):
+            here = live + stage.transient_bytes
+        else:
+            here = live
+        if here > peak:
+            peak, peak_step = here, run.step
+        if kind is ActionKind.B or (kind is ActionKind.W and run.action.stage in split):
+            live -= stage.act_bytes
+    return peak, peak_step
