@@ -1,4 +1,9 @@
-"""Command line: ``vlmcompile annotate --model NAME [--json FILE]``."""
+"""Command line.
+
+``vlmcompile annotate --model NAME [--json FILE]``: capture and annotate a zoo model.
+``vlmcompile plan --model NAME --cluster PRESET --policy megatron|megatron_balanced``: plan,
+simulate and print the step and its bubbles (``--setup NAME`` fills in a paper's configuration).
+"""
 
 from __future__ import annotations
 
@@ -36,6 +41,88 @@ def _annotate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layer_graph(model_name: str, dtype: torch.dtype):
+    import vlmcompile
+    from vlmcompile import models
+
+    model = models.build(model_name, device="meta", dtype=dtype)
+    batch = models.sample_batch(model_name, batch_size=1, device="meta", dtype=dtype)
+    return vlmcompile.compile(model, batch, model_name=model_name, log=None).layer_graph
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from vlmcompile.cluster import Cluster
+    from vlmcompile.planning import plan_and_simulate
+    from vlmcompile.setups import setup
+
+    if args.setup:
+        s = setup(args.setup)
+        args.model = args.model or s.model
+        args.cluster = args.cluster or s.cluster
+        args.tp = args.tp or s.tp
+        args.pp = args.pp or s.pp
+        args.global_batch = args.global_batch or s.global_batch
+        args.microbatch_size = args.microbatch_size or s.microbatch_size
+        if args.v is None:
+            args.v = s.v_balanced if args.policy == "megatron_balanced" else 1
+    missing = [
+        f"--{k.replace('_', '-')}"
+        for k in ("model", "cluster", "tp", "pp", "global_batch")
+        if not getattr(args, k)
+    ]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (or give --setup NAME)")
+    cluster = Cluster.preset(args.cluster)
+    print(f"annotating {args.model} ...", file=sys.stderr)
+    graph = _layer_graph(args.model, _DTYPES[args.dtype])
+    options = {
+        "tp": args.tp,
+        "pp": args.pp,
+        "v": args.v or 1,
+        "microbatch_size": args.microbatch_size or 1,
+        "global_batch": args.global_batch,
+        "schedule": args.schedule,
+    }
+    if args.policy == "megatron":
+        options |= {
+            "first_stage_layers": args.first_stage_layers,
+            "last_stage_layers": args.last_stage_layers,
+        }
+    run = plan_and_simulate(
+        graph,
+        cluster,
+        args.policy,
+        recompute=args.recompute,
+        recompute_vision=args.recompute_vision,
+        **options,
+    )
+    print(cluster)
+    print()
+    print(run.report)
+    print()
+    print(run.sim)
+    if not run.fits:
+        print(f"\nwarning: the plan does not fit in {cluster.device.name} memory", file=sys.stderr)
+    if args.json:
+        data = {
+            "plan": run.plan.to_json(),
+            "simulation": run.sim.to_json(),
+            "megatron_layout": run.report.layout,
+        }
+        Path(args.json).write_text(json.dumps(data, indent=1))
+        print(f"plan and simulation written to {args.json}", file=sys.stderr)
+    if args.trace or args.png:
+        from vlmcompile.trace import write_chrome_trace, write_png
+
+        if args.trace:
+            write_chrome_trace(run.sim, args.trace)
+            print(f"Chrome trace written to {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
+        if args.png:
+            write_png(run.sim, args.png)
+            print(f"timeline written to {args.png}", file=sys.stderr)
+    return 0 if run.fits else 3
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlmcompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,15 +142,49 @@ def main(argv: list[str] | None = None) -> int:
         help="build with real CPU weights and measure on real tensors (small models only)",
     )
     p.set_defaults(run=_annotate)
+
+    q = sub.add_parser("plan", help="plan a zoo model on a cluster with a baseline policy; simulate it")
+    q.add_argument(
+        "--setup", help="a paper configuration (fills the options below): " + ", ".join(_setup_names())
+    )
+    q.add_argument("--model", help="zoo name, e.g. Optimus-Model-D, InternViT-6B+Llama3-8B, demo")
+    q.add_argument("--cluster", help="preset: h100x512, a100x32, v100x64, cpu:2, ...")
+    q.add_argument("--policy", choices=["megatron", "megatron_balanced"], default="megatron")
+    q.add_argument("--tp", type=int, help="tensor-parallel size")
+    q.add_argument("--pp", type=int, help="pipeline-parallel size (dp is what the cluster leaves)")
+    q.add_argument("--v", type=int, help="virtual stages per rank (interleaved 1F1B when > 1)")
+    q.add_argument("--global-batch", type=int, help="samples per step")
+    q.add_argument("--microbatch-size", type=int, help="samples per microbatch (default 1)")
+    q.add_argument(
+        "--recompute",
+        choices=["auto", "none", "selective", "full"],
+        default="auto",
+        help="global recompute of the LLM decoder layers; auto: the least that fits in memory",
+    )
+    q.add_argument("--recompute-vision", action="store_true", help="also recompute the vision encoder")
+    q.add_argument("--first-stage-layers", type=int, help="decoder layers on the first stage (megatron)")
+    q.add_argument("--last-stage-layers", type=int, help="decoder layers on the last stage (megatron)")
+    q.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+    q.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    q.add_argument("--json", metavar="FILE", help="write the plan and the simulation as JSON")
+    q.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of the simulated step")
+    q.add_argument("--png", metavar="FILE", help="write a PNG timeline of the simulated step")
+    q.set_defaults(run=_plan)
     args = parser.parse_args(argv)
     from vlmcompile.errors import VlmCompileError
 
     try:
         return args.run(args)
-    except VlmCompileError as err:
+    except (VlmCompileError, ValueError, KeyError) as err:
         print(f"vlmcompile: error: {err}", file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _setup_names() -> list[str]:
+    from vlmcompile.setups import SETUPS
+
+    return list(SETUPS)

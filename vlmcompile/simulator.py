@@ -94,6 +94,27 @@ class SimResult:
     def bubble_share(self) -> float:
         return sum(self.idle_share().values())
 
+    def to_json(self) -> dict:
+        return {
+            "note": "simulated by the cost model: a prediction, not a measurement",
+            "cluster": self.cluster.name,
+            "step_time_s": self.step_time_s,
+            "mfu": self.mfu,
+            "bubble_share": self.bubble_share,
+            "bubble_share_by_cause": self.idle_share(),
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "busy_s": r.busy_s,
+                    "idle_s": r.idle_s,
+                    "peak_mem_bytes": r.peak_mem_bytes,
+                    "peak_step": r.peak_step,
+                    "model_state_bytes": r.static_bytes,
+                }
+                for r in self.ranks
+            ],
+        }
+
     def rank_table(self) -> str:
         rows = []
         for r in self.ranks:
@@ -232,7 +253,7 @@ def _run(
             for c in stage.layers:
                 t = max(t, gathered.get(c.name, 0.0)) + c.fwd_s + c.fwd_tp_comm_s
             end = t
-            return ActionRun(rank, step, a, start, end, compute, tp, dp_wait_s=end - start - compute - tp)
+            return ActionRun(rank, step, a, start, end, compute, tp, dp_wait_s=max(0.0, end - start - compute - tp))
     elif a.kind is ActionKind.B:
         compute, tp = stage.input_grad_s + stage.weight_grad_s, stage.bwd_tp_comm_s
     elif a.kind is ActionKind.I:

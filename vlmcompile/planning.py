@@ -1,0 +1,77 @@
+"""Run a planning policy and simulate its plan; ``recompute="auto"`` does what a Megatron-LM
+user does - the least recompute whose plan fits in device memory (none, then selective, then
+full, then full with the vision encoder too)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vlmcompile.cluster import Cluster
+from vlmcompile.layer_graph import LayerGraph
+from vlmcompile.passes.megatron import BaselineReport, BaselineResult, megatron, megatron_layout
+from vlmcompile.passes.megatron_balanced import megatron_balanced
+from vlmcompile.plan import Decision, Plan, Reason
+from vlmcompile.simulator import SimResult, simulate
+
+POLICIES: dict[str, Callable[..., BaselineResult]] = {
+    "megatron": megatron,
+    "megatron_balanced": megatron_balanced,
+}
+
+RECOMPUTE_LADDER = (("none", False), ("selective", False), ("full", False), ("full", True))
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRun:
+    plan: Plan
+    report: BaselineReport
+    sim: SimResult
+    fits: bool
+    """Peak memory of every rank within the device's."""
+
+
+def plan_and_simulate(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    policy: str,
+    *,
+    recompute: str = "auto",
+    recompute_vision: bool = False,
+    **options: Any,
+) -> PlannedRun:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    ladder = RECOMPUTE_LADDER if recompute == "auto" else ((recompute, recompute_vision),)
+    tried = []
+    for rc, rc_vision in ladder:
+        result = POLICIES[policy](layer_graph, cluster, recompute=rc, recompute_vision=rc_vision, **options)
+        sim = simulate(result.plan, layer_graph, cluster)
+        peak = max(sim.peak_mem_bytes)
+        fits = peak <= cluster.device.mem_bytes
+        tried.append(f"{rc}{' + vision' if rc_vision else ''}: {peak / 2**30:.1f} GiB")
+        if fits:
+            break
+    plan = result.plan
+    if recompute == "auto":
+        verdict = (
+            "fits"
+            if fits
+            else f"does not fit even with the most recompute (limit {cluster.device.mem_bytes / 2**30:.1f} GiB)"
+        )
+        plan = dataclasses.replace(
+            plan,
+            decisions=(
+                *plan.decisions,
+                Decision(
+                    "recompute",
+                    Reason.GLOBAL_RECOMPUTE,
+                    f"auto: least recompute that fits; tried {'; '.join(tried)}; {verdict}",
+                ),
+            ),
+        )
+        sim = dataclasses.replace(sim, plan=plan)
+    layout, note = megatron_layout(plan, layer_graph)
+    return PlannedRun(plan, BaselineReport(plan, layout, note), sim, fits)

@@ -1,0 +1,238 @@
+"""Timelines of a simulated step: Chrome-trace JSON (opens in Perfetto / chrome://tracing)
+and a PNG.
+
+The trace has one process per pipeline rank with three threads: compute (one slice per
+action, its TP collectives as a nested slice at the end), the DP stream (per-layer all-gathers
+and reduce-scatters) and the bubbles (idle intervals, named by cause). Times are microseconds,
+as the Trace Event Format requires.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vlmcompile.actions import ActionKind
+from vlmcompile.simulator import SimResult
+
+_COMPUTE, _DP, _BUBBLE = 0, 1, 2
+_COLOURS = {  # one colour per action kind, darker for later virtual stages
+    ActionKind.F: "#4C72B0",
+    ActionKind.B: "#55A868",
+    ActionKind.I: "#55A868",
+    ActionKind.W: "#8172B2",
+}
+
+
+def chrome_trace(result: SimResult) -> dict[str, Any]:
+    events: list[dict[str, Any]] = []
+    for rank in range(len(result.ranks)):
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}
+        )
+        events.append(
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}}
+        )
+        for tid, name in ((_COMPUTE, "compute"), (_DP, "DP collectives"), (_BUBBLE, "bubbles")):
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
+    for run in result.runs:
+        a = run.action
+        events.append(
+            {
+                "name": str(a),
+                "cat": a.kind.value,
+                "ph": "X",
+                "pid": run.rank,
+                "tid": _COMPUTE,
+                "ts": run.start_s * 1e6,
+                "dur": (run.end_s - run.start_s) * 1e6,
+                "args": {
+                    "stage": a.stage,
+                    "microbatch": a.microbatch,
+                    "step": run.step,
+                    "compute_ms": run.compute_s * 1e3,
+                    "tp_comm_ms": run.tp_comm_s * 1e3,
+                    "dp_wait_ms": run.dp_wait_s * 1e3,
+                },
+            }
+        )
+        if run.tp_comm_s > 0:
+            events.append(
+                {
+                    "name": "TP collectives",
+                    "cat": "tp_comm",
+                    "ph": "X",
+                    "pid": run.rank,
+                    "tid": _COMPUTE,
+                    "ts": (run.end_s - run.tp_comm_s) * 1e6,
+                    "dur": run.tp_comm_s * 1e6,
+                }
+            )
+    for rank, kind, start, end in result.dp_collectives:
+        if end > start:
+            events.append(
+                {
+                    "name": kind,
+                    "cat": "dp",
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": _DP,
+                    "ts": start * 1e6,
+                    "dur": (end - start) * 1e6,
+                }
+            )
+    for rank, start, end, cause in bubbles(result):
+        events.append(
+            {
+                "name": cause,
+                "cat": "bubble",
+                "ph": "X",
+                "pid": rank,
+                "tid": _BUBBLE,
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
+            }
+        )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "plan": result.plan.policy,
+            "model": result.plan.model,
+            "cluster": result.cluster.name,
+            "step_time_ms": result.step_time_s * 1e3,
+            "note": "simulated by the vlmcompile cost model (a prediction, not a measurement)",
+        },
+    }
+
+
+def bubbles(result: SimResult) -> list[tuple[int, float, float, str]]:
+    """Idle intervals between actions (rank, start, end, cause), as the simulator classifies them."""
+    out = []
+    compute_end = max(r.end_s for r in result.runs)
+    first_start = min(r.start_s for r in result.runs)
+    by_rank: dict[int, list] = {}
+    for run in result.runs:
+        by_rank.setdefault(run.rank, []).append(run)
+    for rank, runs in by_rank.items():
+        runs.sort(key=lambda r: r.start_s)
+        first_bwd = min((r.start_s for r in runs if r.action.kind is not ActionKind.F), default=compute_end)
+        last_fwd = max((r.end_s for r in runs if r.action.kind is ActionKind.F), default=0.0)
+        if first_start > 0:
+            out.append((rank, 0.0, first_start, "dp_all_gather"))
+        if runs[0].start_s > first_start:
+            out.append((rank, first_start, runs[0].start_s, "pp_warmup"))
+        for prev, nxt in zip(runs, runs[1:]):
+            if nxt.start_s > prev.end_s:
+                cause = (
+                    "pp_warmup"
+                    if nxt.start_s <= first_bwd
+                    else "pp_cooldown"
+                    if prev.end_s >= last_fwd
+                    else "pp_other"
+                )
+                out.append((rank, prev.end_s, nxt.start_s, cause))
+        if compute_end > runs[-1].end_s:
+            out.append((rank, runs[-1].end_s, compute_end, "pp_cooldown"))
+        if result.step_time_s > compute_end:
+            out.append((rank, compute_end, result.step_time_s, "dp_reduce_scatter"))
+    return out
+
+
+def write_chrome_trace(result: SimResult, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(chrome_trace(result)))
+
+
+def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> None:
+    """One row per rank: actions coloured by kind and labelled with their microbatch where
+    they are wide enough, TP collectives hatched, bubbles grey; times in milliseconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    num_ranks = min(len(result.ranks), max_ranks)
+    step_ms = result.step_time_s * 1e3
+    fig, ax = plt.subplots(figsize=(14, 1.6 + 0.55 * num_ranks), dpi=110)
+    for rank, start, end, _cause in bubbles(result):
+        if rank < num_ranks:
+            ax.barh(
+                rank, (end - start) * 1e3, left=start * 1e3, height=0.8, color="#DDDDDD", edgecolor="none"
+            )
+    num_stages = result.plan.num_stages
+    for run in result.runs:
+        if run.rank >= num_ranks:
+            continue
+        a = run.action
+        start, width = run.start_s * 1e3, (run.end_s - run.start_s) * 1e3
+        chunk = a.stage // max(result.plan.num_ranks, 1)
+        alpha = 1.0 - 0.45 * chunk / max(1, num_stages // max(result.plan.num_ranks, 1) - 1 or 1)
+        ax.barh(
+            run.rank,
+            width,
+            left=start,
+            height=0.8,
+            color=_COLOURS[a.kind],
+            alpha=alpha,
+            edgecolor="white",
+            linewidth=0.3,
+        )
+        if run.tp_comm_s > 0:
+            tp = run.tp_comm_s * 1e3
+            ax.barh(
+                run.rank,
+                tp,
+                left=start + width - tp,
+                height=0.8,
+                color="none",
+                hatch="///",
+                edgecolor="#333333",
+                linewidth=0,
+            )
+        # With several stages per rank the stage number matters: 2F0, not F0.
+        label = str(a) if num_stages > result.plan.num_ranks else f"{a.kind.value}{a.microbatch}"
+        if width > step_ms / 70 * len(label) / 2:
+            ax.text(
+                start + width / 2,
+                run.rank,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
+    ax.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, step_ms)
+    ax.set_xlabel("time (ms)")
+    share = result.idle_share()
+    ax.set_title(
+        f"{result.plan.model}: {result.plan.policy} on {result.cluster.name}, {result.plan.schedule}, "
+        f"{result.plan.num_microbatches} microbatches - simulated step {step_ms:.1f} ms, "
+        f"bubbles {100 * result.bubble_share:.0f} % (PP {100 * (share['pp_warmup'] + share['pp_other'] + share['pp_cooldown']):.0f} %, "
+        f"TP {100 * share['tp_comm']:.0f} %, DP {100 * (share['dp_all_gather'] + share['dp_reduce_scatter']):.0f} %)",
+        fontsize=9,
+    )
+    legend = [
+        Patch(color=_COLOURS[ActionKind.F], label="forward"),
+        Patch(color=_COLOURS[ActionKind.B], label="backward (B / I)"),
+        Patch(color=_COLOURS[ActionKind.W], label="weight grad (W)"),
+        Patch(facecolor="white", hatch="///", edgecolor="#333333", label="TP collectives"),
+        Patch(color="#DDDDDD", label="bubble"),
+    ]
+    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    if len(result.ranks) > num_ranks:
+        ax.text(
+            1.0,
+            -0.02,
+            f"first {num_ranks} of {len(result.ranks)} ranks",
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=7,
+        )
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
