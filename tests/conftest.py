@@ -7,3 +7,16 @@ def _single_thread_and_seed():
     # Deterministic and gentle on a shared 2-core machine.
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def demo_graph():
+    """The demo VLM's LayerGraph, annotated on meta tensors (bf16, one sample)."""
+    import torch
+
+    import vlmcompile
+    from vlmcompile import models
+
+    model = models.build("demo", device="meta", dtype=torch.bfloat16)
+    batch = models.sample_batch("demo", device="meta", dtype=torch.bfloat16)
+    return vlmcompile.compile(model, batch, model_name="demo", log=None).layer_graph

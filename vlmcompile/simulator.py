@@ -249,11 +249,14 @@ def _run(
         if a.stage not in first:
             first.add(a.stage)
             # Layer by layer, each waiting for its parameters.
-            t = start
+            t, waited = start, 0.0
             for c in stage.layers:
-                t = max(t, gathered.get(c.name, 0.0)) + c.fwd_s + c.fwd_tp_comm_s
-            end = t
-            return ActionRun(rank, step, a, start, end, compute, tp, dp_wait_s=max(0.0, end - start - compute - tp))
+                ready = gathered.get(c.name, 0.0)
+                if ready > t:
+                    waited += ready - t
+                    t = ready
+                t += c.fwd_s + c.fwd_tp_comm_s
+            return ActionRun(rank, step, a, start, start + compute + tp + waited, compute, tp, dp_wait_s=waited)
     elif a.kind is ActionKind.B:
         compute, tp = stage.input_grad_s + stage.weight_grad_s, stage.bwd_tp_comm_s
     elif a.kind is ActionKind.I:

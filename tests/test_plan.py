@@ -1,0 +1,103 @@
+"""Plan: actions round-trip as text, plans round-trip as JSON, and malformed plans are rejected
+with the rank and step named."""
+
+import dataclasses
+
+import pytest
+from vlmcompile.actions import Action, ActionKind, format_grid
+from vlmcompile.passes.megatron import megatron
+from vlmcompile.schedules import one_f_one_b
+
+from tests.sim_helpers import make_plan
+from vlmcompile.cluster import Cluster
+from vlmcompile.errors import PlanError
+from vlmcompile.plan import Plan, Stage
+
+CLUSTER = Cluster.preset("h100x16")
+
+
+@pytest.fixture(scope="module")
+def plan(demo_graph):
+    return megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, recompute="full").plan
+
+
+def test_actions_read_back_from_their_text():
+    for text in ("0F0", "12B3", "2I10", "7W0"):
+        assert str(Action.from_str(text)) == text
+    assert Action.from_str("2F0") == Action(2, ActionKind.F, 0)
+    with pytest.raises(ValueError, match="write <stage><F|B|I|W><microbatch>"):
+        Action.from_str("F2")
+
+
+def test_json_round_trip_is_lossless(plan, tmp_path):
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+
+
+def test_an_older_plan_schema_is_rejected_with_the_fix(plan):
+    data = plan.to_json()
+    data["version"] = 0
+    with pytest.raises(PlanError, match="plan JSON version 0 is not 1.*re-create the plan with `vlmcompile plan"):
+        Plan.from_json(data)
+    with pytest.raises(PlanError, match="not a plan JSON"):
+        Plan.from_json({"schema": "vlmcompile.layer_graph"})
+
+
+def test_a_layer_in_no_stage_is_named(plan, demo_graph):
+    stages = list(plan.stages)
+    stages[1] = dataclasses.replace(stages[1], layers=stages[1].layers[:-1])
+    broken = dataclasses.replace(plan, stages=tuple(stages), recompute={})
+    with pytest.raises(PlanError, match=r"layers in no stage: \['llm.blocks.3'\]"):
+        broken.validate(demo_graph)
+
+
+def test_a_missing_action_names_the_rank_and_action(plan):
+    actions = list(plan.actions)
+    actions[2] = tuple(a for a in actions[2] if str(a) != "2B5")
+    broken = dataclasses.replace(plan, actions=tuple(actions))
+    with pytest.raises(PlanError, match=r"rank 2 is missing 2B5 \(stage 2, microbatch 5\)"):
+        broken.validate()
+
+
+def test_a_deadlock_is_shown_on_the_grid_with_the_stuck_ranks_marked():
+    acts = [list(r) for r in one_f_one_b(2, 2)]
+    # rank 1 runs the backward of microbatch 1 before its forward: it waits for itself
+    acts[1] = [Action(1, ActionKind.F, 0), Action(1, ActionKind.B, 1), Action(1, ActionKind.B, 0), Action(1, ActionKind.F, 1)]
+    plan = make_plan(tuple(tuple(a) for a in acts), 2)
+    with pytest.raises(PlanError) as err:
+        plan.validate()
+    text = str(err.value)
+    assert "deadlock" in text
+    assert "rank 1 is stuck at step 1 on 1B1, waiting for 1F1 (rank 1 step 3)" in text
+    assert "1B1 <- stuck" in text and "step  rank 0" in text
+
+
+def test_an_action_on_the_wrong_rank_is_marked():
+    acts = [list(r) for r in one_f_one_b(2, 1)]
+    acts[0][0] = Action(1, ActionKind.F, 0)
+    plan = make_plan(tuple(tuple(a) for a in acts), 2)
+    with pytest.raises(PlanError, match=r"rank 0 step 0: 1F0 belongs to stage 1, which is placed on rank 1"):
+        plan.validate()
+
+
+def test_a_plan_over_device_memory_names_the_rank_and_step(demo_graph):
+    tiny_memory = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, mem_bytes=2**20))
+    plan = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16).plan
+    with pytest.raises(PlanError, match=r"rank 0 needs .* GiB at step \d+ \(.*\), over the 0.0 GiB of a H100-80GB") as err:
+        plan.validate(demo_graph, tiny_memory)
+    assert "<- peak memory" in str(err.value)
+
+
+def test_stage_and_rank_mismatch_is_rejected(plan):
+    stages = (*plan.stages[:-1], Stage(index=plan.stages[-1].index, rank=9, layers=plan.stages[-1].layers))
+    with pytest.raises(PlanError, match="placed on rank 9, but the plan has 4 pipeline ranks"):
+        dataclasses.replace(plan, stages=stages).validate()
+
+
+def test_grid_prints_steps_by_rank(plan):
+    grid = plan.grid()
+    assert grid.splitlines()[0].split() == ["step", "rank", "0", "rank", "1", "rank", "2", "rank", "3"]
+    assert "0F0" in grid.splitlines()[1]
+    assert format_grid(plan.actions, steps=range(2)).endswith(f"(steps 0-1 of {len(plan.actions[0])})")
+    assert "schedule 1f1b" in str(plan) and "recompute" in str(plan)

@@ -1,0 +1,85 @@
+"""Schedules against their closed forms (identical stages, free communication) and validity."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vlmcompile.actions import ActionKind
+from vlmcompile.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
+
+from tests.sim_helpers import make_plan, synthetic_costs
+from vlmcompile.cluster import Cluster
+from vlmcompile.errors import PlanError
+from vlmcompile.simulator import simulate
+
+CLUSTER = Cluster.preset("h100x8")
+times = st.floats(min_value=0.1, max_value=10.0, allow_nan=False)
+
+
+def _run(actions, num_stages, t_f, t_b, v=1, **kw):
+    plan = make_plan(actions, num_stages, v=v)
+    plan.validate()
+    costs = synthetic_costs(plan, [t_f / v] * num_stages, [t_b / v] * num_stages, **kw)
+    return plan, simulate(plan, None, CLUSTER, costs=costs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 8), m=st.integers(1, 24), t_f=times, t_b=times)
+def test_1f1b_step_and_bubble_match_the_closed_form(p, m, t_f, t_b):
+    _, result = _run(one_f_one_b(p, m), p, t_f, t_b)
+    assert result.step_time_s == pytest.approx((m + p - 1) * (t_f + t_b))
+    assert result.bubble_share == pytest.approx((p - 1) / (m + p - 1))
+    # every idle second of a uniform pipeline is warm-up, cool-down or in-between waiting
+    share = result.idle_share()
+    assert share["tp_comm"] == share["dp_all_gather"] == share["dp_reduce_scatter"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 8), m=st.integers(1, 24), t_f=times, t_b=times)
+def test_gpipe_step_matches_the_closed_form(p, m, t_f, t_b):
+    _, result = _run(gpipe(p, m), p, t_f, t_b)
+    assert result.step_time_s == pytest.approx((m + p - 1) * (t_f + t_b))
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 6), groups=st.integers(1, 4), v=st.integers(2, 4), t_f=times, t_b=times)
+def test_interleaved_bubble_is_p_minus_1_over_v_m_of_the_ideal_time(p, groups, v, t_f, t_b):
+    m = p * groups  # Megatron's interleaved schedule runs microbatches in groups of p
+    _, result = _run(interleaved_one_f_one_b(p, m, v), p * v, t_f, t_b, v=v)
+    ideal = m * (t_f + t_b)
+    assert (result.step_time_s - ideal) / ideal == pytest.approx((p - 1) / (v * m))
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 8), m=st.integers(1, 24))
+def test_1f1b_stage_s_holds_min_p_minus_s_m_microbatches_at_its_peak(p, m):
+    _, result = _run(one_f_one_b(p, m), p, 1.0, 2.0, act_bytes=1.0)
+    assert [r.peak_mem_bytes for r in result.ranks] == [min(p - s, m) for s in range(p)]
+
+
+def test_gpipe_holds_every_microbatch():
+    _, result = _run(gpipe(4, 6), 4, 1.0, 2.0)
+    assert [r.peak_mem_bytes for r in result.ranks] == [6] * 4
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 6), m=st.integers(1, 16))
+def test_zero_bubble_is_valid_and_beats_1f1b_when_weight_gradients_can_fill_bubbles(p, m):
+    t_f, t_i, t_w = 1.0, 1.0, 1.0
+    zb, zb_result = _run(zero_bubble(p, m), p, t_f, t_i + t_w, weight_grad_s=[t_w] * p)
+    assert all(a.kind in (ActionKind.F, ActionKind.I, ActionKind.W) for acts in zb.actions for a in acts)
+    _, base = _run(one_f_one_b(p, m), p, t_f, t_i + t_w)
+    assert zb_result.step_time_s <= base.step_time_s + 1e-9
+    if p > 1 and m >= p:
+        assert zb_result.step_time_s < base.step_time_s
+    # 1F1B's memory bound: at most p - r microbatches in flight on rank r
+    assert all(r.peak_mem_bytes <= p - r.rank for r in zb_result.ranks)
+
+
+def test_interleaved_needs_microbatches_in_groups_of_p():
+    with pytest.raises(PlanError, match="not a multiple of pp=4; use 4 or 8"):
+        interleaved_one_f_one_b(4, 6, 2)
+
+
+def test_bad_sizes_are_rejected():
+    with pytest.raises(PlanError, match=">= 1 microbatch"):
+        one_f_one_b(4, 0)

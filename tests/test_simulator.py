@@ -1,0 +1,149 @@
+"""The simulator against an independent reference (longest paths in the action DAG), its
+bubble accounting, and the trace and PNG it exports."""
+
+import json
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vlmcompile.actions import ActionKind, dependencies
+from vlmcompile.passes.megatron import megatron
+from vlmcompile.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
+
+from tests.sim_helpers import make_plan, synthetic_costs
+from vlmcompile.cluster import Cluster
+from vlmcompile.simulator import CAUSES, simulate
+from vlmcompile.trace import chrome_trace, write_chrome_trace, write_png
+
+CLUSTER = Cluster.preset("h100x8")
+
+
+def reference_schedule(plan, fwd, bwd, wgt, send):
+    """Start time of every action = longest path to it in the DAG of rank order and data
+    dependencies (edge weights: the producer's duration plus the transfer to another rank)."""
+    split = plan.split_backward()
+    rank_of = {s.index: s.rank for s in plan.stages}
+
+    def duration(a):
+        k = a.stage
+        return {ActionKind.F: fwd[k], ActionKind.B: bwd[k], ActionKind.I: bwd[k] - wgt[k], ActionKind.W: wgt[k]}[a.kind]
+
+    g = nx.DiGraph()
+    for acts in plan.actions:
+        for a in acts:
+            g.add_node(a)
+        for a, b in zip(acts, acts[1:]):
+            g.add_edge(a, b, w=duration(a))
+    for acts in plan.actions:
+        for a in acts:
+            for d in dependencies(a, plan.num_stages, split):
+                hop = send[d.stage] if rank_of[d.stage] != rank_of[a.stage] else 0.0
+                w = duration(d) + hop
+                if not g.has_edge(d, a) or g[d][a]["w"] < w:
+                    g.add_edge(d, a, w=w)
+    start = {}
+    for a in nx.topological_sort(g):
+        start[a] = max([start[p] + g[p][a]["w"] for p in g.predecessors(a)], default=0.0)
+    end = {a: start[a] + duration(a) for a in start}
+    step = max(end.values())
+    busy = [sum(duration(a) for a in acts) for acts in plan.actions]
+    return step, [step - b for b in busy]
+
+
+@st.composite
+def random_plans(draw):
+    kind = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zero_bubble"]))
+    p = draw(st.integers(1, 4))
+    v = draw(st.integers(2, 3)) if kind == "interleaved" else 1
+    m = p * draw(st.integers(1, 3)) if kind == "interleaved" else draw(st.integers(1, 6))
+    acts = {
+        "gpipe": lambda: gpipe(p, m),
+        "1f1b": lambda: one_f_one_b(p, m),
+        "interleaved": lambda: interleaved_one_f_one_b(p, m, v),
+        "zero_bubble": lambda: zero_bubble(p, m),
+    }[kind]()
+    n = p * v
+    t = st.floats(0.1, 5.0, allow_nan=False)
+    fwd = [draw(t) for _ in range(n)]
+    bwd = [draw(t) for _ in range(n)]
+    wgt = [b * draw(st.floats(0.0, 0.9)) for b in bwd] if kind == "zero_bubble" else [0.0] * n
+    send = [draw(st.floats(0.0, 1.0)) for _ in range(n)]
+    return make_plan(acts, n, v=v), fwd, bwd, wgt, send
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=random_plans())
+def test_step_and_idle_time_agree_with_the_reference(case):
+    plan, fwd, bwd, wgt, send = case
+    result = simulate(plan, None, CLUSTER, costs=synthetic_costs(plan, fwd, bwd, weight_grad_s=wgt, send_s=send))
+    step, idle = reference_schedule(plan, fwd, bwd, wgt, send)
+    assert result.step_time_s == pytest.approx(step)
+    assert [sum(r.idle_s.values()) for r in result.ranks] == pytest.approx(idle, abs=1e-9)
+    for r in result.ranks:
+        assert r.busy_s + sum(r.idle_s.values()) == pytest.approx(result.step_time_s)
+        assert all(v >= 0 for v in r.idle_s.values())
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_graph):
+    cluster = Cluster.preset("h100x16")
+    plan = megatron(demo_graph, cluster, tp=2, pp=4, global_batch=16).plan
+    return simulate(plan, demo_graph, cluster)
+
+
+def test_a_real_plan_accounts_for_every_second_on_every_rank(demo_run):
+    for r in demo_run.ranks:
+        assert r.busy_s > 0
+        assert r.busy_s + sum(r.idle_s[c] for c in CAUSES) == pytest.approx(demo_run.step_time_s)
+    share = demo_run.idle_share()
+    assert share["tp_comm"] > 0  # TP=2: every block all-reduces
+    assert share["pp_warmup"] > 0 and share["pp_cooldown"] > 0
+    assert 0 < demo_run.mfu < 1
+    assert "simulated step" in str(demo_run) and "prediction" in str(demo_run)
+
+
+def test_more_microbatches_shrink_warmup_and_cooldown(demo_graph):
+    # Megatron's stage 0 carries the whole encoder, so waits in the steady phase (pp_other)
+    # grow with the microbatches; warm-up and cool-down are paid once and shrink in share.
+    cluster = Cluster.preset("h100x16")
+    shares = []
+    for batch in (8, 32):
+        plan = megatron(demo_graph, cluster, tp=2, pp=4, global_batch=batch).plan
+        result = simulate(plan, demo_graph, cluster)
+        s = result.idle_share()
+        shares.append(s["pp_warmup"] + s["pp_cooldown"])
+    assert shares[1] < shares[0]
+
+
+def test_chrome_trace_follows_the_trace_event_format(demo_run, tmp_path):
+    path = tmp_path / "trace.json"
+    write_chrome_trace(demo_run, path)
+    data = json.loads(path.read_text())
+    assert set(data) >= {"traceEvents", "displayTimeUnit"}
+    assert data["displayTimeUnit"] in ("ms", "ns")
+    phases = set()
+    for e in data["traceEvents"]:
+        assert isinstance(e["name"], str) and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        phases.add(e["ph"])
+        if e["ph"] == "X":
+            assert isinstance(e["ts"], float | int) and e["ts"] >= 0
+            assert isinstance(e["dur"], float | int) and e["dur"] >= 0
+        elif e["ph"] == "M":
+            assert e["name"] in ("process_name", "thread_name", "process_sort_index") and "args" in e
+        else:
+            pytest.fail(f"unexpected phase {e['ph']}")
+    assert phases == {"X", "M"}
+    actions = [e for e in data["traceEvents"] if e["ph"] == "X" and e.get("cat") in ("F", "B", "I", "W")]
+    assert len(actions) == len(demo_run.runs)
+    # the last action ends at the step's last compute, in microseconds
+    end_us = max(e["ts"] + e["dur"] for e in actions)
+    assert end_us == pytest.approx(max(r.end_s for r in demo_run.runs) * 1e6)
+    assert chrome_trace(demo_run)["otherData"]["note"].startswith("simulated")
+
+
+def test_png_timeline_is_written(demo_run, tmp_path):
+    path = tmp_path / "timeline.png"
+    write_png(demo_run, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000
