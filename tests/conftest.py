@@ -20,3 +20,13 @@ def demo_graph():
     model = models.build("demo", device="meta", dtype=torch.bfloat16)
     batch = models.sample_batch("demo", device="meta", dtype=torch.bfloat16)
     return vlmcompile.compile(model, batch, model_name="demo", log=None).layer_graph
+
+
+@pytest.fixture(scope="session")
+def two_encoder_graph():
+    import vlmcompile
+    from vlmcompile import models
+
+    model = models.build("tiny-two-encoder", device="meta")
+    batch = models.sample_batch("tiny-two-encoder", batch_size=2, device="meta")
+    return vlmcompile.compile(model, batch, model_name="tiny-two-encoder", log=None).layer_graph

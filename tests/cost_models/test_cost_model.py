@@ -1,0 +1,100 @@
+"""Cost model: collectives, roofline layer times, TP sharding and memory by ZeRO stage."""
+
+import dataclasses
+
+import pytest
+
+from vlmcompile.cluster import Cluster
+from vlmcompile.cost_models import comm
+from vlmcompile.cost_models.compute import REPLICATED_SHARE_WITHOUT_SP, is_tensor_parallel, layer_time
+from vlmcompile.cost_models.hardware import Efficiency
+from vlmcompile.cost_models.memory import kept_activation_bytes, model_state_bytes
+from vlmcompile.cost_models.stage_costs import layer_costs
+from vlmcompile.plan import Parallel, Recompute, Training
+
+H100 = Cluster.preset("h100x16")
+
+
+def test_ring_collectives_follow_the_alpha_beta_model():
+    n, bw, lat = 8, 100e9, 1e-5
+    size = 1e9
+    assert comm.reduce_scatter_s(size, n, bw, lat) == pytest.approx(7 / 8 * size / bw + 7 * lat)
+    assert comm.all_gather_s(size, n, bw, lat) == comm.reduce_scatter_s(size, n, bw, lat)
+    assert comm.all_reduce_s(size, n, bw, lat) == pytest.approx(2 * comm.reduce_scatter_s(size, n, bw, lat))
+    assert comm.all_reduce_s(size, 1, bw, lat) == 0
+    assert comm.p2p_s(size, bw, lat) == pytest.approx(lat + size / bw)
+
+
+def test_layer_time_is_the_roofline_sum_and_scales_with_samples_and_tp(demo_graph):
+    block = demo_graph["llm.blocks.0"]
+    dev = H100.device
+    t = layer_time(block, dev)
+    eff = dev.efficiency
+    expected = (
+        (block.fwd_flops - block.fwd_attn_flops) / (dev.peak_flops_per_s * eff.matmul)
+        + block.fwd_attn_flops / (dev.peak_flops_per_s * eff.attention)
+        + block.fwd_mem_bytes / (dev.mem_bw_bytes_per_s * eff.memory)
+    )
+    assert t.fwd_s == pytest.approx(expected)
+    assert layer_time(block, dev, samples=2).fwd_s == pytest.approx(2 * t.fwd_s)
+    assert layer_time(block, dev, tp=2).fwd_s == pytest.approx(t.fwd_s / 2)
+    no_sp = layer_time(block, dev, tp=2, sequence_parallel=False).fwd_s
+    assert no_sp > t.fwd_s / 2  # norms and residuals run replicated without SP
+    # backward: W is one GEMM per weight matrix, I the rest
+    assert t.weight_grad_s == pytest.approx(
+        (block.fwd_flops - block.fwd_attn_flops) / (dev.peak_flops_per_s * eff.matmul)
+    )
+    assert t.bwd_s > t.fwd_s
+
+
+def test_better_efficiency_makes_layers_faster(demo_graph):
+    block = demo_graph["encoders.0.blocks.0"]
+    slow = dataclasses.replace(H100.device, efficiency=Efficiency(0.3, 0.2, 0.5))
+    assert layer_time(block, slow).fwd_s > layer_time(block, H100.device).fwd_s
+    with pytest.raises(ValueError, match="matmul efficiency 1.5 is outside"):
+        Efficiency(matmul=1.5)
+
+
+def test_norms_stay_replicated_and_blocks_are_sharded(demo_graph):
+    assert is_tensor_parallel(demo_graph["llm.blocks.0"])
+    assert is_tensor_parallel(demo_graph["llm.embed"])  # vocab-parallel embedding
+    assert not is_tensor_parallel(demo_graph["llm.norm"])
+
+
+def test_tp_collectives_two_per_block_and_pass(demo_graph):
+    costs = {c.name: c for c in layer_costs(demo_graph, H100, Parallel(dp=1, tp=2, pp=1), microbatch_size=1)}
+    block, proj, norm = costs["llm.blocks.0"], costs["projectors.0"], costs["llm.norm"]
+    assert block.fwd_tp_comm_s > 0 and block.bwd_tp_comm_s == block.fwd_tp_comm_s
+    assert norm.fwd_tp_comm_s == 0
+    # one all-reduce of the projector's output against two of the block's hidden state
+    hidden = 2 * 384 * 384  # bf16 [1, 384, 384]
+    bw, lat = H100.group_link(2, 1)
+    assert block.fwd_tp_comm_s == pytest.approx(2 * comm.all_reduce_s(hidden, 2, bw, lat))
+    assert proj.fwd_tp_comm_s > 0
+    serial = layer_costs(demo_graph, H100, Parallel(dp=1, tp=1, pp=1), microbatch_size=1)
+    assert all(c.fwd_tp_comm_s == 0 for c in serial)
+
+
+def test_full_recompute_adds_a_forward_to_the_backward(demo_graph):
+    par = Parallel(dp=1, tp=1, pp=1)
+    plain = layer_costs(demo_graph, H100, par, microbatch_size=1)
+    full = layer_costs(demo_graph, H100, par, microbatch_size=1, recompute={"llm.blocks.0": Recompute.FULL})
+    i = [c.name for c in plain].index("llm.blocks.0")
+    assert full[i].input_grad_s == pytest.approx(plain[i].input_grad_s + plain[i].fwd_s)
+    assert full[i - 1] == plain[i - 1]
+
+
+@pytest.mark.parametrize(("zero", "expected"), [(0, 2 + 4 + 12), (1, 2 + 4 + 12 / 8), (2, 2 + 4 / 8 + 12 / 8), (3, 18 / 8)])
+def test_model_states_by_zero_stage(zero, expected):
+    assert model_state_bytes(1.0, Training(), dp=8, zero_stage=zero).total == pytest.approx(expected)
+
+
+def test_activations_shrink_with_recompute_and_tp(demo_graph):
+    block = demo_graph["llm.blocks.0"]
+    kw = {"samples": 1.0, "sequence_parallel": True}
+    none = kept_activation_bytes(block, Recompute.NONE, tp=1, **kw)
+    assert none == block.saved_bytes
+    assert kept_activation_bytes(block, Recompute.FULL, tp=1, **kw) == block.saved_bytes_recompute < none
+    assert kept_activation_bytes(block, Recompute.NONE, tp=4, **kw) == pytest.approx(none / 4)
+    no_sp = kept_activation_bytes(block, Recompute.NONE, tp=4, samples=1.0, sequence_parallel=False)
+    assert no_sp == pytest.approx(none * (REPLICATED_SHARE_WITHOUT_SP + (1 - REPLICATED_SHARE_WITHOUT_SP) / 4))

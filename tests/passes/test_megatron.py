@@ -1,0 +1,114 @@
+"""Megatron-LM baselines: where the layers go, the layout string, the balancing DP against
+brute force, and the errors for splits Megatron cannot make."""
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vlmcompile.passes.megatron import megatron, megatron_layout, model_parts
+from vlmcompile.passes.megatron_balanced import balanced_split, megatron_balanced
+
+from vlmcompile.cluster import Cluster
+from vlmcompile.errors import ClusterError, PlanError
+from vlmcompile.plan import Reason, Recompute
+from vlmcompile.regions import Region
+
+CLUSTER = Cluster.preset("h100x16")
+
+
+def test_encoder_projector_and_embedding_share_stage_0(demo_graph):
+    plan = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16).plan
+    stage0 = plan.stages[0].layers
+    for layer in demo_graph.in_region(Region.VISION, Region.PROJECTOR):
+        assert layer.name in stage0
+    assert "llm.embed" in stage0
+    decoder = model_parts(demo_graph).decoder
+    assert [sum(n in decoder for n in s.layers) for s in plan.stages] == [2, 2, 2, 2]
+    assert plan.stages[-1].layers[-2:] == ("llm.norm", "head")
+    assert [d.reason for d in plan.decisions][:2] == [Reason.ENCODER_ON_FIRST_STAGE, Reason.EVEN_SPLIT]
+    assert plan.schedule == "1f1b" and plan.num_microbatches == 16 // (2 * 1)
+
+
+def test_interleaved_places_virtual_stage_k_on_rank_k_mod_pp(demo_graph):
+    plan = megatron(demo_graph, CLUSTER, tp=2, pp=2, v=2, global_batch=16).plan
+    assert plan.schedule == "interleaved_1f1b"
+    assert [s.rank for s in plan.stages] == [0, 1, 0, 1]
+    layout, note = megatron_layout(plan, demo_graph)
+    assert layout == "Ett|tt|tt|ttL" and note == ""
+
+
+def test_first_and_last_stage_counts(demo_graph):
+    result = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, first_stage_layers=1, last_stage_layers=3)
+    assert result.report.layout == "Et|tt|tt|tttL"
+    reasons = {d.reason for d in result.plan.decisions}
+    assert {Reason.FIRST_STAGE_LAYERS, Reason.LAST_STAGE_LAYERS} <= reasons
+
+
+def test_global_recompute_and_vision_switch(demo_graph):
+    plan = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, recompute="full", recompute_vision=True).plan
+    decoder = model_parts(demo_graph).decoder
+    assert all(plan.recompute_of(n) is Recompute.FULL for n in decoder)
+    assert plan.recompute_of("encoders.0.blocks.0") is Recompute.FULL
+    assert plan.recompute_of("llm.embed") is Recompute.NONE
+    selective = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, recompute="selective").plan
+    assert plan.recompute_of("encoders.0.blocks.0") is Recompute.FULL
+    assert selective.recompute_of("encoders.0.blocks.0") is Recompute.NONE
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"tp": 2, "pp": 3}, ClusterError, r"tp x pp = 2 x 3 = 6 does not divide the 16 GPUs"),
+        ({"tp": 2, "pp": 2, "v": 3}, PlanError, r"8 decoder layers do not split evenly over pp x v = 2 x 3 = 6"),
+        ({"tp": 2, "pp": 4, "global_batch": 15}, PlanError, r"global batch 15 is not a multiple of dp x microbatch"),
+        ({"tp": 2, "pp": 4, "first_stage_layers": 3}, PlanError, r"leave 5 for the 3 other pipeline stages"),
+    ],
+)
+def test_splits_megatron_cannot_make_are_refused(demo_graph, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        megatron(demo_graph, CLUSTER, **({"global_batch": 16} | kwargs))
+
+
+def _brute_force(times, k):
+    n = len(times)
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        worst = max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(times=st.lists(st.floats(0.01, 10.0, allow_nan=False), min_size=1, max_size=9), data=st.data())
+def test_balanced_split_matches_brute_force(times, data):
+    k = data.draw(st.integers(1, len(times)))
+    counts = balanced_split(times, k)
+    assert len(counts) == k and sum(counts) == len(times) and min(counts) >= 1
+    bounds = [0, *itertools.accumulate(counts)]
+    worst = max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:]))
+    assert worst == pytest.approx(_brute_force(times, k))
+
+
+def test_balanced_plan_spreads_the_encoder_and_says_why_megatron_cannot(demo_graph):
+    result = megatron_balanced(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16)
+    plan = result.plan
+    assert any(layer.startswith("encoders") for layer in plan.stages[1].layers)
+    assert result.report.layout is None
+    assert "vision encoder on the first pipeline stage only" in result.report.layout_note
+    balanced = next(d for d in plan.decisions if d.reason is Reason.BALANCED)
+    even = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16).plan
+    assert balanced.numbers["max_stage_s"] > 0
+    assert len(plan.stages) == len(even.stages)
+
+
+def test_two_encoders_are_linearised_and_reported(two_encoder_graph):
+    cluster = Cluster.preset("h100x2")
+    plan = megatron_balanced(two_encoder_graph, cluster, tp=1, pp=2, global_batch=4).plan
+    assert any(d.reason is Reason.LINEARISED_BRANCHES for d in plan.decisions)
+
+
+def test_too_many_virtual_stages_for_the_layers(demo_graph):
+    with pytest.raises(PlanError, match="every stage needs a layer"):
+        megatron_balanced(demo_graph, CLUSTER, tp=2, pp=4, v=6, global_batch=16)
