@@ -115,6 +115,24 @@ def recompute_flags(
     return flags
 
 
+def parallel_for(
+    cluster: Cluster, *, tp: int, pp: int, v: int, sequence_parallel: bool, zero_stage: int
+) -> Parallel:
+    """Megatron's degrees on ``cluster``: DP is what TP x PP leave."""
+    dp = cluster.data_parallel_size(tp, pp)
+    cluster.check_tensor_parallel(tp)
+    return Parallel(dp=dp, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage)
+
+
+def recompute_decision(parts: ModelParts, recompute: Recompute | str, recompute_vision: bool) -> Decision:
+    return Decision(
+        "recompute",
+        Reason.GLOBAL_RECOMPUTE,
+        f"{Recompute(recompute).value} for all {len(parts.decoder)} decoder layers; vision encoder "
+        f"{'fully recomputed' if recompute_vision else 'not recomputed'}",
+    )
+
+
 def build_plan(
     layer_graph: LayerGraph,
     cluster: Cluster,
@@ -127,8 +145,9 @@ def build_plan(
     schedule: ScheduleName | None,
     recompute: dict[str, Recompute],
     decisions: list[Decision],
-) -> Plan:
-    """Stages from chunks (virtual stage k on rank k % pp), the schedule's action lists, the plan."""
+) -> BaselineResult:
+    """Stages from chunks (virtual stage k on rank k % pp), the schedule's action lists, the
+    validated plan and its report."""
     m = num_microbatches(global_batch, parallel.dp, microbatch_size)
     p, v = parallel.pp, parallel.v
     name = schedule or ("interleaved_1f1b" if v > 1 else "1f1b")
@@ -156,7 +175,8 @@ def build_plan(
         decisions=tuple(decisions),
     )
     plan.validate(layer_graph)
-    return plan
+    layout, note = megatron_layout(plan, layer_graph)
+    return BaselineResult(plan, BaselineReport(plan, layout, note))
 
 
 def megatron(
@@ -177,9 +197,9 @@ def megatron(
     zero_stage: int = 1,
 ) -> BaselineResult:
     """Megatron-LM's plan (see the module docstring). ``dp`` is what the cluster leaves."""
-    dp = cluster.data_parallel_size(tp, pp)
-    cluster.check_tensor_parallel(tp)
-    parallel = Parallel(dp=dp, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage)
+    parallel = parallel_for(
+        cluster, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage
+    )
     parts = model_parts(layer_graph)
     counts, decisions = _decoder_split(len(parts.decoder), pp, v, first_stage_layers, last_stage_layers)
     chunks: list[list[str]] = []
@@ -212,15 +232,8 @@ def megatron(
         )
     )
     flags = recompute_flags(layer_graph, parts, recompute, recompute_vision)
-    decisions.append(
-        Decision(
-            "recompute",
-            Reason.GLOBAL_RECOMPUTE,
-            f"{Recompute(recompute).value} for all {len(parts.decoder)} decoder layers; vision encoder "
-            f"{'fully recomputed' if recompute_vision else 'not recomputed'}",
-        )
-    )
-    plan = build_plan(
+    decisions.append(recompute_decision(parts, recompute, recompute_vision))
+    return build_plan(
         layer_graph,
         cluster,
         policy="megatron",
@@ -232,8 +245,6 @@ def megatron(
         recompute=flags,
         decisions=decisions,
     )
-    layout, note = megatron_layout(plan, layer_graph)
-    return BaselineResult(plan, BaselineReport(plan, layout, note))
 
 
 def _decoder_split(

@@ -20,19 +20,19 @@ from __future__ import annotations
 import numpy as np
 from vlmcompile.cost_models.stage_costs import layer_costs
 from vlmcompile.passes.megatron import (
-    BaselineReport,
     BaselineResult,
     ScheduleName,
     build_plan,
-    megatron_layout,
     model_parts,
+    parallel_for,
+    recompute_decision,
     recompute_flags,
 )
 
 from vlmcompile.cluster import Cluster
 from vlmcompile.errors import PlanError
 from vlmcompile.layer_graph import LayerGraph
-from vlmcompile.plan import Decision, Parallel, Reason, Recompute
+from vlmcompile.plan import Decision, Reason, Recompute
 from vlmcompile.regions import Region
 
 
@@ -79,9 +79,9 @@ def megatron_balanced(
     sequence_parallel: bool = True,
     zero_stage: int = 1,
 ) -> BaselineResult:
-    dp = cluster.data_parallel_size(tp, pp)
-    cluster.check_tensor_parallel(tp)
-    parallel = Parallel(dp=dp, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage)
+    parallel = parallel_for(
+        cluster, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage
+    )
     parts = model_parts(layer_graph)
     flags = recompute_flags(layer_graph, parts, recompute, recompute_vision)
     costs = layer_costs(layer_graph, cluster, parallel, microbatch_size=microbatch_size, recompute=flags)
@@ -103,12 +103,7 @@ def megatron_balanced(
             f"(fwd + bwd of one microbatch); layers per stage {counts}",
             {"max_stage_s": max(stage_times), "min_stage_s": min(stage_times)},
         ),
-        Decision(
-            "recompute",
-            Reason.GLOBAL_RECOMPUTE,
-            f"{Recompute(recompute).value} for all {len(parts.decoder)} decoder layers; vision encoder "
-            f"{'fully recomputed' if recompute_vision else 'not recomputed'}",
-        ),
+        recompute_decision(parts, recompute, recompute_vision),
     ]
     branches = _independent_branches(layer_graph)
     if branches > 1:
@@ -120,7 +115,7 @@ def megatron_balanced(
                 "so they are taken in their captured order",
             )
         )
-    plan = build_plan(
+    return build_plan(
         layer_graph,
         cluster,
         policy="megatron_balanced",
@@ -132,8 +127,6 @@ def megatron_balanced(
         recompute=flags,
         decisions=decisions,
     )
-    layout, note = megatron_layout(plan, layer_graph)
-    return BaselineResult(plan, BaselineReport(plan, layout, note))
 
 
 def _independent_branches(layer_graph: LayerGraph) -> int:

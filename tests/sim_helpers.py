@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from vlmcompile.actions import Action
 from vlmcompile.cost_models.stage_costs import LayerCost, PlanCosts, StageCost
+
+from vlmcompile.actions import Action
 from vlmcompile.plan import Parallel, Plan, Stage
 
 
-def make_plan(actions: tuple[tuple[Action, ...], ...], num_stages: int, *, schedule: str = "test", v: int = 1) -> Plan:
+def make_plan(
+    actions: tuple[tuple[Action, ...], ...], num_stages: int, *, schedule: str = "test", v: int = 1
+) -> Plan:
     p = len(actions)
     return Plan(
         model="synthetic",
@@ -41,5 +44,7 @@ def synthetic_costs(
         layer = LayerCost(f"layer{k}", fwd_s[k], bwd_s[k] - w[k], w[k], 0.0, 0.0, 0.0, 0.0, 0.0)
         nxt = k + 1 < n and plan.stages[k + 1].rank != s.rank
         prv = k > 0 and plan.stages[k - 1].rank != s.rank
-        stages.append(StageCost(k, s.rank, (layer,), send[k] if nxt else 0.0, send[k] if prv else 0.0, act_bytes, 0.0))
+        stages.append(
+            StageCost(k, s.rank, (layer,), send[k] if nxt else 0.0, send[k] if prv else 0.0, act_bytes, 0.0)
+        )
     return PlanCosts(tuple(stages), (0.0,) * plan.num_ranks, model_flops=0.0, samples=1.0)

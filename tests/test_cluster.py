@@ -1,9 +1,9 @@
 """Cluster presets and the errors for inconsistent ones."""
 
 import pytest
+from vlmcompile.cost_models.hardware import DEVICES, device
 
 from vlmcompile.cluster import PAPER_PRESETS, Cluster
-from vlmcompile.cost_models.hardware import DEVICES, device
 from vlmcompile.errors import ClusterError
 
 
@@ -48,7 +48,10 @@ def test_unknown_or_inconsistent_presets_say_what_to_change(name, message):
 def test_gpus_not_divisible_by_tp_times_pp():
     cluster = Cluster.preset("h100x64")
     assert cluster.data_parallel_size(8, 4) == 2
-    with pytest.raises(ClusterError, match=r"tp x pp = 8 x 3 = 24 does not divide the 64 GPUs of h100x64; with tp=8 choose pp in \[1, 2, 4, 8\]"):
+    with pytest.raises(
+        ClusterError,
+        match=r"tp x pp = 8 x 3 = 24 does not divide the 64 GPUs of h100x64; with tp=8 choose pp in \[1, 2, 4, 8\]",
+    ):
         cluster.data_parallel_size(8, 3)
     with pytest.raises(ClusterError, match="tensor-parallel size 16 spans nodes of 8 GPUs"):
         cluster.check_tensor_parallel(16)

@@ -44,3 +44,12 @@ def test_cli_annotate_prints_the_report_and_writes_json(tmp_path, capsys):
 def test_cli_reports_bad_names_as_errors(capsys):
     assert main(["annotate", "--model", "GPT-5"]) == 2
     assert "unknown model 'GPT-5'" in capsys.readouterr().err
+
+
+def test_a_compiled_pipeline_plans_and_simulates_the_megatron_baseline():
+    model, batch = build("tiny")
+    pipe = vlmcompile.compile(model, batch, cluster="h100x8", log=None)
+    run = pipe.baseline("megatron", tp=1, pp=2, global_batch=8)
+    assert run.plan.num_ranks == 2 and run.sim.step_time_s > 0 and run.fits
+    with pytest.raises(ValueError, match="given no cluster"):
+        vlmcompile.compile(model, batch, log=None).baseline()

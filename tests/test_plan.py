@@ -4,14 +4,14 @@ with the rank and step named."""
 import dataclasses
 
 import pytest
-from vlmcompile.actions import Action, ActionKind, format_grid
 from vlmcompile.passes.megatron import megatron
-from vlmcompile.schedules import one_f_one_b
 
 from tests.sim_helpers import make_plan
+from vlmcompile.actions import Action, ActionKind, format_grid
 from vlmcompile.cluster import Cluster
 from vlmcompile.errors import PlanError
 from vlmcompile.plan import Plan, Stage
+from vlmcompile.schedules import one_f_one_b
 
 CLUSTER = Cluster.preset("h100x16")
 
@@ -38,7 +38,9 @@ def test_json_round_trip_is_lossless(plan, tmp_path):
 def test_an_older_plan_schema_is_rejected_with_the_fix(plan):
     data = plan.to_json()
     data["version"] = 0
-    with pytest.raises(PlanError, match="plan JSON version 0 is not 1.*re-create the plan with `vlmcompile plan"):
+    with pytest.raises(
+        PlanError, match="plan JSON version 0 is not 1.*re-create the plan with `vlmcompile plan"
+    ):
         Plan.from_json(data)
     with pytest.raises(PlanError, match="not a plan JSON"):
         Plan.from_json({"schema": "vlmcompile.layer_graph"})
@@ -63,7 +65,12 @@ def test_a_missing_action_names_the_rank_and_action(plan):
 def test_a_deadlock_is_shown_on_the_grid_with_the_stuck_ranks_marked():
     acts = [list(r) for r in one_f_one_b(2, 2)]
     # rank 1 runs the backward of microbatch 1 before its forward: it waits for itself
-    acts[1] = [Action(1, ActionKind.F, 0), Action(1, ActionKind.B, 1), Action(1, ActionKind.B, 0), Action(1, ActionKind.F, 1)]
+    acts[1] = [
+        Action(1, ActionKind.F, 0),
+        Action(1, ActionKind.B, 1),
+        Action(1, ActionKind.B, 0),
+        Action(1, ActionKind.F, 1),
+    ]
     plan = make_plan(tuple(tuple(a) for a in acts), 2)
     with pytest.raises(PlanError) as err:
         plan.validate()
@@ -84,7 +91,9 @@ def test_an_action_on_the_wrong_rank_is_marked():
 def test_a_plan_over_device_memory_names_the_rank_and_step(demo_graph):
     tiny_memory = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, mem_bytes=2**20))
     plan = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16).plan
-    with pytest.raises(PlanError, match=r"rank 0 needs .* GiB at step \d+ \(.*\), over the 0.0 GiB of a H100-80GB") as err:
+    with pytest.raises(
+        PlanError, match=r"rank 0 needs .* GiB at step \d+ \(.*\), over the 0.0 GiB of a H100-80GB"
+    ) as err:
         plan.validate(demo_graph, tiny_memory)
     assert "<- peak memory" in str(err.value)
 

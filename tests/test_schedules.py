@@ -3,12 +3,12 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vlmcompile.actions import ActionKind
-from vlmcompile.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
 
 from tests.sim_helpers import make_plan, synthetic_costs
+from vlmcompile.actions import ActionKind
 from vlmcompile.cluster import Cluster
 from vlmcompile.errors import PlanError
+from vlmcompile.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
 from vlmcompile.simulator import simulate
 
 CLUSTER = Cluster.preset("h100x8")

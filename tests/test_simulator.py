@@ -7,12 +7,12 @@ import networkx as nx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vlmcompile.actions import ActionKind, dependencies
 from vlmcompile.passes.megatron import megatron
-from vlmcompile.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
 
 from tests.sim_helpers import make_plan, synthetic_costs
+from vlmcompile.actions import ActionKind, dependencies
 from vlmcompile.cluster import Cluster
+from vlmcompile.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
 from vlmcompile.simulator import CAUSES, simulate
 from vlmcompile.trace import chrome_trace, write_chrome_trace, write_png
 
@@ -27,7 +27,12 @@ def reference_schedule(plan, fwd, bwd, wgt, send):
 
     def duration(a):
         k = a.stage
-        return {ActionKind.F: fwd[k], ActionKind.B: bwd[k], ActionKind.I: bwd[k] - wgt[k], ActionKind.W: wgt[k]}[a.kind]
+        return {
+            ActionKind.F: fwd[k],
+            ActionKind.B: bwd[k],
+            ActionKind.I: bwd[k] - wgt[k],
+            ActionKind.W: wgt[k],
+        }[a.kind]
 
     g = nx.DiGraph()
     for acts in plan.actions:
@@ -76,7 +81,9 @@ def random_plans(draw):
 @given(case=random_plans())
 def test_step_and_idle_time_agree_with_the_reference(case):
     plan, fwd, bwd, wgt, send = case
-    result = simulate(plan, None, CLUSTER, costs=synthetic_costs(plan, fwd, bwd, weight_grad_s=wgt, send_s=send))
+    result = simulate(
+        plan, None, CLUSTER, costs=synthetic_costs(plan, fwd, bwd, weight_grad_s=wgt, send_s=send)
+    )
     step, idle = reference_schedule(plan, fwd, bwd, wgt, send)
     assert result.step_time_s == pytest.approx(step)
     assert [sum(r.idle_s.values()) for r in result.ranks] == pytest.approx(idle, abs=1e-9)

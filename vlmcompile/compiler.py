@@ -15,16 +15,20 @@ import functools
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch.fx as fx
 from torch import nn
 
+from vlmcompile.cluster import Cluster
 from vlmcompile.layer_graph import LayerGraph
 from vlmcompile.pass_runner import Pass, PassRunner, RunReport
 from vlmcompile.passes.annotate import TensorMode, annotate
 from vlmcompile.passes.capture import CaptureMethod, capture
 from vlmcompile.regions import Region
+
+if TYPE_CHECKING:
+    from vlmcompile.planning import PlannedRun
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,13 +78,24 @@ class CompiledPipeline:
     gm: fx.GraphModule
     layer_graph: LayerGraph
     report: CompileReport
-    cluster: Any = None
+    cluster: Cluster | None = None
+
+    def baseline(self, policy: str = "megatron", **options: Any) -> PlannedRun:
+        """Plan with a baseline policy (``megatron`` or ``megatron_balanced``) on the pipeline's
+        cluster and simulate it; ``options`` are the policy's (tp, pp, v, global_batch, ...)."""
+        if self.cluster is None:
+            raise ValueError(
+                "compile(..., cluster=...) was given no cluster; pass one (e.g. 'h100x64') to plan"
+            )
+        from vlmcompile.planning import plan_and_simulate
+
+        return plan_and_simulate(self.layer_graph, self.cluster, policy, **options)
 
 
 def compile(
     model: nn.Module,
     sample_batch: Mapping[str, Any],
-    cluster: Any = None,
+    cluster: Cluster | str | None = None,
     *,
     region_overrides: Mapping[str, str | Region] | None = None,
     capture_method: CaptureMethod | str = "auto",
@@ -94,7 +109,7 @@ def compile(
     Args:
         model: the VLM (plain PyTorch or transformers); its forward returns the loss.
         sample_batch: one batch, keyed by ``model.forward``'s argument names (real or meta tensors).
-        cluster: the cluster to plan for (used by the planning passes; unused by capture/annotate).
+        cluster: the cluster to plan for: a :class:`Cluster` or a preset name ("h100x64", "cpu:2").
         region_overrides: module-path prefix -> region ("vision", "projector", "llm", "text", "head").
         capture_method: "auto", "fx" or "export".
         tensor_mode: "fake" (any size, no memory) or "real" (CPU tensors) for the annotate pass.
@@ -102,6 +117,8 @@ def compile(
         model_name: shown in reports (default: the model's class name).
         log: where the pass runner prints progress (None for silence).
     """
+    if isinstance(cluster, str):
+        cluster = Cluster.preset(cluster)
     passes = [
         Pass(
             "capture",

@@ -31,6 +31,8 @@ class PlannedRun:
     sim: SimResult
     fits: bool
     """Peak memory of every rank within the device's."""
+    recompute: str
+    """The recompute setting used: none, selective, full, or full + vision."""
 
 
 def plan_and_simulate(
@@ -74,4 +76,5 @@ def plan_and_simulate(
         )
         sim = dataclasses.replace(sim, plan=plan)
     layout, note = megatron_layout(plan, layer_graph)
-    return PlannedRun(plan, BaselineReport(plan, layout, note), sim, fits)
+    chosen = f"{rc}{' + vision' if rc_vision else ''}"
+    return PlannedRun(plan, BaselineReport(plan, layout, note), sim, fits, chosen)

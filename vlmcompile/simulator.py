@@ -13,13 +13,16 @@ Idle time on each rank is attributed to one cause:
 
 * ``dp_all_gather``: before anyone can compute (waiting for the first parameters) and inside a
   first forward waiting for a later layer's bucket;
-* ``pp_warmup``: the rest of the wait before the rank's first action, and gaps before its
-  first backward;
-* ``pp_other``: gaps between its first backward and its last forward;
-* ``pp_cooldown``: gaps after its last forward, and the wait after its last action until
-  the last rank of the pipeline finishes computing;
+* ``pp_warmup``: the rest of the wait before the rank's first action (the forward dependency
+  of its first forward);
+* ``pp_cooldown``: the wait after its last action until the pipeline's last compute ends (the
+  backward dependency of the final backward);
+* ``pp_other``: every gap between two of its actions (waiting for an activation or a
+  gradient, imbalanced stages);
 * ``tp_comm``: TP collectives inside actions;
 * ``dp_reduce_scatter``: from the pipeline's last compute until the last gradient reduction ends.
+
+These are the bubble types of Optimus sec. 2.2 (Table 1).
 
 Busy time plus the idle causes equals the step time on every rank (the tests check it).
 """
@@ -57,6 +60,14 @@ class ActionRun:
 
 
 @dataclass(frozen=True, slots=True)
+class Bubble:
+    rank: int
+    start_s: float
+    end_s: float
+    cause: str
+
+
+@dataclass(frozen=True, slots=True)
 class RankStats:
     rank: int
     busy_s: float
@@ -76,6 +87,8 @@ class SimResult:
     mfu: float
     dp_collectives: tuple[tuple[int, str, float, float], ...] = field(default=())
     """(rank, "all_gather" | "reduce_scatter", start, end) per layer bucket."""
+    bubbles: tuple[Bubble, ...] = field(default=())
+    """Idle intervals between actions, with their causes."""
 
     @property
     def peak_mem_bytes(self) -> list[float]:
@@ -216,11 +229,12 @@ def simulate(
 
     compute_end = max(r.end_s for r in runs)
     step = max(compute_end, max(reduced_end))
-    ranks = _rank_stats(plan, runs, costs, step, compute_end)
+    bubbles = _bubbles(runs, num_ranks, step, compute_end)
+    ranks = _rank_stats(plan, runs, bubbles, costs)
     peak = cluster.device.peak_flops_per_s
     group_gpus = num_ranks * max(p.tp for p in plan.parallel.values())
     mfu = costs.model_flops / (step * group_gpus * peak) if step > 0 else 0.0
-    return SimResult(plan, cluster, step, tuple(runs), ranks, mfu, tuple(dp_events))
+    return SimResult(plan, cluster, step, tuple(runs), ranks, mfu, tuple(dp_events), tuple(bubbles))
 
 
 def _bwd_of(c, kind: ActionKind) -> float:
@@ -256,7 +270,9 @@ def _run(
                     waited += ready - t
                     t = ready
                 t += c.fwd_s + c.fwd_tp_comm_s
-            return ActionRun(rank, step, a, start, start + compute + tp + waited, compute, tp, dp_wait_s=waited)
+            return ActionRun(
+                rank, step, a, start, start + compute + tp + waited, compute, tp, dp_wait_s=waited
+            )
     elif a.kind is ActionKind.B:
         compute, tp = stage.input_grad_s + stage.weight_grad_s, stage.bwd_tp_comm_s
     elif a.kind is ActionKind.I:
@@ -266,34 +282,41 @@ def _run(
     return ActionRun(rank, step, a, start, start + compute + tp, compute, tp)
 
 
-def _rank_stats(
-    plan: Plan, runs: list[ActionRun], costs: PlanCosts, step: float, compute_end: float
-) -> tuple[RankStats, ...]:
+def _bubbles(runs: list[ActionRun], num_ranks: int, step: float, compute_end: float) -> list[Bubble]:
+    """Idle intervals between actions, each with its cause (see the module docstring)."""
     by_rank: dict[int, list[ActionRun]] = defaultdict(list)
     for run in runs:
         by_rank[run.rank].append(run)
     first_start = min(r.start_s for r in runs)
+    out = []
+    for rank in range(num_ranks):
+        mine = sorted(by_rank[rank], key=lambda r: r.start_s)
+        if first_start > 0:
+            out.append(Bubble(rank, 0.0, first_start, "dp_all_gather"))
+        if mine[0].start_s > first_start:
+            out.append(Bubble(rank, first_start, mine[0].start_s, "pp_warmup"))
+        for prev, nxt in zip(mine, mine[1:]):
+            if nxt.start_s > prev.end_s:
+                out.append(Bubble(rank, prev.end_s, nxt.start_s, "pp_other"))
+        if compute_end > mine[-1].end_s:
+            out.append(Bubble(rank, mine[-1].end_s, compute_end, "pp_cooldown"))
+        if step > compute_end:
+            out.append(Bubble(rank, compute_end, step, "dp_reduce_scatter"))
+    return out
+
+
+def _rank_stats(
+    plan: Plan, runs: list[ActionRun], bubbles: list[Bubble], costs: PlanCosts
+) -> tuple[RankStats, ...]:
     stats = []
     for rank in range(plan.num_ranks):
-        mine = sorted(by_rank[rank], key=lambda r: r.start_s)
+        mine = [r for r in runs if r.rank == rank]
         idle = dict.fromkeys(CAUSES, 0.0)
-        idle["dp_all_gather"] += first_start + sum(r.dp_wait_s for r in mine)
-        idle["pp_warmup"] += mine[0].start_s - first_start
+        for b in bubbles:
+            if b.rank == rank:
+                idle[b.cause] += b.end_s - b.start_s
+        idle["dp_all_gather"] += sum(r.dp_wait_s for r in mine)
         idle["tp_comm"] += sum(r.tp_comm_s for r in mine)
-        first_bwd = min((r.start_s for r in mine if r.action.kind is not ActionKind.F), default=step)
-        last_fwd = max((r.end_s for r in mine if r.action.kind is ActionKind.F), default=0.0)
-        for prev, nxt in zip(mine, mine[1:]):
-            gap = nxt.start_s - prev.end_s
-            if gap <= 0:
-                continue
-            if nxt.start_s <= first_bwd:
-                idle["pp_warmup"] += gap
-            elif prev.end_s >= last_fwd:
-                idle["pp_cooldown"] += gap
-            else:
-                idle["pp_other"] += gap
-        idle["pp_cooldown"] += compute_end - mine[-1].end_s
-        idle["dp_reduce_scatter"] += step - compute_end
         busy = sum(r.compute_s for r in mine)
         peak, peak_step = _peak_memory(mine, costs)
         stats.append(

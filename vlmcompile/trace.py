@@ -82,7 +82,7 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
                     "dur": (end - start) * 1e6,
                 }
             )
-    for rank, start, end, cause in bubbles(result):
+    for rank, start, end, cause in ((b.rank, b.start_s, b.end_s, b.cause) for b in result.bubbles):
         events.append(
             {
                 "name": cause,
@@ -107,39 +107,6 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
     }
 
 
-def bubbles(result: SimResult) -> list[tuple[int, float, float, str]]:
-    """Idle intervals between actions (rank, start, end, cause), as the simulator classifies them."""
-    out = []
-    compute_end = max(r.end_s for r in result.runs)
-    first_start = min(r.start_s for r in result.runs)
-    by_rank: dict[int, list] = {}
-    for run in result.runs:
-        by_rank.setdefault(run.rank, []).append(run)
-    for rank, runs in by_rank.items():
-        runs.sort(key=lambda r: r.start_s)
-        first_bwd = min((r.start_s for r in runs if r.action.kind is not ActionKind.F), default=compute_end)
-        last_fwd = max((r.end_s for r in runs if r.action.kind is ActionKind.F), default=0.0)
-        if first_start > 0:
-            out.append((rank, 0.0, first_start, "dp_all_gather"))
-        if runs[0].start_s > first_start:
-            out.append((rank, first_start, runs[0].start_s, "pp_warmup"))
-        for prev, nxt in zip(runs, runs[1:]):
-            if nxt.start_s > prev.end_s:
-                cause = (
-                    "pp_warmup"
-                    if nxt.start_s <= first_bwd
-                    else "pp_cooldown"
-                    if prev.end_s >= last_fwd
-                    else "pp_other"
-                )
-                out.append((rank, prev.end_s, nxt.start_s, cause))
-        if compute_end > runs[-1].end_s:
-            out.append((rank, runs[-1].end_s, compute_end, "pp_cooldown"))
-        if result.step_time_s > compute_end:
-            out.append((rank, compute_end, result.step_time_s, "dp_reduce_scatter"))
-    return out
-
-
 def write_chrome_trace(result: SimResult, path: str | Path) -> None:
     Path(path).write_text(json.dumps(chrome_trace(result)))
 
@@ -156,7 +123,7 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
     num_ranks = min(len(result.ranks), max_ranks)
     step_ms = result.step_time_s * 1e3
     fig, ax = plt.subplots(figsize=(14, 1.6 + 0.55 * num_ranks), dpi=110)
-    for rank, start, end, _cause in bubbles(result):
+    for rank, start, end in ((b.rank, b.start_s, b.end_s) for b in result.bubbles):
         if rank < num_ranks:
             ax.barh(
                 rank, (end - start) * 1e3, left=start * 1e3, height=0.8, color="#DDDDDD", edgecolor="none"

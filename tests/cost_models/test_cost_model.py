@@ -3,13 +3,13 @@
 import dataclasses
 
 import pytest
-
-from vlmcompile.cluster import Cluster
 from vlmcompile.cost_models import comm
 from vlmcompile.cost_models.compute import REPLICATED_SHARE_WITHOUT_SP, is_tensor_parallel, layer_time
 from vlmcompile.cost_models.hardware import Efficiency
 from vlmcompile.cost_models.memory import kept_activation_bytes, model_state_bytes
 from vlmcompile.cost_models.stage_costs import layer_costs
+
+from vlmcompile.cluster import Cluster
 from vlmcompile.plan import Parallel, Recompute, Training
 
 H100 = Cluster.preset("h100x16")
@@ -84,7 +84,9 @@ def test_full_recompute_adds_a_forward_to_the_backward(demo_graph):
     assert full[i - 1] == plain[i - 1]
 
 
-@pytest.mark.parametrize(("zero", "expected"), [(0, 2 + 4 + 12), (1, 2 + 4 + 12 / 8), (2, 2 + 4 / 8 + 12 / 8), (3, 18 / 8)])
+@pytest.mark.parametrize(
+    ("zero", "expected"), [(0, 2 + 4 + 12), (1, 2 + 4 + 12 / 8), (2, 2 + 4 / 8 + 12 / 8), (3, 18 / 8)]
+)
 def test_model_states_by_zero_stage(zero, expected):
     assert model_state_bytes(1.0, Training(), dp=8, zero_stage=zero).total == pytest.approx(expected)
 
@@ -97,4 +99,6 @@ def test_activations_shrink_with_recompute_and_tp(demo_graph):
     assert kept_activation_bytes(block, Recompute.FULL, tp=1, **kw) == block.saved_bytes_recompute < none
     assert kept_activation_bytes(block, Recompute.NONE, tp=4, **kw) == pytest.approx(none / 4)
     no_sp = kept_activation_bytes(block, Recompute.NONE, tp=4, samples=1.0, sequence_parallel=False)
-    assert no_sp == pytest.approx(none * (REPLICATED_SHARE_WITHOUT_SP + (1 - REPLICATED_SHARE_WITHOUT_SP) / 4))
+    assert no_sp == pytest.approx(
+        none * (REPLICATED_SHARE_WITHOUT_SP + (1 - REPLICATED_SHARE_WITHOUT_SP) / 4)
+    )

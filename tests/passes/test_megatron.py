@@ -39,14 +39,18 @@ def test_interleaved_places_virtual_stage_k_on_rank_k_mod_pp(demo_graph):
 
 
 def test_first_and_last_stage_counts(demo_graph):
-    result = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, first_stage_layers=1, last_stage_layers=3)
+    result = megatron(
+        demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, first_stage_layers=1, last_stage_layers=3
+    )
     assert result.report.layout == "Et|tt|tt|tttL"
     reasons = {d.reason for d in result.plan.decisions}
     assert {Reason.FIRST_STAGE_LAYERS, Reason.LAST_STAGE_LAYERS} <= reasons
 
 
 def test_global_recompute_and_vision_switch(demo_graph):
-    plan = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, recompute="full", recompute_vision=True).plan
+    plan = megatron(
+        demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, recompute="full", recompute_vision=True
+    ).plan
     decoder = model_parts(demo_graph).decoder
     assert all(plan.recompute_of(n) is Recompute.FULL for n in decoder)
     assert plan.recompute_of("encoders.0.blocks.0") is Recompute.FULL
@@ -60,8 +64,16 @@ def test_global_recompute_and_vision_switch(demo_graph):
     ("kwargs", "error", "message"),
     [
         ({"tp": 2, "pp": 3}, ClusterError, r"tp x pp = 2 x 3 = 6 does not divide the 16 GPUs"),
-        ({"tp": 2, "pp": 2, "v": 3}, PlanError, r"8 decoder layers do not split evenly over pp x v = 2 x 3 = 6"),
-        ({"tp": 2, "pp": 4, "global_batch": 15}, PlanError, r"global batch 15 is not a multiple of dp x microbatch"),
+        (
+            {"tp": 2, "pp": 2, "v": 3},
+            PlanError,
+            r"8 decoder layers do not split evenly over pp x v = 2 x 3 = 6",
+        ),
+        (
+            {"tp": 2, "pp": 4, "global_batch": 15},
+            PlanError,
+            r"global batch 15 is not a multiple of dp x microbatch",
+        ),
         ({"tp": 2, "pp": 4, "first_stage_layers": 3}, PlanError, r"leave 5 for the 3 other pipeline stages"),
     ],
 )

@@ -1,0 +1,154 @@
+"""Simulate the Megatron-LM baselines on every Optimus and OmniBal setup of paper_setups.json.
+
+For each setup (``vlmcompile.setups``) the model is annotated once on meta tensors; ``megatron``
+(1F1B) and ``megatron_balanced`` (the Optimus appendix-B split, interleaved with the paper's v)
+are planned with the least recompute that fits in memory, and simulated. Every figure is a
+prediction of the cost model, not a measurement. Simulation time (median of 3 runs, this
+machine) is recorded for the issue's speed goals: Model D (512 GPUs) within 2 s, the
+3072-GPU strong-scaling setup within 5 s.
+
+    python benchmarks/plan_baselines.py [--only NAME ...] [--readme]
+
+writes ``benchmarks/results/plan_baselines.json`` and prints a Markdown table; ``--readme``
+also replaces the table between the markers in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import vlmcompile
+from vlmcompile import models
+from vlmcompile.cluster import Cluster
+from vlmcompile.planning import plan_and_simulate
+from vlmcompile.setups import SETUPS
+from vlmcompile.simulator import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "plan_baselines.json"
+BEGIN, END = "<!-- plan_baselines:begin -->", "<!-- plan_baselines:end -->"
+
+
+def _graph(model: str, cache: dict):
+    if model not in cache:
+        start = time.perf_counter()
+        m = models.build(model, device="meta", dtype=torch.bfloat16)
+        batch = models.sample_batch(model, batch_size=1, device="meta", dtype=torch.bfloat16)
+        cache[model] = vlmcompile.compile(m, batch, model_name=model, log=None).layer_graph
+        print(f"  annotated {model} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return cache[model]
+
+
+def _row(setup, policy, run, sim_s):
+    sim = run.sim
+    share = sim.idle_share()
+    par = run.plan.parallel["model"]
+    return {
+        "setup": setup.name,
+        "model": setup.model,
+        "cluster": setup.cluster,
+        "policy": policy,
+        "parallel": {"dp": par.dp, "tp": par.tp, "pp": par.pp, "v": par.v},
+        "microbatches": run.plan.num_microbatches,
+        "schedule": run.plan.schedule,
+        "recompute": run.recompute,
+        "fits": run.fits,
+        "step_time_s": sim.step_time_s,
+        "mfu": sim.mfu,
+        "bubble_share": sim.bubble_share,
+        "bubble_share_by_cause": share,
+        "peak_mem_gib_per_stage": [r.peak_mem_bytes / 2**30 for r in sim.ranks],
+        "simulate_s_median": sim_s,
+        "megatron_layout": run.report.layout,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", nargs="*", help="setup names to run (default: all)")
+    parser.add_argument("--readme", action="store_true", help="update the table in README.md")
+    args = parser.parse_args(argv)
+    names = args.only or list(SETUPS)
+    graphs: dict = {}
+    rows = []
+    for name in names:
+        setup = SETUPS[name]
+        print(f"{name}: {setup.model} on {setup.cluster}", file=sys.stderr)
+        graph = _graph(setup.model, graphs)
+        cluster = Cluster.preset(setup.cluster)
+        for policy, v in (("megatron", 1), ("megatron_balanced", setup.v_balanced)):
+            run = plan_and_simulate(
+                graph,
+                cluster,
+                policy,
+                tp=setup.tp,
+                pp=setup.pp,
+                v=v,
+                microbatch_size=setup.microbatch_size,
+                global_batch=setup.global_batch,
+            )
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                simulate(run.plan, graph, cluster)
+                times.append(time.perf_counter() - start)
+            rows.append(_row(setup, policy, run, statistics.median(times)))
+            r = rows[-1]
+            print(
+                f"  {policy:18s} step {r['step_time_s'] * 1e3:9.1f} ms  MFU {100 * r['mfu']:5.1f} %  "
+                f"bubbles {100 * r['bubble_share']:5.1f} %  simulate {r['simulate_s_median']:.3f} s",
+                file=sys.stderr,
+            )
+    data = {
+        "note": "simulated by the vlmcompile cost model: predictions, not measurements",
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "rows": rows,
+    }
+    RESULTS.write_text(json.dumps(data, indent=1))
+    table = markdown_table(rows)
+    print(table)
+    if args.readme:
+        readme = ROOT / "README.md"
+        text = readme.read_text()
+        if BEGIN not in text:
+            raise SystemExit(f"README.md has no {BEGIN} marker")
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+    return 0
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| setup | policy | DP/TP/PP/V | mb | recompute | step (s) | MFU | bubbles | DP ag / warm / other / cool / TP / DP rs | peak GiB per stage | sim (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p = r["parallel"]
+        s = r["bubble_share_by_cause"]
+        causes = " / ".join(
+            f"{100 * s[c]:.1f}"
+            for c in ("dp_all_gather", "pp_warmup", "pp_other", "pp_cooldown", "tp_comm", "dp_reduce_scatter")
+        )
+        peaks = " ".join(f"{g:.0f}" for g in r["peak_mem_gib_per_stage"])
+        fits = "" if r["fits"] else " (does not fit)"
+        lines.append(
+            f"| {r['setup']} | {r['policy']} | {p['dp']}/{p['tp']}/{p['pp']}/{p['v']} | {r['microbatches']} | "
+            f"{r['recompute']}{fits} | {r['step_time_s']:.2f} | {100 * r['mfu']:.1f} % | "
+            f"{100 * r['bubble_share']:.1f} % | {causes} | {peaks} | {r['simulate_s_median']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Calibration recovers the efficiencies that produced a set of layer times."""
+
+import dataclasses
+
+import pytest
+from vlmcompile.cost_models.calibrate import LayerMeasurement, calibrate
+from vlmcompile.cost_models.compute import layer_time
+from vlmcompile.cost_models.hardware import Efficiency
+
+from vlmcompile.cluster import Cluster
+
+
+def test_fit_recovers_the_efficiencies_behind_the_times(demo_graph):
+    device = Cluster.preset("h100x8").device
+    truth = device.with_efficiency(Efficiency(matmul=0.62, attention=0.41, memory=0.7))
+    measured = []
+    for layer in demo_graph.layers:
+        t = layer_time(layer, truth)
+        if t.fwd_s > 0:
+            measured.append(LayerMeasurement(layer, t.fwd_s, t.bwd_s))
+    report = calibrate(device, measured)
+    e = report.device.efficiency
+    assert (e.matmul, e.attention, e.memory) == pytest.approx((0.62, 0.41, 0.7), rel=1e-6)
+    assert report.median_abs_error < 1e-9
+    assert "matmul 0.62 (prior 0.75)" in str(report)
+
+
+def test_classes_without_work_keep_their_prior(demo_graph):
+    device = Cluster.preset("h100x8").device
+    norm = demo_graph["llm.norm"]  # memory-bound only
+    report = calibrate(device, [LayerMeasurement(norm, 1e-5, 2e-5)])
+    assert report.device.efficiency.matmul == device.efficiency.matmul
+    assert report.device.efficiency.attention == device.efficiency.attention
+
+
+def test_bad_measurements_are_refused(demo_graph):
+    device = Cluster.preset("h100x8").device
+    with pytest.raises(ValueError, match="at least one"):
+        calibrate(device, [])
+    with pytest.raises(ValueError, match="must be positive"):
+        calibrate(device, [LayerMeasurement(demo_graph["head"], 0.0, 1.0)])
+    assert dataclasses.is_dataclass(calibrate(device, [LayerMeasurement(demo_graph["head"], 1e-4, 2e-4)]))

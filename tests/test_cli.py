@@ -1,0 +1,68 @@
+"""``vlmcompile plan``: prints the plan, the simulated step and its bubbles; writes JSON,
+trace and PNG; bad input is an error message and exit code 2."""
+
+import json
+
+from vlmcompile.cli import main
+from vlmcompile.plan import Plan
+
+ARGS = ["plan", "--model", "demo", "--cluster", "h100x16", "--tp", "2", "--pp", "4", "--global-batch", "16"]
+
+
+def test_plan_prints_and_writes_everything(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(
+        [
+            *ARGS,
+            "--policy",
+            "megatron_balanced",
+            "--json",
+            str(out),
+            "--trace",
+            str(tmp_path / "t.json"),
+            "--png",
+            str(tmp_path / "t.png"),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "plan 'megatron_balanced' for demo on h100x16" in printed
+    assert "simulated step" in printed and "bubbles by cause" in printed and "pp_warmup" in printed
+    data = json.loads(out.read_text())
+    plan = Plan.from_json(data["plan"])
+    assert plan.policy == "megatron_balanced" and plan.num_ranks == 4
+    assert data["simulation"]["step_time_s"] > 0 and "prediction" in data["simulation"]["note"]
+    assert set(data["simulation"]["bubble_share_by_cause"]) >= {"pp_warmup", "tp_comm", "dp_reduce_scatter"}
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_megatron_plan_prints_its_layout(capsys):
+    assert main([*ARGS, "--recompute", "none"]) == 0
+    assert '--pipeline-model-parallel-layout "Ett|tt|tt|ttL"' in capsys.readouterr().out
+
+
+def test_bad_input_is_an_error_message(capsys):
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "demo",
+                "--cluster",
+                "h100x12",
+                "--tp",
+                "2",
+                "--pp",
+                "4",
+                "--global-batch",
+                "16",
+            ]
+        )
+        == 2
+    )
+    assert "12 GPUs do not fill nodes of 8" in capsys.readouterr().err
+    assert main([*ARGS[:-2]]) == 2
+    assert "missing --global-batch" in capsys.readouterr().err
+    assert main(["plan", "--setup", "optimus-weak-Z"]) == 2
+    assert "unknown setup 'optimus-weak-Z'" in capsys.readouterr().err
