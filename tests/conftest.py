@@ -1,5 +1,14 @@
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run: CI never fails on a lucky draw that a
+# rerun would pass. HYPOTHESIS_PROFILE=explore draws new examples each run.
+settings.register_profile("vlmcompile", derandomize=True, print_blob=True)
+settings.register_profile("explore", max_examples=300, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vlmcompile"))
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ def test_1f1b_step_and_bubble_match_the_closed_form(p, m, t_f, t_b):
     assert result.bubble_share == pytest.approx((p - 1) / (m + p - 1))
     # every idle second of a uniform pipeline is warm-up, cool-down or in-between waiting
     share = result.idle_share()
-    assert share["tp_comm"] == share["dp_all_gather"] == share["dp_reduce_scatter"] == 0
+    assert max(share["tp_comm"], share["dp_all_gather"], share["dp_reduce_scatter"]) < 1e-12
 
 
 @settings(max_examples=60, deadline=None)

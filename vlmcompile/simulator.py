@@ -218,7 +218,7 @@ def simulate(
         t = run.start_s
         scale = (run.end_s - run.start_s) / max(sum(_bwd_of(c, run.action.kind) for c in stage.layers), 1e-30)
         for c in reversed(stage.layers):
-            t += _bwd_of(c, run.action.kind) * scale
+            t = min(t + _bwd_of(c, run.action.kind) * scale, run.end_s)  # no rounding past the end
             ready_layers.append((t, stage.rank, c))
     stream = [0.0] * num_ranks
     for t, rank, c in sorted(ready_layers, key=lambda x: x[0]):
