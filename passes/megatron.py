@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tabulate import tabulate
+from vlmcompile.cost_models.stage_costs import layer_costs
 
+from vlmcompile.actions import ActionKind
 from vlmcompile.cluster import Cluster
 from vlmcompile.errors import PlanError
 from vlmcompile.layer_graph import LayerGraph
@@ -155,6 +157,24 @@ def build_plan(
         raise PlanError(f"schedule {name!r} runs one stage per rank; with v={v} use interleaved_1f1b")
     if name == "interleaved_1f1b":
         actions = SCHEDULES[name](p, m, v)
+    elif name == "zero_bubble":
+        # The greedy zero-bubble schedule places W by time, so it gets the stages' real times.
+        costs = {
+            c.name: c
+            for c in layer_costs(
+                layer_graph, cluster, parallel, microbatch_size=microbatch_size, recompute=recompute
+            )
+        }
+        times = {
+            ActionKind.F: tuple(
+                sum(costs[n].fwd_s + costs[n].fwd_tp_comm_s for n in chunk) for chunk in chunks
+            ),
+            ActionKind.I: tuple(
+                sum(costs[n].input_grad_s + costs[n].bwd_tp_comm_s for n in chunk) for chunk in chunks
+            ),
+            ActionKind.W: tuple(sum(costs[n].weight_grad_s for n in chunk) for chunk in chunks),
+        }
+        actions = SCHEDULES[name](p, m, times)
     else:
         actions = SCHEDULES[name](p, m)
     decisions.append(

@@ -124,3 +124,11 @@ def test_two_encoders_are_linearised_and_reported(two_encoder_graph):
 def test_too_many_virtual_stages_for_the_layers(demo_graph):
     with pytest.raises(PlanError, match="every stage needs a layer"):
         megatron_balanced(demo_graph, CLUSTER, tp=2, pp=4, v=6, global_batch=16)
+
+
+def test_zero_bubble_schedule_gets_the_stages_real_times(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    plan = megatron_balanced(demo_graph, cluster, tp=1, pp=4, global_batch=8, schedule="zero_bubble").plan
+    assert plan.split_backward() == frozenset(range(4))
+    with pytest.raises(PlanError, match="with v=2 use interleaved_1f1b"):
+        megatron(demo_graph, cluster, tp=1, pp=2, v=2, global_batch=8, schedule="zero_bubble")
