@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from vlmcompile.cost_models.compute import bwd_work, fwd_work
 from vlmcompile.cost_models.hardware import DeviceSpec, Efficiency
 
 from vlmcompile.layer_graph import Layer
@@ -52,21 +53,6 @@ class CalibrationReport:
         )
 
 
-def _features(layer: Layer, samples: float, device: DeviceSpec) -> tuple[list[float], list[float]]:
-    peak, bw = device.peak_flops_per_s, device.mem_bw_bytes_per_s
-    fwd = [
-        samples * (layer.fwd_flops - layer.fwd_attn_flops) / peak,
-        samples * layer.fwd_attn_flops / peak,
-        samples * layer.fwd_mem_bytes / bw,
-    ]
-    bwd = [
-        samples * (layer.bwd_flops - layer.bwd_attn_flops) / peak,
-        samples * layer.bwd_attn_flops / peak,
-        samples * layer.bwd_mem_bytes / bw,
-    ]
-    return fwd, bwd
-
-
 def calibrate(device: DeviceSpec, measurements: Sequence[LayerMeasurement]) -> CalibrationReport:
     if not measurements:
         raise ValueError("calibrate needs at least one measured layer")
@@ -76,8 +62,7 @@ def calibrate(device: DeviceSpec, measurements: Sequence[LayerMeasurement]) -> C
             raise ValueError(
                 f"layer {m.layer.name}: measured times must be positive (fwd {m.fwd_s}, bwd {m.bwd_s})"
             )
-        fwd, bwd = _features(m.layer, m.samples, device)
-        rows += [fwd, bwd]
+        rows += [[m.samples * x for x in work(m.layer).base_seconds(device)] for work in (fwd_work, bwd_work)]
         times += [m.fwd_s, m.bwd_s]
     x, t = np.array(rows), np.array(times)
     # Relative errors matter, not absolute ones: weight each row by 1 / measured time.

@@ -35,12 +35,41 @@ al. 2022, eq. 2: 10 sbh of 34 sbh + 5 a s^2 b)."""
 
 
 @dataclass(frozen=True, slots=True)
+class Work:
+    """A pass's work per op class: what the roofline divides by the achieved rates."""
+
+    matmul_flops: float
+    attention_flops: float
+    memory_bytes: float
+
+    def base_seconds(self, device: DeviceSpec) -> tuple[float, float, float]:
+        """Seconds per class at the peak rates (efficiency 1): time = sum of these / efficiency."""
+        peak, bw = device.peak_flops_per_s, device.mem_bw_bytes_per_s
+        return self.matmul_flops / peak, self.attention_flops / peak, self.memory_bytes / bw
+
+    def seconds(self, device: DeviceSpec) -> float:
+        eff = device.efficiency
+        matmul, attention, memory = self.base_seconds(device)
+        return matmul / eff.matmul + attention / eff.attention + memory / eff.memory
+
+
+def fwd_work(layer: Layer) -> Work:
+    return Work(layer.fwd_flops - layer.fwd_attn_flops, layer.fwd_attn_flops, layer.fwd_mem_bytes)
+
+
+def bwd_work(layer: Layer) -> Work:
+    return Work(layer.bwd_flops - layer.bwd_attn_flops, layer.bwd_attn_flops, layer.bwd_mem_bytes)
+
+
+@dataclass(frozen=True, slots=True)
 class LayerTime:
     """Seconds of compute one layer takes on one microbatch on one TP rank."""
 
     fwd_s: float
     input_grad_s: float
     weight_grad_s: float
+    fwd_attention_s: float
+    """The attention kernels' part of ``fwd_s`` (what selective recompute runs again)."""
 
     @property
     def bwd_s(self) -> float:
@@ -66,23 +95,22 @@ def sharded_share(layer: Layer, tp: int, sequence_parallel: bool) -> float:
 def layer_time(
     layer: Layer, device: DeviceSpec, *, samples: float = 1.0, tp: int = 1, sequence_parallel: bool = True
 ) -> LayerTime:
-    eff = device.efficiency
     flop_div = tp if is_tensor_parallel(layer) else 1
     mem_share = sharded_share(layer, tp, sequence_parallel)
-    peak, bw = device.peak_flops_per_s, device.mem_bw_bytes_per_s
 
-    def seconds(matmul: float, attention: float, mem_bytes: float) -> float:
-        return samples * (
-            matmul / flop_div / (peak * eff.matmul)
-            + attention / flop_div / (peak * eff.attention)
-            + mem_bytes * mem_share / (bw * eff.memory)
+    def on_rank(w: Work) -> Work:
+        return Work(
+            samples * w.matmul_flops / flop_div,
+            samples * w.attention_flops / flop_div,
+            samples * w.memory_bytes * mem_share,
         )
 
-    fwd_matmul = layer.fwd_flops - layer.fwd_attn_flops
-    bwd_matmul = layer.bwd_flops - layer.bwd_attn_flops
-    weight_grad = min(fwd_matmul, bwd_matmul)
+    fwd, bwd = on_rank(fwd_work(layer)), on_rank(bwd_work(layer))
+    weight_grad = Work(min(fwd.matmul_flops, bwd.matmul_flops), 0.0, 0.0)
+    input_grad = Work(bwd.matmul_flops - weight_grad.matmul_flops, bwd.attention_flops, bwd.memory_bytes)
     return LayerTime(
-        fwd_s=seconds(fwd_matmul, layer.fwd_attn_flops, layer.fwd_mem_bytes),
-        input_grad_s=seconds(bwd_matmul - weight_grad, layer.bwd_attn_flops, layer.bwd_mem_bytes),
-        weight_grad_s=seconds(weight_grad, 0, 0),
+        fwd_s=fwd.seconds(device),
+        input_grad_s=input_grad.seconds(device),
+        weight_grad_s=weight_grad.seconds(device),
+        fwd_attention_s=Work(0.0, fwd.attention_flops, 0.0).seconds(device),
     )

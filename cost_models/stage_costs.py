@@ -98,19 +98,9 @@ def _tp_collectives(layer: Layer) -> int:
 
 
 def _hidden_bytes(layer_graph: LayerGraph, layer: Layer) -> int:
-    largest_out = max((_spec_bytes(o.shape, o.dtype) for o in layer.outputs), default=0)
+    largest_out = max((o.nbytes for o in layer.outputs), default=0)
     incoming = layer_graph.layers[layer.index - 1].boundary_fwd_bytes if layer.index > 0 else 0
     return max(largest_out, incoming)
-
-
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
-
-
-def _spec_bytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * _DTYPE_BYTES.get(dtype, 4)
 
 
 def layer_cost(
@@ -135,14 +125,8 @@ def layer_cost(
     redo = redo_comm = 0.0
     if recompute is Recompute.FULL:
         redo, redo_comm = t.fwd_s, fwd_comm
-    elif recompute is Recompute.SELECTIVE and layer.fwd_attn_flops:
-        flop_div = par.tp if sharded else 1
-        redo = (
-            samples
-            * layer.fwd_attn_flops
-            / flop_div
-            / (device.peak_flops_per_s * device.efficiency.attention)
-        )
+    elif recompute is Recompute.SELECTIVE:
+        redo = t.fwd_attention_s
     params = layer.num_params / (par.tp if sharded else 1)
     grads_wire = params * training.dp_grad_bytes
     if par.zero_stage >= 1:

@@ -72,6 +72,30 @@ def dependencies(
     return deps
 
 
+def execution_order(
+    rank_actions: Sequence[Sequence[Action]], num_stages: int, split_backward: frozenset[int] = frozenset()
+) -> tuple[list[tuple[int, int, Action]], list[int]]:
+    """Run the lists with every action taking no time. Returns (rank, step, action) in an order
+    where each action follows its rank's earlier actions and its dependencies, and where each
+    rank stopped: ``len`` of its list when it finished, else the step it is stuck at (deadlock)."""
+    done: set[Action] = set()
+    order: list[tuple[int, int, Action]] = []
+    position = [0] * len(rank_actions)
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in enumerate(rank_actions):
+            while position[rank] < len(acts):
+                a = acts[position[rank]]
+                if not all(d in done for d in dependencies(a, num_stages, split_backward)):
+                    break
+                done.add(a)
+                order.append((rank, position[rank], a))
+                position[rank] += 1
+                progress = True
+    return order, position
+
+
 def format_grid(
     rank_actions: Sequence[Sequence[Action]],
     *,

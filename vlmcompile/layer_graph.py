@@ -9,6 +9,7 @@ and receive back (their gradients) - every value made at or before the cut and r
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,12 @@ class TensorSpec:
 
     def __str__(self) -> str:
         return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
 
 @dataclass(frozen=True, slots=True)

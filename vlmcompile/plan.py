@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
 
-from vlmcompile.actions import Action, ActionKind, dependencies, format_grid
+from vlmcompile.actions import Action, ActionKind, dependencies, execution_order, format_grid
 from vlmcompile.errors import PlanError
 
 if TYPE_CHECKING:
@@ -393,20 +393,8 @@ def _check_deadlock(plan: Plan) -> None:
     """Run the action lists with every action taking no time: a deadlock is a state where no
     rank's next action has its inputs."""
     split = plan.split_backward()
-    done: set[Action] = set()
-    position = [0] * plan.num_ranks
-    progress = True
-    while progress:
-        progress = False
-        for rank, acts in enumerate(plan.actions):
-            while position[rank] < len(acts):
-                a = acts[position[rank]]
-                if all(d in done for d in dependencies(a, plan.num_stages, split)):
-                    done.add(a)
-                    position[rank] += 1
-                    progress = True
-                else:
-                    break
+    order, position = execution_order(plan.actions, plan.num_stages, split)
+    done = {a for _, _, a in order}
     stuck = [r for r in range(plan.num_ranks) if position[r] < len(plan.actions[r])]
     if not stuck:
         return

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from tabulate import tabulate
 
-from vlmcompile.actions import Action, ActionKind, dependencies
+from vlmcompile.actions import Action, ActionKind, dependencies, execution_order
 from vlmcompile.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import PlanCosts, StageCost, plan_costs
 from vlmcompile.errors import PlanError
@@ -175,33 +175,20 @@ def simulate(
                         gathered[c.name] = clock = clock + c.dp_all_gather_s
                         dp_events.append((rank, "all_gather", clock - c.dp_all_gather_s, clock))
 
+    order, position = execution_order(plan.actions, plan.num_stages, split)
+    if len(order) < sum(len(a) for a in plan.actions):
+        stuck = [str(acts[position[r]]) for r, acts in enumerate(plan.actions) if position[r] < len(acts)]
+        raise PlanError(f"the action lists deadlock (next actions {stuck}); run plan.validate() for the grid")
     finish: dict[Action, float] = {}
     runs: list[ActionRun] = []
     free = [0.0] * num_ranks
-    pos = [0] * num_ranks
     first_fwd_done: set[int] = set()
-    remaining = sum(len(a) for a in plan.actions)
-    while remaining:
-        progressed = False
-        for rank, acts in enumerate(plan.actions):
-            while pos[rank] < len(acts):
-                a = acts[pos[rank]]
-                deps = dependencies(a, plan.num_stages, split)
-                if any(d not in finish for d in deps):
-                    break
-                ready = max([finish[d] + _transfer_s(d, a, stages) for d in deps], default=0.0)
-                start = max(free[rank], ready)
-                run = _run(a, rank, pos[rank], start, stages[a.stage], gathered, first_fwd_done)
-                runs.append(run)
-                finish[a] = free[rank] = run.end_s
-                pos[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [str(plan.actions[r][pos[r]]) for r in range(num_ranks) if pos[r] < len(plan.actions[r])]
-            raise PlanError(
-                f"the action lists deadlock (next actions {stuck}); run plan.validate() for the grid"
-            )
+    for rank, step, a in order:
+        deps = dependencies(a, plan.num_stages, split)
+        ready = max([finish[d] + _transfer_s(d, a, stages) for d in deps], default=0.0)
+        run = _run(a, rank, step, max(free[rank], ready), stages[a.stage], gathered, first_fwd_done)
+        runs.append(run)
+        finish[a] = free[rank] = run.end_s
 
     # DP gradient reduction: a layer's gradients are complete after its stage's last backward.
     reduced_end = [0.0] * num_ranks
