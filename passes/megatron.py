@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tabulate import tabulate
 from vlmcompile.cost_models.stage_costs import layer_costs
 
 from vlmcompile.actions import ActionKind
@@ -28,7 +27,7 @@ from vlmcompile.errors import PlanError
 from vlmcompile.layer_graph import LayerGraph
 from vlmcompile.plan import Decision, Parallel, Plan, Reason, Recompute, Stage
 from vlmcompile.regions import Region
-from vlmcompile.schedules import SCHEDULES
+from vlmcompile.schedules import make_schedule
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 
@@ -73,21 +72,9 @@ class BaselineReport:
     layout_note: str
 
     def __str__(self) -> str:
-        rows = [[s.index, s.rank, len(s.layers), s.layers[0], s.layers[-1]] for s in self.plan.stages]
-        table = tabulate(rows, headers=["stage", "rank", "layers", "first", "last"])
         layout = f'--pipeline-model-parallel-layout "{self.layout}"' if self.layout else "not expressible"
-        return "\n".join(
-            [
-                str(self.plan).split("\n\n")[0],
-                "",
-                table,
-                "",
-                "decisions:",
-                *[f"  - [{d.reason.value}] {d.subject}: {d.detail}" for d in self.plan.decisions],
-                "",
-                f"Megatron layout: {layout}" + (f" ({self.layout_note})" if self.layout_note else ""),
-            ]
-        )
+        note = f" ({self.layout_note})" if self.layout_note else ""
+        return f"{self.plan}\n\nMegatron layout: {layout}{note}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,30 +140,20 @@ def build_plan(
     m = num_microbatches(global_batch, parallel.dp, microbatch_size)
     p, v = parallel.pp, parallel.v
     name = schedule or ("interleaved_1f1b" if v > 1 else "1f1b")
-    if v > 1 and name != "interleaved_1f1b":
-        raise PlanError(f"schedule {name!r} runs one stage per rank; with v={v} use interleaved_1f1b")
-    if name == "interleaved_1f1b":
-        actions = SCHEDULES[name](p, m, v)
-    elif name == "zero_bubble":
-        # The greedy zero-bubble schedule places W by time, so it gets the stages' real times.
-        costs = {
-            c.name: c
-            for c in layer_costs(
-                layer_graph, cluster, parallel, microbatch_size=microbatch_size, recompute=recompute
-            )
-        }
-        times = {
-            ActionKind.F: tuple(
-                sum(costs[n].fwd_s + costs[n].fwd_tp_comm_s for n in chunk) for chunk in chunks
-            ),
-            ActionKind.I: tuple(
-                sum(costs[n].input_grad_s + costs[n].bwd_tp_comm_s for n in chunk) for chunk in chunks
-            ),
-            ActionKind.W: tuple(sum(costs[n].weight_grad_s for n in chunk) for chunk in chunks),
-        }
-        actions = SCHEDULES[name](p, m, times)
-    else:
-        actions = SCHEDULES[name](p, m)
+    costs = {
+        c.name: c
+        for c in layer_costs(
+            layer_graph, cluster, parallel, microbatch_size=microbatch_size, recompute=recompute
+        )
+    }
+    times = {
+        ActionKind.F: tuple(sum(costs[n].fwd_s + costs[n].fwd_tp_comm_s for n in chunk) for chunk in chunks),
+        ActionKind.I: tuple(
+            sum(costs[n].input_grad_s + costs[n].bwd_tp_comm_s for n in chunk) for chunk in chunks
+        ),
+        ActionKind.W: tuple(sum(costs[n].weight_grad_s for n in chunk) for chunk in chunks),
+    }
+    actions = make_schedule(name, p, m, v=v, stage_times=times)
     decisions.append(
         Decision("schedule", Reason.SCHEDULE, f"{name} over {p} ranks, {m} microbatches", {"microbatches": m})
     )

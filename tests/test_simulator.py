@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from vlmcompile.passes.megatron import megatron
 
 from tests.sim_helpers import make_plan, synthetic_costs
-from vlmcompile.actions import ActionKind, dependencies
+from vlmcompile.actions import Action, ActionKind
 from vlmcompile.cluster import Cluster
 from vlmcompile.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
 from vlmcompile.simulator import CAUSES, simulate
@@ -22,8 +22,19 @@ CLUSTER = Cluster.preset("h100x8")
 def reference_schedule(plan, fwd, bwd, wgt, send):
     """Start time of every action = longest path to it in the DAG of rank order and data
     dependencies (edge weights: the producer's duration plus the transfer to another rank)."""
-    split = plan.split_backward()
     rank_of = {s.index: s.rank for s in plan.stages}
+    kinds = {a.kind for acts in plan.actions for a in acts}
+    grad = ActionKind.I if ActionKind.I in kinds else ActionKind.B
+
+    def needs(a):
+        # Written here, not imported: the forward of stage s needs stage s-1's forward; a
+        # backward needs its own forward and stage s+1's input gradient; W needs its I.
+        s, mb = a.stage, a.microbatch
+        if a.kind is ActionKind.F:
+            return [Action(s - 1, ActionKind.F, mb)] if s else []
+        if a.kind is ActionKind.W:
+            return [Action(s, ActionKind.I, mb)]
+        return [Action(s, ActionKind.F, mb)] + ([Action(s + 1, grad, mb)] if s + 1 < plan.num_stages else [])
 
     def duration(a):
         k = a.stage
@@ -42,7 +53,7 @@ def reference_schedule(plan, fwd, bwd, wgt, send):
             g.add_edge(a, b, w=duration(a))
     for acts in plan.actions:
         for a in acts:
-            for d in dependencies(a, plan.num_stages, split):
+            for d in needs(a):
                 hop = send[d.stage] if rank_of[d.stage] != rank_of[a.stage] else 0.0
                 w = duration(d) + hop
                 if not g.has_edge(d, a) or g[d][a]["w"] < w:

@@ -11,7 +11,7 @@ from typing import Any
 
 from vlmcompile.cluster import Cluster
 from vlmcompile.layer_graph import LayerGraph
-from vlmcompile.passes.megatron import BaselineReport, BaselineResult, megatron, megatron_layout
+from vlmcompile.passes.megatron import BaselineReport, BaselineResult, megatron
 from vlmcompile.passes.megatron_balanced import megatron_balanced
 from vlmcompile.plan import Decision, Plan, Reason
 from vlmcompile.simulator import SimResult, simulate
@@ -75,6 +75,6 @@ def plan_and_simulate(
             ),
         )
         sim = dataclasses.replace(sim, plan=plan)
-    layout, note = megatron_layout(plan, layer_graph)
     chosen = f"{rc}{' + vision' if rc_vision else ''}"
-    return PlannedRun(plan, BaselineReport(plan, layout, note), sim, fits, chosen)
+    report = BaselineReport(plan, result.report.layout, result.report.layout_note)
+    return PlannedRun(plan, report, sim, fits, chosen)

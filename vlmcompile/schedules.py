@@ -15,7 +15,7 @@ Every generator returns ``tuple[tuple[Action, ...], ...]`` indexed by rank.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from vlmcompile.actions import Action, ActionKind
 from vlmcompile.errors import PlanError
@@ -152,9 +152,25 @@ def zero_bubble(
     return tuple(tuple(a) for a in acts)
 
 
-SCHEDULES: dict[str, Callable[..., RankActions]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved_1f1b": interleaved_one_f_one_b,
-    "zero_bubble": zero_bubble,
-}
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+def make_schedule(
+    name: str,
+    p: int,
+    m: int,
+    *,
+    v: int = 1,
+    stage_times: Mapping[ActionKind, tuple[float, ...]] | None = None,
+) -> RankActions:
+    """The named schedule for p ranks, m microbatches and v stages per rank. ``stage_times``
+    (per kind, one per stage) is used by the schedules that place work by time (zero_bubble)."""
+    if name not in SCHEDULES:
+        raise PlanError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name == "interleaved_1f1b":
+        return interleaved_one_f_one_b(p, m, v)
+    if v > 1:
+        raise PlanError(f"schedule {name!r} runs one stage per rank; with v={v} use interleaved_1f1b")
+    if name == "zero_bubble":
+        return zero_bubble(p, m, stage_times)
+    return gpipe(p, m) if name == "gpipe" else one_f_one_b(p, m)

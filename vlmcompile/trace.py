@@ -134,8 +134,8 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
             continue
         a = run.action
         start, width = run.start_s * 1e3, (run.end_s - run.start_s) * 1e3
-        chunk = a.stage // max(result.plan.num_ranks, 1)
-        alpha = 1.0 - 0.45 * chunk / max(1, num_stages // max(result.plan.num_ranks, 1) - 1 or 1)
+        chunk = a.stage // result.plan.num_ranks
+        alpha = 1.0 - 0.45 * chunk / max(1, num_stages // result.plan.num_ranks - 1)
         ax.barh(
             run.rank,
             width,

@@ -56,7 +56,7 @@ def test_global_recompute_and_vision_switch(demo_graph):
     assert plan.recompute_of("encoders.0.blocks.0") is Recompute.FULL
     assert plan.recompute_of("llm.embed") is Recompute.NONE
     selective = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, recompute="selective").plan
-    assert plan.recompute_of("encoders.0.blocks.0") is Recompute.FULL
+    assert selective.recompute_of(decoder[0]) is Recompute.SELECTIVE
     assert selective.recompute_of("encoders.0.blocks.0") is Recompute.NONE
 
 
