@@ -209,11 +209,11 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
         shard = 1 / par.tp if par.sequence_parallel else 1.0
         send_fwd = send_bwd = 0.0
         if i + 1 < len(stage_costs) and stage_costs[i + 1][0].rank != stage.rank:
-            bw, lat = _p2p_link(cluster, plan, stage.rank, stage_costs[i + 1][0].rank, par)
+            bw, lat = _p2p_link(cluster, par, stage.rank, stage_costs[i + 1][0].rank)
             send_fwd = comm.p2p_s(samples * last.boundary_fwd_bytes * shard, bw, lat)
         if i > 0 and stage_costs[i - 1][0].rank != stage.rank:
             prev_last = layer_graph.layers[first.index - 1]
-            bw, lat = _p2p_link(cluster, plan, stage.rank, stage_costs[i - 1][0].rank, par)
+            bw, lat = _p2p_link(cluster, par, stage.rank, stage_costs[i - 1][0].rank)
             send_bwd = comm.p2p_s(samples * prev_last.boundary_bwd_bytes * shard, bw, lat)
         result.append(StageCost(stage.index, stage.rank, tuple(layers), send_fwd, send_bwd, act, transient))
 
@@ -229,7 +229,7 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
     return PlanCosts(tuple(result), tuple(static), model_flops, samples)
 
 
-def _p2p_link(cluster: Cluster, plan: Plan, rank_a: int, rank_b: int, par) -> tuple[float, float]:
+def _p2p_link(cluster: Cluster, par: Parallel, rank_a: int, rank_b: int) -> tuple[float, float]:
     # Pipeline ranks sit tp * dp global ranks apart in Megatron's layout.
     stride = par.tp * par.dp * abs(rank_a - rank_b)
     return cluster.group_link(2, stride)

@@ -21,14 +21,9 @@ def _single_thread_and_seed():
 @pytest.fixture(scope="session")
 def demo_graph():
     """The demo VLM's LayerGraph, annotated on meta tensors (bf16, one sample)."""
-    import torch
+    from vlmcompile.planning import zoo_layer_graph
 
-    import vlmcompile
-    from vlmcompile import models
-
-    model = models.build("demo", device="meta", dtype=torch.bfloat16)
-    batch = models.sample_batch("demo", device="meta", dtype=torch.bfloat16)
-    return vlmcompile.compile(model, batch, model_name="demo", log=None).layer_graph
+    return zoo_layer_graph("demo")
 
 
 @pytest.fixture(scope="session")

@@ -41,18 +41,9 @@ def _annotate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _layer_graph(model_name: str, dtype: torch.dtype):
-    import vlmcompile
-    from vlmcompile import models
-
-    model = models.build(model_name, device="meta", dtype=dtype)
-    batch = models.sample_batch(model_name, batch_size=1, device="meta", dtype=dtype)
-    return vlmcompile.compile(model, batch, model_name=model_name, log=None).layer_graph
-
-
 def _plan(args: argparse.Namespace) -> int:
     from vlmcompile.cluster import Cluster
-    from vlmcompile.planning import plan_and_simulate
+    from vlmcompile.planning import plan_and_simulate, zoo_layer_graph
     from vlmcompile.setups import setup
 
     if args.setup:
@@ -74,7 +65,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError(f"missing {', '.join(missing)} (or give --setup NAME)")
     cluster = Cluster.preset(args.cluster)
     print(f"annotating {args.model} ...", file=sys.stderr)
-    graph = _layer_graph(args.model, _DTYPES[args.dtype])
+    graph = zoo_layer_graph(args.model, dtype=_DTYPES[args.dtype])
     options = {
         "tp": args.tp,
         "pp": args.pp,

@@ -24,6 +24,19 @@ POLICIES: dict[str, Callable[..., BaselineResult]] = {
 RECOMPUTE_LADDER = (("none", False), ("selective", False), ("full", False), ("full", True))
 
 
+def zoo_layer_graph(model_name: str, *, dtype: Any = None) -> LayerGraph:
+    """A zoo model's LayerGraph for one sample, annotated on meta tensors (any size, no memory)."""
+    import torch
+
+    import vlmcompile
+    from vlmcompile import models
+
+    dtype = dtype or torch.bfloat16
+    model = models.build(model_name, device="meta", dtype=dtype)
+    batch = models.sample_batch(model_name, batch_size=1, device="meta", dtype=dtype)
+    return vlmcompile.compile(model, batch, model_name=model_name, log=None).layer_graph
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedRun:
     plan: Plan
