@@ -22,6 +22,14 @@ from vlmcompile.cost_models.compute import sharded_share
 from vlmcompile.layer_graph import Layer
 from vlmcompile.plan import Recompute, Training
 
+MEMORY_RESERVE = 0.05
+"""Share of device memory no plan may use: the CUDA context, NCCL buffers and the caching
+allocator's fragmentation (a few GiB on an 80 GB GPU). Every policy is held to the same cap."""
+
+
+def usable_memory_bytes(device_mem_bytes: float) -> float:
+    return device_mem_bytes * (1 - MEMORY_RESERVE)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelStateBytes:

@@ -206,15 +206,14 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
     for i, (stage, par, layers, act, transient) in enumerate(stage_costs):
         last = layer_graph[stage.layers[-1]]
         first = layer_graph[stage.layers[0]]
-        shard = 1 / par.tp if par.sequence_parallel else 1.0
         send_fwd = send_bwd = 0.0
         if i + 1 < len(stage_costs) and stage_costs[i + 1][0].rank != stage.rank:
-            bw, lat = _p2p_link(cluster, par, stage.rank, stage_costs[i + 1][0].rank)
-            send_fwd = comm.p2p_s(samples * last.boundary_fwd_bytes * shard, bw, lat)
+            send_fwd, _ = cut_transfer_s(last, cluster, par, samples, stage.rank, stage_costs[i + 1][0].rank)
         if i > 0 and stage_costs[i - 1][0].rank != stage.rank:
             prev_last = layer_graph.layers[first.index - 1]
-            bw, lat = _p2p_link(cluster, par, stage.rank, stage_costs[i - 1][0].rank)
-            send_bwd = comm.p2p_s(samples * prev_last.boundary_bwd_bytes * shard, bw, lat)
+            _, send_bwd = cut_transfer_s(
+                prev_last, cluster, par, samples, stage.rank, stage_costs[i - 1][0].rank
+            )
         result.append(StageCost(stage.index, stage.rank, tuple(layers), send_fwd, send_bwd, act, transient))
 
     static = [0.0] * plan.num_ranks
@@ -229,7 +228,15 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
     return PlanCosts(tuple(result), tuple(static), model_flops, samples)
 
 
-def _p2p_link(cluster: Cluster, par: Parallel, rank_a: int, rank_b: int) -> tuple[float, float]:
+def cut_transfer_s(
+    layer: Layer, cluster: Cluster, par: Parallel, samples: float, rank_a: int, rank_b: int
+) -> tuple[float, float]:
+    """Seconds to send a cut's activations forward and their gradients back, for a stage cut right
+    after ``layer`` between pipeline ranks ``rank_a`` and ``rank_b`` (sequence-parallel: sharded)."""
     # Pipeline ranks sit tp * dp global ranks apart in Megatron's layout.
-    stride = par.tp * par.dp * abs(rank_a - rank_b)
-    return cluster.group_link(2, stride)
+    bw, lat = cluster.group_link(2, par.tp * par.dp * abs(rank_a - rank_b))
+    shard = 1 / par.tp if par.sequence_parallel else 1.0
+    return (
+        comm.p2p_s(samples * layer.boundary_fwd_bytes * shard, bw, lat),
+        comm.p2p_s(samples * layer.boundary_bwd_bytes * shard, bw, lat),
+    )

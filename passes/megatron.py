@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from vlmcompile.cost_models.stage_costs import layer_costs
 
@@ -80,7 +80,8 @@ class BaselineReport:
 @dataclass(frozen=True, slots=True)
 class BaselineResult:
     plan: Plan
-    report: BaselineReport
+    report: Any
+    """The policy's report; str() prints it."""
 
 
 def num_microbatches(global_batch: int, dp: int, microbatch_size: int) -> int:

@@ -55,6 +55,15 @@ class Reason(str, enum.Enum):
     SCHEDULE = "schedule"
     MICROBATCHES = "microbatches"
     LINEARISED_BRANCHES = "linearised_branches"
+    SOLVED = "solved"
+    """A stage cut or recompute flag chosen by the CP-SAT partition."""
+    LAYER_RECOMPUTE = "layer_recompute"
+    WARM_START = "warm_start"
+    SOLVER_TIMEOUT = "solver_timeout"
+    GREEDY_ANCHOR = "greedy_anchor"
+    JITTERED_CUTS = "jittered_cuts"
+    ADAPTIVE_RECOMPUTE = "adaptive_recompute"
+    PLAN_SEARCH = "plan_search"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,125 @@
+"""The CP-SAT partition against a hand-written enumerator on instances small enough to enumerate."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vlmcompile.schedules import make_schedule
+from vlmcompile.stage_cuts import Infeasible, PartitionProblem, memory_patterns, solve
+
+
+def enumerate_plans(problem: PartitionProblem):
+    """Every contiguous cut x every recompute subset: per cut, the stage of each layer, the
+    recompute masks, and per mask the step time of the module docstring (written again here
+    from the formula) and the largest memory of any rank at any step of its action list
+    (replayed here, not taken from ``memory_patterns``)."""
+    L, p, v, m = problem.num_layers, problem.num_ranks, problem.v, problem.num_microbatches
+    S = p * v
+    fwd, bwd, redo = map(np.array, (problem.fwd_s, problem.bwd_s, problem.redo_s))
+    act, act_rc, trans = map(
+        np.array, (problem.act_bytes, problem.act_bytes_recompute, problem.transient_bytes)
+    )
+    state, red, cut = map(np.array, (problem.state_bytes, problem.reduce_s, problem.cut_s))
+    rec = [i for i in range(L) if problem.recomputable[i]]
+    masks = np.zeros((2 ** len(rec), L), dtype=bool)
+    for row, bits in enumerate(itertools.product([False, True], repeat=len(rec))):
+        masks[row, rec] = bits
+    actions = make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v=v)
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        bounds = (0, *cuts, L)
+        stage_of = np.repeat(np.arange(S), np.diff(bounds))
+        member = np.stack([stage_of == k for k in range(S)])  # S x L
+        F = member @ fwd
+        B = (member * bwd).sum(1)[None, :] + (masks * redo) @ member.T  # masks x S
+        A = (~masks * act + masks * act_rc) @ member.T
+        T = np.stack([(masks * trans * member[k]).max(1) for k in range(S)], 1)
+        W = np.stack([sum(F[k] + B[:, k] for k in range(r, S, p)) for r in range(p)], 1)
+        R = [sum(red[member[k]].sum() for k in range(r, S, p)) for r in range(p)]
+        tail = np.maximum(0, np.max(np.stack([R[r] - B[:, : r + 1].sum(1) for r in range(p)], 1), 1))
+        step = ((v * m - 1) * W.max(1) + F.sum() + B.sum(1) + sum(cut[c - 1] for c in cuts)) / v + tail
+        peak = np.zeros(len(masks))
+        for r in range(p):
+            static = sum(state[member[k]].sum() for k in range(r, S, p))
+            live = np.zeros(S, dtype=int)
+            for a in actions[r]:
+                if a.kind.value == "F":
+                    live[a.stage] += 1
+                used = static + A @ live + (T[:, a.stage] if a.kind.value == "B" else 0)
+                peak = np.maximum(peak, used)
+                if a.kind.value == "B":
+                    live[a.stage] -= 1
+        yield stage_of, masks, step, peak
+
+
+def brute_force(problem: PartitionProblem) -> float | None:
+    """The least step time of any plan within the memory cap (None: nothing fits)."""
+    best = None
+    for _, _, step, peak in enumerate_plans(problem):
+        fits = peak <= problem.mem_cap_bytes
+        if fits.any():
+            here = float(step[fits].min())
+            best = here if best is None else min(best, here)
+    return best
+
+
+@st.composite
+def problems(draw):
+    p, v = draw(st.sampled_from([(1, 1), (2, 1), (3, 1), (4, 1), (2, 2)]))
+    L = draw(st.integers(p * v, 12 if p * v <= 3 else 9))
+    m = draw(st.sampled_from([p, 2 * p] if v > 1 else [1, 2, 3, 5, 8]))
+    ints = st.integers(1, 40)
+    fwd = [float(draw(ints)) for _ in range(L)]
+    bwd = [float(2 * f + draw(st.integers(0, 10))) for f in fwd]
+    recomputable = [draw(st.booleans()) for _ in range(L)]
+    act = [draw(st.integers(10, 100)) for _ in range(L)]
+    act_rc = [draw(st.integers(1, a)) for a in act]
+    state = [draw(st.integers(0, 100)) for _ in range(L)]
+    problem = dict(
+        names=tuple(f"l{i}" for i in range(L)),
+        fwd_s=tuple(fwd),
+        bwd_s=tuple(bwd),
+        redo_s=tuple(fwd),
+        act_bytes=tuple(map(float, act)),
+        act_bytes_recompute=tuple(map(float, act_rc)),
+        transient_bytes=tuple(float(a) for a in act),
+        state_bytes=tuple(map(float, state)),
+        reduce_s=tuple(float(draw(st.integers(0, 30))) for _ in range(L)),
+        cut_s=tuple(float(draw(st.integers(0, 15))) for _ in range(L)),
+        recomputable=tuple(recomputable),
+        num_ranks=p,
+        v=v,
+        num_microbatches=m,
+        memory_patterns=memory_patterns(
+            make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v=v), p * v
+        ),
+    )
+    # Tight: between the least any plan needs and what a plan without recompute needs.
+    # Tight: between the least memory any plan needs and the least without recompute (so that
+    # most instances must recompute), sometimes below it (nothing fits).
+    draft = PartitionProblem(**problem, mem_cap_bytes=0.0)
+    least = least_plain = np.inf
+    for _, masks, _, peak in enumerate_plans(draft):
+        least = min(least, peak.min())
+        least_plain = min(least_plain, peak[~masks.any(1)].min())
+    cap = least + (least_plain - least) * draw(st.floats(-0.05, 1.0))
+    return PartitionProblem(**problem, mem_cap_bytes=float(int(cap)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_solver_finds_the_brute_force_optimum(problem):
+    reference = brute_force(problem)
+    if reference is None:
+        with pytest.raises(Infeasible):
+            solve(problem, time_limit_s=20, workers=1, time_quantum_s=1.0, mem_quantum_bytes=1.0)
+        return
+    solution = solve(problem, time_limit_s=20, workers=1, time_quantum_s=1.0, mem_quantum_bytes=1.0)
+    assert solution.status == "OPTIMAL"
+    assert solution.evaluation.fits
+    assert solution.evaluation.step_s == pytest.approx(reference, rel=1e-9)
+    assert solution.objective_s == pytest.approx(reference, rel=1e-9)

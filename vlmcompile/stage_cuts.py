@@ -1,0 +1,332 @@
+"""Stage cuts and per-layer recompute flags as one integer program (OR-Tools CP-SAT).
+
+A :class:`PartitionProblem` is the numbers only: per layer its forward and backward time, the
+extra backward time if it is recomputed, the activation bytes it keeps per microbatch with and
+without recompute, its model-state bytes, its DP gradient reduction and the transfer time of a
+cut right after it; plus the pipeline shape (p ranks, v virtual stages per rank, m
+microbatches) and, per rank, the activation counts the schedule holds at each step.
+
+Layers go, in order, into S = p x v consecutive stages; stage k runs on rank k mod p
+(Megatron's interleaved placement). The step time modelled is
+
+    T = [(v m - 1) max_r W_r + sum_k (F_k + B_k) + sum_cuts (send + receive)] / v + tail
+
+with F_k, B_k the forward and backward (recompute included) of stage k for one microbatch and
+W_r the work of rank r per microbatch. For v = 1 this is 1F1B's (m - 1) x slowest stage + the
+fill and drain of every stage (Narayanan et al. 2021); for uniform stages it is interleaved
+1F1B's m v t + (p - 1) t. ``tail`` is the DP gradient reduction left after the pipeline
+drains: rank r starts reducing once its last backward begins, sum_{k <= r} B_k before the
+end, so tail = max(0, max_r R_r - sum_{k<=r} B_k).
+
+Memory is exact for the schedule: at every step of rank r the activations in flight (per
+stage, counted from its action list) times the bytes each stage keeps, plus the recompute
+transient of the stage whose backward runs, plus the rank's model states, stay within the cap.
+This is the same accounting as the simulator's peak memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from vlmcompile.actions import ActionKind
+
+MemoryPattern = tuple[tuple[tuple[int, int], ...], int]
+"""((stage, microbatches in flight), ...), and the stage whose backward runs (-1 for none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionProblem:
+    names: tuple[str, ...]
+    fwd_s: tuple[float, ...]
+    """Forward of one microbatch, TP collectives included."""
+    bwd_s: tuple[float, ...]
+    """Backward (input and weight gradients, TP collectives) without recompute."""
+    redo_s: tuple[float, ...]
+    """Extra backward time when the layer is recomputed."""
+    act_bytes: tuple[float, ...]
+    """Kept per microbatch from forward to backward, without recompute."""
+    act_bytes_recompute: tuple[float, ...]
+    transient_bytes: tuple[float, ...]
+    """Extra bytes during the layer's backward when it is recomputed."""
+    state_bytes: tuple[float, ...]
+    """Parameters, gradients and optimizer states on one rank."""
+    reduce_s: tuple[float, ...]
+    """DP gradient reduction of the layer."""
+    cut_s: tuple[float, ...]
+    """Sending activations forward and gradients back for a cut right after the layer."""
+    recomputable: tuple[bool, ...]
+    num_ranks: int
+    v: int
+    num_microbatches: int
+    memory_patterns: tuple[tuple[MemoryPattern, ...], ...]
+    """Per rank, the distinct in-flight patterns of its action list (see :func:`memory_patterns`)."""
+    mem_cap_bytes: float
+
+    def __post_init__(self):
+        n = len(self.names)
+        for field in ("fwd_s", "bwd_s", "redo_s", "act_bytes", "act_bytes_recompute", "transient_bytes"):
+            if len(getattr(self, field)) != n:
+                raise ValueError(f"{field} has {len(getattr(self, field))} values for {n} layers")
+        if len(self.memory_patterns) != self.num_ranks:
+            raise ValueError(f"{len(self.memory_patterns)} memory pattern lists for {self.num_ranks} ranks")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_ranks * self.v
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """The model's figures for one assignment (floats, no rounding)."""
+
+    step_s: float
+    peak_bytes: tuple[float, ...]
+    """Per rank."""
+    fits: bool
+
+
+def evaluate(problem: PartitionProblem, stage_of: Sequence[int], recompute: Sequence[bool]) -> Evaluation:
+    p, v, m = problem.num_ranks, problem.v, problem.num_microbatches
+    S = problem.num_stages
+    F, B, R = [0.0] * S, [0.0] * S, [0.0] * p
+    A, T, static = [0.0] * S, [0.0] * S, [0.0] * p
+    for i, k in enumerate(stage_of):
+        rc = bool(recompute[i])
+        F[k] += problem.fwd_s[i]
+        B[k] += problem.bwd_s[i] + (problem.redo_s[i] if rc else 0.0)
+        A[k] += problem.act_bytes_recompute[i] if rc else problem.act_bytes[i]
+        if rc:
+            T[k] = max(T[k], problem.transient_bytes[i])
+        R[k % p] += problem.reduce_s[i]
+        static[k % p] += problem.state_bytes[i]
+    work = [sum(F[k] + B[k] for k in range(r, S, p)) for r in range(p)]
+    cuts = sum(problem.cut_s[i] for i in range(len(stage_of) - 1) if stage_of[i + 1] != stage_of[i])
+    tail = max(0.0, *(R[r] - sum(B[: r + 1]) for r in range(p)))
+    step = ((v * m - 1) * max(work) + sum(F) + sum(B) + cuts) / v + tail
+    peaks = []
+    for r in range(p):
+        peak = 0.0
+        for live, busy in problem.memory_patterns[r]:
+            peak = max(peak, sum(n * A[k] for k, n in live) + (T[busy] if busy >= 0 else 0.0))
+        peaks.append(static[r] + peak)
+    return Evaluation(step, tuple(peaks), all(x <= problem.mem_cap_bytes for x in peaks))
+
+
+def memory_patterns(actions: Sequence[Sequence], num_stages: int) -> tuple[tuple[MemoryPattern, ...], ...]:
+    """Per rank, every distinct (activations in flight per stage, stage in backward) of its
+    action list, without the ones another pattern dominates. A microbatch is in flight on a
+    stage from its forward until its backward (B, or W when the backward is split)."""
+    split = {a.stage for acts in actions for a in acts if a.kind is ActionKind.W}
+    out = []
+    for acts in actions:
+        live = [0] * num_stages
+        seen: set[MemoryPattern] = set()
+        for a in acts:
+            if a.kind is ActionKind.F:
+                live[a.stage] += 1
+                busy = -1
+            elif a.kind in (ActionKind.B, ActionKind.I):
+                busy = a.stage
+            else:
+                busy = -1
+            seen.add((tuple((k, n) for k, n in enumerate(live) if n), busy))
+            if a.kind is ActionKind.B or (a.kind is ActionKind.W and a.stage in split):
+                live[a.stage] -= 1
+        out.append(tuple(sorted(_undominated(seen))))
+    return tuple(out)
+
+
+def _undominated(patterns: set[MemoryPattern]) -> list[MemoryPattern]:
+    def covers(big: MemoryPattern, small: MemoryPattern) -> bool:
+        b, s = dict(big[0]), dict(small[0])
+        return (small[1] in (-1, big[1])) and all(b.get(k, 0) >= n for k, n in s.items())
+
+    items = list(patterns)
+    return [x for x in items if not any(y != x and covers(y, x) for y in items)]
+
+
+@dataclass(frozen=True, slots=True)
+class Solution:
+    stage_of: tuple[int, ...]
+    recompute: tuple[bool, ...]
+    evaluation: Evaluation
+    status: str
+    """CP-SAT's: OPTIMAL, FEASIBLE (stopped at the time limit with a plan), ..."""
+    objective_s: float
+    """The solver's objective in seconds (times rounded to its quantum)."""
+    bound_s: float
+    """Best proven lower bound on the objective."""
+    wall_s: float
+    timed_out: bool
+
+    @property
+    def gap(self) -> float:
+        return (
+            0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+        )
+
+    def summary(self) -> str:
+        state = "timed out; best plan found" if self.timed_out else "finished"
+        return (
+            f"CP-SAT {self.status} ({state}) in {self.wall_s:.2f} s: objective {self.objective_s * 1e3:.3f} ms, "
+            f"bound {self.bound_s * 1e3:.3f} ms, gap {100 * self.gap:.2f} %"
+        )
+
+
+class Infeasible(Exception):
+    def __init__(self, status: str, wall_s: float):
+        super().__init__(status)
+        self.status, self.wall_s = status, wall_s
+
+
+def solve(
+    problem: PartitionProblem,
+    *,
+    time_limit_s: float = 10.0,
+    hint: tuple[Sequence[int], Sequence[bool]] | None = None,
+    workers: int | None = None,
+    time_quantum_s: float | None = None,
+    mem_quantum_bytes: float | None = None,
+    minimize_memory: bool = False,
+) -> Solution:
+    """Solve ``problem`` with CP-SAT; raise :class:`Infeasible` when no assignment fits.
+
+    Times are rounded to ``time_quantum_s`` (default: a millionth of one microbatch's total
+    work) and memory to ``mem_quantum_bytes`` (default: a millionth of the cap; demands round
+    up, the cap down, so a solution that fits here fits in bytes). With ``minimize_memory`` the
+    cap is dropped and the objective is the largest rank peak instead (for error messages).
+    """
+    L, p, v, m, S = (
+        problem.num_layers,
+        problem.num_ranks,
+        problem.v,
+        problem.num_microbatches,
+        problem.num_stages,
+    )
+    if S > L:
+        raise ValueError(f"{S} stages (pp x v = {p} x {v}) for {L} layers; every stage needs a layer")
+    total = sum(problem.fwd_s) + sum(problem.bwd_s) + sum(problem.redo_s) + sum(problem.cut_s[: L - 1])
+    qt = time_quantum_s or max(total, 1e-30) / 1e6
+    qm = mem_quantum_bytes or max(problem.mem_cap_bytes, 1.0) / 1e6
+
+    def t(x: float) -> int:
+        return round(x / qt)
+
+    def mem(x: float) -> int:
+        return math.ceil(x / qm - 1e-9)
+
+    model = cp_model.CpModel()
+    lo = [max(0, S - L + i) for i in range(L)]
+    hi = [min(S - 1, i) for i in range(L)]
+    b = {(i, k): model.new_bool_var(f"b{i}_{k}") for i in range(L) for k in range(lo[i], hi[i] + 1)}
+    rec = [i for i in range(L) if problem.recomputable[i]]
+    z = {(i, k): model.new_bool_var(f"z{i}_{k}") for i in rec for k in range(lo[i], hi[i] + 1)}
+    st = [model.new_int_var(lo[i], hi[i], f"st{i}") for i in range(L)]
+    for i in range(L):
+        ks = range(lo[i], hi[i] + 1)
+        model.add_exactly_one(b[i, k] for k in ks)
+        model.add(st[i] == sum(k * b[i, k] for k in ks))
+    for (i, k), var in z.items():
+        model.add_implication(var, b[i, k])
+    model.add(st[0] == 0)
+    model.add(st[L - 1] == S - 1)
+    cut = []
+    for i in range(L - 1):
+        c = model.new_bool_var(f"c{i}")
+        model.add(st[i + 1] == st[i] + c)
+        cut.append(c)
+
+    def on(k: int):
+        return [i for i in range(L) if lo[i] <= k <= hi[i]]
+
+    bwd = {
+        k: sum(t(problem.bwd_s[i]) * b[i, k] for i in on(k))
+        + sum(t(problem.redo_s[i]) * z[i, k] for i in on(k) if (i, k) in z)
+        for k in range(S)
+    }
+    work = [
+        sum(t(problem.fwd_s[i]) * b[i, k] for k in range(r, S, p) for i in on(k))
+        + sum(bwd[k] for k in range(r, S, p))
+        for r in range(p)
+    ]
+    horizon = sum(t(problem.fwd_s[i]) + t(problem.bwd_s[i]) + t(problem.redo_s[i]) for i in range(L))
+    slowest = model.new_int_var(0, horizon, "slowest_rank")
+    for w in work:
+        model.add(slowest >= w)
+    reduce_total = sum(t(x) for x in problem.reduce_s)
+    tail = model.new_int_var(0, reduce_total, "dp_tail")
+    for r in range(p):
+        reduce_r = sum(t(problem.reduce_s[i]) * b[i, k] for k in range(r, S, p) for i in on(k))
+        model.add(tail >= reduce_r - sum(bwd[k] for k in range(r + 1)))
+
+    # Memory per rank and pattern.
+    transient = [
+        model.new_int_var(0, mem(max(problem.transient_bytes, default=0)), f"tr{k}") for k in range(S)
+    ]
+    for (i, k), var in z.items():
+        if problem.transient_bytes[i] > 0:
+            model.add(transient[k] >= mem(problem.transient_bytes[i])).only_enforce_if(var)
+    keep = {
+        k: sum(mem(problem.act_bytes[i]) * b[i, k] for i in on(k))
+        - sum(
+            (mem(problem.act_bytes[i]) - mem(problem.act_bytes_recompute[i])) * z[i, k]
+            for i in on(k)
+            if (i, k) in z
+        )
+        for k in range(S)
+    }
+    peak = model.new_int_var(0, 2**50, "peak") if minimize_memory else None
+    cap = math.floor(problem.mem_cap_bytes / qm + 1e-9)
+    for r in range(p):
+        static = sum(mem(problem.state_bytes[i]) * b[i, k] for k in range(r, S, p) for i in on(k))
+        for live, busy in problem.memory_patterns[r]:
+            used = static + sum(n * keep[k] for k, n in live) + (transient[busy] if busy >= 0 else 0)
+            model.add((peak if minimize_memory else cap) >= used)
+
+    cut_cost = sum(t(problem.cut_s[i]) * cut[i] for i in range(L - 1))
+    redo_cost = sum(t(problem.redo_s[i]) * var for (i, _), var in z.items())
+    constant = sum(t(problem.fwd_s[i]) + t(problem.bwd_s[i]) for i in range(L))
+    objective = (v * m - 1) * slowest + constant + redo_cost + cut_cost + v * tail
+    model.minimize(peak if minimize_memory else objective)
+
+    if hint is not None:
+        stage_of, flags = hint
+        for (i, k), var in b.items():
+            model.add_hint(var, int(stage_of[i] == k))
+        for (i, k), var in z.items():
+            model.add_hint(var, int(stage_of[i] == k and bool(flags[i])))
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.num_workers = workers or max(1, min(8, os.cpu_count() or 1))
+    start = time.perf_counter()
+    status = solver.solve(model)
+    wall = time.perf_counter() - start
+    name = solver.status_name(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise Infeasible(name, wall)
+    stage_of = tuple(int(solver.value(s)) for s in st)
+    flags = tuple(
+        any(solver.value(z[i, k]) for k in range(lo[i], hi[i] + 1) if (i, k) in z) for i in range(L)
+    )
+    scale = qm if minimize_memory else qt / v
+    return Solution(
+        stage_of=stage_of,
+        recompute=flags,
+        evaluation=evaluate(problem, stage_of, flags),
+        status=name,
+        objective_s=solver.objective_value * scale,
+        bound_s=solver.best_objective_bound * scale,
+        wall_s=wall,
+        timed_out=status == cp_model.FEASIBLE,
+    )
