@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from tabulate import tabulate
-
 from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.passes.megatron import (
     BaselineResult,
@@ -129,7 +128,9 @@ def adaptive_recompute(problem: PartitionProblem, stage_of: tuple[int, ...]) -> 
             for k, n in live:
                 in_flight[k] = max(in_flight[k], n)
     saving = [
-        in_flight[k] * (problem.act_bytes[i] - problem.act_bytes_recompute[i]) if problem.recomputable[i] else 0.0
+        in_flight[k] * (problem.act_bytes[i] - problem.act_bytes_recompute[i])
+        if problem.recomputable[i]
+        else 0.0
         for i, k in enumerate(stage_of)
     ]
     flags = [False] * problem.num_layers
@@ -162,7 +163,9 @@ def omnibal(
     max_candidates: int = 5000,
 ) -> BaselineResult:
     """OmniBal's partition and adaptive recompute at these degrees (see the module docstring)."""
-    parallel = parallel_for(cluster, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage)
+    parallel = parallel_for(
+        cluster, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage
+    )
     name = schedule or ("interleaved_1f1b" if v > 1 else "1f1b")
     m = num_microbatches(global_batch, parallel.dp, microbatch_size)
     problem = partition_problem(
@@ -177,7 +180,9 @@ def omnibal(
     def metric(cuts: tuple[int, ...]) -> float:
         bounds = np.array([0, *cuts, n])
         stage_ms = (prefix[bounds[1:]] - prefix[bounds[:-1]]) * 1e3
-        return float(((stage_ms - stage_ms.mean()) ** 2).sum() + sum(problem.cut_s[c - 1] for c in cuts) * 1e3)
+        return float(
+            ((stage_ms - stage_ms.mean()) ** 2).sum() + sum(problem.cut_s[c - 1] for c in cuts) * 1e3
+        )
 
     ranked = sorted(candidates, key=metric)[:top_k]
     evaluated, best = [], None
@@ -189,11 +194,28 @@ def omnibal(
             continue
         result = None
         while True:  # the "training test": add a layer on any rank the simulator finds over
-            result = _plan(layer_graph, cluster, problem, stage_of, flags, parallel, microbatch_size, global_batch,
-                           name, anchor, len(candidates), cuts, metric(cuts))
+            result = _plan(
+                layer_graph,
+                cluster,
+                problem,
+                stage_of,
+                flags,
+                parallel,
+                microbatch_size,
+                global_batch,
+                name,
+                anchor,
+                len(candidates),
+                cuts,
+                metric(cuts),
+            )
             sim = simulate(result.plan, layer_graph, cluster)
             over = [r for r, x in enumerate(sim.peak_mem_bytes) if x > problem.mem_cap_bytes]
-            extra = [i for i, k in enumerate(stage_of) if k % pp in over and not flags[i] and problem.recomputable[i]]
+            extra = [
+                i
+                for i, k in enumerate(stage_of)
+                if k % pp in over and not flags[i] and problem.recomputable[i]
+            ]
             if not over or not extra:
                 break
             flags[extra[0]] = True
@@ -210,8 +232,21 @@ def omnibal(
     return BaselineResult(plan, OmniBalReport(plan, anchor, len(candidates), tuple(evaluated)))
 
 
-def _plan(layer_graph, cluster, problem, stage_of, flags, parallel, microbatch_size, global_batch, schedule,
-          anchor, num_candidates, cuts, metric) -> BaselineResult:
+def _plan(
+    layer_graph,
+    cluster,
+    problem,
+    stage_of,
+    flags,
+    parallel,
+    microbatch_size,
+    global_batch,
+    schedule,
+    anchor,
+    num_candidates,
+    cuts,
+    metric,
+) -> BaselineResult:
     chunks: list[list[str]] = [[] for _ in range(problem.num_stages)]
     for name, k in zip(problem.names, stage_of):
         chunks[k].append(name)

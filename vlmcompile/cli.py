@@ -1,8 +1,9 @@
 """Command line.
 
 ``vlmcompile annotate --model NAME [--json FILE]``: capture and annotate a zoo model.
-``vlmcompile plan --model NAME --cluster PRESET --policy megatron|megatron_balanced``: plan,
-simulate and print the step and its bubbles (``--setup NAME`` fills in a paper's configuration).
+``vlmcompile plan --model NAME --cluster PRESET --policy megatron|megatron_balanced|omnibal|vlmcompile``:
+plan, simulate and print the step and its bubbles (``--setup NAME`` fills in a paper's
+configuration; ``--search`` lets the plan search choose the degrees).
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def _annotate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from vlmcompile.cluster import Cluster
+    from vlmcompile.passes.megatron import megatron_layout
     from vlmcompile.planning import plan_and_simulate, zoo_layer_graph
     from vlmcompile.setups import setup
 
@@ -55,50 +59,61 @@ def _plan(args: argparse.Namespace) -> int:
         args.global_batch = args.global_batch or s.global_batch
         args.microbatch_size = args.microbatch_size or s.microbatch_size
         if args.v is None:
-            args.v = s.v_balanced if args.policy == "megatron_balanced" else 1
-    missing = [
-        f"--{k.replace('_', '-')}"
-        for k in ("model", "cluster", "tp", "pp", "global_batch")
-        if not getattr(args, k)
-    ]
+            args.v = s.v_balanced if args.policy in ("megatron_balanced", "vlmcompile") else 1
+    required = (
+        ("model", "cluster", "global_batch")
+        if args.search
+        else ("model", "cluster", "tp", "pp", "global_batch")
+    )
+    missing = [f"--{k.replace('_', '-')}" for k in required if not getattr(args, k)]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --setup NAME)")
+    if args.search and args.policy != "vlmcompile":
+        raise ValueError(f"--search plans with the vlmcompile policy; drop --policy {args.policy}")
     cluster = Cluster.preset(args.cluster)
     print(f"annotating {args.model} ...", file=sys.stderr)
     graph = zoo_layer_graph(args.model, dtype=_DTYPES[args.dtype])
-    options = {
-        "tp": args.tp,
-        "pp": args.pp,
-        "v": args.v or 1,
-        "microbatch_size": args.microbatch_size or 1,
-        "global_batch": args.global_batch,
-        "schedule": args.schedule,
-    }
-    if args.policy == "megatron":
-        options |= {
-            "first_stage_layers": args.first_stage_layers,
-            "last_stage_layers": args.last_stage_layers,
+    if args.search:
+        from vlmcompile.planning import search_and_compare
+
+        run, search = search_and_compare(graph, cluster, global_batch=args.global_batch)
+        print(search)
+        print()
+    else:
+        options = {
+            "tp": args.tp,
+            "pp": args.pp,
+            "v": args.v or 1,
+            "microbatch_size": args.microbatch_size or 1,
+            "global_batch": args.global_batch,
+            "schedule": args.schedule,
         }
-    run = plan_and_simulate(
-        graph,
-        cluster,
-        args.policy,
-        recompute=args.recompute,
-        recompute_vision=args.recompute_vision,
-        **options,
-    )
+        if args.policy == "megatron":
+            options |= {
+                "first_stage_layers": args.first_stage_layers,
+                "last_stage_layers": args.last_stage_layers,
+            }
+        if args.policy == "vlmcompile":
+            options["time_limit_s"] = args.time_limit
+        run = plan_and_simulate(
+            graph,
+            cluster,
+            args.policy,
+            recompute=args.recompute,
+            recompute_vision=args.recompute_vision,
+            **options,
+        )
     print(cluster)
     print()
-    print(run.report)
-    print()
-    print(run.sim)
+    print(run)
     if not run.fits:
         print(f"\nwarning: the plan does not fit in {cluster.device.name} memory", file=sys.stderr)
     if args.json:
         data = {
             "plan": run.plan.to_json(),
             "simulation": run.sim.to_json(),
-            "megatron_layout": run.report.layout,
+            "megatron_layout": megatron_layout(run.plan, graph)[0],
+            "policies": [dataclasses.asdict(r) for r in run.baselines],
         }
         Path(args.json).write_text(json.dumps(data, indent=1))
         print(f"plan and simulation written to {args.json}", file=sys.stderr)
@@ -140,7 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     q.add_argument("--model", help="zoo name, e.g. Optimus-Model-D, InternViT-6B+Llama3-8B, demo")
     q.add_argument("--cluster", help="preset: h100x512, a100x32, v100x64, cpu:2, ...")
-    q.add_argument("--policy", choices=["megatron", "megatron_balanced"], default="megatron")
+    q.add_argument(
+        "--policy",
+        choices=["megatron", "megatron_balanced", "omnibal", "vlmcompile"],
+        default="megatron",
+        help="vlmcompile: CP-SAT cuts and per-layer recompute, compared with every baseline",
+    )
+    q.add_argument(
+        "--search", action="store_true", help="let the plan search choose TP/PP/DP/v/microbatch (vlmcompile)"
+    )
+    q.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds (vlmcompile)")
     q.add_argument("--tp", type=int, help="tensor-parallel size")
     q.add_argument("--pp", type=int, help="pipeline-parallel size (dp is what the cluster leaves)")
     q.add_argument("--v", type=int, help="virtual stages per rank (interleaved 1F1B when > 1)")
@@ -150,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "--recompute",
         choices=["auto", "none", "selective", "full"],
         default="auto",
-        help="global recompute of the LLM decoder layers; auto: the least that fits in memory",
+        help="global recompute of the LLM decoder layers (Megatron policies); auto: the least that fits in memory",
     )
     q.add_argument("--recompute-vision", action="store_true", help="also recompute the vision encoder")
     q.add_argument("--first-stage-layers", type=int, help="decoder layers on the first stage (megatron)")

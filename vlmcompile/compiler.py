@@ -4,9 +4,11 @@
 |----|----------|--------------------|
 | 1  | capture  | passes/capture.py  |
 | 2  | annotate | passes/annotate.py |
+| 3  | plan     | passes/plan_search.py, passes/partition.py (through ``planning.search_and_compare``) |
 
-Planning passes (plan search, partition, schedule), the simulator and codegen join this list
-as they land; each reads the state the earlier ones wrote.
+The plan pass runs when a cluster is given: the plan search picks the degrees, the partition
+pass the cuts and recompute, and every baseline is planned at the chosen degrees for the
+report. The schedule pass and codegen join this list as they land.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from vlmcompile.passes.capture import CaptureMethod, capture
 from vlmcompile.regions import Region
 
 if TYPE_CHECKING:
+    from vlmcompile.plan import Plan
     from vlmcompile.planning import PlannedRun
 
 
@@ -39,8 +42,10 @@ class CompileState:
     sample_batch: Mapping[str, Any]
     cluster: Any = None
     model_name: str | None = None
+    global_batch: int | None = None
     gm: fx.GraphModule | None = None
     layer_graph: LayerGraph | None = None
+    planned: Any = None
     reports: dict[str, Any] = field(default_factory=dict)
 
 
@@ -61,6 +66,27 @@ def _annotate_pass(state: CompileState, *, tensor_mode) -> None:
     state.reports["annotate"] = result.report
 
 
+def _plan_pass(state: CompileState, *, time_limit_s: float, progress: bool) -> None:
+    if state.cluster is None:
+        state.reports["plan"] = "no cluster given: nothing planned (pass cluster=... to plan)"
+        return
+    from vlmcompile.planning import search_and_compare
+
+    # The runtime has no tensor parallelism yet, so plans meant to run on local CPU ranks keep TP = 1.
+    tp_choices = (1,) if state.cluster.name.startswith("cpu") else None
+    global_batch = state.global_batch or int(state.layer_graph.meta.get("batch_size", 1))
+    run, search = search_and_compare(
+        state.layer_graph,
+        state.cluster,
+        global_batch=global_batch,
+        tp_choices=tp_choices,
+        time_limit_s=time_limit_s,
+        progress=progress,
+    )
+    state.planned = run
+    state.reports["plan"] = f"{search}\n\n{run}"
+
+
 @dataclass(frozen=True, slots=True)
 class CompileReport:
     passes: dict[str, Any]
@@ -79,10 +105,18 @@ class CompiledPipeline:
     layer_graph: LayerGraph
     report: CompileReport
     cluster: Cluster | None = None
+    planned: PlannedRun | None = None
+    """The plan chosen by the plan search and partition passes, simulated, with every baseline
+    at the same degrees (None without a cluster)."""
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.planned.plan if self.planned else None
 
     def baseline(self, policy: str = "megatron", **options: Any) -> PlannedRun:
-        """Plan with a baseline policy (``megatron`` or ``megatron_balanced``) on the pipeline's
-        cluster and simulate it; ``options`` are the policy's (tp, pp, v, global_batch, ...)."""
+        """Plan with one policy (``megatron``, ``megatron_balanced``, ``omnibal`` or ``vlmcompile``)
+        on the pipeline's cluster and simulate it; ``options`` are the policy's (tp, pp, v,
+        global_batch, ...)."""
         if self.cluster is None:
             raise ValueError(
                 "compile(..., cluster=...) was given no cluster; pass one (e.g. 'h100x64') to plan"
@@ -102,6 +136,8 @@ def compile(
     tensor_mode: TensorMode = "fake",
     disable_passes: Sequence[str] = (),
     model_name: str | None = None,
+    global_batch: int | None = None,
+    plan_time_limit_s: float = 3.0,
     log: TextIO | None = sys.stderr,
 ) -> CompiledPipeline:
     """Compile a VLM for training on ``cluster``.
@@ -115,6 +151,8 @@ def compile(
         tensor_mode: "fake" (any size, no memory) or "real" (CPU tensors) for the annotate pass.
         disable_passes: names of passes to skip.
         model_name: shown in reports (default: the model's class name).
+        global_batch: samples per training step to plan for (default: the sample batch's size).
+        plan_time_limit_s: CP-SAT's time limit per candidate of the plan search.
         log: where the pass runner prints progress (None for silence).
     """
     if isinstance(cluster, str):
@@ -125,8 +163,11 @@ def compile(
             functools.partial(_capture_pass, region_overrides=region_overrides, method=capture_method),
         ),
         Pass("annotate", functools.partial(_annotate_pass, tensor_mode=tensor_mode)),
+        Pass("plan", functools.partial(_plan_pass, time_limit_s=plan_time_limit_s, progress=log is not None)),
     ]
-    state = CompileState(model=model, sample_batch=sample_batch, cluster=cluster, model_name=model_name)
+    state = CompileState(
+        model=model, sample_batch=sample_batch, cluster=cluster, model_name=model_name, global_batch=global_batch
+    )
     run = PassRunner(passes, disabled=disable_passes, log=log).run(state)
     if state.gm is None or state.layer_graph is None:
         raise ValueError(
@@ -138,4 +179,5 @@ def compile(
         layer_graph=state.layer_graph,
         report=CompileReport(dict(state.reports), run),
         cluster=cluster,
+        planned=state.planned,
     )

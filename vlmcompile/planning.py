@@ -101,8 +101,11 @@ class PlannedRun:
     def __str__(self) -> str:
         parts = [str(self.report), "", str(self.sim)]
         if self.baselines:
-            parts += ["", "policies at the same degrees (simulated: predictions of the cost model):",
-                      self.comparison_table()]
+            parts += [
+                "",
+                "policies at the same degrees (simulated: predictions of the cost model):",
+                self.comparison_table(),
+            ]
         return "\n".join(parts)
 
 
@@ -159,13 +162,17 @@ def _per_layer_policy(layer_graph: LayerGraph, cluster: Cluster, policy: str, **
     baselines: tuple[PolicyRow, ...] = ()
     if policy == "vlmcompile" and "warm_start" not in options:
         runs, baselines = compare_baselines(layer_graph, cluster, **options)
-        fitting = [r for r in runs if r.fits and r.plan.num_stages == options.get("pp", 1) * options.get("v", 1)]
+        fitting = [
+            r for r in runs if r.fits and r.plan.num_stages == options.get("pp", 1) * options.get("v", 1)
+        ]
         if fitting:
             options = {**options, "warm_start": min(fitting, key=lambda r: r.sim.step_time_s).plan}
     result = POLICIES[policy](layer_graph, cluster, **options)
     sim = getattr(result.report, "sim", None) or simulate(result.plan, layer_graph, cluster)
     fits = max(sim.peak_mem_bytes) <= usable_memory_bytes(cluster.device.mem_bytes)
-    return PlannedRun(result.plan, result.report, sim, fits, f"per layer ({len(result.plan.recompute)})", baselines)
+    return PlannedRun(
+        result.plan, result.report, sim, fits, f"per layer ({len(result.plan.recompute)})", baselines
+    )
 
 
 def compare_baselines(
@@ -183,3 +190,31 @@ def compare_baselines(
         runs.append(run)
         rows.append(PolicyRow(policy, run.sim.step_time_s, run.fits, run.recompute))
     return runs, tuple(rows)
+
+
+def search_and_compare(
+    layer_graph: LayerGraph, cluster: Cluster, *, global_batch: int, **search_options: Any
+) -> tuple[PlannedRun, Any]:
+    """The plan search's best plan, with every baseline planned at the degrees it chose."""
+    from vlmcompile.passes.plan_search import plan_search
+
+    plan, search = plan_search(layer_graph, cluster, global_batch=global_batch, **search_options)
+    par = plan.parallel["model"]
+    options = dict(
+        tp=par.tp, pp=par.pp, v=par.v, microbatch_size=plan.microbatch_size, global_batch=global_batch
+    )
+    _, rows = compare_baselines(layer_graph, cluster, **options)
+    plan = dataclasses.replace(
+        plan,
+        decisions=(
+            *plan.decisions,
+            Decision(
+                "parallel degrees",
+                Reason.PLAN_SEARCH,
+                f"{par}, microbatch {plan.microbatch_size}: fastest simulated of {len(search.candidates)} candidates",
+            ),
+        ),
+    )
+    sim = dataclasses.replace(search.sim, plan=plan)
+    fits = max(sim.peak_mem_bytes) <= usable_memory_bytes(cluster.device.mem_bytes)
+    return PlannedRun(plan, plan, sim, fits, f"per layer ({len(plan.recompute)})", rows), search
