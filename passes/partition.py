@@ -244,8 +244,15 @@ def partition(
     hint = _hint(problem, layer_graph, warm_start)
     try:
         solution = solve(problem, time_limit_s=time_limit_s, hint=hint, workers=workers)
-    except Infeasible:
-        raise PlanError(_no_fit_message(problem, parallel, microbatch_size, time_limit_s, workers)) from None
+    except Infeasible as err:
+        if err.status == "INFEASIBLE":
+            raise PlanError(
+                _no_fit_message(problem, parallel, microbatch_size, time_limit_s, workers)
+            ) from None
+        raise PlanError(
+            f"CP-SAT found no plan within {time_limit_s} s ({err.status}) at {parallel}; "
+            "raise time_limit_s (no claim is made that none fits)"
+        ) from None
 
     options = dict(
         parallel=parallel, microbatch_size=microbatch_size, global_batch=global_batch, schedule=name
@@ -402,8 +409,12 @@ def _no_fit_message(problem, parallel, microbatch_size, time_limit_s, workers) -
         states = sum(
             problem.state_bytes[i] for i, k in enumerate(least.stage_of) if k % problem.num_ranks == rank
         )
+        # In this mode the solver's objective and bound are bytes.
+        exact = (
+            "is" if least.status == "OPTIMAL" else f"is at least {least.bound_s / GiB:.2f} GiB and at most"
+        )
         need = (
-            f"the least memory any cut and recompute choice needs is {peak / GiB:.2f} GiB on its fullest rank "
+            f"the least memory any cut and recompute choice needs {exact} {peak / GiB:.2f} GiB on its fullest rank "
             f"({states / GiB:.2f} GiB model states, {(peak - states) / GiB:.2f} GiB activations)"
         )
         knobs = _knobs(states, peak - states, parallel, microbatch_size)

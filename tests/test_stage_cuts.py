@@ -123,3 +123,56 @@ def test_solver_finds_the_brute_force_optimum(problem):
     assert solution.evaluation.fits
     assert solution.evaluation.step_s == pytest.approx(reference, rel=1e-9)
     assert solution.objective_s == pytest.approx(reference, rel=1e-9)
+
+
+def _large_problem(num_layers: int, p: int, m: int) -> PartitionProblem:
+    rng = np.random.default_rng(0)
+    fwd = rng.uniform(1, 3, num_layers)
+    act = rng.uniform(10, 50, num_layers)
+    base = dict(
+        names=tuple(f"l{i}" for i in range(num_layers)),
+        fwd_s=tuple(fwd),
+        bwd_s=tuple(2 * fwd),
+        redo_s=tuple(fwd),
+        act_bytes=tuple(act),
+        act_bytes_recompute=tuple(act / 8),
+        transient_bytes=tuple(act),
+        state_bytes=tuple(rng.uniform(5, 10, num_layers)),
+        reduce_s=(0.0,) * num_layers,
+        cut_s=tuple(rng.uniform(0, 0.5, num_layers)),
+        recomputable=(True,) * num_layers,
+        num_ranks=p,
+        v=1,
+        num_microbatches=m,
+        memory_patterns=memory_patterns(make_schedule("1f1b", p, m), p),
+    )
+    plain = (sum(base["state_bytes"]) + p * sum(act)) / p
+    return PartitionProblem(**base, mem_cap_bytes=0.6 * plain)
+
+
+def test_a_timeout_returns_the_best_plan_and_says_so():
+    problem = _large_problem(300, 8, 32)
+    # A feasible start (even cuts, everything recomputed) so that the solver has a plan to return.
+    hint = (tuple(i * 8 // 300 for i in range(300)), (True,) * 300)
+    solution = solve(problem, time_limit_s=1.0, workers=1, hint=hint)
+    assert solution.timed_out == (solution.status != "OPTIMAL")
+    assert ("timed out" in solution.summary()) == solution.timed_out
+    assert solution.evaluation.fits
+    assert solution.bound_s <= solution.objective_s * (1 + 1e-9)
+    if solution.timed_out:
+        assert solution.gap >= 0
+
+
+def test_memory_patterns_of_1f1b_hold_min_p_minus_s_m():
+    p, m = 4, 6
+    patterns = memory_patterns(make_schedule("1f1b", p, m), p)
+    for rank, rank_patterns in enumerate(patterns):
+        peak = max(dict(live).get(rank, 0) for live, _ in rank_patterns)
+        assert peak == min(p - rank, m)
+
+
+def test_minimize_memory_finds_the_enumerated_least_peak():
+    problem = _large_problem(7, 3, 4)
+    least = min(peak.min() for _, _, _, peak in enumerate_plans(problem))
+    solution = solve(problem, minimize_memory=True, workers=1, mem_quantum_bytes=1e-3)
+    assert max(solution.evaluation.peak_bytes) == pytest.approx(least, rel=1e-3)

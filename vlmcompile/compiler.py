@@ -166,7 +166,11 @@ def compile(
         Pass("plan", functools.partial(_plan_pass, time_limit_s=plan_time_limit_s, progress=log is not None)),
     ]
     state = CompileState(
-        model=model, sample_batch=sample_batch, cluster=cluster, model_name=model_name, global_batch=global_batch
+        model=model,
+        sample_batch=sample_batch,
+        cluster=cluster,
+        model_name=model_name,
+        global_batch=global_batch,
     )
     run = PassRunner(passes, disabled=disable_passes, log=log).run(state)
     if state.gm is None or state.layer_graph is None:

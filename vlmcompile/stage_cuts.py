@@ -300,11 +300,31 @@ def solve(
     model.minimize(peak if minimize_memory else objective)
 
     if hint is not None:
+        # Every variable gets a value, so that CP-SAT can take the hint as its first solution.
         stage_of, flags = hint
+        flags = [bool(f) and problem.recomputable[i] for i, f in enumerate(flags)]
         for (i, k), var in b.items():
             model.add_hint(var, int(stage_of[i] == k))
         for (i, k), var in z.items():
-            model.add_hint(var, int(stage_of[i] == k and bool(flags[i])))
+            model.add_hint(var, int(stage_of[i] == k and flags[i]))
+        for i in range(L):
+            model.add_hint(st[i], stage_of[i])
+        for i in range(L - 1):
+            model.add_hint(cut[i], stage_of[i + 1] - stage_of[i])
+        bwd_of = [0] * S
+        work_of, reduce_of = [0] * p, [0] * p
+        trans_of = [0] * S
+        for i, k in enumerate(stage_of):
+            extra = t(problem.redo_s[i]) if flags[i] else 0
+            bwd_of[k] += t(problem.bwd_s[i]) + extra
+            work_of[k % p] += t(problem.fwd_s[i]) + t(problem.bwd_s[i]) + extra
+            reduce_of[k % p] += t(problem.reduce_s[i])
+            if flags[i]:
+                trans_of[k] = max(trans_of[k], mem(problem.transient_bytes[i]))
+        model.add_hint(slowest, max(work_of))
+        model.add_hint(tail, max(0, *(reduce_of[r] - sum(bwd_of[: r + 1]) for r in range(p))))
+        for k in range(S):
+            model.add_hint(transient[k], trans_of[k])
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
@@ -313,6 +333,20 @@ def solve(
     status = solver.solve(model)
     wall = time.perf_counter() - start
     name = solver.status_name(status)
+    if status == cp_model.UNKNOWN and hint is not None and not minimize_memory:
+        # Out of time before any solution of its own: the hint is the best plan known.
+        start_plan = evaluate(problem, hint[0], flags)
+        if start_plan.fits:
+            return Solution(
+                stage_of=tuple(hint[0]),
+                recompute=tuple(flags),
+                evaluation=start_plan,
+                status="UNKNOWN (warm start returned)",
+                objective_s=start_plan.step_s,
+                bound_s=min(solver.best_objective_bound * qt / v, start_plan.step_s),
+                wall_s=wall,
+                timed_out=True,
+            )
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise Infeasible(name, wall)
     stage_of = tuple(int(solver.value(s)) for s in st)
@@ -328,5 +362,5 @@ def solve(
         objective_s=solver.objective_value * scale,
         bound_s=solver.best_objective_bound * scale,
         wall_s=wall,
-        timed_out=status == cp_model.FEASIBLE,
+        timed_out=status == cp_model.FEASIBLE,  # stopped by the limit, not by proving optimality
     )
