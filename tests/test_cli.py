@@ -66,3 +66,28 @@ def test_bad_input_is_an_error_message(capsys):
     assert "missing --global-batch" in capsys.readouterr().err
     assert main(["plan", "--setup", "optimus-weak-Z"]) == 2
     assert "unknown setup 'optimus-weak-Z'" in capsys.readouterr().err
+
+
+def test_vlmcompile_policy_prints_the_comparison_with_every_baseline(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main([*ARGS, "--policy", "vlmcompile", "--time-limit", "5", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "CP-SAT" in printed and "policies at the same degrees" in printed
+    for policy in ("megatron", "megatron_balanced", "omnibal"):
+        assert policy in printed
+    data = json.loads(out.read_text())
+    assert Plan.from_json(data["plan"]).policy == "vlmcompile"
+    assert {r["policy"] for r in data["policies"]} == {"megatron", "megatron_balanced", "omnibal"}
+
+
+def test_omnibal_policy_and_search(capsys):
+    assert main([*ARGS, "--policy", "omnibal"]) == 0
+    assert "anchor cuts" in capsys.readouterr().out
+    search = ["plan", "--model", "demo", "--cluster", "h100x8", "--global-batch", "16", "--policy", "vlmcompile"]
+    assert main([*search, "--search"]) == 0
+    assert "plan search on h100x8" in capsys.readouterr().out
+
+
+def test_per_layer_policies_refuse_a_global_recompute(capsys):
+    assert main([*ARGS, "--policy", "omnibal", "--recompute", "full"]) == 2
+    assert "chooses recompute per layer" in capsys.readouterr().err

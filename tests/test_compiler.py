@@ -21,7 +21,8 @@ def test_compile_returns_graph_layer_graph_and_a_readable_report():
         and "per layer:" in text
     )
     assert "llm.blocks.1" in text
-    assert "[1/2] capture" in log.getvalue() and "[2/2] annotate done" in log.getvalue()
+    assert "[1/3] capture" in log.getvalue() and "[2/3] annotate done" in log.getvalue()
+    assert "no cluster given" in text
     assert len(pipe.layer_graph) == 10
 
 
@@ -53,3 +54,16 @@ def test_a_compiled_pipeline_plans_and_simulates_the_megatron_baseline():
     assert run.plan.num_ranks == 2 and run.sim.step_time_s > 0 and run.fits
     with pytest.raises(ValueError, match="given no cluster"):
         vlmcompile.compile(model, batch, log=None).baseline()
+
+
+def test_compile_with_a_cluster_returns_the_partition_pass_plan_and_the_comparison():
+    model, batch = build("tiny")
+    pipe = vlmcompile.compile(model, batch, cluster="h100x8", log=None)
+    assert pipe.plan is not None and pipe.plan.policy == "vlmcompile"
+    pipe.plan.validate(pipe.layer_graph)
+    report = str(pipe.report)
+    assert "plan search on h100x8" in report and "policies at the same degrees" in report
+    ours = pipe.planned.sim.step_time_s
+    for row in pipe.planned.baselines:
+        if row.step_s is not None and row.fits:
+            assert ours <= row.step_s * (1 + 1e-9), row

@@ -183,6 +183,25 @@ class Solution:
         )
 
 
+def _whole(value: float, tie: int) -> float:
+    """The objective without its tie-break: a multiple of ``tie``."""
+    return math.floor(value / tie + 1e-9) * tie
+
+
+def _same_layer(problem: PartitionProblem, i: int, j: int, t, mem) -> bool:
+    """Same costs after rounding (the cut after a layer may differ: it is not a layer's own cost)."""
+    return (
+        t(problem.fwd_s[i]) == t(problem.fwd_s[j])
+        and t(problem.bwd_s[i]) == t(problem.bwd_s[j])
+        and t(problem.redo_s[i]) == t(problem.redo_s[j])
+        and t(problem.reduce_s[i]) == t(problem.reduce_s[j])
+        and all(
+            mem(getattr(problem, f)[i]) == mem(getattr(problem, f)[j])
+            for f in ("act_bytes", "act_bytes_recompute", "transient_bytes", "state_bytes")
+        )
+    )
+
+
 class Infeasible(Exception):
     def __init__(self, status: str, wall_s: float):
         super().__init__(status)
@@ -246,28 +265,58 @@ def solve(
         model.add(st[i + 1] == st[i] + c)
         cut.append(c)
 
-    def on(k: int):
-        return [i for i in range(L) if lo[i] <= k <= hi[i]]
-
-    bwd = {
-        k: sum(t(problem.bwd_s[i]) * b[i, k] for i in on(k))
-        + sum(t(problem.redo_s[i]) * z[i, k] for i in on(k) if (i, k) in z)
-        for k in range(S)
-    }
-    work = [
-        sum(t(problem.fwd_s[i]) * b[i, k] for k in range(r, S, p) for i in on(k))
-        + sum(bwd[k] for k in range(r, S, p))
-        for r in range(p)
-    ]
+    members = [[i for i in range(L) if lo[i] <= k <= hi[i]] for k in range(S)]
     horizon = sum(t(problem.fwd_s[i]) + t(problem.bwd_s[i]) + t(problem.redo_s[i]) for i in range(L))
+    mem_horizon = sum(mem(x) for x in problem.act_bytes) + sum(mem(x) for x in problem.state_bytes)
+
+    # Per stage once, as variables: constraints below refer to them instead of repeating the sums.
+    fwd, bwd, keep = [], [], []
+    for k in range(S):
+        fwd.append(model.new_int_var(0, horizon, f"F{k}"))
+        model.add(fwd[k] == sum(t(problem.fwd_s[i]) * b[i, k] for i in members[k]))
+        bwd.append(model.new_int_var(0, horizon, f"B{k}"))
+        model.add(
+            bwd[k]
+            == sum(t(problem.bwd_s[i]) * b[i, k] for i in members[k])
+            + sum(t(problem.redo_s[i]) * z[i, k] for i in members[k] if (i, k) in z)
+        )
+        keep.append(model.new_int_var(0, mem_horizon, f"A{k}"))
+        model.add(
+            keep[k]
+            == sum(mem(problem.act_bytes[i]) * b[i, k] for i in members[k])
+            - sum(
+                (mem(problem.act_bytes[i]) - mem(problem.act_bytes_recompute[i])) * z[i, k]
+                for i in members[k]
+                if (i, k) in z
+            )
+        )
+    static = []
+    for r in range(p):
+        static.append(model.new_int_var(0, mem_horizon, f"M{r}"))
+        model.add(
+            static[r]
+            == sum(mem(problem.state_bytes[i]) * b[i, k] for k in range(r, S, p) for i in members[k])
+        )
     slowest = model.new_int_var(0, horizon, "slowest_rank")
-    for w in work:
-        model.add(slowest >= w)
+    plain_work = sum(t(problem.fwd_s[i]) + t(problem.bwd_s[i]) for i in range(L))
+    model.add(slowest * p >= plain_work)  # redundant: the mean rank's work, for the bound
+    for r in range(p):
+        model.add(slowest >= sum(fwd[k] + bwd[k] for k in range(r, S, p)))
     reduce_total = sum(t(x) for x in problem.reduce_s)
     tail = model.new_int_var(0, reduce_total, "dp_tail")
-    for r in range(p):
-        reduce_r = sum(t(problem.reduce_s[i]) * b[i, k] for k in range(r, S, p) for i in on(k))
-        model.add(tail >= reduce_r - sum(bwd[k] for k in range(r + 1)))
+    if reduce_total:
+        for r in range(p):
+            reduce_r = sum(t(problem.reduce_s[i]) * b[i, k] for k in range(r, S, p) for i in members[k])
+            model.add(tail >= reduce_r - sum(bwd[k] for k in range(r + 1)))
+
+    # Identical neighbours in one stage are interchangeable: recompute the earlier one first.
+    recomputed = {}
+    for i in rec:
+        recomputed[i] = model.new_bool_var(f"r{i}")
+        model.add(recomputed[i] == sum(z[i, k] for k in range(lo[i], hi[i] + 1)))
+    for i in rec:
+        if i + 1 in recomputed and _same_layer(problem, i, i + 1, t, mem):
+            model.add(recomputed[i + 1] <= recomputed[i] + cut[i])
 
     # Memory per rank and pattern.
     transient = [
@@ -276,28 +325,19 @@ def solve(
     for (i, k), var in z.items():
         if problem.transient_bytes[i] > 0:
             model.add(transient[k] >= mem(problem.transient_bytes[i])).only_enforce_if(var)
-    keep = {
-        k: sum(mem(problem.act_bytes[i]) * b[i, k] for i in on(k))
-        - sum(
-            (mem(problem.act_bytes[i]) - mem(problem.act_bytes_recompute[i])) * z[i, k]
-            for i in on(k)
-            if (i, k) in z
-        )
-        for k in range(S)
-    }
     peak = model.new_int_var(0, 2**50, "peak") if minimize_memory else None
     cap = math.floor(problem.mem_cap_bytes / qm + 1e-9)
     for r in range(p):
-        static = sum(mem(problem.state_bytes[i]) * b[i, k] for k in range(r, S, p) for i in on(k))
         for live, busy in problem.memory_patterns[r]:
-            used = static + sum(n * keep[k] for k, n in live) + (transient[busy] if busy >= 0 else 0)
+            used = static[r] + sum(n * keep[k] for k, n in live) + (transient[busy] if busy >= 0 else 0)
             model.add((peak if minimize_memory else cap) >= used)
 
     cut_cost = sum(t(problem.cut_s[i]) * cut[i] for i in range(L - 1))
     redo_cost = sum(t(problem.redo_s[i]) * var for (i, _), var in z.items())
-    constant = sum(t(problem.fwd_s[i]) + t(problem.bwd_s[i]) for i in range(L))
-    objective = (v * m - 1) * slowest + constant + redo_cost + cut_cost + v * tail
-    model.minimize(peak if minimize_memory else objective)
+    objective = (v * m - 1) * slowest + plain_work + redo_cost + cut_cost + v * tail
+    # Among equally fast plans, the one with the fewest recomputed layers (worth < 1 time quantum).
+    tie = L + 1
+    model.minimize(peak if minimize_memory else tie * objective + sum(recomputed.values()))
 
     if hint is not None:
         # Every variable gets a value, so that CP-SAT can take the hint as its first solution.
@@ -307,24 +347,32 @@ def solve(
             model.add_hint(var, int(stage_of[i] == k))
         for (i, k), var in z.items():
             model.add_hint(var, int(stage_of[i] == k and flags[i]))
+        for i, var in recomputed.items():
+            model.add_hint(var, int(flags[i]))
         for i in range(L):
             model.add_hint(st[i], stage_of[i])
         for i in range(L - 1):
             model.add_hint(cut[i], stage_of[i + 1] - stage_of[i])
-        bwd_of = [0] * S
-        work_of, reduce_of = [0] * p, [0] * p
-        trans_of = [0] * S
+        f_of, b_of, a_of, tr_of = [0] * S, [0] * S, [0] * S, [0] * S
+        m_of, reduce_of = [0] * p, [0] * p
         for i, k in enumerate(stage_of):
-            extra = t(problem.redo_s[i]) if flags[i] else 0
-            bwd_of[k] += t(problem.bwd_s[i]) + extra
-            work_of[k % p] += t(problem.fwd_s[i]) + t(problem.bwd_s[i]) + extra
+            f_of[k] += t(problem.fwd_s[i])
+            b_of[k] += t(problem.bwd_s[i]) + (t(problem.redo_s[i]) if flags[i] else 0)
+            a_of[k] += mem(problem.act_bytes_recompute[i]) if flags[i] else mem(problem.act_bytes[i])
+            m_of[k % p] += mem(problem.state_bytes[i])
             reduce_of[k % p] += t(problem.reduce_s[i])
             if flags[i]:
-                trans_of[k] = max(trans_of[k], mem(problem.transient_bytes[i]))
-        model.add_hint(slowest, max(work_of))
-        model.add_hint(tail, max(0, *(reduce_of[r] - sum(bwd_of[: r + 1]) for r in range(p))))
+                tr_of[k] = max(tr_of[k], mem(problem.transient_bytes[i]))
         for k in range(S):
-            model.add_hint(transient[k], trans_of[k])
+            model.add_hint(fwd[k], f_of[k])
+            model.add_hint(bwd[k], b_of[k])
+            model.add_hint(keep[k], a_of[k])
+            model.add_hint(transient[k], tr_of[k])
+        for r in range(p):
+            model.add_hint(static[r], m_of[r])
+        work_of = [sum(f_of[k] + b_of[k] for k in range(r, S, p)) for r in range(p)]
+        model.add_hint(slowest, max(max(work_of), -(-plain_work // p)))
+        model.add_hint(tail, max(0, *(reduce_of[r] - sum(b_of[: r + 1]) for r in range(p))))
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
@@ -343,7 +391,7 @@ def solve(
                 evaluation=start_plan,
                 status="UNKNOWN (warm start returned)",
                 objective_s=start_plan.step_s,
-                bound_s=min(solver.best_objective_bound * qt / v, start_plan.step_s),
+                bound_s=min(solver.best_objective_bound * qt / v / tie, start_plan.step_s),
                 wall_s=wall,
                 timed_out=True,
             )
@@ -353,14 +401,14 @@ def solve(
     flags = tuple(
         any(solver.value(z[i, k]) for k in range(lo[i], hi[i] + 1) if (i, k) in z) for i in range(L)
     )
-    scale = qm if minimize_memory else qt / v
+    scale = qm if minimize_memory else qt / v / tie
     return Solution(
         stage_of=stage_of,
         recompute=flags,
         evaluation=evaluate(problem, stage_of, flags),
         status=name,
-        objective_s=solver.objective_value * scale,
-        bound_s=solver.best_objective_bound * scale,
+        objective_s=_whole(solver.objective_value, 1 if minimize_memory else tie) * scale,
+        bound_s=_whole(solver.best_objective_bound, 1 if minimize_memory else tie) * scale,
         wall_s=wall,
         timed_out=status == cp_model.FEASIBLE,  # stopped by the limit, not by proving optimality
     )

@@ -1,0 +1,50 @@
+import dataclasses
+
+import pytest
+
+from vlmcompile.cluster import Cluster
+from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.errors import PlanError
+from vlmcompile.passes.plan_search import Degrees, candidates, plan_search
+
+
+def test_candidates_respect_the_cluster_and_the_batch(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    for d in candidates(demo_graph, cluster, global_batch=16):
+        assert d.tp * d.pp * d.dp == 8
+        assert d.dp * d.microbatch_size * d.num_microbatches == 16
+        assert d.v == 1 or (d.num_microbatches % d.pp == 0 and d.pp > 1)
+
+
+def test_search_returns_the_fastest_planned_candidate_and_reports_every_one(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    plan, report = plan_search(demo_graph, cluster, global_batch=16, progress=False, time_limit_s=2)
+    outcomes = [c.outcome for c in report.candidates]
+    assert outcomes.count("chosen") == 1
+    assert len(report.candidates) == len(candidates(demo_graph, cluster, global_batch=16))
+    chosen = next(c for c in report.candidates if c.outcome == "chosen")
+    planned = [c for c in report.candidates if c.outcome == "planned" and c.peak_bytes <= usable_memory_bytes(cluster.device.mem_bytes)]
+    assert all(chosen.step_s <= c.step_s for c in planned)
+    assert all(c.reason for c in report.candidates)
+    par = plan.parallel["model"]
+    assert (par.tp, par.pp, par.dp, par.v) == (chosen.degrees.tp, chosen.degrees.pp, chosen.degrees.dp, chosen.degrees.v)
+    # A pruned candidate's lower bound really is no better than the best found.
+    for c in report.candidates:
+        if c.outcome == "pruned" and "lower bound" in c.reason:
+            assert c.lower_bound_s >= chosen.step_s * (1 - 1e-9)
+
+
+def test_included_degrees_are_considered(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    extra = Degrees(tp=1, pp=2, dp=4, v=1, microbatch_size=1, num_microbatches=4)
+    _, report = plan_search(
+        demo_graph, cluster, global_batch=16, include=[extra], microbatch_sizes=(2,), progress=False
+    )
+    assert extra in {c.degrees for c in report.candidates}
+
+
+def test_no_candidate_fits_says_what_is_needed(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    tiny = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, mem_bytes=2**20))
+    with pytest.raises(PlanError, match="no parallel plan fits .* least model states"):
+        plan_search(demo_graph, tiny, global_batch=16, progress=False)
