@@ -36,7 +36,7 @@ from vlmcompile.passes.megatron import (
     num_microbatches,
     parallel_for,
 )
-from vlmcompile.passes.partition import partition_problem
+from vlmcompile.passes.partition import chunks_from, partition_problem
 
 from vlmcompile.cluster import Cluster
 from vlmcompile.errors import PlanError
@@ -194,20 +194,18 @@ def omnibal(
             continue
         result = None
         while True:  # the "training test": add a layer on any rank the simulator finds over
-            result = _plan(
+            recompute = {n: Recompute.FULL for n, f in zip(problem.names, flags) if f}
+            result = build_plan(
                 layer_graph,
                 cluster,
-                problem,
-                stage_of,
-                flags,
-                parallel,
-                microbatch_size,
-                global_batch,
-                name,
-                anchor,
-                len(candidates),
-                cuts,
-                metric(cuts),
+                policy="omnibal",
+                chunks=chunks_from(problem, stage_of),
+                parallel=parallel,
+                microbatch_size=microbatch_size,
+                global_batch=global_batch,
+                schedule=name,
+                recompute=recompute,
+                decisions=_decisions(layer_graph, anchor, len(candidates), cuts, metric(cuts), recompute),
             )
             sim = simulate(result.plan, layer_graph, cluster)
             over = [r for r, x in enumerate(sim.peak_mem_bytes) if x > problem.mem_cap_bytes]
@@ -232,30 +230,12 @@ def omnibal(
     return BaselineResult(plan, OmniBalReport(plan, anchor, len(candidates), tuple(evaluated)))
 
 
-def _plan(
-    layer_graph,
-    cluster,
-    problem,
-    stage_of,
-    flags,
-    parallel,
-    microbatch_size,
-    global_batch,
-    schedule,
-    anchor,
-    num_candidates,
-    cuts,
-    metric,
-) -> BaselineResult:
-    chunks: list[list[str]] = [[] for _ in range(problem.num_stages)]
-    for name, k in zip(problem.names, stage_of):
-        chunks[k].append(name)
-    recompute = {n: Recompute.FULL for n, f in zip(problem.names, flags) if f}
-    regions = {}
+def _decisions(layer_graph, anchor, num_candidates, cuts, metric, recompute) -> list[Decision]:
+    regions: dict[str, int] = {}
     for n in recompute:
         region = str(layer_graph[n].region)
         regions[region] = regions.get(region, 0) + 1
-    decisions = [
+    return [
         Decision(
             "stage cuts",
             Reason.GREEDY_ANCHOR,
@@ -271,19 +251,7 @@ def _plan(
         Decision(
             "recompute",
             Reason.ADAPTIVE_RECOMPUTE,
-            f"{len(recompute)} layers recomputed ({', '.join(f'{k} {v}' for k, v in regions.items()) or 'none'}): the "
-            "fewest per rank that fit, largest saving first",
+            f"{len(recompute)} layers recomputed ({', '.join(f'{k} {v}' for k, v in regions.items()) or 'none'}): "
+            "the fewest per rank that fit, largest saving first",
         ),
     ]
-    return build_plan(
-        layer_graph,
-        cluster,
-        policy="omnibal",
-        chunks=chunks,
-        parallel=parallel,
-        microbatch_size=microbatch_size,
-        global_batch=global_batch,
-        schedule=schedule,
-        recompute=recompute,
-        decisions=decisions,
-    )

@@ -297,6 +297,14 @@ def partition(
     return BaselineResult(plan, report)
 
 
+def chunks_from(problem: PartitionProblem, stage_of) -> list[list[str]]:
+    """Layer names per stage, in order, from each layer's stage index."""
+    chunks: list[list[str]] = [[] for _ in range(problem.num_stages)]
+    for name, k in zip(problem.names, stage_of):
+        chunks[k].append(name)
+    return chunks
+
+
 def _hint(problem: PartitionProblem, layer_graph: LayerGraph, warm_start: Plan | None):
     if warm_start is not None:
         where = warm_start.stage_of()
@@ -317,9 +325,7 @@ def _plan_from(
     layer_graph, cluster, problem, solution, options, *, chunks=None, recompute=None, note=None
 ) -> BaselineResult:
     if chunks is None:
-        chunks = [[] for _ in range(problem.num_stages)]
-        for name, k in zip(problem.names, solution.stage_of):
-            chunks[k].append(name)
+        chunks = chunks_from(problem, solution.stage_of)
         recompute = {n: Recompute.FULL for n, f in zip(problem.names, solution.recompute) if f}
     flags = [recompute.get(n, Recompute.NONE) is not Recompute.NONE for n in problem.names]
     decisions = [
