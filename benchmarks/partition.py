@@ -33,6 +33,7 @@ from vlmcompile.passes.partition import partition
 from vlmcompile.passes.plan_search import Degrees
 
 from vlmcompile.cluster import Cluster
+from vlmcompile.errors import ClusterError, PlanError
 from vlmcompile.planning import compare_baselines, plan_and_simulate, search_and_compare, zoo_layer_graph
 from vlmcompile.setups import SETUPS
 
@@ -106,7 +107,10 @@ def setup_rows(name: str, graphs: dict) -> list[dict]:
     for policy, v in (("megatron", 1), ("megatron_balanced", setup.v_balanced), ("omnibal", 1)):
         try:
             row(policy, plan_and_simulate(graph, cluster, policy, v=v, **base))
-        except Exception as err:  # a baseline that cannot plan these degrees gets a row saying why
+        except (
+            PlanError,
+            ClusterError,
+        ) as err:  # a baseline that cannot plan these degrees: a row saying why
             rows.append({"setup": name, "policy": policy, "step_time_s": None, "note": str(err)[:120]})
             print(f"  {policy}: {err}", file=sys.stderr)
     ours = []

@@ -173,7 +173,8 @@ def plan_search(
             f"{list(microbatch_sizes)}; use a global batch that is a multiple of the GPU count"
         )
     cap = usable_memory_bytes(cluster.device.mem_bytes)
-    bounds = {d: _bounds(layer_graph, cluster, d) for d in todo}
+    costs_cache: dict = {}
+    bounds = {d: _bounds(layer_graph, cluster, d, costs_cache) for d in todo}
     todo.sort(key=lambda d: bounds[d][0])
     rows: list[CandidateRow] = []
     best: tuple[float, Plan, SimResult, Degrees] | None = None
@@ -236,28 +237,22 @@ def plan_search(
     return best[1], report
 
 
-def _bounds(layer_graph: LayerGraph, cluster: Cluster, d: Degrees) -> tuple[float, float]:
-    """(step-time lower bound, model states per rank if split evenly over the PP ranks)."""
+def _bounds(layer_graph: LayerGraph, cluster: Cluster, d: Degrees, cache: dict) -> tuple[float, float]:
+    """(step-time lower bound, model states per rank if split evenly over the PP ranks); layer
+    costs depend on TP, DP and the microbatch only, so ``cache`` holds them per that key."""
     par = Parallel(dp=d.dp, tp=d.tp, pp=d.pp, v=d.v)
+    key = (d.tp, d.dp, d.microbatch_size)
     try:
-        costs = _cached_costs(layer_graph, cluster, par, d.microbatch_size)
+        if key not in cache:
+            cache[key] = layer_costs(layer_graph, cluster, par, microbatch_size=d.microbatch_size)
     except ClusterError:
         return float("inf"), float("inf")
+    costs = cache[key]
     work = sum(c.fwd_s + c.fwd_tp_comm_s + c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s for c in costs)
     states = sum(
         model_state_bytes(c.num_params, Training(), dp=d.dp, zero_stage=par.zero_stage).total for c in costs
     )
     return d.num_microbatches * work / d.pp, states / d.pp
-
-
-_COSTS: dict = {}
-
-
-def _cached_costs(layer_graph, cluster, par, microbatch_size):
-    key = (id(layer_graph), cluster.name, par.tp, par.dp, microbatch_size)
-    if key not in _COSTS:
-        _COSTS[key] = layer_costs(layer_graph, cluster, par, microbatch_size=microbatch_size)
-    return _COSTS[key]
 
 
 def _progress(total: int, enabled: bool):

@@ -83,7 +83,17 @@ def test_vlmcompile_policy_prints_the_comparison_with_every_baseline(tmp_path, c
 def test_omnibal_policy_and_search(capsys):
     assert main([*ARGS, "--policy", "omnibal"]) == 0
     assert "anchor cuts" in capsys.readouterr().out
-    search = ["plan", "--model", "demo", "--cluster", "h100x8", "--global-batch", "16", "--policy", "vlmcompile"]
+    search = [
+        "plan",
+        "--model",
+        "demo",
+        "--cluster",
+        "h100x8",
+        "--global-batch",
+        "16",
+        "--policy",
+        "vlmcompile",
+    ]
     assert main([*search, "--search"]) == 0
     assert "plan search on h100x8" in capsys.readouterr().out
 

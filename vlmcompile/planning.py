@@ -180,8 +180,9 @@ def compare_baselines(
 ) -> tuple[list[PlannedRun], tuple[PolicyRow, ...]]:
     """Every baseline at the same degrees; a policy that cannot plan them gets a row saying why."""
     runs, rows = [], []
+    # The solver's own options mean nothing to the baselines.
+    allowed = {k: v for k, v in options.items() if k not in ("time_limit_s", "workers", "warm_start")}
     for policy in BASELINES:
-        allowed = {k: v for k, v in options.items() if k not in ("time_limit_s", "workers", "warm_start")}
         try:
             run = plan_and_simulate(layer_graph, cluster, policy, **allowed)
         except PlanError as err:

@@ -3,11 +3,11 @@ import itertools
 
 import numpy as np
 import pytest
-
-from vlmcompile.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.passes.omnibal import adaptive_recompute, anchor_counts, jittered, omnibal
 from vlmcompile.passes.partition import partition_problem
+
+from vlmcompile.cluster import Cluster
 from vlmcompile.plan import Parallel, Reason
 from vlmcompile.stage_cuts import evaluate
 

@@ -1,11 +1,11 @@
 import dataclasses
 
 import pytest
+from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.passes.plan_search import Degrees, candidates, plan_search
 
 from vlmcompile.cluster import Cluster
-from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.errors import PlanError
-from vlmcompile.passes.plan_search import Degrees, candidates, plan_search
 
 
 def test_candidates_respect_the_cluster_and_the_batch(demo_graph):
@@ -23,11 +23,20 @@ def test_search_returns_the_fastest_planned_candidate_and_reports_every_one(demo
     assert outcomes.count("chosen") == 1
     assert len(report.candidates) == len(candidates(demo_graph, cluster, global_batch=16))
     chosen = next(c for c in report.candidates if c.outcome == "chosen")
-    planned = [c for c in report.candidates if c.outcome == "planned" and c.peak_bytes <= usable_memory_bytes(cluster.device.mem_bytes)]
+    planned = [
+        c
+        for c in report.candidates
+        if c.outcome == "planned" and c.peak_bytes <= usable_memory_bytes(cluster.device.mem_bytes)
+    ]
     assert all(chosen.step_s <= c.step_s for c in planned)
     assert all(c.reason for c in report.candidates)
     par = plan.parallel["model"]
-    assert (par.tp, par.pp, par.dp, par.v) == (chosen.degrees.tp, chosen.degrees.pp, chosen.degrees.dp, chosen.degrees.v)
+    assert (par.tp, par.pp, par.dp, par.v) == (
+        chosen.degrees.tp,
+        chosen.degrees.pp,
+        chosen.degrees.dp,
+        chosen.degrees.v,
+    )
     # A pruned candidate's lower bound really is no better than the best found.
     for c in report.candidates:
         if c.outcome == "pruned" and "lower bound" in c.reason:
