@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -32,6 +32,7 @@ from vlmcompile.regions import Region
 if TYPE_CHECKING:
     from vlmcompile.plan import Plan
     from vlmcompile.planning import PlannedRun
+    from vlmcompile.runtime import PipelineRunner
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,7 +100,8 @@ class CompileReport:
 
 @dataclass(frozen=True, slots=True)
 class CompiledPipeline:
-    """What ``compile`` returns: the captured graph, its LayerGraph and every pass's report."""
+    """What ``compile`` returns: the captured graph, its LayerGraph and every pass's report;
+    ``step``/``launch``/``runner`` run a plan on torch.distributed."""
 
     gm: fx.GraphModule
     layer_graph: LayerGraph
@@ -108,10 +110,62 @@ class CompiledPipeline:
     planned: PlannedRun | None = None
     """The plan chosen by the plan search and partition passes, simulated, with every baseline
     at the same degrees (None without a cluster)."""
+    model: nn.Module | None = None
+    sample_batch: Mapping[str, Any] = field(default_factory=dict)
+    _runners: dict = field(default_factory=dict, repr=False)
 
     @property
     def plan(self) -> Plan | None:
         return self.planned.plan if self.planned else None
+
+    def runner(self, plan: Plan | None = None, *, timeout_s: float = 60.0) -> PipelineRunner:
+        """This pipeline's stage modules for ``plan`` (default: ``self.plan``), ready to run on
+        every rank (see :mod:`vlmcompile.runtime`)."""
+        from vlmcompile.runtime import make_runner
+
+        plan = plan or self.plan
+        if plan is None:
+            raise ValueError("no plan: compile with a cluster (e.g. cluster='cpu:2'), or pass plan=...")
+        return make_runner(self, plan, timeout_s=timeout_s)
+
+    def step(self, batch: Mapping[str, Any]) -> Any:
+        """One training step of ``self.plan`` on this rank (under torchrun, every rank calls it
+        with the same global batch); returns the loss. Gradients land in the ``.grad`` of
+        ``self.parameters()``."""
+        if "default" not in self._runners:
+            self._runners["default"] = self.runner()
+        return self._runners["default"].step(batch)
+
+    def parameters(self) -> list:
+        """This rank's parameters under ``self.plan`` (give them to the optimizer)."""
+        if "default" not in self._runners:
+            self._runners["default"] = self.runner()
+        return self._runners["default"].parameters()
+
+    def launch(
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        nprocs: int | None = None,
+        args: Sequence[Any] = (),
+        plan: Plan | None = None,
+        timeout_s: float = 60.0,
+    ) -> list[Any]:
+        """Start the plan's ranks on this machine and run ``fn(runner, *args)`` on each (default:
+        one training step on the sample batch, returning the loss); results in rank order."""
+        from vlmcompile.launch import launch
+        from vlmcompile.runtime import one_step
+
+        runner = self.runner(plan, timeout_s=timeout_s)
+        world = runner.topology.world_size
+        if nprocs is not None and nprocs != world:
+            raise ValueError(
+                f"the plan runs on {world} ranks (PP={runner.topology.pp} x DP={runner.topology.dp}); "
+                f"nprocs={nprocs} - launch {world} or compile for cluster='cpu:{nprocs}'"
+            )
+        if fn is None:
+            fn, args = one_step, (dict(self.sample_batch),)
+        return launch(fn, runner, world, args=args, timeout_s=timeout_s)
 
     def baseline(self, policy: str = "megatron", **options: Any) -> PlannedRun:
         """Plan with one policy (``megatron``, ``megatron_balanced``, ``omnibal`` or ``vlmcompile``)
@@ -184,4 +238,6 @@ def compile(
         report=CompileReport(dict(state.reports), run),
         cluster=cluster,
         planned=state.planned,
+        model=model,
+        sample_batch=dict(sample_batch),
     )

@@ -1,0 +1,453 @@
+"""The distributed runtime: one rank's share of a plan, executed on torch.distributed.
+
+:class:`PipelineRunner` holds the stage modules codegen made and runs its rank's action list
+(``2F0``, ``2B0``, ...) in order; stage-to-stage values travel by point-to-point send/recv,
+gradients of the stages a data-parallel group replicates are summed over that group, and
+parameters tied across pipeline ranks (an LLM's embedding and output layer) are summed over
+the ranks that hold them, as Megatron-LM does. gloo on CPU, NCCL on GPU.
+
+Why an executor of our own and not torch.distributed.pipelining's action-list runtime
+(``_PipelineScheduleRuntime``): the plans run the same either way, but a dead or hung rank must
+make every other rank exit within the timeout *naming the rank it lost*. We post every receive
+ourselves, so each wait has a deadline and knows which peer and which action it waits for;
+behind the private runtime a lost peer surfaces as a bare gloo error. Owning the loop also
+lets the runtime weight microbatch losses by their label tokens (below) and hand every action
+to an ``on_action`` hook (progress, tracing, fault-injection tests).
+
+Loss: each microbatch's loss is weighted by its share of the global batch's label tokens
+(``labels[..., 1:] != -100``, the convention of transformers and the zoo), or equally without
+``labels``, so the loss and gradients equal eager training on the whole batch whenever the
+model's loss is a mean over label tokens. Gradients accumulate into ``.grad`` as eager
+``loss.backward()`` does; the caller zeroes them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vlmcompile.actions import Action, ActionKind
+from vlmcompile.errors import PlanError, VlmCompileError
+from vlmcompile.passes.codegen import StageModule
+
+IGNORE_INDEX = -100
+
+
+class RankLostError(VlmCompileError, RuntimeError):
+    """A peer rank died, hung or failed while this rank waited for it."""
+
+
+class BatchError(VlmCompileError, ValueError):
+    """A training batch does not match the shapes the pipeline was compiled for."""
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Global ranks in Megatron-LM's order without TP: rank = dp_rank + dp * pp_rank."""
+
+    pp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def rank(self, pp_rank: int, dp_rank: int) -> int:
+        return dp_rank + self.dp * pp_rank
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(pp_rank, dp_rank)."""
+        return divmod(rank, self.dp)
+
+
+def topology_of(plan) -> Topology:
+    groups = set(plan.parallel.values())
+    if len(groups) != 1:
+        raise PlanError("the runtime runs plans with one parallel group for the whole model")
+    par = next(iter(groups))
+    if par.tp != 1:
+        raise PlanError(f"the runtime has no tensor parallelism yet; this plan has TP={par.tp} (plan with tp=1)")
+    if any(a.kind in (ActionKind.I, ActionKind.W) for acts in plan.actions for a in acts):
+        raise PlanError(
+            "the runtime runs full backward actions (B); this plan splits backwards into I and W "
+            "(zero_bubble) - plan with 1f1b or interleaved_1f1b"
+        )
+    return Topology(pp=par.pp, dp=par.dp)
+
+
+def label_weights(batch: Mapping[str, Any], num_parts: int) -> list[float]:
+    """Each of ``num_parts`` equal row-slices' share of the label tokens (equal shares without labels)."""
+    labels = batch.get("labels")
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        return [1.0 / num_parts] * num_parts
+    counts = [int((part[..., 1:] != IGNORE_INDEX).sum()) for part in labels.chunk(num_parts)]
+    total = sum(counts)
+    if total == 0:
+        return [1.0 / num_parts] * num_parts
+    return [c / total for c in counts]
+
+
+def _rows(batch: Mapping[str, Any], start: int, size: int) -> dict[str, Any]:
+    return {k: v[start : start + size] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+_HEADER = 1000
+"""Tag offset of the shape header a stage sends before its first activations."""
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+]
+
+
+class PipelineRunner:
+    """One rank's part of a compiled pipeline. Build it on every rank (``CompiledPipeline.runner``)
+    after ``torch.distributed`` is initialised, or let ``CompiledPipeline.launch`` do both."""
+
+    def __init__(
+        self,
+        plan,
+        stages: tuple[StageModule, ...],
+        *,
+        batch_shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        timeout_s: float = 60.0,
+    ):
+        self.plan = plan
+        self.topology = topology_of(plan)
+        self.stages_all = stages
+        self.batch_shapes = dict(batch_shapes)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.on_action: Callable[[int, Action], None] | None = None
+        self._ready = False
+
+    # ---- set-up --------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Pick this rank's stages and make the process groups (every rank must call it)."""
+        if self._ready:
+            return
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: start the ranks with torchrun, or use "
+                "CompiledPipeline.launch(nprocs=N) to start N local ranks"
+            )
+        world = dist.get_world_size()
+        if world != self.topology.world_size:
+            raise PlanError(
+                f"the plan runs on {self.topology.world_size} ranks (PP={self.topology.pp} x DP={self.topology.dp}), "
+                f"but torch.distributed has {world}; start {self.topology.world_size} ranks or plan for {world}"
+            )
+        self.rank = dist.get_rank()
+        self.pp_rank, self.dp_rank = self.topology.coords(self.rank)
+        self.rank_of_stage = {s.index: s.rank for s in self.plan.stages}
+        self.stages = {s.index: self.stages_all[s.index] for s in self.plan.stages if s.rank == self.pp_rank}
+        self.actions = self.plan.actions[self.pp_rank]
+        t = self.topology
+        self.dp_group = None
+        for pp_rank in range(t.pp):  # every rank creates every group, in the same order
+            ranks = [t.rank(pp_rank, d) for d in range(t.dp)]
+            group = dist.new_group(ranks, timeout=self.timeout) if t.dp > 1 else None
+            if pp_rank == self.pp_rank:
+                self.dp_group = group
+        self.tied = self._tied_groups()
+        self._meta: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        self._ready = True
+
+    def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
+        """Parameters shared by stages on different pipeline ranks: one group per set of ranks."""
+        holders: dict[int, set[int]] = {}
+        by_id: dict[int, dict[int, torch.nn.Parameter]] = {}
+        for s in self.plan.stages:
+            for p in self.stages_all[s.index].parameters():
+                holders.setdefault(id(p), set()).add(s.rank)
+                by_id.setdefault(id(p), {})[s.rank] = p
+        out = []
+        t = self.topology
+        sets = sorted({tuple(sorted(r)) for r in holders.values() if len(r) > 1})
+        for pp_ranks in sets:
+            for d in range(t.dp):
+                ranks = [t.rank(r, d) for r in pp_ranks]
+                group = dist.new_group(ranks, timeout=self.timeout)
+                if self.pp_rank in pp_ranks and d == self.dp_rank:
+                    params = [
+                        by_id[i][self.pp_rank] for i, r in holders.items() if tuple(sorted(r)) == pp_ranks
+                    ]
+                    out.append((group, params))
+        return out
+
+    # ---- what the user's optimizer sees ----------------------------------------------------
+    def parameters(self) -> list[torch.nn.Parameter]:
+        self.setup()
+        seen, out = set(), []
+        for stage in self.stages.values():
+            for p in stage.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's parameters under the original model's names."""
+        self.setup()
+        out = {}
+        for stage in self.stages.values():
+            own = dict(stage.named_parameters())
+            for name, orig in stage.original_names().items():
+                if name in own:
+                    out[orig] = own[name]
+        return out
+
+    # ---- one training step -----------------------------------------------------------------
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        for key, (shape, dtype) in self.batch_shapes.items():
+            if key not in batch:
+                raise BatchError(f"the batch lacks {key!r}; the pipeline was compiled for {sorted(self.batch_shapes)}")
+            value = batch[key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
+                got = f"{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise BatchError(
+                    f"batch[{key!r}] is {got}; the pipeline expects {list(shape)} {dtype} (global batch "
+                    f"{self.topology.dp * self.plan.num_microbatches * self.plan.microbatch_size} = DP x "
+                    "microbatches x microbatch size; other dims as in the compiled sample batch)"
+                )
+        extra = sorted(set(batch) - set(self.batch_shapes))
+        if extra:
+            raise BatchError(f"the batch has keys {extra} the compiled sample batch did not have")
+
+    def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Run this rank's actions on ``batch`` (the global batch; every rank gets the same one)
+        and return the global loss (the same on every rank)."""
+        self.setup()
+        self.check_batch(batch)
+        plan, t = self.plan, self.topology
+        m, mbs = plan.num_microbatches, plan.microbatch_size
+        shard_rows = m * mbs
+        weights = label_weights(batch, t.dp * m)
+        shard = _rows(batch, self.dp_rank * shard_rows, shard_rows)
+        micro = [_rows(shard, i * mbs, mbs) for i in range(m)]
+        params = self.parameters()
+        stash = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+
+        saved: dict[tuple[int, int], tuple[tuple, Any]] = {}
+        local_fwd: dict[tuple[int, int], tuple] = {}
+        local_bwd: dict[tuple[int, int], tuple] = {}
+        sends: list[tuple[Any, str]] = []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        last = plan.num_stages - 1
+        for action in self.actions:
+            if self.on_action is not None:
+                self.on_action(self.rank, action)
+            s, i = action.stage, action.microbatch
+            stage = self.stages[s]
+            if action.kind is ActionKind.F:
+                if s == 0:
+                    received: tuple = ()
+                elif self.rank_of_stage[s - 1] == self.pp_rank:
+                    received = local_fwd.pop((s, i))
+                else:
+                    received = self._recv_activations(s, i)
+                leaves = tuple(
+                    x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                    for x in received
+                )
+                out = stage(leaves, micro[i])
+                if s == last:
+                    scaled = out * weights[self.dp_rank * m + i]
+                    loss_sum += scaled.detach().double()
+                    saved[(s, i)] = (leaves, scaled)
+                    continue
+                saved[(s, i)] = (leaves, out)
+                if self.rank_of_stage[s + 1] == self.pp_rank:
+                    local_fwd[(s + 1, i)] = out
+                else:
+                    sends += self._send_activations(s, i, out)
+            elif action.kind is ActionKind.B:
+                leaves, out = saved.pop((s, i))
+                if s == last:
+                    out.backward()
+                else:
+                    if self.rank_of_stage[s + 1] == self.pp_rank:
+                        grads = local_bwd.pop((s, i))
+                    else:
+                        grads = self._recv_grads(s, i, out)
+                    pairs = [(o, g) for o, g in zip(_floats(out), grads) if o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if s > 0:
+                    input_grads = tuple(
+                        x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(leaves)
+                    )
+                    if self.rank_of_stage[s - 1] == self.pp_rank:
+                        local_bwd[(s - 1, i)] = input_grads
+                    else:
+                        sends += self._send(input_grads, self.rank_of_stage[s - 1], s, "B", i, f"{action}'s input gradients")
+            else:  # topology_of rejects I/W plans
+                raise AssertionError(action)
+        for work, what in sends:
+            self._wait(work, what)
+        self._reduce_gradients(params)
+        for p, old in zip(params, stash):
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad + old
+        loss = loss_sum.clone()
+        self._collective(lambda: dist.all_reduce(loss, async_op=True), "the loss all-reduce")
+        return loss.float()
+
+    # ---- communication ---------------------------------------------------------------------
+    def _peer(self, pp_rank: int) -> int:
+        return self.topology.rank(pp_rank, self.dp_rank)
+
+    def _tag(self, stage: int, kind: str, microbatch: int, k: int) -> int:
+        return ((stage * 2 + (kind == "B")) * self.plan.num_microbatches + microbatch) * 1024 + k
+
+    def _send(self, tensors, pp_rank: int, stage: int, kind: str, microbatch: int, what: str, first: int = 0) -> list:
+        peer = self._peer(pp_rank)
+        return [
+            (
+                dist.isend(x.detach().contiguous(), peer, tag=self._tag(stage, kind, microbatch, first + k)),
+                f"{what} to rank {peer}",
+            )
+            for k, x in enumerate(tensors)
+        ]
+
+    def _send_activations(self, s: int, i: int, out: tuple) -> list:
+        for k, x in enumerate(out):
+            if not isinstance(x, torch.Tensor):
+                raise PlanError(
+                    f"stage {s} would send {self.stages[s].send[k]!r}, a {type(x).__name__}, to the next rank; "
+                    "only tensors cross ranks - cut the pipeline elsewhere"
+                )
+        works = []
+        peer_pp = self.rank_of_stage[s + 1]
+        if s not in self._meta:
+            self._meta[s] = [(tuple(x.shape), x.dtype) for x in out]
+            header = torch.tensor(
+                [len(out)] + [v for x in out for v in (_DTYPES.index(x.dtype), x.dim(), *x.shape)], dtype=torch.int64
+            )
+            size = torch.tensor([header.numel()], dtype=torch.int64)
+            works += self._send((size, header), peer_pp, s, "F", i, f"stage {s}'s activation shapes", _HEADER)
+        return works + self._send(out, peer_pp, s, "F", i, f"{Action(s, ActionKind.F, i)}'s activations")
+
+    def _recv(self, buffers, pp_rank: int, stage: int, kind: str, microbatch: int, what: str, first: int = 0) -> None:
+        peer = self._peer(pp_rank)
+        for k, buf in enumerate(buffers):
+            work = dist.irecv(buf, peer, tag=self._tag(stage, kind, microbatch, first + k))
+            self._wait(work, f"{what} from rank {peer}")
+
+    def _recv_activations(self, s: int, i: int) -> tuple:
+        prev = s - 1
+        if prev not in self._meta:
+            size = torch.zeros(1, dtype=torch.int64)
+            what = f"stage {prev}'s activation shapes"
+            self._recv((size,), self.rank_of_stage[prev], prev, "F", i, what, _HEADER)
+            header = torch.zeros(int(size), dtype=torch.int64)
+            self._recv((header,), self.rank_of_stage[prev], prev, "F", i, what, _HEADER + 1)
+            values = header.tolist()
+            meta, pos = [], 1
+            for _ in range(values[0]):
+                dtype, ndim = _DTYPES[values[pos]], values[pos + 1]
+                meta.append((tuple(values[pos + 2 : pos + 2 + ndim]), dtype))
+                pos += 2 + ndim
+            self._meta[prev] = meta
+        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in self._meta[prev]]
+        self._recv(buffers, self.rank_of_stage[prev], prev, "F", i, f"{Action(prev, ActionKind.F, i)}'s activations")
+        return tuple(buffers)
+
+    def _recv_grads(self, s: int, i: int, out: tuple) -> tuple:
+        buffers = [torch.empty(o.shape, dtype=o.dtype) for o in _floats(out)]
+        self._recv(
+            buffers, self.rank_of_stage[s + 1], s + 1, "B", i, f"{Action(s + 1, ActionKind.B, i)}'s input gradients"
+        )
+        return tuple(buffers)
+
+    def _wait(self, work, what: str) -> None:
+        start = time.monotonic()
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as err:
+            waited = time.monotonic() - start
+            cause = "timed out" if waited >= 0.9 * self.timeout_s else "the connection failed"
+            raise RankLostError(
+                f"rank {self.rank}: {cause} after {waited:.1f} s waiting for {what}; that rank died, hung or "
+                f"failed (see its own error). gloo said: {str(err).splitlines()[0][:200]}"
+            ) from None
+
+    def _collective(self, start: Callable[[], Any], what: str) -> None:
+        self._wait(start(), what)
+
+    def _reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        for group, tied in self.tied:
+            for p in tied:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._collective(
+                    lambda p=p, group=group: dist.all_reduce(p.grad, group=group, async_op=True),
+                    "the tied-parameter gradient all-reduce",
+                )
+        if self.dp_group is None:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._collective(
+            lambda: dist.all_reduce(flat, group=self.dp_group, async_op=True), "the data-parallel gradient all-reduce"
+        )
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _floats(values) -> list[torch.Tensor]:
+    return [x for x in values if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+def make_runner(pipe, plan, *, timeout_s: float = 60.0) -> PipelineRunner:
+    """Codegen ``pipe``'s captured graph for ``plan`` and wrap it in a runner."""
+    from vlmcompile.passes.capture import capture
+    from vlmcompile.passes.codegen import codegen
+
+    topology = topology_of(plan)
+    global_batch = topology.dp * plan.num_microbatches * plan.microbatch_size
+    tensors = {k: v for k, v in pipe.sample_batch.items() if isinstance(v, torch.Tensor)}
+    shapes = {k: ((global_batch, *v.shape[1:]), v.dtype) for k, v in tensors.items()}
+    gm = pipe.gm
+    captured = pipe.report.passes.get("capture")
+    sample_rows = next(iter(tensors.values())).shape[0] if tensors else 0
+    if getattr(captured, "method", "fx") == "export" and sample_rows != plan.microbatch_size:
+        # export specialises shapes: capture again at one microbatch's rows.
+        if pipe.model is None or sample_rows < plan.microbatch_size:
+            raise PlanError(
+                f"the graph was exported for batches of {sample_rows}; the plan's microbatches hold "
+                f"{plan.microbatch_size}. Compile with a sample batch of {plan.microbatch_size} rows"
+            )
+        gm = capture(pipe.model, _rows(pipe.sample_batch, 0, plan.microbatch_size)).gm
+    stages = codegen(gm, plan).stages
+    return PipelineRunner(plan, stages, batch_shapes=shapes, timeout_s=timeout_s)
+
+
+def one_step(runner: PipelineRunner, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """One training step (no optimizer): the loss and this rank's gradients by original name."""
+    for p in runner.parameters():
+        p.grad = None
+    loss = runner.step(batch)
+    return {
+        "loss": loss,
+        "grads": {n: p.grad for n, p in runner.named_parameters().items()},
+    }
