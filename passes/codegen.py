@@ -116,8 +116,13 @@ class CodegenReport:
             for s in self.stages
         ]
         head = f"codegen: {len(self.stages)} stage modules (recompute: non-reentrant torch.utils.checkpoint)"
-        return head + "\n" + tabulate(
-            rows, headers=["stage", "rank", "layers", "recomputed", "values in", "values out", "parameters"]
+        return (
+            head
+            + "\n"
+            + tabulate(
+                rows,
+                headers=["stage", "rank", "layers", "recomputed", "values in", "values out", "parameters"],
+            )
         )
 
 
@@ -231,7 +236,9 @@ def codegen(gm: fx.GraphModule, plan: Plan) -> CodegenResult:
         for name in stage.layers:
             nodes = nodes_of[name]
             inside = set(nodes)
-            outputs = [n for n in nodes if n is loss or any(u not in inside for u in n.users if u.op != "output")]
+            outputs = [
+                n for n in nodes if n is loss or any(u not in inside for u in n.users if u.op != "output")
+            ]
             module, inputs = _build_layer_module(gm, nodes, outputs, name)
             modules.append(module)
             wiring.append(
@@ -282,10 +289,12 @@ def codegen(gm: fx.GraphModule, plan: Plan) -> CodegenResult:
 def load_original_state(stage: StageModule, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy the original model's ``state_dict`` entries into this stage's parameters and buffers."""
     names = stage.original_names()
-    missing = sorted(orig for orig in names.values() if orig not in state_dict)
+    params = dict(stage.named_parameters())
+    missing = sorted(orig for name, orig in names.items() if name in params and orig not in state_dict)
     if missing:
-        raise KeyError(f"the state dict lacks {missing[:5]} needed by stage {stage.index}")
-    own = dict([*stage.named_parameters(), *stage.named_buffers()])
+        raise KeyError(f"the state dict lacks parameters {missing[:5]} needed by stage {stage.index}")
+    own = {**dict(stage.named_buffers()), **params}
     with torch.no_grad():
         for name, orig in names.items():
-            own[name].copy_(state_dict[orig])
+            if orig in state_dict:  # buffers absent from a state dict are non-persistent (derived)
+                own[name].copy_(state_dict[orig])

@@ -161,6 +161,7 @@ def build_plan(
     stages = tuple(Stage(index=k, rank=k % p, layers=tuple(chunk)) for k, chunk in enumerate(chunks))
     plan = Plan(
         model=str(layer_graph.meta.get("model", "?")),
+        fingerprint=layer_graph.fingerprint(),
         policy=policy,
         cluster=cluster.name,
         stages=stages,

@@ -63,8 +63,9 @@ def _rank_main(rank, nprocs, port, fn, payload, args, results, timeout_s) -> Non
         # the process that made them.
         results.put((rank, True, pickle.dumps(fn(pickle.loads(payload), *args))))
     except BaseException as err:  # report anything, then exit non-zero
-        tail = "".join(traceback.format_exception(err)[-3:])
-        results.put((rank, False, f"{type(err).__name__}: {err}\n{tail}"))
+        frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+        where = f" (at {frame.filename}:{frame.lineno})" if frame else ""
+        results.put((rank, False, f"{type(err).__name__}: {err}{where}"))
         code = 1
     results.close()
     results.join_thread()
@@ -166,7 +167,9 @@ def launch(
     lines = [f"rank {first} failed first: {_how(codes[first])} after {ended.get(first, 0):.1f} s"]
     for r in range(nprocs):
         if r in killed:
-            lines.append(f"  rank {r}: killed by the launcher, {timeout_s + GRACE_S:.0f} s after the first failure")
+            lines.append(
+                f"  rank {r}: killed by the launcher, {timeout_s + GRACE_S:.0f} s after the first failure"
+            )
         elif r in errors:
             lines.append(f"  rank {r}: {_how(codes[r])} after {ended[r]:.1f} s: {errors[r].strip()}")
         elif codes[r] != 0:

@@ -8,6 +8,7 @@ and receive back (their gradients) - every value made at or before the cut and r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterable
@@ -117,6 +118,12 @@ class LayerGraph:
                 raise ValueError(f"edge {src} -> {dst} names a layer the graph does not have")
             if names.index(src) >= names.index(dst):
                 raise ValueError(f"edge {src} -> {dst} goes backwards in the layer order")
+
+    def fingerprint(self) -> str:
+        """Identifies the model a plan is for: its layers' names, regions and parameter counts
+        (not the batch), as 16 hex digits."""
+        text = ";".join(f"{layer.name}:{layer.region.value}:{layer.num_params}" for layer in self.layers)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
     def graph(self) -> nx.DiGraph:

@@ -144,6 +144,8 @@ class Plan:
     training: Training = field(default_factory=Training)
     cluster: str = ""
     decisions: tuple[Decision, ...] = ()
+    fingerprint: str = ""
+    """``LayerGraph.fingerprint()`` of the model the plan was made for ("" for hand-made plans)."""
 
     # ---- views -----------------------------------------------------------------------------
     @property
@@ -198,6 +200,7 @@ class Plan:
             "schema": SCHEMA,
             "version": SCHEMA_VERSION,
             "model": self.model,
+            "fingerprint": self.fingerprint,
             "policy": self.policy,
             "cluster": self.cluster,
             "schedule": self.schedule,
@@ -231,6 +234,7 @@ class Plan:
             )
         return cls(
             model=data["model"],
+            fingerprint=data.get("fingerprint", ""),
             policy=data["policy"],
             cluster=data.get("cluster", ""),
             schedule=data["schedule"],

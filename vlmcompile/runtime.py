@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,9 @@ def topology_of(plan) -> Topology:
         raise PlanError("the runtime runs plans with one parallel group for the whole model")
     par = next(iter(groups))
     if par.tp != 1:
-        raise PlanError(f"the runtime has no tensor parallelism yet; this plan has TP={par.tp} (plan with tp=1)")
+        raise PlanError(
+            f"the runtime has no tensor parallelism yet; this plan has TP={par.tp} (plan with tp=1)"
+        )
     if any(a.kind in (ActionKind.I, ActionKind.W) for acts in plan.actions for a in acts):
         raise PlanError(
             "the runtime runs full backward actions (B); this plan splits backwards into I and W "
@@ -161,7 +164,7 @@ class PipelineRunner:
             ranks = [t.rank(pp_rank, d) for d in range(t.dp)]
             group = dist.new_group(ranks, timeout=self.timeout) if t.dp > 1 else None
             if pp_rank == self.pp_rank:
-                self.dp_group = group
+                self.dp_group, self.dp_ranks = group, ranks
         self.tied = self._tied_groups()
         self._meta: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
         self._ready = True
@@ -214,10 +217,16 @@ class PipelineRunner:
     def check_batch(self, batch: Mapping[str, Any]) -> None:
         for key, (shape, dtype) in self.batch_shapes.items():
             if key not in batch:
-                raise BatchError(f"the batch lacks {key!r}; the pipeline was compiled for {sorted(self.batch_shapes)}")
+                raise BatchError(
+                    f"the batch lacks {key!r}; the pipeline was compiled for {sorted(self.batch_shapes)}"
+                )
             value = batch[key]
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
-                got = f"{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                got = (
+                    f"{list(value.shape)} {value.dtype}"
+                    if isinstance(value, torch.Tensor)
+                    else type(value).__name__
+                )
                 raise BatchError(
                     f"batch[{key!r}] is {got}; the pipeline expects {list(shape)} {dtype} (global batch "
                     f"{self.topology.dp * self.plan.num_microbatches * self.plan.microbatch_size} = DP x "
@@ -230,8 +239,8 @@ class PipelineRunner:
     def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """Run this rank's actions on ``batch`` (the global batch; every rank gets the same one)
         and return the global loss (the same on every rank)."""
-        self.setup()
         self.check_batch(batch)
+        self.setup()
         plan, t = self.plan, self.topology
         m, mbs = plan.num_microbatches, plan.microbatch_size
         shard_rows = m * mbs
@@ -295,7 +304,9 @@ class PipelineRunner:
                     if self.rank_of_stage[s - 1] == self.pp_rank:
                         local_bwd[(s - 1, i)] = input_grads
                     else:
-                        sends += self._send(input_grads, self.rank_of_stage[s - 1], s, "B", i, f"{action}'s input gradients")
+                        sends += self._send(
+                            input_grads, self.rank_of_stage[s - 1], s, "B", i, f"{action}'s input gradients"
+                        )
             else:  # topology_of rejects I/W plans
                 raise AssertionError(action)
         for work, what in sends:
@@ -315,7 +326,9 @@ class PipelineRunner:
     def _tag(self, stage: int, kind: str, microbatch: int, k: int) -> int:
         return ((stage * 2 + (kind == "B")) * self.plan.num_microbatches + microbatch) * 1024 + k
 
-    def _send(self, tensors, pp_rank: int, stage: int, kind: str, microbatch: int, what: str, first: int = 0) -> list:
+    def _send(
+        self, tensors, pp_rank: int, stage: int, kind: str, microbatch: int, what: str, first: int = 0
+    ) -> list:
         peer = self._peer(pp_rank)
         return [
             (
@@ -326,24 +339,35 @@ class PipelineRunner:
         ]
 
     def _send_activations(self, s: int, i: int, out: tuple) -> list:
+        scalar = [isinstance(x, (bool, int, float)) for x in out]
         for k, x in enumerate(out):
-            if not isinstance(x, torch.Tensor):
+            if not isinstance(x, torch.Tensor) and not scalar[k]:
                 raise PlanError(
                     f"stage {s} would send {self.stages[s].send[k]!r}, a {type(x).__name__}, to the next rank; "
-                    "only tensors cross ranks - cut the pipeline elsewhere"
+                    "only tensors and Python numbers cross ranks - cut the pipeline elsewhere"
                 )
+        # Python numbers (sizes computed from shapes) travel as 0-d tensors.
+        out = tuple(torch.tensor(x) if flag else x for x, flag in zip(out, scalar))
         works = []
         peer_pp = self.rank_of_stage[s + 1]
         if s not in self._meta:
-            self._meta[s] = [(tuple(x.shape), x.dtype) for x in out]
+            self._meta[s] = [(tuple(x.shape), x.dtype, flag) for x, flag in zip(out, scalar)]
             header = torch.tensor(
-                [len(out)] + [v for x in out for v in (_DTYPES.index(x.dtype), x.dim(), *x.shape)], dtype=torch.int64
+                [len(out)]
+                + [
+                    v
+                    for x, flag in zip(out, scalar)
+                    for v in (int(flag), _DTYPES.index(x.dtype), x.dim(), *x.shape)
+                ],
+                dtype=torch.int64,
             )
             size = torch.tensor([header.numel()], dtype=torch.int64)
             works += self._send((size, header), peer_pp, s, "F", i, f"stage {s}'s activation shapes", _HEADER)
         return works + self._send(out, peer_pp, s, "F", i, f"{Action(s, ActionKind.F, i)}'s activations")
 
-    def _recv(self, buffers, pp_rank: int, stage: int, kind: str, microbatch: int, what: str, first: int = 0) -> None:
+    def _recv(
+        self, buffers, pp_rank: int, stage: int, kind: str, microbatch: int, what: str, first: int = 0
+    ) -> None:
         peer = self._peer(pp_rank)
         for k, buf in enumerate(buffers):
             work = dist.irecv(buf, peer, tag=self._tag(stage, kind, microbatch, first + k))
@@ -360,18 +384,25 @@ class PipelineRunner:
             values = header.tolist()
             meta, pos = [], 1
             for _ in range(values[0]):
-                dtype, ndim = _DTYPES[values[pos]], values[pos + 1]
-                meta.append((tuple(values[pos + 2 : pos + 2 + ndim]), dtype))
-                pos += 2 + ndim
+                flag, dtype, ndim = values[pos], _DTYPES[values[pos + 1]], values[pos + 2]
+                meta.append((tuple(values[pos + 3 : pos + 3 + ndim]), dtype, bool(flag)))
+                pos += 3 + ndim
             self._meta[prev] = meta
-        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in self._meta[prev]]
-        self._recv(buffers, self.rank_of_stage[prev], prev, "F", i, f"{Action(prev, ActionKind.F, i)}'s activations")
-        return tuple(buffers)
+        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype, _ in self._meta[prev]]
+        self._recv(
+            buffers, self.rank_of_stage[prev], prev, "F", i, f"{Action(prev, ActionKind.F, i)}'s activations"
+        )
+        return tuple(b.item() if flag else b for b, (_, _, flag) in zip(buffers, self._meta[prev]))
 
     def _recv_grads(self, s: int, i: int, out: tuple) -> tuple:
         buffers = [torch.empty(o.shape, dtype=o.dtype) for o in _floats(out)]
         self._recv(
-            buffers, self.rank_of_stage[s + 1], s + 1, "B", i, f"{Action(s + 1, ActionKind.B, i)}'s input gradients"
+            buffers,
+            self.rank_of_stage[s + 1],
+            s + 1,
+            "B",
+            i,
+            f"{Action(s + 1, ActionKind.B, i)}'s input gradients",
         )
         return tuple(buffers)
 
@@ -406,7 +437,8 @@ class PipelineRunner:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         self._collective(
-            lambda: dist.all_reduce(flat, group=self.dp_group, async_op=True), "the data-parallel gradient all-reduce"
+            lambda: dist.all_reduce(flat, group=self.dp_group, async_op=True),
+            f"the data-parallel gradient all-reduce over ranks {self.dp_ranks}",
         )
         offset = 0
         for g in grads:
@@ -423,6 +455,17 @@ def make_runner(pipe, plan, *, timeout_s: float = 60.0) -> PipelineRunner:
     from vlmcompile.passes.capture import capture
     from vlmcompile.passes.codegen import codegen
 
+    mine = pipe.layer_graph.fingerprint()
+    if plan.fingerprint and plan.fingerprint != mine:
+        raise PlanError(
+            f"the plan was made for model {plan.model!r} (fingerprint {plan.fingerprint}); this pipeline "
+            f"compiled {pipe.layer_graph.meta.get('model', '?')!r} (fingerprint {mine}). Plan for this model: "
+            "vlmcompile plan ... --json FILE, or pipe.baseline(...)/pipe.plan"
+        )
+    if not plan.fingerprint:
+        warnings.warn(
+            "the plan carries no model fingerprint; it is not checked against the model", stacklevel=3
+        )
     topology = topology_of(plan)
     global_batch = topology.dp * plan.num_microbatches * plan.microbatch_size
     tensors = {k: v for k, v in pipe.sample_batch.items() if isinstance(v, torch.Tensor)}

@@ -1,0 +1,56 @@
+"""Hand-made plans for the tiny models, for codegen and runtime tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vlmcompile.passes.megatron import build_plan, parallel_for
+
+from vlmcompile.cluster import Cluster
+from vlmcompile.plan import Plan, Recompute
+from vlmcompile.regions import Region
+
+
+def even_plan(
+    layer_graph,
+    *,
+    pp: int,
+    dp: int = 1,
+    v: int = 1,
+    microbatch_size: int = 1,
+    global_batch: int,
+    recompute: tuple[int, ...] = (),
+    cuts: list[int] | None = None,
+) -> Plan:
+    """pp x v stages of about equal layer counts (or cut before the given layer indices), 1F1B or
+    interleaved 1F1B, full recompute on the layers at the ``recompute`` indices."""
+    names = [layer.name for layer in layer_graph.layers]
+    k = pp * v
+    bounds = [0, *(cuts or [i * len(names) // k for i in range(1, k)]), len(names)]
+    chunks = [names[a:b] for a, b in zip(bounds, bounds[1:])]
+    cluster = Cluster.preset(f"cpu:{pp * dp}")
+    par = parallel_for(cluster, tp=1, pp=pp, v=v, sequence_parallel=False, zero_stage=0)
+    return build_plan(
+        layer_graph,
+        cluster,
+        policy="test",
+        chunks=chunks,
+        parallel=par,
+        microbatch_size=microbatch_size,
+        global_batch=global_batch,
+        schedule=None,
+        recompute={names[i]: Recompute.FULL for i in recompute},
+        decisions=[],
+    ).plan
+
+
+def encoder_on_rank_1(layer_graph, *, global_batch: int) -> Plan:
+    """Two stages: the vision encoder alone on rank 1, the rest (projector, LLM, head) on rank 0."""
+    names = [layer.name for layer in layer_graph.layers]
+    first_other = next(i for i, layer in enumerate(layer_graph.layers) if layer.region is not Region.VISION)
+    plan = even_plan(layer_graph, pp=2, global_batch=global_batch, cuts=[first_other], recompute=(1,))
+    assert names[0] in plan.stages[0].layers
+    stages = tuple(dataclasses.replace(s, rank=1 - s.rank) for s in plan.stages)
+    out = dataclasses.replace(plan, stages=stages, actions=(plan.actions[1], plan.actions[0]))
+    out.validate(layer_graph)
+    return out

@@ -1,0 +1,145 @@
+"""The runtime on local CPU ranks: one step's loss and every gradient equal eager training,
+a dead rank fails the others with its name, and bad input gets a clear error."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.models import build, needs_transformers
+from tests.pipeline_helpers import encoder_on_rank_1, even_plan
+from vlmcompile import compile
+from vlmcompile.errors import PlanError
+from vlmcompile.launch import LaunchError, launch
+from vlmcompile.runtime import BatchError, one_step
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+
+
+def _eager(model, batch):
+    model.zero_grad()
+    out = model(**batch)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _check_equal_to_eager(model, batch, results):
+    loss_ref, grads_ref = _eager(model, batch)
+    seen = set()
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["loss"], loss_ref, msg=lambda m: f"rank {rank} loss: {m}")
+        for name, grad in result["grads"].items():
+            seen.add(name)
+            if grads_ref[name] is None:
+                assert grad is None or not grad.any(), name
+            else:
+                torch.testing.assert_close(
+                    grad, grads_ref[name], msg=lambda m, n=name: f"rank {rank} {n}: {m}"
+                )
+    # Every parameter that gets a gradient is on some rank (tied ones under one of their names).
+    params = model.named_parameters(remove_duplicate=False)
+    covered = {id(p) for n, p in params if n in seen}
+    assert {id(p) for p in model.parameters() if p.grad is not None} <= covered
+
+
+def _pipe(name, batch_size=4):
+    model, batch = build(name, batch_size=batch_size)
+    return model, batch, compile(model, batch, log=None)
+
+
+CASES = {
+    "1f1b": ("tiny", dict(pp=2, recompute=(2, 5))),
+    "interleaved": ("tiny", dict(pp=2, v=2, recompute=(1,))),
+    "two-encoder": ("tiny-two-encoder", dict(pp=2, recompute=(3,))),
+    "tied-embeddings": ("tiny-tied", dict(pp=2)),
+    "dp2-pp2": ("tiny", dict(pp=2, dp=2, recompute=(4,))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_step_equals_eager(case):
+    name, options = CASES[case]
+    model, batch, pipe = _pipe(name)
+    plan = even_plan(pipe.layer_graph, global_batch=4, **options)
+    _check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+
+
+def test_encoder_stage_on_another_rank_than_the_first_llm_stage():
+    model, batch, pipe = _pipe("tiny")
+    plan = encoder_on_rank_1(pipe.layer_graph, global_batch=4)
+    assert plan.stages[0].rank == 1 and plan.stages[1].rank == 0
+    _check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_transformers_llava_equals_eager():
+    model, batch = build("hf-llava")  # 2 samples, exported at 2 rows: the runtime re-captures at 1
+    pipe = compile(model, batch, log=None)
+    plan = even_plan(pipe.layer_graph, pp=2, global_batch=2, recompute=(6,))
+    _check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+
+
+def _kill_rank_1_mid_step(runner, batch):
+    def on_action(rank, action):
+        if rank == 1 and action.microbatch == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    runner.on_action = on_action
+    return one_step(runner, batch)
+
+
+def test_a_dead_rank_fails_the_others_naming_it():
+    model, batch, pipe = _pipe("tiny")
+    plan = even_plan(pipe.layer_graph, pp=2, dp=2, global_batch=8)
+    big = {k: torch.cat([v, v]) for k, v in batch.items()}
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_kill_rank_1_mid_step, pipe.runner(plan, timeout_s=20), 4, args=(big,), timeout_s=20)
+    assert time.monotonic() - start < 60
+    err = info.value
+    assert err.first_failed == 1 and err.exit_codes[1] == -signal.SIGKILL
+    assert all(code not in (0, None) for code in err.exit_codes.values()), err.exit_codes
+    text = str(err)
+    assert "rank 1 failed first: killed by SIGKILL" in text
+    # rank 3, rank 1's pipeline peer, names it; the data-parallel peers name their group.
+    assert re.search(r"rank 3: exited 1 .* waiting for .* from rank 1", text), text
+    assert re.search(r"rank 0: exited 1 .* over ranks \[0, 1\]", text), text
+
+
+def test_a_batch_of_other_shapes_names_the_tensor_and_the_expected_shape():
+    _, batch, pipe = _pipe("tiny")
+    runner = pipe.runner(even_plan(pipe.layer_graph, pp=2, global_batch=4))
+    bad = dict(batch, input_ids=batch["input_ids"][:, :-1])
+    with pytest.raises(
+        BatchError, match=r"batch\['input_ids'\] is \[4, \d+\] torch.int64; the pipeline expects \[4, \d+\]"
+    ):
+        runner.step(bad)
+    with pytest.raises(BatchError, match="lacks 'labels'"):
+        runner.step({k: v for k, v in batch.items() if k != "labels"})
+
+
+def test_a_world_size_other_than_the_plans_is_refused():
+    _, batch, pipe = _pipe("tiny")
+    plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)
+    with pytest.raises(ValueError, match="runs on 2 ranks"):
+        pipe.launch(plan=plan, nprocs=3)
+    with pytest.raises(LaunchError, match="the plan runs on 2 ranks .* torch.distributed has 1"):
+        launch(one_step, pipe.runner(plan), 1, args=(batch,), timeout_s=20)
+
+
+def test_a_plan_made_for_another_model_is_refused(tmp_path):
+    _, _, pipe = _pipe("tiny")
+    _, _, other = _pipe("tiny-two-encoder")
+    path = tmp_path / "plan.json"
+    even_plan(other.layer_graph, pp=2, global_batch=4).save(path)
+    from vlmcompile.plan import Plan
+
+    with pytest.raises(PlanError, match=r"made for model .* \(fingerprint "):
+        pipe.runner(Plan.load(path))
