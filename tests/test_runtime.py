@@ -33,7 +33,7 @@ def _check_equal_to_eager(model, batch, results):
     loss_ref, grads_ref = _eager(model, batch)
     seen = set()
     for rank, result in enumerate(results):
-        torch.testing.assert_close(result["loss"], loss_ref, msg=lambda m: f"rank {rank} loss: {m}")
+        torch.testing.assert_close(result["loss"], loss_ref, msg=lambda m, r=rank: f"rank {r} loss: {m}")
         for name, grad in result["grads"].items():
             seen.add(name)
             if grads_ref[name] is None:
