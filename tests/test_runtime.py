@@ -40,7 +40,7 @@ def _check_equal_to_eager(model, batch, results):
                 assert grad is None or not grad.any(), name
             else:
                 torch.testing.assert_close(
-                    grad, grads_ref[name], msg=lambda m, n=name: f"rank {rank} {n}: {m}"
+                    grad, grads_ref[name], msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
                 )
     # Every parameter that gets a gradient is on some rank (tied ones under one of their names).
     params = model.named_parameters(remove_duplicate=False)
