@@ -108,9 +108,22 @@ def layer_time(
     fwd, bwd = on_rank(fwd_work(layer)), on_rank(bwd_work(layer))
     weight_grad = Work(min(fwd.matmul_flops, bwd.matmul_flops), 0.0, 0.0)
     input_grad = Work(bwd.matmul_flops - weight_grad.matmul_flops, bwd.attention_flops, bwd.memory_bytes)
-    return LayerTime(
+    roofline = LayerTime(
         fwd_s=fwd.seconds(device),
         input_grad_s=input_grad.seconds(device),
         weight_grad_s=weight_grad.seconds(device),
         fwd_attention_s=Work(0.0, fwd.attention_flops, 0.0).seconds(device),
+    )
+    if layer.measured is None or layer.measured[0] != device.name:
+        return roofline
+    # Measured on this device (profile pass): the times are the layer's, the roofline only
+    # splits them (backward into I and W, forward's attention share).
+    fwd_s, bwd_s = (samples * t / flop_div for t in layer.measured[1:])
+    w_share = roofline.weight_grad_s / roofline.bwd_s if roofline.bwd_s > 0 else 0.0
+    attn_share = roofline.fwd_attention_s / roofline.fwd_s if roofline.fwd_s > 0 else 0.0
+    return LayerTime(
+        fwd_s=fwd_s,
+        input_grad_s=bwd_s * (1 - w_share),
+        weight_grad_s=bwd_s * w_share,
+        fwd_attention_s=fwd_s * attn_share,
     )

@@ -181,6 +181,25 @@ def _build_layer_module(gm: fx.GraphModule, nodes: list[fx.Node], outputs: list[
     return module, inputs
 
 
+def layer_modules(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, list[str], list[str]]]:
+    """One module per layer, in pipeline order: (module, names of the values it reads, names of
+    the values it returns - those a later layer or the loss reads)."""
+    layer_of = _codegen_layers(gm)
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    loss = _loss_node(gm)
+    nodes_of: dict[str, list[fx.Node]] = {name: [] for name in gm.meta[LAYER_ORDER_META]}
+    for n, name in layer_of.items():
+        nodes_of[name].append(n)
+    out = []
+    for name, nodes in nodes_of.items():
+        nodes.sort(key=position.__getitem__)
+        inside = set(nodes)
+        outputs = [n for n in nodes if n is loss or any(u not in inside for u in n.users if u.op != "output")]
+        module, inputs = _build_layer_module(gm, nodes, outputs, name)
+        out.append((module, [p.name for p in inputs], [o.name for o in outputs]))
+    return out
+
+
 def codegen(gm: fx.GraphModule, plan: Plan) -> CodegenResult:
     """Split ``gm`` along ``plan``'s stages; recomputed layers run under checkpoint.
 
@@ -212,12 +231,7 @@ def codegen(gm: fx.GraphModule, plan: Plan) -> CodegenResult:
     loss = _loss_node(gm)
     placeholders = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "placeholder"}
     prefix = WRAPPER_PREFIX if any(k.startswith(WRAPPER_PREFIX) for k, _ in gm.named_parameters()) else ""
-
-    nodes_of: dict[str, list[fx.Node]] = {name: [] for name in order}
-    for n, name in layer_of.items():
-        nodes_of[name].append(n)
-    for nodes in nodes_of.values():
-        nodes.sort(key=position.__getitem__)
+    built = dict(zip(order, layer_modules(gm)))
 
     def stage_of(n: fx.Node) -> int | None:
         return None if n.op == "placeholder" else stage_of_layer[layer_of[n]]
@@ -234,20 +248,10 @@ def codegen(gm: fx.GraphModule, plan: Plan) -> CodegenResult:
     for stage in plan.stages:
         modules, wiring = [], []
         for name in stage.layers:
-            nodes = nodes_of[name]
-            inside = set(nodes)
-            outputs = [
-                n for n in nodes if n is loss or any(u not in inside for u in n.users if u.op != "output")
-            ]
-            module, inputs = _build_layer_module(gm, nodes, outputs, name)
+            module, inputs, outputs = built[name]
             modules.append(module)
             wiring.append(
-                LayerWiring(
-                    name,
-                    tuple(p.name for p in inputs),
-                    tuple(o.name for o in outputs),
-                    plan.recompute_of(name) is Recompute.FULL,
-                )
+                LayerWiring(name, tuple(inputs), tuple(outputs), plan.recompute_of(name) is Recompute.FULL)
             )
         receive = sorted(
             (p for p, last in last_read.items() if stage_of(p) < stage.index <= last),

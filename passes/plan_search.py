@@ -105,6 +105,7 @@ def candidates(
     *,
     global_batch: int,
     tp_choices: Sequence[int] | None = None,
+    pp_choices: Sequence[int] | None = None,
     microbatch_sizes: Sequence[int] = (1, 2, 4),
     v_choices: Sequence[int] = (1, 2, 4),
 ) -> list[Degrees]:
@@ -115,7 +116,7 @@ def candidates(
     out = []
     for tp in tps:
         for pp in range(1, min(num_layers, cluster.num_gpus // tp) + 1):
-            if (cluster.num_gpus // tp) % pp:
+            if (cluster.num_gpus // tp) % pp or (pp_choices is not None and pp not in pp_choices):
                 continue
             dp = cluster.num_gpus // (tp * pp)
             for mbs in microbatch_sizes:
@@ -135,6 +136,7 @@ def plan_search(
     *,
     global_batch: int,
     tp_choices: Sequence[int] | None = None,
+    pp_choices: Sequence[int] | None = None,
     microbatch_sizes: Sequence[int] = (1, 2, 4),
     v_choices: Sequence[int] = (1, 2, 4),
     include: Iterable[Degrees] = (),
@@ -161,6 +163,7 @@ def plan_search(
                     cluster,
                     global_batch=global_batch,
                     tp_choices=tp_choices,
+                    pp_choices=pp_choices,
                     microbatch_sizes=microbatch_sizes,
                     v_choices=v_choices,
                 ),

@@ -143,3 +143,30 @@ def test_a_plan_made_for_another_model_is_refused(tmp_path):
 
     with pytest.raises(PlanError, match=r"made for model .* \(fingerprint "):
         pipe.runner(Plan.load(path))
+
+
+def test_cli_run_trains_a_zoo_model_on_local_ranks(capsys):
+    from vlmcompile.cli import main
+
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                "tiny",
+                "--nprocs",
+                "2",
+                "--policy",
+                "megatron",
+                "--global-batch",
+                "4",
+                "--steps",
+                "2",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "plan 'megatron'" in out
+    losses = [float(x) for x in out.split("losses: ")[1].splitlines()[0].split(", ")]
+    assert len(losses) == 2 and losses[1] < losses[0]  # SGD on one batch lowers its loss

@@ -4,6 +4,9 @@
 ``vlmcompile plan --model NAME --cluster PRESET --policy megatron|megatron_balanced|omnibal|vlmcompile``:
 plan, simulate and print the step and its bubbles (``--setup NAME`` fills in a paper's
 configuration; ``--search`` lets the plan search choose the degrees).
+``vlmcompile demo [--json FILE]``: the demo VLM on 2 local CPU ranks, our plan against Megatron-LM's,
+measured and predicted.
+``vlmcompile run --model NAME --nprocs N``: train a zoo model a few steps on N local CPU ranks.
 """
 
 from __future__ import annotations
@@ -129,6 +132,54 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if run.fits else 3
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from vlmcompile.demo import run_demo
+
+    pipe, result = run_demo(global_batch=args.global_batch, num_steps=args.steps)
+    print(pipe.report)
+    print()
+    print(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
+        print(f"\nfigures written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import statistics
+
+    import vlmcompile
+    from vlmcompile import models
+    from vlmcompile.runtime import timed_steps
+
+    model = models.build(args.model)
+    batch = models.sample_batch(args.model, batch_size=args.global_batch)
+    pipe = vlmcompile.compile(
+        model,
+        batch,
+        cluster=f"cpu:{args.nprocs}",
+        model_name=args.model,
+        global_batch=args.global_batch,
+        profile=True,
+        plan_options={"microbatch_sizes": (1,)},
+    )
+    if args.policy == "vlmcompile":
+        plan = pipe.plan
+    else:
+        if args.nprocs % args.pp:
+            raise ValueError(f"--pp {args.pp} does not divide --nprocs {args.nprocs}")
+        plan = pipe.baseline(args.policy, tp=1, pp=args.pp, global_batch=args.global_batch).plan
+    print(plan)
+    results = pipe.launch(timed_steps, plan=plan, args=(batch, args.steps, args.lr), timeout_s=args.timeout)
+    steps = [max(r["step_s"][k] for r in results) for k in range(args.steps)]
+    print(f"\nlosses: {', '.join(f'{x:.6f}' for x in results[0]['losses'])}")
+    timed = steps[1:] or steps
+    print(
+        f"step times (s): {', '.join(f'{t:.3f}' for t in steps)}; median after the first: {statistics.median(timed):.3f} s"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlmcompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +236,30 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of the simulated step")
     q.add_argument("--png", metavar="FILE", help="write a PNG timeline of the simulated step")
     q.set_defaults(run=_plan)
+
+    d = sub.add_parser(
+        "demo",
+        help="compile the demo VLM for 2 CPU ranks; run our plan and Megatron's; measured vs predicted",
+    )
+    d.add_argument("--global-batch", type=int, default=16, help="samples per step (default 16)")
+    d.add_argument(
+        "--steps", type=int, default=6, help="training steps per plan, the first a warm-up (default 6)"
+    )
+    d.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    d.set_defaults(run=_demo)
+
+    r = sub.add_parser("run", help="compile a zoo model for N local CPU ranks and train a few steps on them")
+    r.add_argument("--model", default="demo", help="zoo name (default demo)")
+    r.add_argument("--nprocs", type=int, default=2, help="local ranks, one thread each (default 2)")
+    r.add_argument(
+        "--policy", choices=["vlmcompile", "megatron", "megatron_balanced", "omnibal"], default="vlmcompile"
+    )
+    r.add_argument("--pp", type=int, default=2, help="pipeline size for the baseline policies (default 2)")
+    r.add_argument("--global-batch", type=int, default=8)
+    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
+    r.add_argument("--timeout", type=float, default=120.0, help="seconds any rank may wait for another")
+    r.set_defaults(run=_run)
     args = parser.parse_args(argv)
     from vlmcompile.errors import VlmCompileError
 

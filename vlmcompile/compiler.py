@@ -4,6 +4,7 @@
 |----|----------|--------------------|
 | 1  | capture  | passes/capture.py  |
 | 2  | annotate | passes/annotate.py |
+| (3) | profile | passes/profile.py (``profile=True``: measured layer times for the plan) |
 | 3  | plan     | passes/plan_search.py, passes/partition.py (through ``planning.search_and_compare``) |
 
 The plan pass runs when a cluster is given: the plan search picks the degrees, the partition
@@ -67,7 +68,38 @@ def _annotate_pass(state: CompileState, *, tensor_mode) -> None:
     state.reports["annotate"] = result.report
 
 
-def _plan_pass(state: CompileState, *, time_limit_s: float, progress: bool) -> None:
+def _profile_pass(state: CompileState, *, repeats: int) -> None:
+    import os
+
+    import torch
+
+    from vlmcompile.passes.profile import profile
+
+    tensors = [v for v in state.sample_batch.values() if isinstance(v, torch.Tensor)]
+    if any(t.device.type == "meta" for t in [*tensors, *state.model.parameters()]):
+        state.reports["profile"] = (
+            "skipped: the model or the sample batch is on meta tensors (nothing to time)"
+        )
+        return
+    device = state.cluster.device.name if state.cluster is not None else "cpu"
+    ranks_here = state.cluster.num_gpus if state.cluster is not None and device == "cpu" else 1
+    # One row: the plan search scales per-sample times to its microbatch sizes.
+    microbatch = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in state.sample_batch.items()}
+    result = profile(
+        state.gm,
+        state.layer_graph,
+        microbatch,
+        device_name=device,
+        threads=max(1, (os.cpu_count() or 1) // ranks_here),
+        repeats=repeats,
+    )
+    state.layer_graph = result.layer_graph
+    state.reports["profile"] = result.report
+
+
+def _plan_pass(
+    state: CompileState, *, time_limit_s: float, progress: bool, options: Mapping[str, Any]
+) -> None:
     if state.cluster is None:
         state.reports["plan"] = "no cluster given: nothing planned (pass cluster=... to plan)"
         return
@@ -83,6 +115,7 @@ def _plan_pass(state: CompileState, *, time_limit_s: float, progress: bool) -> N
         tp_choices=tp_choices,
         time_limit_s=time_limit_s,
         progress=progress,
+        **options,
     )
     state.planned = run
     state.reports["plan"] = f"{search}\n\n{run}"
@@ -192,6 +225,8 @@ def compile(
     model_name: str | None = None,
     global_batch: int | None = None,
     plan_time_limit_s: float = 3.0,
+    plan_options: Mapping[str, Any] | None = None,
+    profile: bool = False,
     log: TextIO | None = sys.stderr,
 ) -> CompiledPipeline:
     """Compile a VLM for training on ``cluster``.
@@ -207,6 +242,9 @@ def compile(
         model_name: shown in reports (default: the model's class name).
         global_batch: samples per training step to plan for (default: the sample batch's size).
         plan_time_limit_s: CP-SAT's time limit per candidate of the plan search.
+        plan_options: passed to the plan search, e.g. ``{"pp_choices": (2,), "microbatch_sizes": (1,)}``.
+        profile: time every layer on this machine (real tensors needed) and plan with the
+            measured times (the "profile" pass, after annotate).
         log: where the pass runner prints progress (None for silence).
     """
     if isinstance(cluster, str):
@@ -217,8 +255,18 @@ def compile(
             functools.partial(_capture_pass, region_overrides=region_overrides, method=capture_method),
         ),
         Pass("annotate", functools.partial(_annotate_pass, tensor_mode=tensor_mode)),
-        Pass("plan", functools.partial(_plan_pass, time_limit_s=plan_time_limit_s, progress=log is not None)),
+        Pass(
+            "plan",
+            functools.partial(
+                _plan_pass,
+                time_limit_s=plan_time_limit_s,
+                progress=log is not None,
+                options=dict(plan_options or {}),
+            ),
+        ),
     ]
+    if profile:
+        passes.insert(2, Pass("profile", functools.partial(_profile_pass, repeats=5)))
     state = CompileState(
         model=model,
         sample_batch=sample_batch,

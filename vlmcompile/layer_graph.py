@@ -88,6 +88,9 @@ class Layer:
     """Bytes read and written by the forward's FLOP-free ops (norms, activations, softmax, adds,
     copies; views excluded): the memory-bound share of the layer's time."""
     bwd_mem_bytes: int = 0
+    measured: tuple[str, float, float] | None = None
+    """(device name, forward s, backward s) for the annotated batch, measured by the profile
+    pass; the cost model uses them instead of the roofline on that device."""
 
     def __post_init__(self):
         if not (0 <= self.fwd_attn_flops <= self.fwd_flops and 0 <= self.bwd_attn_flops <= self.bwd_flops):
@@ -283,6 +286,7 @@ class LayerGraph:
                     **d,
                     "region": Region(d["region"]),
                     "outputs": tuple(TensorSpec(tuple(o["shape"]), o["dtype"]) for o in d["outputs"]),
+                    "measured": tuple(d["measured"]) if d.get("measured") else None,
                 }
             )
             for d in data["layers"]

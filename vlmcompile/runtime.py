@@ -494,3 +494,21 @@ def one_step(runner: PipelineRunner, batch: Mapping[str, Any]) -> dict[str, Any]
         "loss": loss,
         "grads": {n: p.grad for n, p in runner.named_parameters().items()},
     }
+
+
+def timed_steps(
+    runner: PipelineRunner, batch: Mapping[str, Any], num_steps: int, lr: float
+) -> dict[str, Any]:
+    """``num_steps`` training steps with SGD(lr) on the same batch; each rank's losses and step
+    times (the ranks start every step together, after a barrier)."""
+    optimizer = torch.optim.SGD(runner.parameters(), lr=lr)
+    losses, times = [], []
+    for _ in range(num_steps):
+        optimizer.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = runner.step(batch)
+        times.append(time.perf_counter() - start)
+        optimizer.step()
+        losses.append(float(loss))
+    return {"losses": losses, "step_s": times}

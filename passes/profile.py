@@ -1,0 +1,147 @@
+"""Profile pass: measure every layer's forward and backward time on the device at hand, so the
+cost model predicts runs on it (the CPU ranks of ``vlmcompile demo``, or a GPU).
+
+Each layer runs as the module codegen makes of it, on the real values it receives when the
+whole graph runs on one microbatch: a warm-up, then the median of ``repeats`` timed forwards
+and backwards (gradients of ones-like shape but random values flow into its outputs). On a CPU
+the measurement uses ``threads`` threads, the share of the cores one local rank gets. The
+result goes onto the LayerGraph (``Layer.measured``); ``cost_models.calibrate`` can fit the
+roofline's efficiencies to the same measurements for layers and models not profiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from tabulate import tabulate
+from vlmcompile.cost_models.calibrate import LayerMeasurement
+from vlmcompile.passes.codegen import layer_modules
+
+from vlmcompile.layer_graph import LayerGraph
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileReport:
+    device: str
+    threads: int
+    rows: int
+    """Batch rows the layers were timed on (one microbatch)."""
+    measurements: tuple[LayerMeasurement, ...]
+    wall_s: float
+
+    def __str__(self) -> str:
+        rows = [
+            [m.layer.name, m.layer.region.value, f"{1e3 * m.fwd_s:.2f}", f"{1e3 * m.bwd_s:.2f}"]
+            for m in self.measurements
+        ]
+        total_f = sum(m.fwd_s for m in self.measurements)
+        total_b = sum(m.bwd_s for m in self.measurements)
+        head = (
+            f"profile: {len(rows)} layers on {self.device} ({self.threads} thread(s)), microbatch of "
+            f"{self.rows} rows, in {self.wall_s:.1f} s; forward {1e3 * total_f:.1f} ms, backward "
+            f"{1e3 * total_b:.1f} ms"
+        )
+        return head + "\n" + tabulate(rows, headers=["layer", "region", "fwd ms", "bwd ms"])
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    layer_graph: LayerGraph
+    """The input LayerGraph with ``measured`` set on every layer."""
+    report: ProfileReport
+
+
+def _node_values(gm: fx.GraphModule, microbatch: Mapping[str, Any]) -> dict[str, Any]:
+    """Every node's value when the graph runs on ``microbatch``."""
+    values: dict[str, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            values[n.name] = out
+            return out
+
+    with torch.no_grad():
+        Recorder(gm).run(*[microbatch[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
+    return values
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()  # warm-up: allocator, kernel selection
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _time_layer(module: fx.GraphModule, leaves: list[Any], repeats: int) -> tuple[float, float]:
+    """(forward s, backward s): the backward is a forward + backward run less the forward."""
+    with torch.no_grad():
+        grads = [
+            torch.randn_like(o) if isinstance(o, torch.Tensor) and o.is_floating_point() else None
+            for o in module(*leaves)
+        ]
+
+    def forward_backward():
+        pairs = [(o, g) for o, g in zip(module(*leaves), grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    fwd_s = _median_s(lambda: module(*leaves), repeats)
+    both_s = _median_s(forward_backward, repeats)
+    # Timer noise can make a tiny layer's difference negative; keep a floor.
+    return fwd_s, max(both_s - fwd_s, 0.05 * fwd_s)
+
+
+def profile(
+    gm: fx.GraphModule,
+    layer_graph: LayerGraph,
+    microbatch: Mapping[str, Any],
+    *,
+    device_name: str = "cpu",
+    threads: int = 1,
+    repeats: int = 5,
+) -> ProfileResult:
+    """Time every layer of ``gm`` on ``microbatch`` (real tensors on the device to measure).
+
+    Args:
+        device_name: the ``DeviceSpec.name`` the times hold for (the cost model uses them there only).
+        threads: CPU threads during the measurement (a local rank's share of the cores).
+        repeats: timed runs per layer and direction; the median is kept.
+    """
+    rows = next(v.shape[0] for v in microbatch.values() if isinstance(v, torch.Tensor))
+    per_batch = layer_graph.meta.get("batch_size", 1) / rows
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    try:
+        values = _node_values(gm, microbatch)
+        measurements = []
+        for layer, (module, inputs, _) in zip(layer_graph.layers, layer_modules(gm)):
+            args = [values[n] for n in inputs]
+            leaves = [
+                a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+                for a in args
+            ]
+            fwd_s, bwd_s = _time_layer(module, leaves, repeats)
+            measurements.append(LayerMeasurement(layer, fwd_s, bwd_s, samples=1 / per_batch))
+    finally:
+        torch.set_num_threads(saved_threads)
+    wall = time.perf_counter() - start
+    layers = tuple(
+        dataclasses.replace(m.layer, measured=(device_name, m.fwd_s * per_batch, m.bwd_s * per_batch))
+        for m in measurements
+    )
+    graph = dataclasses.replace(
+        layer_graph, layers=layers, meta={**layer_graph.meta, "profiled_on": device_name}
+    )
+    return ProfileResult(graph, ProfileReport(device_name, threads, rows, tuple(measurements), wall))

@@ -1,0 +1,50 @@
+"""Profile pass: measured layer times land on the LayerGraph and drive the cost model there only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tests.models import build
+from vlmcompile.cost_models.compute import layer_time
+from vlmcompile.cost_models.hardware import device
+from vlmcompile.passes.annotate import annotate
+from vlmcompile.passes.capture import capture
+from vlmcompile.passes.profile import profile
+
+
+def test_every_layer_is_timed_and_the_cost_model_uses_the_times_on_that_device_only():
+    model, batch = build("tiny", batch_size=2)
+    gm = capture(model, batch).gm
+    graph = annotate(gm, batch).layer_graph
+    microbatch = {k: v[:1] for k, v in batch.items()}
+    result = profile(gm, graph, microbatch, device_name="cpu", threads=1, repeats=3)
+    layers = result.layer_graph.layers
+    assert all(layer.measured and layer.measured[0] == "cpu" for layer in layers)
+    assert all(layer.measured[1] > 0 and layer.measured[2] > 0 for layer in layers)
+    # Times are per annotated batch (2 rows): twice the one-row measurement.
+    m0 = result.report.measurements[0]
+    assert layers[0].measured[1] == 2 * m0.fwd_s
+    block = next(layer for layer in layers if "blocks.0" in layer.name)
+    norm = next(layer for layer in layers if layer.name.endswith("norm"))
+    assert block.measured[1] > norm.measured[1]
+
+    cpu = device("cpu")
+    t = layer_time(block, cpu, samples=0.5)
+    assert abs(t.fwd_s - 0.5 * block.measured[1]) < 1e-12
+    assert abs(t.bwd_s - 0.5 * block.measured[2]) < 1e-12
+    roofline = layer_time(dataclasses.replace(block, measured=None), cpu, samples=0.5)
+    assert layer_time(block, device("H100-80GB")) == layer_time(
+        dataclasses.replace(block, measured=None), device("H100-80GB")
+    )
+    assert t != roofline
+    assert "profile: " in str(result.report) and "blocks.0" in str(result.report)
+
+
+def test_profiled_times_survive_the_json_round_trip(tmp_path):
+    model, batch = build("tiny", batch_size=1)
+    gm = capture(model, batch).gm
+    graph = annotate(gm, batch).layer_graph
+    profiled = profile(gm, graph, batch, repeats=1).layer_graph
+    path = tmp_path / "layers.json"
+    profiled.save(path)
+    assert type(profiled).load(path).layers == profiled.layers

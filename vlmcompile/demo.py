@@ -1,0 +1,182 @@
+"""``vlmcompile demo``: compile the ``demo`` VLM for 2 local CPU ranks, run our plan and
+Megatron-LM's on the same runtime, and compare measurement with eager and with prediction.
+
+Both plans pipeline the model over the two ranks (PP = 2, microbatches of one sample, the
+same global batch), so the comparison is like for like: Megatron's policy puts the vision
+encoder, projector and embedding on stage 0 with half the LLM blocks; ours is the partition
+pass's. Layer times come from the profile pass on this CPU (one thread per rank), so the
+prediction is of this machine. Every step time is measured; the first step is a warm-up and
+is left out of the median.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, TextIO
+
+import torch
+from tabulate import tabulate
+
+NUM_RANKS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRun:
+    policy: str
+    stages: str
+    """Layers per stage, e.g. "9 | 9"."""
+    predicted_s: float
+    step_s: tuple[float, ...]
+    """Measured wall time of every step (the slowest rank's), warm-up first."""
+    losses: tuple[float, ...]
+    max_loss_diff: float
+    """Largest |loss - eager loss| over the steps."""
+    equal_to_eager: bool
+    """Every step's loss within torch.testing.assert_close's fp32 tolerance of eager's."""
+
+    @property
+    def measured_s(self) -> float:
+        return statistics.median(self.step_s[1:])
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    global_batch: int
+    num_steps: int
+    eager_losses: tuple[float, ...]
+    runs: tuple[PlanRun, ...]
+
+    @property
+    def speedup(self) -> float:
+        ours, megatron = self.runs
+        return megatron.measured_s / ours.measured_s
+
+    @property
+    def predicted_speedup(self) -> float:
+        ours, megatron = self.runs
+        return megatron.predicted_s / ours.predicted_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "runs": [{**asdict(r), "measured_s": r.measured_s, "error": r.error} for r in self.runs],
+            "speedup": self.speedup,
+            "predicted_speedup": self.predicted_speedup,
+            "machine": _machine(),
+        }
+
+    def __str__(self) -> str:
+        rows = [
+            [
+                r.policy,
+                r.stages,
+                f"{r.predicted_s:.3f}",
+                f"{r.measured_s:.3f}",
+                f"{100 * r.error:+.1f} %",
+                f"{r.losses[0]:.6f}",
+                f"{r.max_loss_diff:.1e} ({'equal' if r.equal_to_eager else 'NOT equal'})",
+            ]
+            for r in self.runs
+        ]
+        table = tabulate(
+            rows,
+            headers=[
+                "plan",
+                "layers per stage",
+                "predicted s",
+                "measured s (median)",
+                "error",
+                "loss, step 1",
+                "max |loss - eager|",
+            ],
+            disable_numparse=True,
+        )
+        return (
+            f"{NUM_RANKS} CPU ranks, PP=2, global batch {self.global_batch} in microbatches of 1, "
+            f"{self.num_steps} steps of SGD (first a warm-up, left out of the median)\n{table}\n"
+            f"eager loss, step 1: {self.eager_losses[0]:.6f}\n"
+            f"measured speedup of vlmcompile over megatron: {self.speedup:.2f}x "
+            f"(predicted {self.predicted_speedup:.2f}x)"
+        )
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def _eager_losses(model, batch, num_steps: int, lr: float) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(num_steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+def run_demo(
+    *, global_batch: int = 16, num_steps: int = 6, lr: float = 1e-3, log: TextIO | None = sys.stderr
+) -> tuple[Any, DemoResult]:
+    """Compile, then run both plans; returns (the compiled pipeline, the figures)."""
+    import copy
+
+    import vlmcompile
+    from vlmcompile import models
+    from vlmcompile.runtime import timed_steps
+    from vlmcompile.simulator import simulate
+
+    if num_steps < 6:
+        raise ValueError(f"num_steps={num_steps}; the demo needs a warm-up step and at least 5 timed steps")
+    model = models.build("demo")
+    batch = models.sample_batch("demo", batch_size=global_batch)
+    pipe = vlmcompile.compile(
+        model,
+        batch,
+        cluster=f"cpu:{NUM_RANKS}",
+        model_name="demo",
+        global_batch=global_batch,
+        profile=True,
+        plan_options={"pp_choices": (NUM_RANKS,), "microbatch_sizes": (1,)},
+        log=log,
+    )
+    megatron = pipe.baseline("megatron", tp=1, pp=NUM_RANKS, global_batch=global_batch, microbatch_size=1)
+    say = (lambda text: print(text, file=log, flush=True)) if log else (lambda text: None)
+    say("eager training on this process ...")
+    eager = _eager_losses(copy.deepcopy(model), batch, num_steps, lr)
+    runs = []
+    for policy, plan in (("vlmcompile", pipe.plan), ("megatron", megatron.plan)):
+        say(f"running the {policy} plan on {NUM_RANKS} ranks ({num_steps} steps) ...")
+        start = time.perf_counter()
+        results = pipe.launch(timed_steps, plan=plan, args=(batch, num_steps, lr), timeout_s=120)
+        say(f"  done in {time.perf_counter() - start:.1f} s")
+        steps = tuple(max(r["step_s"][k] for r in results) for k in range(num_steps))
+        losses = tuple(results[0]["losses"])
+        diff = max(abs(a - b) for r in results for a, b in zip(r["losses"], eager))
+        same = all(
+            torch.allclose(torch.tensor(r["losses"]), torch.tensor(eager), rtol=1.3e-6, atol=1e-5)
+            for r in results
+        )
+        runs.append(
+            PlanRun(
+                policy,
+                " | ".join(str(len(s.layers)) for s in plan.stages),
+                simulate(plan, pipe.layer_graph, pipe.cluster).step_time_s,
+                steps,
+                losses,
+                diff,
+                same,
+            )
+        )
+    return pipe, DemoResult(global_batch, num_steps, tuple(eager), tuple(runs))
