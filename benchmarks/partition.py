@@ -1,7 +1,7 @@
 """The partition pass against every baseline on the OmniBal and Optimus weak-scaling setups,
 and the CP-SAT solve time on ViT-22B + GPT-175B.
 
-    python benchmarks/partition.py [--only NAME ...] [--solve-only] [--readme]
+    python benchmarks/partition.py [--only NAME ...] [--solve-only | --table-only] [--readme] [--no-run]
 
 Per setup (``vlmcompile.setups``), every policy at the paper's DP/TP/PP and microbatch size:
 
@@ -126,23 +126,26 @@ def setup_rows(name: str, graphs: dict) -> list[dict]:
         )
     run, note = min(ours, key=lambda x: x[0].sim.step_time_s)
     row("vlmcompile", run, note)
-    include = [
+    # The search considers the paper's degrees too, starting there from our plans above.
+    warm_starts = {
         Degrees(
             setup.tp,
             setup.pp,
             setup.dp,
-            v,
+            r.plan.parallel["model"].v,
             setup.microbatch_size,
             setup.global_batch // (setup.dp * setup.microbatch_size),
-        )
-        for v in sorted({1, setup.v_balanced})
-    ]
+        ): r.plan
+        for r, _ in ours
+    }
+    include = list(warm_starts)
     start = time.perf_counter()
     run, search = search_and_compare(
         graph,
         cluster,
         global_batch=setup.global_batch,
         include=include,
+        warm_starts=warm_starts,
         v_choices=sorted({1, 2, 4, setup.v_balanced}),
         progress=False,
     )
@@ -194,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--solve-only", action="store_true", help="only the ViT-22B + GPT-175B solve time")
     parser.add_argument("--table-only", action="store_true", help="skip the solve-time runs")
     parser.add_argument("--readme", action="store_true", help="update the table in README.md")
+    parser.add_argument(
+        "--no-run", action="store_true", help="run nothing: print (and with --readme write) the saved table"
+    )
     args = parser.parse_args(argv)
+    if args.no_run:
+        args.table_only = args.solve_only = True
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     data["note"] = (
         "simulated by the vlmcompile cost model: predictions, not measurements (solve times are measured)"

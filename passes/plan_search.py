@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tabulate import tabulate
@@ -140,6 +140,7 @@ def plan_search(
     microbatch_sizes: Sequence[int] = (1, 2, 4),
     v_choices: Sequence[int] = (1, 2, 4),
     include: Iterable[Degrees] = (),
+    warm_starts: Mapping[Degrees, Plan] | None = None,
     time_limit_s: float = 3.0,
     progress: bool = True,
 ) -> tuple[Plan, SearchReport]:
@@ -147,6 +148,9 @@ def plan_search(
 
     Args:
         include: degrees to consider on top of the enumerated ones (e.g. a paper's).
+        warm_starts: plans already made at some degrees (e.g. our partition at a paper's, with a
+            longer time limit): the partition of those candidates starts from them, so the search
+            never returns a slower plan than one it was given.
         time_limit_s: CP-SAT's limit per candidate.
         progress: a progress bar on stderr.
 
@@ -207,7 +211,7 @@ def plan_search(
                 microbatch_size=d.microbatch_size,
                 global_batch=global_batch,
                 time_limit_s=time_limit_s,
-                warm_start=hints.get((d.pp, d.v)),
+                warm_start=(warm_starts or {}).get(d) or hints.get((d.pp, d.v)),
             )
         except (PlanError, ClusterError) as err:
             rows.append(CandidateRow(d, "failed", str(err).split(": ", 1)[-1][:120], lower))

@@ -57,3 +57,27 @@ def test_no_candidate_fits_says_what_is_needed(demo_graph):
     tiny = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, mem_bytes=2**20))
     with pytest.raises(PlanError, match="no parallel plan fits .* least model states"):
         plan_search(demo_graph, tiny, global_batch=16, progress=False)
+
+
+def test_a_warm_started_candidate_is_never_worse_than_its_warm_start(demo_graph):
+    from vlmcompile.planning import plan_and_simulate
+
+    cluster = Cluster.preset("h100x8")
+    given = plan_and_simulate(demo_graph, cluster, "omnibal", tp=1, pp=4, global_batch=16)
+    d = Degrees(tp=1, pp=4, dp=2, v=1, microbatch_size=1, num_microbatches=8)
+    # A tiny time limit: the solver alone may stop short; the warm start bounds the answer.
+    plan, report = plan_search(
+        demo_graph,
+        cluster,
+        global_batch=16,
+        tp_choices=(1,),
+        pp_choices=(4,),
+        microbatch_sizes=(1,),
+        v_choices=(1,),
+        include=[d],
+        warm_starts={d: given.plan},
+        time_limit_s=0.05,
+        progress=False,
+    )
+    assert [c.degrees for c in report.candidates] == [d]
+    assert report.sim.step_time_s <= given.sim.step_time_s * (1 + 1e-9)
