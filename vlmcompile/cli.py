@@ -180,6 +180,12 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup_names() -> list[str]:
+    from vlmcompile.setups import SETUPS
+
+    return list(SETUPS)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlmcompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -272,9 +278,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _setup_names() -> list[str]:
-    from vlmcompile.setups import SETUPS
-
-    return list(SETUPS)
