@@ -122,7 +122,7 @@ def _eager_losses(model, batch, num_steps: int, lr: float) -> list[float]:
         loss = model(**batch)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
