@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from vlmcompile.passes.megatron import build_plan, parallel_for
 
 from vlmcompile.cluster import Cluster
@@ -54,3 +55,12 @@ def encoder_on_rank_1(layer_graph, *, global_batch: int) -> Plan:
     out = dataclasses.replace(plan, stages=stages, actions=(plan.actions[1], plan.actions[0]))
     out.validate(layer_graph)
     return out
+
+
+def eager_step(model, batch):
+    """Eager loss and gradients, under every name of a tied parameter."""
+    model.zero_grad()
+    out = model(**batch)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}

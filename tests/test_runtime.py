@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.models import build, needs_transformers
-from tests.pipeline_helpers import encoder_on_rank_1, even_plan
+from tests.pipeline_helpers import eager_step, encoder_on_rank_1, even_plan
 from vlmcompile import compile
 from vlmcompile.errors import PlanError
 from vlmcompile.launch import LaunchError, launch
@@ -21,16 +21,8 @@ from vlmcompile.runtime import BatchError, one_step
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 
-def _eager(model, batch):
-    model.zero_grad()
-    out = model(**batch)
-    loss = out if isinstance(out, torch.Tensor) else out.loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
-
-
 def _check_equal_to_eager(model, batch, results):
-    loss_ref, grads_ref = _eager(model, batch)
+    loss_ref, grads_ref = eager_step(model, batch)
     seen = set()
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["loss"], loss_ref, msg=lambda m, r=rank: f"rank {r} loss: {m}")

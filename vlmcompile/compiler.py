@@ -15,11 +15,13 @@ report. The schedule pass and codegen join this list as they land.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -69,10 +71,6 @@ def _annotate_pass(state: CompileState, *, tensor_mode) -> None:
 
 
 def _profile_pass(state: CompileState, *, repeats: int) -> None:
-    import os
-
-    import torch
-
     from vlmcompile.passes.profile import profile
 
     tensors = [v for v in state.sample_batch.values() if isinstance(v, torch.Tensor)]
@@ -165,15 +163,17 @@ class CompiledPipeline:
         """One training step of ``self.plan`` on this rank (under torchrun, every rank calls it
         with the same global batch); returns the loss. Gradients land in the ``.grad`` of
         ``self.parameters()``."""
-        if "default" not in self._runners:
-            self._runners["default"] = self.runner()
-        return self._runners["default"].step(batch)
+        return self._default_runner().step(batch)
 
     def parameters(self) -> list:
         """This rank's parameters under ``self.plan`` (give them to the optimizer)."""
+        return self._default_runner().parameters()
+
+    def _default_runner(self) -> PipelineRunner:
+        # Built once per process: codegen and process groups are set up on the first call.
         if "default" not in self._runners:
             self._runners["default"] = self.runner()
-        return self._runners["default"].parameters()
+        return self._runners["default"]
 
     def launch(
         self,

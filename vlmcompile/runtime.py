@@ -166,7 +166,8 @@ class PipelineRunner:
             if pp_rank == self.pp_rank:
                 self.dp_group, self.dp_ranks = group, ranks
         self.tied = self._tied_groups()
-        self._meta: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        self._meta: dict[int, list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
+        """Per sending stage: (shape, dtype, is a Python number) of each value it sends."""
         self._ready = True
 
     def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
@@ -316,7 +317,7 @@ class PipelineRunner:
             if old is not None:
                 p.grad = old if p.grad is None else p.grad + old
         loss = loss_sum.clone()
-        self._collective(lambda: dist.all_reduce(loss, async_op=True), "the loss all-reduce")
+        self._wait(dist.all_reduce(loss, async_op=True), "the loss all-reduce")
         return loss.float()
 
     # ---- communication ---------------------------------------------------------------------
@@ -418,16 +419,13 @@ class PipelineRunner:
                 f"failed (see its own error). gloo said: {str(err).splitlines()[0][:200]}"
             ) from None
 
-    def _collective(self, start: Callable[[], Any], what: str) -> None:
-        self._wait(start(), what)
-
     def _reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         for group, tied in self.tied:
             for p in tied:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                self._collective(
-                    lambda p=p, group=group: dist.all_reduce(p.grad, group=group, async_op=True),
+                self._wait(
+                    dist.all_reduce(p.grad, group=group, async_op=True),
                     "the tied-parameter gradient all-reduce",
                 )
         if self.dp_group is None:
@@ -436,8 +434,8 @@ class PipelineRunner:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._collective(
-            lambda: dist.all_reduce(flat, group=self.dp_group, async_op=True),
+        self._wait(
+            dist.all_reduce(flat, group=self.dp_group, async_op=True),
             f"the data-parallel gradient all-reduce over ranks {self.dp_ranks}",
         )
         offset = 0

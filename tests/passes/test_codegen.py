@@ -9,7 +9,7 @@ from vlmcompile.passes.capture import capture
 from vlmcompile.passes.codegen import codegen, load_original_state
 
 from tests.models import ALL, build
-from tests.pipeline_helpers import even_plan
+from tests.pipeline_helpers import eager_step, even_plan
 from vlmcompile.errors import PlanError
 from vlmcompile.plan import Recompute
 
@@ -18,15 +18,6 @@ def _compiled(name):
     model, batch = build(name)
     gm = capture(model, batch).gm
     return model, batch, gm, annotate(gm, batch).layer_graph
-
-
-def _eager(model, batch):
-    """Loss and gradients; gradients under every name of a tied parameter."""
-    model.zero_grad()
-    out = model(**batch)
-    loss = out if isinstance(out, torch.Tensor) else out.loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _canonical(model) -> dict[str, str]:
@@ -66,7 +57,7 @@ def test_stage_chain_equals_eager_with_recompute(name):
     n = len(graph.layers)
     plan = even_plan(graph, pp=3, global_batch=1, recompute=(1, n - 2))
     result = codegen(gm, plan)
-    loss_ref, grads_ref = _eager(model, batch)
+    loss_ref, grads_ref = eager_step(model, batch)
     model.zero_grad()
     loss = _run_chain(result.stages, batch)
     torch.testing.assert_close(loss, loss_ref)
