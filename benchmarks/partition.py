@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from readme_section import write_readme_section
 from vlmcompile.passes.partition import partition
 from vlmcompile.passes.plan_search import Degrees
 
@@ -39,7 +40,6 @@ from vlmcompile.setups import SETUPS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "partition.json"
-BEGIN, END = "<!-- partition:begin -->", "<!-- partition:end -->"
 TABLE_SETUPS = [n for n in SETUPS if n.startswith("omnibal-") or n.startswith("optimus-weak-")]
 
 
@@ -238,11 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if slower:
         print(f"ours is slower than a baseline on {slower}", file=sys.stderr)
     if args.readme:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+        write_readme_section("partition", table)
     return 1 if slower else 0
 
 

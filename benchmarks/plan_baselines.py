@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from readme_section import write_readme_section
 
 from vlmcompile.cluster import Cluster
 from vlmcompile.planning import plan_and_simulate, zoo_layer_graph
@@ -32,7 +33,6 @@ from vlmcompile.simulator import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "plan_baselines.json"
-BEGIN, END = "<!-- plan_baselines:begin -->", "<!-- plan_baselines:end -->"
 
 
 def _graph(model: str, cache: dict):
@@ -120,13 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(rows)
     print(table)
     if args.readme:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
-        if BEGIN not in text:
-            raise SystemExit(f"README.md has no {BEGIN} marker")
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+        write_readme_section("plan_baselines", table)
     return 0
 
 

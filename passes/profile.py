@@ -2,10 +2,10 @@
 cost model predicts runs on it (the CPU ranks of ``vlmcompile demo``, or a GPU).
 
 Each layer runs as the module codegen makes of it, on the real values it receives when the
-whole graph runs on one microbatch: a warm-up, then the median of ``repeats`` timed forwards
-and backwards (gradients of ones-like shape but random values flow into its outputs). On a CPU
-the measurement uses ``threads`` threads, the share of the cores one local rank gets. The
-result goes onto the LayerGraph (``Layer.measured``); ``cost_models.calibrate`` can fit the
+whole graph runs on one microbatch: a warm-up, then the median of ``repeats`` rounds over all
+layers, each timing a forward and a forward + backward (gradients of random values flow into
+its outputs). On a CPU the measurement uses ``threads`` threads, the share of the cores one
+local rank gets. The result goes onto the LayerGraph (``Layer.measured``); ``cost_models.calibrate`` can fit the
 roofline's efficiencies to the same measurements for layers and models not profiled.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,18 +73,14 @@ def _node_values(gm: fx.GraphModule, microbatch: Mapping[str, Any]) -> dict[str,
     return values
 
 
-def _median_s(fn, repeats: int) -> float:
-    fn()  # warm-up: allocator, kernel selection
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _timed_s(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def _time_layer(module: fx.GraphModule, leaves: list[Any], repeats: int) -> tuple[float, float]:
-    """(forward s, backward s): the backward is a forward + backward run less the forward."""
+def _layer_runs(module: fx.GraphModule, leaves: list[Any]) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """(a forward, a forward + backward) of one layer on its real inputs."""
     with torch.no_grad():
         grads = [
             torch.randn_like(o) if isinstance(o, torch.Tensor) and o.is_floating_point() else None
@@ -96,10 +92,31 @@ def _time_layer(module: fx.GraphModule, leaves: list[Any], repeats: int) -> tupl
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
-    fwd_s = _median_s(lambda: module(*leaves), repeats)
-    both_s = _median_s(forward_backward, repeats)
-    # Timer noise can make a tiny layer's difference negative; keep a floor.
-    return fwd_s, max(both_s - fwd_s, 0.05 * fwd_s)
+    return (lambda: module(*leaves)), forward_backward
+
+
+def _time_layers(runs: list[tuple[Callable, Callable]], repeats: int) -> list[tuple[float, float]]:
+    """(forward s, backward s) per layer, the median of ``repeats`` rounds; the backward is a
+    forward + backward run less the forward.
+
+    Rounds go over every layer in turn, not layer after layer: a shared machine's speed drifts
+    over seconds, and round-robin spreads a slow spell over all layers instead of inflating
+    the few timed during it (which would move the stage cuts)."""
+    for forward, forward_backward in runs:  # warm-up: allocator, kernel selection
+        forward()
+        forward_backward()
+    fwd: list[list[float]] = [[] for _ in runs]
+    both: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for k, (forward, forward_backward) in enumerate(runs):
+            fwd[k].append(_timed_s(forward))
+            both[k].append(_timed_s(forward_backward))
+    out = []
+    for f, b in zip(fwd, both):
+        fwd_s = statistics.median(f)
+        # Timer noise can make a tiny layer's difference negative; keep a floor.
+        out.append((fwd_s, max(statistics.median(b) - fwd_s, 0.05 * fwd_s)))
+    return out
 
 
 def profile(
@@ -125,15 +142,17 @@ def profile(
     start = time.perf_counter()
     try:
         values = _node_values(gm, microbatch)
-        measurements = []
-        for layer, (module, inputs, _) in zip(layer_graph.layers, layer_modules(gm)):
-            args = [values[n] for n in inputs]
+        runs = []
+        for module, inputs, _ in layer_modules(gm):
             leaves = [
                 a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-                for a in args
+                for a in (values[n] for n in inputs)
             ]
-            fwd_s, bwd_s = _time_layer(module, leaves, repeats)
-            measurements.append(LayerMeasurement(layer, fwd_s, bwd_s, samples=1 / per_batch))
+            runs.append(_layer_runs(module, leaves))
+        measurements = [
+            LayerMeasurement(layer, fwd_s, bwd_s, samples=1 / per_batch)
+            for layer, (fwd_s, bwd_s) in zip(layer_graph.layers, _time_layers(runs, repeats))
+        ]
     finally:
         torch.set_num_threads(saved_threads)
     wall = time.perf_counter() - start

@@ -3,6 +3,7 @@ a dead rank fails the others with its name, and bad input gets a clear error."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import signal
@@ -14,9 +15,10 @@ import torch
 from tests.models import build, needs_transformers
 from tests.pipeline_helpers import eager_step, encoder_on_rank_1, even_plan
 from vlmcompile import compile
+from vlmcompile.demo import eager_losses
 from vlmcompile.errors import PlanError
 from vlmcompile.launch import LaunchError, launch
-from vlmcompile.runtime import BatchError, one_step
+from vlmcompile.runtime import BatchError, interleaved_steps, one_step
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -78,6 +80,25 @@ def test_transformers_llava_equals_eager():
     _check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
 
 
+def test_two_plans_interleaved_step_by_step_each_train_like_eager():
+    # The demo's comparison: both runners share the ranks and the p2p tags, each its own weights.
+    model, batch, pipe = _pipe("tiny")
+    plans = (
+        even_plan(pipe.layer_graph, pp=2, global_batch=4, recompute=(2,)),
+        even_plan(pipe.layer_graph, pp=2, v=2, global_batch=4),
+    )
+    runners = tuple(copy.deepcopy(pipe.runner(plan, timeout_s=30)) for plan in plans)
+    results = launch(interleaved_steps, runners, 2, args=(batch, 3, 0.1), timeout_s=30)
+    expected = torch.tensor(eager_losses(copy.deepcopy(model), batch, 3, 0.1))
+    assert not torch.allclose(expected[0], expected[-1]), "SGD should move the loss"
+    for rank, per_plan in enumerate(results):
+        for j, result in enumerate(per_plan):
+            assert len(result["step_s"]) == 3 and all(t > 0 for t in result["step_s"])
+            torch.testing.assert_close(
+                torch.tensor(result["losses"]), expected, msg=lambda m, r=rank, j=j: f"rank {r} plan {j}: {m}"
+            )
+
+
 def _kill_rank_1_mid_step(runner, batch):
     def on_action(rank, action):
         if rank == 1 and action.microbatch == 2:
@@ -103,6 +124,28 @@ def test_a_dead_rank_fails_the_others_naming_it():
     # rank 3, rank 1's pipeline peer, names it; the data-parallel peers name their group.
     assert re.search(r"rank 3: exited 1 .* waiting for .* from rank 1", text), text
     assert re.search(r"rank 0: exited 1 .* over ranks \[0, 1\]", text), text
+
+
+def _hang_rank_1_mid_step(runner, batch):
+    def on_action(rank, action):
+        if rank == 1 and action.microbatch == 2:
+            time.sleep(3600)  # alive, silent
+
+    runner.on_action = on_action
+    return one_step(runner, batch)
+
+
+def test_a_hung_rank_times_the_others_out_and_is_killed():
+    _, batch, pipe = _pipe("tiny")
+    plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_hang_rank_1_mid_step, pipe.runner(plan, timeout_s=10), 2, args=(batch,), timeout_s=10)
+    assert time.monotonic() - start < 60
+    text = str(info.value)
+    assert info.value.exit_codes[0] == 1 and info.value.exit_codes[1] == -signal.SIGKILL, text
+    assert re.search(r"rank 0: exited 1 .* timed out after \d+\.\d s waiting for .* from rank 1", text), text
+    assert "rank 1: killed by the launcher" in text
 
 
 def test_a_batch_of_other_shapes_names_the_tensor_and_the_expected_shape():
@@ -137,7 +180,8 @@ def test_a_plan_made_for_another_model_is_refused(tmp_path):
         pipe.runner(Plan.load(path))
 
 
-def test_cli_run_trains_a_zoo_model_on_local_ranks(capsys):
+@pytest.mark.parametrize("policy", ["megatron", "vlmcompile"])
+def test_cli_run_trains_a_zoo_model_on_local_ranks(policy, capsys):
     from vlmcompile.cli import main
 
     assert (
@@ -149,7 +193,7 @@ def test_cli_run_trains_a_zoo_model_on_local_ranks(capsys):
                 "--nprocs",
                 "2",
                 "--policy",
-                "megatron",
+                policy,
                 "--global-batch",
                 "4",
                 "--steps",
@@ -159,6 +203,6 @@ def test_cli_run_trains_a_zoo_model_on_local_ranks(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "plan 'megatron'" in out
+    assert f"plan '{policy}'" in out
     losses = [float(x) for x in out.split("losses: ")[1].splitlines()[0].split(", ")]
     assert len(losses) == 2 and losses[1] < losses[0]  # SGD on one batch lowers its loss

@@ -5,8 +5,10 @@ Both plans pipeline the model over the two ranks (PP = 2, microbatches of one sa
 same global batch), so the comparison is like for like: Megatron's policy puts the vision
 encoder, projector and embedding on stage 0 with half the LLM blocks; ours is the partition
 pass's. Layer times come from the profile pass on this CPU (one thread per rank), so the
-prediction is of this machine. Every step time is measured; the first step is a warm-up and
-is left out of the median.
+prediction is of this machine. Both plans run in one launch, step by step in alternating
+order (ours, Megatron's; Megatron's, ours; ...), each on its own copy of the weights: the speed
+of a shared machine drifts over minutes, and interleaving puts the drift on both plans alike.
+Every step time is measured; the first step of each plan is a warm-up, left out of the median.
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ def _machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
-def _eager_losses(model, batch, num_steps: int, lr: float) -> list[float]:
+def eager_losses(model, batch, num_steps: int, lr: float) -> list[float]:
+    """The losses of ``num_steps`` eager SGD(lr) steps on the same batch (``model`` is trained)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for _ in range(num_steps):
@@ -134,7 +137,8 @@ def run_demo(
 
     import vlmcompile
     from vlmcompile import models
-    from vlmcompile.runtime import timed_steps
+    from vlmcompile.launch import launch
+    from vlmcompile.runtime import interleaved_steps
     from vlmcompile.simulator import simulate
 
     if num_steps < 6:
@@ -154,19 +158,26 @@ def run_demo(
     megatron = pipe.baseline("megatron", tp=1, pp=NUM_RANKS, global_batch=global_batch, microbatch_size=1)
     say = (lambda text: print(text, file=log, flush=True)) if log else (lambda text: None)
     say("eager training on this process ...")
-    eager = _eager_losses(copy.deepcopy(model), batch, num_steps, lr)
+    eager = eager_losses(copy.deepcopy(model), batch, num_steps, lr)
+    plans = (("vlmcompile", pipe.plan), ("megatron", megatron.plan))
+    # Each plan's runner gets its own copy of the parameters: both train from the same weights.
+    runners = tuple(copy.deepcopy(pipe.runner(plan, timeout_s=120)) for _, plan in plans)
+    say(
+        f"running both plans on {NUM_RANKS} ranks, {num_steps} steps each, interleaved step by step "
+        f"(the order alternating) ..."
+    )
+    start = time.perf_counter()
+    results = launch(interleaved_steps, runners, NUM_RANKS, args=(batch, num_steps, lr), timeout_s=120)
+    say(f"  done in {time.perf_counter() - start:.1f} s")
     runs = []
-    for policy, plan in (("vlmcompile", pipe.plan), ("megatron", megatron.plan)):
-        say(f"running the {policy} plan on {NUM_RANKS} ranks ({num_steps} steps) ...")
-        start = time.perf_counter()
-        results = pipe.launch(timed_steps, plan=plan, args=(batch, num_steps, lr), timeout_s=120)
-        say(f"  done in {time.perf_counter() - start:.1f} s")
-        steps = tuple(max(r["step_s"][k] for r in results) for k in range(num_steps))
-        losses = tuple(results[0]["losses"])
-        diff = max(abs(a - b) for r in results for a, b in zip(r["losses"], eager))
+    for j, (policy, plan) in enumerate(plans):
+        mine = [r[j] for r in results]
+        steps = tuple(max(r["step_s"][k] for r in mine) for k in range(num_steps))
+        losses = tuple(mine[0]["losses"])
+        diff = max(abs(a - b) for r in mine for a, b in zip(r["losses"], eager))
         same = all(
             torch.allclose(torch.tensor(r["losses"]), torch.tensor(eager), rtol=1.3e-6, atol=1e-5)
-            for r in results
+            for r in mine
         )
         runs.append(
             PlanRun(
