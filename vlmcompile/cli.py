@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo",
         help="compile the demo VLM for 2 CPU ranks; run our plan and Megatron's; measured vs predicted",
     )
-    d.add_argument("--global-batch", type=int, default=16, help="samples per step (default 16)")
+    d.add_argument("--global-batch", type=int, default=32, help="samples per step (default 32)")
     d.add_argument(
         "--steps", type=int, default=6, help="training steps per plan, the first a warm-up (default 6)"
     )

@@ -130,7 +130,7 @@ def eager_losses(model, batch, num_steps: int, lr: float) -> list[float]:
 
 
 def run_demo(
-    *, global_batch: int = 16, num_steps: int = 6, lr: float = 1e-3, log: TextIO | None = sys.stderr
+    *, global_batch: int = 32, num_steps: int = 6, lr: float = 1e-3, log: TextIO | None = sys.stderr
 ) -> tuple[Any, DemoResult]:
     """Compile, then run both plans; returns (the compiled pipeline, the figures)."""
     import copy
