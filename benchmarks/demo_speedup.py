@@ -52,9 +52,8 @@ def _table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def report(runs: list[dict], command: str) -> str:
+def report(runs: list[dict], summary: dict, command: str) -> str:
     """The per-run table and the summary line, in Markdown."""
-    summary = summarize(runs)
     return (
         f"{_table(runs)}\n\nMedian measured speedup {summary['median_speedup']:.2f}x over {len(runs)} runs "
         f"(from {summary['min_speedup']:.2f}x to {summary['max_speedup']:.2f}x; predicted "
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if str(args.global_batch) not in saved:
             parser.error(f"{RESULTS} has no runs at --global-batch {args.global_batch}; run without --no-run")
         entry = saved[str(args.global_batch)]
-        text = report(entry["runs"], entry["command"])
+        text = report(entry["runs"], entry["summary"], entry["command"])
         print(text)
         if args.readme:
             write_readme_section(f"demo_speedup_{args.global_batch}", text)
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(saved, indent=1))
-    text = report(runs, command)
+    text = report(runs, summary, command)
     print(text)
     if args.readme:
         write_readme_section(f"demo_speedup_{args.global_batch}", text)

@@ -5,8 +5,9 @@ Each layer runs as the module codegen makes of it, on the real values it receive
 whole graph runs on one microbatch: a warm-up, then the median of ``repeats`` rounds over all
 layers, each timing a forward and a forward + backward (gradients of random values flow into
 its outputs). On a CPU the measurement uses ``threads`` threads, the share of the cores one
-local rank gets. The result goes onto the LayerGraph (``Layer.measured``); ``cost_models.calibrate`` can fit the
-roofline's efficiencies to the same measurements for layers and models not profiled.
+local rank gets. The result goes onto the LayerGraph (``Layer.measured``);
+``cost_models.calibrate`` can fit the roofline's efficiencies to the same measurements for
+layers and models not profiled.
 """
 
 from __future__ import annotations
