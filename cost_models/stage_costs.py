@@ -94,7 +94,7 @@ def _tp_collectives(layer: Layer) -> int:
     bytes); other sharded layers (embedding, projector MLP, output layer) once."""
     if not is_tensor_parallel(layer):
         return 0
-    return 2 if layer.fwd_attn_flops > 0 else 1
+    return 2 if layer.block else 1
 
 
 def _hidden_bytes(layer_graph: LayerGraph, layer: Layer) -> int:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,7 +45,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
+    unset_fake_temporarily,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -54,8 +56,17 @@ from vlmcompile.cost_models.flops import cpu_sdpa_flop_mapping
 from vlmcompile.passes.capture import layer_nodes
 
 from vlmcompile.errors import ModelError
+from vlmcompile.fake import fake_factory, swapped_tensors
 from vlmcompile.layer_graph import Layer, LayerGraph, NodeCost, TensorSpec, format_count
-from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META, NODE_COST_META, REGION_META
+from vlmcompile.meta_keys import (
+    BLOCK_LAYERS_META,
+    LAYER_META,
+    LAYER_ORDER_META,
+    LOSS_SPLIT_META,
+    NODE_COST_META,
+    REGION_META,
+)
+from vlmcompile.microbatch import num_samples
 
 TensorMode = Literal["fake", "real"]
 
@@ -69,6 +80,8 @@ class AnnotateReport:
     bwd_time_s: float
     fallback: str | None = None
     """Why fake tensors were abandoned for real ones, if they were."""
+    assumptions: tuple[str, ...] = ()
+    """Values the figures assume because the batch holds none (meta inputs)."""
 
     def __str__(self) -> str:
         t = self.layer_graph.totals()
@@ -78,6 +91,7 @@ class AnnotateReport:
             f"{format_count(t['num_params'])} parameters"
         )
         lines = [head] + ([f"  fell back to real tensors: {self.fallback}"] if self.fallback else [])
+        lines += [f"  assumed: {a}" for a in self.assumptions]
         return "\n".join(
             [
                 *lines,
@@ -112,28 +126,6 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
     except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. nested)
         return None
     return s._cdata, s.nbytes()
-
-
-@contextlib.contextmanager
-def _swapped_tensors(gm: nn.Module, make: Any) -> Iterator[None]:
-    """Swap every parameter and buffer of ``gm`` for ``make(t)``; the same object maps to the
-    same replacement (tied weights stay tied). Restores the originals on exit."""
-    memo: dict[int, torch.Tensor] = {}
-    undo: list[tuple[dict, str, Any]] = []
-    for module in gm.modules():
-        for table in (module._parameters, module._buffers):
-            for name, t in list(table.items()):
-                if t is None:
-                    continue
-                if id(t) not in memo:
-                    memo[id(t)] = make(t)
-                undo.append((table, name, t))
-                table[name] = memo[id(t)]
-    try:
-        yield
-    finally:
-        for table, name, t in undo:
-            table[name] = t
 
 
 _NO_COPY_OPS = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
@@ -178,8 +170,16 @@ def _add(total: tuple[int, ...], more: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Annotator(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, counters: _Counters, param_storages: set[int]):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        counters: _Counters,
+        param_storages: set[int],
+        fake_mode: FakeTensorMode | None = None,
+    ):
         super().__init__(gm, garbage_collect_values=False)
+        self.fake_mode = fake_mode
+
         self.counters = counters
         self.param_storages = param_storages
         self.seen_storages: set[int] = set()
@@ -217,6 +217,9 @@ class _Annotator(fx.Interpreter):
                     self.layer_inputs[layer][st[0]] = st[1]
                 if arg.op != "placeholder" and t.requires_grad:
                     return t.detach().requires_grad_(True)
+                if not isinstance(t, FakeTensor):  # a known value stays real (see _call)
+                    with unset_fake_temporarily():
+                        return t.detach()
                 return t.detach()
 
             self.leaves[key] = tree_map(leaf, value)
@@ -230,10 +233,24 @@ class _Annotator(fx.Interpreter):
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._input_for(a, layer))
         before = self.counters.snapshot()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-            out = getattr(self, n.op)(n.target, args, kwargs)
+            out = self._call(n, args, kwargs)
         self.fwd_cost[n] = _add(self.fwd_cost[n], _delta(self.counters.snapshot(), before))
         self._own_grad_fns(n, out)
         return out
+
+    def _call(self, n: fx.Node, args: Any, kwargs: Any) -> Any:
+        """Run one node. On fake tensors, a node that reads only known values (the real CPU
+        inputs of the batch: token ids, sizes, and what is computed from them alone) runs on
+        real tensors, so a later shape that depends on them can be known
+        (:class:`_ShapesFromKnownValues`)."""
+        run = getattr(self, n.op)
+        if self.fake_mode is None or n.op != "call_function":
+            return run(n.target, args, kwargs)
+        tensors = _tensors((args, kwargs))
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            with unset_fake_temporarily():
+                return run(n.target, args, kwargs)
+        return run(n.target, args, kwargs)
 
     def _own_grad_fns(self, n: fx.Node, out: Any) -> None:
         stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
@@ -281,20 +298,45 @@ class _Annotator(fx.Interpreter):
             self.bwd_cost[self._bwd_node] = _add(self.bwd_cost[self._bwd_node], last)
 
 
+class _ShapesFromKnownValues(TorchDispatchMode):
+    """On fake tensors, an op whose output shape depends on values (``hidden[image_mask]``, the
+    ``masked_select`` in ``masked_scatter``'s backward) runs for real when every integer and
+    boolean argument is a known value: the float arguments become zeros of their shape, and
+    the result becomes a fake tensor again. Only its shape matters here."""
+
+    def __init__(self, fake_mode: FakeTensorMode, limit_bytes: int = 1 << 30):
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.limit_bytes = limit_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except (DynamicOutputShapeException, DataDependentOutputException):
+            tensors = _tensors((args, kwargs))
+            fakes = [t for t in tensors if isinstance(t, FakeTensor)]
+            if any(not (t.is_floating_point() or t.is_complex()) for t in fakes):
+                raise  # the shape depends on values nobody knows
+            if sum(t.numel() * t.element_size() for t in fakes) > self.limit_bytes:
+                raise
+            with unset_fake_temporarily():
+                real_args, real_kwargs = tree_map(_zeros_for_fake, (args, kwargs))
+                out = func(*real_args, **real_kwargs)
+            return tree_map(
+                lambda t: self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, out
+            )
+
+
+def _zeros_for_fake(value: Any) -> Any:
+    if isinstance(value, FakeTensor):
+        return torch.zeros(value.shape, dtype=value.dtype)
+    return value
+
+
 def _detached_parameter(t: torch.Tensor) -> torch.Tensor:
     """Same storage, new leaf: gradients land here, not in the user's parameter."""
     return nn.Parameter(t.detach(), requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else t
-
-
-def _fake_factory(mode: FakeTensorMode):
-    def make(t: torch.Tensor) -> torch.Tensor:
-        with mode:
-            fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
-        if isinstance(t, nn.Parameter):
-            return nn.Parameter(fake, requires_grad=t.requires_grad)
-        return fake
-
-    return make
 
 
 def annotate(
@@ -327,20 +369,44 @@ def annotate(
 
     fallback = None
     try:
-        layer_graph, fwd_s, bwd_s = _measure(gm, sample_batch, tensor_mode, model_name)
+        layer_graph, fwd_s, bwd_s, assumed = _measure(gm, sample_batch, tensor_mode, model_name)
     except _DataDependentNode as err:
         where = f"node {err.node.name} ({err.node.target}, layer {err.node.meta.get(LAYER_META)})"
         if tensor_mode == "real" or not has_values:
             raise ModelError(
                 f"fake tensors cannot follow the data-dependent operation at {where}: "
-                f"{type(err.cause).__name__}; annotate this model with real weights and inputs "
-                "(tensor_mode='real', small configurations) or make that shape independent of tensor values"
-            ) from None
+                f"{type(err.cause).__name__}. {_what_to_give(gm, err.node, sample_batch)}"
+            ) from err.cause
         fallback = f"data-dependent operation at {where}: {type(err.cause).__name__}"
         tensor_mode = "real"
-        layer_graph, fwd_s, bwd_s = _measure(gm, sample_batch, tensor_mode, model_name)
-    report = AnnotateReport(layer_graph, tensor_mode, fwd_s, bwd_s, fallback)
+        layer_graph, fwd_s, bwd_s, assumed = _measure(gm, sample_batch, tensor_mode, model_name)
+    report = AnnotateReport(layer_graph, tensor_mode, fwd_s, bwd_s, fallback, tuple(assumed))
     return AnnotateResult(gm, layer_graph, report)
+
+
+def _what_to_give(gm: fx.GraphModule, node: fx.Node, batch: Mapping[str, Any]) -> str:
+    """Advice for a data-dependent shape on fake tensors: which meta inputs it reads."""
+    seen, stack, inputs = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            inputs.append(str(n.target))
+        stack.extend(n.all_input_nodes)
+    meta = sorted(
+        k for k in inputs if isinstance(batch.get(k), torch.Tensor) and batch[k].device.type == "meta"
+    )
+    if meta:
+        return (
+            f"Its shape depends on the values of batch inputs {meta}, which are meta tensors: give them as "
+            "CPU tensors (the model may stay on meta)"
+        )
+    return (
+        "Its shape depends on values computed by the model; annotate it with real weights and inputs "
+        "(tensor_mode='real', small configurations) or make that shape independent of tensor values"
+    )
 
 
 class _DataDependentNode(Exception):
@@ -353,22 +419,23 @@ class _DataDependentNode(Exception):
 
 def _measure(
     gm: fx.GraphModule, sample_batch: Mapping[str, Any], tensor_mode: TensorMode, model_name: str | None
-) -> tuple[LayerGraph, float, float]:
+) -> tuple[LayerGraph, float, float, list[str]]:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if tensor_mode == "fake" else None
-    make = _fake_factory(fake_mode) if fake_mode else _detached_parameter
-    batch = {k: make(v) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()}
+    make = fake_factory(fake_mode) if fake_mode else _detached_parameter
+    batch, assumed = _known_batch(sample_batch, make) if fake_mode else (_made(sample_batch, make), [])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     args = [batch[n.target] if n.target in batch else _default_of(n) for n in placeholders]
 
-    with _swapped_tensors(gm, make), fake_mode or contextlib.nullcontext():
+    with swapped_tensors(gm, make), fake_mode or contextlib.nullcontext():
         sdpa = cpu_sdpa_flop_mapping()
         flops = FlopCounterMode(display=False, custom_mapping=sdpa)
         flop_ops = set(flop_registry) | set(sdpa)
         traffic = _MemoryTraffic(flop_ops)
         counters = _Counters(flops, traffic, {op for op in flop_ops if "attention" in str(op)})
         param_storages = {st[0] for p in gm.parameters() if (st := _storage(p))}
-        interp = _Annotator(gm, counters, param_storages)
-        with flops, traffic:
+        interp = _Annotator(gm, counters, param_storages, fake_mode)
+        known_shapes = _ShapesFromKnownValues(fake_mode) if fake_mode else contextlib.nullcontext()
+        with flops, traffic, known_shapes:
             start = time.perf_counter()
             try:
                 interp.run(*args)
@@ -381,7 +448,32 @@ def _measure(
         layer_graph = _build_layer_graph(
             gm, interp, model_name=model_name, tensor_mode=tensor_mode, batch=sample_batch
         )
-    return layer_graph, fwd_s, bwd_s
+    return layer_graph, fwd_s, bwd_s, assumed
+
+
+def _made(batch: Mapping[str, Any], make: Any) -> dict[str, Any]:
+    return {k: make(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _known_batch(batch: Mapping[str, Any], make: Any) -> tuple[dict[str, Any], list[str]]:
+    """The batch for a run on fake tensors, and what it assumes. Inputs with values stay real:
+    known values (see ``_Annotator._call``), so a shape that depends on them (image tokens among
+    the token ids, Idefics3 dropping all-zero images) is what a real run makes. A meta float
+    input (pixels) is taken as ones, which no model drops as padding; a meta integer input has
+    no stand-in (token ids decide which tokens are image tokens) and stays unknown."""
+    out, ones = {}, []
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+        elif v.device.type != "meta":
+            out[k] = v.detach()
+        elif v.is_floating_point():
+            out[k] = torch.ones(v.shape, dtype=v.dtype)
+            ones.append(k)
+        else:
+            out[k] = make(v)
+    assumed = [f"meta batch inputs {ones} are taken as ones where their values decide shapes"] if ones else []
+    return out, assumed
 
 
 def _default_of(n: fx.Node) -> Any:
@@ -453,6 +545,7 @@ def _build_layer_graph(
             diff_bwd[last] -= grad_bytes
 
     per_layer = layer_nodes(gm)
+    blocks = gm.meta.get(BLOCK_LAYERS_META, frozenset())
     layers = []
     running_fwd = running_bwd = 0
     for i, name in enumerate(order):
@@ -479,6 +572,7 @@ def _build_layer_graph(
                 bwd_attn_flops=sum(c.bwd_attn_flops for c in costs),
                 fwd_mem_bytes=sum(c.fwd_mem_bytes for c in costs),
                 bwd_mem_bytes=sum(c.bwd_mem_bytes for c in costs),
+                block=name in blocks,
             )
         )
     edges = tuple(
@@ -491,25 +585,11 @@ def _build_layer_graph(
         "model": model_name or gm.__class__.__name__,
         "tensor_mode": tensor_mode,
         "batch": {k: str(_spec(v)) for k, v in batch.items() if isinstance(v, torch.Tensor)},
-        "batch_size": _batch_size(batch),
+        "batch_size": num_samples(batch),
+        # str, so the LayerGraph's JSON holds it; planning reads it (one microbatch if coupled).
+        "loss_split": str(gm.meta[LOSS_SPLIT_META].verdict) if LOSS_SPLIT_META in gm.meta else "unchecked",
     }
     return LayerGraph(layers=tuple(layers), edges=edges, meta=meta)
-
-
-def _batch_size(batch: Mapping[str, Any]) -> int:
-    """Samples in the sample batch, which the cost model scales per-sample costs by: the leading
-    size of ``input_ids`` if there is one (image inputs of transformers models stack the images
-    of all samples), else the leading size the tensors share."""
-    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-    if "input_ids" in tensors:
-        return int(tensors["input_ids"].shape[0])
-    leading = {int(v.shape[0]) for v in tensors.values()}
-    if len(leading) != 1:
-        raise ValueError(
-            f"cannot tell the batch size of a sample batch whose tensors lead with {sorted(leading)}; "
-            "give every input the batch as its first dimension, or pass input_ids"
-        )
-    return leading.pop()
 
 
 def _params_read(gm: fx.GraphModule, n: fx.Node) -> list[nn.Parameter]:

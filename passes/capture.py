@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import os
 import re
 import sys
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,11 +28,25 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+from vlmcompile.passes.loss_split import LossSplit, LossSplitCheck, check_loss_split
 
 from vlmcompile.errors import CaptureError, ModelError, SampleBatchError
+from vlmcompile.fake import fake_factory, swapped_tensors
 from vlmcompile.layering import LayerAssigner, assign_layers, check_regions_detected
-from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META
+from vlmcompile.meta_keys import (
+    BLOCK_LAYERS_META,
+    LAYER_META,
+    LAYER_ORDER_META,
+    LOSS_SPLIT_META,
+    SPECIALIZED_META,
+)
 from vlmcompile.regions import Region, check_override_paths, parse_overrides
+from vlmcompile.specialize import KnownValues, value_input_tiers
 
 CaptureMethod = Literal["fx", "export"]
 _WRAPPED = "inner"  # attribute under which a ModelOutput-returning model is wrapped
@@ -61,8 +77,12 @@ class CaptureReport:
     layers: tuple[LayerRegion, ...]
     numerics: str
     """'equal to eager (max abs diff ...)', or why the check was skipped."""
+    loss_split: LossSplitCheck = LossSplitCheck(LossSplit.UNCHECKED, "not checked")
+    """Whether the loss of a batch is the weighted sum of its samples' (see passes/loss_split.py)."""
     dropped_checks: tuple[str, ...] = ()
     """Runtime assertions export inserted and capture removed (they held on the sample batch)."""
+    specialized: Specialization | None = None
+    """Batch inputs whose values the graph is fixed to, and why."""
 
     def __str__(self) -> str:
         lines = [
@@ -70,6 +90,12 @@ class CaptureReport:
         ]
         lines += [f"  {f.method} failed first: {f.reason}" for f in self.fallbacks]
         lines.append(f"  numerics: {self.numerics}")
+        lines.append(f"  loss over microbatches: {self.loss_split}")
+        if self.specialized:
+            lines.append(
+                f"  specialised on the values of {list(self.specialized.keys)} (every batch must bring the "
+                f"same values), because shapes depend on them: {self.specialized.because}"
+            )
         if self.dropped_checks:
             lines.append(
                 f"  dropped {len(self.dropped_checks)} runtime check(s) that held on the sample batch: "
@@ -138,17 +164,34 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return type(model).__module__.startswith("transformers.")
 
 
-class _LossOf(nn.Module):
-    """Returns only the loss of a model that returns a ModelOutput or a dict with 'loss'."""
+def _takes_use_cache(model: nn.Module) -> bool:
+    """Whether to pass ``use_cache=False``: a training step keeps no KV cache. transformers 5
+    VLMs take it through ``**kwargs`` (their forward does not name it), and without it a
+    generative model builds a DynamicCache whose empty tensors end up in the graph."""
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params:
+        return True
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    can_generate = getattr(model, "can_generate", None)
+    return takes_kwargs and callable(can_generate) and bool(can_generate())
 
-    def __init__(self, inner: nn.Module, no_cache: bool):
+
+class _LossOf(nn.Module):
+    """Returns only the loss of a model that returns a ModelOutput or a dict with 'loss'; the
+    batch inputs in ``fixed`` are passed as known values (:mod:`vlmcompile.specialize`)."""
+
+    def __init__(self, inner: nn.Module, no_cache: bool, fixed: Mapping[str, torch.Tensor] | None = None):
         super().__init__()
         self.inner = inner
         self.no_cache = no_cache
+        self.fixed = dict(fixed or {})  # a plain dict: not buffers, so not graph inputs
 
     def forward(self, **batch):
-        out = self.inner(**batch, use_cache=False) if self.no_cache else self.inner(**batch)
-        return _loss_of(out)
+        extra = {"use_cache": False} if self.no_cache else {}
+        if not self.fixed:
+            return _loss_of(self.inner(**batch, **extra))
+        with KnownValues(self.fixed):
+            return _loss_of(self.inner(**batch, **self.fixed, **extra))
 
 
 def _loss_of(out: Any) -> Any:
@@ -188,35 +231,164 @@ _RUNTIME_ASSERTS = ("aten._assert_scalar", "aten._assert_async", "aten._function
 def _export(model: nn.Module, batch: dict[str, Any]) -> tuple[fx.GraphModule, tuple[str, ...]]:
     """Export, then drop the data-dependent runtime assertions export inserts (each reads a
     tensor value with .item(), which fake tensors cannot answer). They held on the sample
-    batch, and a compiled pipeline runs at the sample's shapes; the report lists them."""
+    batch, and a compiled pipeline runs at the sample's shapes; the report lists them.
+
+    A model or batch on meta is exported on fake tensors that claim the CPU: a graph exported
+    on meta would name the meta device in its constants (``arange(device=meta)``), and small
+    CPU inputs whose values decide shapes could not meet meta tensors."""
     # On failure torch.export prints the whole partial graph to stderr; the CaptureError says
     # what matters, so keep stderr for a successful export only.
     buffer = io.StringIO()
     with contextlib.redirect_stderr(buffer):
-        program = torch.export.export(model, (), batch, strict=False)
+        if _on_meta(model, batch):
+            program = _export_on_fake_cpu(model, batch)
+        else:
+            program = torch.export.export(model, (), batch, strict=False)
     sys.stderr.write(buffer.getvalue())
     gm = program.module(check_guards=False)
-    dropped = []
+    if _on_meta(model, batch):
+        _restore_meta_tensors(gm, model)
+    return gm, _drop_runtime_asserts(gm)
+
+
+def _export_on_fake_cpu(model: nn.Module, batch: dict[str, Any]) -> torch.export.ExportedProgram:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    make = fake_factory(mode)
+    fake_batch = {k: make(v) if _is_meta(v) else v for k, v in batch.items()}
+    with swapped_tensors(model, make), mode:
+        return torch.export.export(model, (), fake_batch, strict=False)
+
+
+def _restore_meta_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
+    """The exported module holds the fake stand-ins; put the model's own meta tensors back
+    (by name), so nothing of a dead fake mode outlives the capture."""
+    own = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]:
+        if name in own and own[name] is not t:
+            owner, _, attr = name.rpartition(".")
+            sub = gm.get_submodule(owner)
+            table = sub._parameters if attr in sub._parameters else sub._buffers
+            table[attr] = own[name]
+
+
+def _drop_runtime_asserts(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Erase the runtime assertions and what only they read (the ``.item()`` calls and
+    comparisons). Not a general dead-code elimination: that would also delete calls whose
+    effect is not a value, such as the vmap nesting set-up and tear-down of transformers'
+    mask functions (Gemma3)."""
+    dropped, frontier, erased = [], [], set()
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and str(n.target).startswith(_RUNTIME_ASSERTS):
             dropped.append(str(n.args[1]) if len(n.args) > 1 else str(n.target))
+            frontier += n.all_input_nodes
             gm.graph.erase_node(n)
+            erased.add(n)
+    while frontier:
+        n = frontier.pop()
+        if n in erased or n.users or n.op != "call_function" or n.is_impure():
+            continue
+        frontier += n.all_input_nodes
+        gm.graph.erase_node(n)
+        erased.add(n)
     if dropped:
-        gm.graph.eliminate_dead_code()
         gm.recompile()
-    return gm, tuple(dropped)
+    return tuple(dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class Specialization:
+    """Batch inputs whose values the graph is specialised on (:mod:`vlmcompile.specialize`)."""
+
+    keys: tuple[str, ...]
+    because: str
+    """The data-dependent operation that stopped the capture without specialising."""
+
+
+def _is_data_dependent(err: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    while err is not None:
+        if isinstance(err, kinds) or "data-dependent" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _export_specialising(
+    model: nn.Module, root: nn.Module, batch: dict[str, Any]
+) -> tuple[fx.GraphModule, tuple[str, ...], nn.Module, Specialization | None]:
+    """Export ``root``; if a shape depends on tensor values, export again specialised on the
+    fewest batch inputs that get it through. Returns the graph, the dropped checks, the module
+    exported and the specialisation."""
+    try:
+        return (*_export(root, batch), root, None)
+    except Exception as err:
+        if not _is_data_dependent(err):
+            raise
+        first = err
+    no_cache = root.no_cache if isinstance(root, _LossOf) else _takes_use_cache(model)
+    for keys in value_input_tiers(batch):
+        on_meta = [k for k in keys if batch[k].device.type == "meta"]
+        if on_meta:
+            raise CaptureError(
+                f"{type(model).__name__}'s shapes depend on the values of batch inputs ({_describe_failure(first)}); "
+                f"capture specialises on {list(keys)}, but {on_meta} are meta tensors, which hold no values. "
+                "Give those inputs as CPU tensors (they are small: image sizes and grids, token types) and "
+                "keep the rest on meta"
+            ) from first
+        wrapped = _LossOf(model, no_cache, fixed={k: batch[k] for k in keys})
+        try:
+            gm, dropped = _export(wrapped, {k: v for k, v in batch.items() if k not in keys})
+        except Exception as err:
+            if not _is_data_dependent(err):
+                raise
+            continue
+        gm.meta[SPECIALIZED_META] = {k: batch[k].detach().clone() for k in keys}
+        return gm, dropped, wrapped, Specialization(keys, _describe_failure(first))
+    raise first
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (torch.__file__, contextlib.__file__, __file__, inspect.getfile(Region))
+)
+"""torch, the standard library and vlmcompile: frames there are not the model's."""
+
+
+def model_frame(err: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the model's own code (the user's file, or transformers') in the
+    traceback of ``err`` or of the exceptions it was raised from."""
+    chain, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    for e in reversed(chain):  # the root cause first: its frames are the deepest
+        frames = [
+            f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)
+        ]
+        if frames:
+            return frames[-1]
+    return None
 
 
 def _describe_failure(err: BaseException) -> str:
-    """One paragraph naming the operation that failed and torch's suggested fix, if any."""
+    """One paragraph naming the operation that failed, the line of the model that made it, and
+    torch's suggested fix, if any."""
     text = str(err)
     first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    where = re.search(r"The following call raised this error:\n\s*(File .*?)\n\s*(.+?)\n", text)
     fix = re.search(
         r"To fix the error, insert one of the following checks before this call:\n(.*?)\n\n", text, re.S
     )
     parts = [f"{type(err).__name__}: {first[:300]}"]
-    if where:
+    frame = model_frame(err)
+    where = re.search(r"The following call raised this error:\n\s*(File .*?)\n\s*(.+?)\n", text)
+    if frame is not None:
+        parts.append(
+            f'at File "{frame.filename}", line {frame.lineno}, in {frame.name}: `{(frame.line or "").strip()}`'
+        )
+    elif where:
         parts.append(f"at {where.group(1).strip()}: `{where.group(2).strip()}`")
     if fix:
         parts.append("torch suggests: " + " or ".join(line.strip() for line in fix.group(1).splitlines()))
@@ -224,22 +396,31 @@ def _describe_failure(err: BaseException) -> str:
 
 
 _DATA_DEPENDENT_HELP = (
-    "The model's control flow or shapes depend on tensor values, which neither capture path can "
-    "follow. Workarounds: compute such sizes from tensor shapes or Python ints instead of tensor "
-    "values (e.g. pass image sizes as a Python list), replace the data-dependent branch with "
+    "The model's control flow or shapes depend on tensor values at that line. Capture already "
+    "specialises on the batch's integer inputs other than input_ids and labels (image sizes and "
+    "grids, token types), so this depends on the token ids or on computed values. Workarounds: "
+    "compute such sizes from tensor shapes or from those integer inputs, replace the branch with "
     "torch.where / torch.cond, or add the torch._check hints torch suggests above."
 )
 
 
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "meta"
+
+
+def _on_meta(model: nn.Module, batch: Mapping[str, Any]) -> bool:
+    return any(_is_meta(t) for t in [*batch.values(), *model.parameters()])
+
+
 def _check_numerics(model: nn.Module, gm: fx.GraphModule, batch: dict[str, Any]) -> str:
-    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)] + list(model.parameters())
-    if any(t.device.type == "meta" for t in tensors):
+    if _on_meta(model, batch):
         return "not checked (meta tensors hold no values)"
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(0)
         expected = _loss_of(model(**batch))
         torch.manual_seed(0)
-        actual = gm(**batch)
+        specialized = gm.meta.get(SPECIALIZED_META, {})
+        actual = gm(**{k: v for k, v in batch.items() if k not in specialized})
     try:
         torch.testing.assert_close(actual, expected)
     except AssertionError as err:
@@ -282,9 +463,7 @@ def capture(
 
     root = model
     if _is_transformers_model(model):
-        no_cache = "use_cache" in inspect.signature(model.forward).parameters
-        root = _LossOf(model, no_cache)
-    strip = f"{_WRAPPED}." if root is not model else ""
+        root = _LossOf(model, _takes_use_cache(model))
     assigner = LayerAssigner(model, overrides)
 
     # Symbolic tracing fails on every transformers-5 VLM (DESIGN.md): export only, for those.
@@ -294,6 +473,8 @@ def capture(
     fallbacks: list[Fallback] = []
     gm = None
     dropped: tuple[str, ...] = ()
+    specialized: Specialization | None = None
+    last_err: BaseException | None = None
     for attempt in order:
         try:
             if attempt == "fx":
@@ -304,26 +485,38 @@ def capture(
                     )
                 gm = _trace_fx(model, batch, assigner.blocks)
             else:
-                gm, dropped = _export(root, batch)
+                gm, dropped, root, specialized = _export_specialising(model, root, batch)
             used: CaptureMethod = attempt  # type: ignore[assignment]
             break
-        except (SampleBatchError, ModelError):
+        except (SampleBatchError, ModelError, CaptureError):
             raise
         except Exception as err:  # each path fails in its own exception types
             fallbacks.append(Fallback(attempt, _describe_failure(err)))  # type: ignore[arg-type]
+            last_err = err
     if gm is None:
         tried = "; ".join(f"{f.method}: {f.reason}" for f in fallbacks)
-        raise CaptureError(f"could not capture {type(model).__name__}. {tried}. {_DATA_DEPENDENT_HELP}")
+        raise CaptureError(
+            f"could not capture {type(model).__name__}. {tried}. {_DATA_DEPENDENT_HELP}"
+        ) from last_err
+    strip = f"{_WRAPPED}." if root is not model else ""
 
-    layer_order = assign_layers(gm, assigner, strip_prefix=strip)
-    layers = tuple(LayerRegion(layer, *assigner.region_of(layer)) for layer in layer_order)
+    regions = assign_layers(gm, assigner, strip_prefix=strip)
+    layer_order = list(regions)
+    layers = tuple(LayerRegion(layer, *found) for layer, found in regions.items())
     check_regions_detected(
         {lr.region for lr in layers},
         overridden=bool(overrides),
         top_level=[n for n, _ in model.named_children()],
     )
     gm.meta[LAYER_ORDER_META] = layer_order
+    gm.meta[BLOCK_LAYERS_META] = frozenset(layer for layer in layer_order if layer in assigner.blocks)
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
+    if check_numerics:
+        eager = _LossOf(model, _takes_use_cache(model)) if _is_transformers_model(model) else model
+        loss_split = check_loss_split(lambda b: _loss_of(eager(**b)), batch)
+    else:
+        loss_split = LossSplitCheck(LossSplit.UNCHECKED, "check_numerics=False")
+    gm.meta[LOSS_SPLIT_META] = loss_split
 
     report = CaptureReport(
         model=type(model).__name__,
@@ -332,7 +525,9 @@ def capture(
         num_nodes=len(gm.graph.nodes),
         layers=layers,
         numerics=numerics,
+        loss_split=loss_split,
         dropped_checks=dropped,
+        specialized=specialized,
     )
     return CaptureResult(gm, report)
 

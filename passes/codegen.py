@@ -177,8 +177,72 @@ def _build_layer_module(gm: fx.GraphModule, nodes: list[fx.Node], outputs: list[
                 inputs.append(p)
         env[n] = graph.node_copy(n, lambda p: env[p])
     graph.output(tuple(env[o] for o in outputs))
-    module = fx.GraphModule(gm, graph, class_name=f"Layer_{name.replace('.', '_')}")
+    module = LayerModule(gm, graph, class_name=f"Layer_{name.replace('.', '_')}")
     return module, inputs
+
+
+class LayerModule(fx.GraphModule):
+    """One layer's graph. Pickles as a list of its nodes and the objects it reads, not as code:
+    fx unpickles a GraphModule by tracing its generated code again, which fails on calls that
+    take no proxies (functorch's vmap set-up in transformers' mask functions, Gemma3); and an
+    ``fx.Graph`` does not pickle, its operators (``aten.view.default``) do not."""
+
+    def __reduce__(self):
+        rows = []
+        for n in self.graph.nodes:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _NodeRef(a.name))
+            target = _OpRef.of(n.target) if isinstance(n.target, _TORCH_OPS) else n.target
+            rows.append((n.op, n.name, target, args, kwargs))
+        targets = {str(n.target) for n in self.graph.nodes if n.op in ("get_attr", "call_module")}
+        attrs = {t: _get_attr(self, t) for t in targets}
+        return (_rebuild_layer, (attrs, rows, type(self).__name__))
+
+
+_TORCH_OPS = (torch._ops.OpOverload, torch._ops.HigherOrderOperator)
+
+
+@dataclass(frozen=True, slots=True)
+class _NodeRef:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class _OpRef:
+    """A torch operator by its path under ``torch.ops`` (``aten.view.default``)."""
+
+    path: tuple[str, ...]
+
+    @staticmethod
+    def of(op: Any) -> _OpRef:
+        if isinstance(op, torch._ops.HigherOrderOperator):
+            return _OpRef(("higher_order", op.name()))
+        return _OpRef((op.namespace, op._schema.name.split("::", 1)[1], op._overloadname))
+
+    def resolve(self) -> Any:
+        out: Any = torch.ops
+        for part in self.path:
+            out = getattr(out, part)
+        return out
+
+
+def _get_attr(module: nn.Module, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
+
+
+def _rebuild_layer(attrs: dict[str, Any], rows: list[tuple], class_name: str) -> LayerModule:
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for op, name, target, args, kwargs in rows:
+        args, kwargs = fx.node.map_aggregate(
+            (args, kwargs), lambda a: env[a.name] if isinstance(a, _NodeRef) else a
+        )
+        if op == "output":
+            graph.output(args[0])
+            continue
+        target = target.resolve() if isinstance(target, _OpRef) else target
+        env[name] = graph.create_node(op, target, args, kwargs, name=name)
+    return LayerModule(attrs, graph, class_name=class_name)
 
 
 def layer_modules(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, list[str], list[str]]]:

@@ -44,15 +44,17 @@ class ModelParts:
 
 
 def model_parts(layer_graph: LayerGraph) -> ModelParts:
+    # A decoder layer is an LLM block by structure, not by its attention kernel: eager
+    # attention (matmul + softmax) counts no attention FLOPs.
     decoder_idx = [
         layer.index
         for layer in layer_graph.layers
-        if layer.region in (Region.LLM, Region.TEXT) and layer.fwd_attn_flops > 0
+        if layer.region in (Region.LLM, Region.TEXT) and layer.block
     ]
     if not decoder_idx:
         raise PlanError(
-            "the model has no LLM decoder layers (language-region layers with attention); Megatron's pipeline "
-            "splits decoder layers, so plan it with pp=1"
+            "the model has no LLM decoder layers (transformer blocks in the llm or text region); Megatron's "
+            "pipeline splits decoder layers, so plan it with pp=1 or another policy"
         )
     first, last = decoder_idx[0], decoder_idx[-1]
     names = [layer.name for layer in layer_graph.layers]
@@ -100,7 +102,7 @@ def recompute_flags(
     flags = {n: rc for n in parts.decoder if rc is not Recompute.NONE}
     if recompute_vision:
         for layer in layer_graph.in_region(Region.VISION):
-            if layer.fwd_attn_flops > 0:
+            if layer.block:
                 flags[layer.name] = Recompute.FULL
     return flags
 
@@ -306,8 +308,12 @@ def _decoder_split(
 def megatron_layout(plan: Plan, layer_graph: LayerGraph) -> tuple[str | None, str]:
     """``--pipeline-model-parallel-layout`` (E embedding, t decoder layer, L final norm, output
     layer and loss; virtual stages in order, ``|`` between them), or None and why not: the
-    layout describes the LLM only, so everything else must sit where Megatron's LLaVA puts it."""
-    parts = model_parts(layer_graph)
+    layout describes the LLM only, so everything else must sit where Megatron's LLaVA puts it.
+    The layout is an export for the user's information: it never fails a plan."""
+    try:
+        parts = model_parts(layer_graph)
+    except PlanError as err:
+        return None, str(err)
     stage_of = plan.stage_of()
     pre_llm = [n for n in parts.pre if layer_graph[n].region in (Region.LLM, Region.TEXT)]
     encoder = [n for n in parts.pre if n not in pre_llm]

@@ -106,6 +106,7 @@ def candidates(
     global_batch: int,
     tp_choices: Sequence[int] | None = None,
     pp_choices: Sequence[int] | None = None,
+    dp_choices: Sequence[int] | None = None,
     microbatch_sizes: Sequence[int] = (1, 2, 4),
     v_choices: Sequence[int] = (1, 2, 4),
 ) -> list[Degrees]:
@@ -119,6 +120,8 @@ def candidates(
             if (cluster.num_gpus // tp) % pp or (pp_choices is not None and pp not in pp_choices):
                 continue
             dp = cluster.num_gpus // (tp * pp)
+            if dp_choices is not None and dp not in dp_choices:
+                continue
             for mbs in microbatch_sizes:
                 if global_batch % (dp * mbs):
                     continue
@@ -137,6 +140,7 @@ def plan_search(
     global_batch: int,
     tp_choices: Sequence[int] | None = None,
     pp_choices: Sequence[int] | None = None,
+    dp_choices: Sequence[int] | None = None,
     microbatch_sizes: Sequence[int] = (1, 2, 4),
     v_choices: Sequence[int] = (1, 2, 4),
     include: Iterable[Degrees] = (),
@@ -168,6 +172,7 @@ def plan_search(
                     global_batch=global_batch,
                     tp_choices=tp_choices,
                     pp_choices=pp_choices,
+                    dp_choices=dp_choices,
                     microbatch_sizes=microbatch_sizes,
                     v_choices=v_choices,
                 ),
@@ -227,11 +232,7 @@ def plan_search(
         bar.set_postfix_str(f"best {best[0] * 1e3:.0f} ms" if best else "none fits yet")
     bar.close()
     if best is None:
-        raise PlanError(
-            f"no parallel plan fits in {cap / 2**30:.1f} GiB per rank on {cluster.name}: the least model states any "
-            f"candidate needs are {least_states / 2**30:.1f} GiB per rank, and the activations did not fit in what "
-            "remained. More GPUs (more PP / TP), ZeRO-2/3, or smaller microbatches would help"
-        )
+        raise PlanError(_no_plan_message(rows, cap, cluster.name, least_states))
     rows = [
         CandidateRow(
             r.degrees, "chosen", "fastest simulated plan that fits", r.lower_bound_s, r.step_s, r.peak_bytes
@@ -242,6 +243,35 @@ def plan_search(
     ]
     report = SearchReport(cluster.name, tuple(rows), time.perf_counter() - start, best[1], best[2])
     return best[1], report
+
+
+def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, least_states: float) -> str:
+    """Why every candidate lost, by cause: planning errors (grouped by message), plans over the
+    memory cap (the least peak), candidates pruned by their model states."""
+    gib = 2**30
+    parts = []
+    failed: dict[str, list[Degrees]] = {}
+    for r in rows:
+        if r.outcome == "failed":
+            failed.setdefault(r.reason, []).append(r.degrees)
+    for reason, degrees in sorted(failed.items(), key=lambda kv: -len(kv[1])):
+        parts.append(f"{len(degrees)} could not be planned ({reason}; e.g. {degrees[0]})")
+    over = [r for r in rows if r.outcome == "planned" and r.peak_bytes is not None]
+    if over:
+        least = min(over, key=lambda r: r.peak_bytes)
+        parts.append(
+            f"{len(over)} planned but over the cap (least peak {least.peak_bytes / gib:.1f} GiB at {least.degrees})"
+        )
+    pruned = sum(r.outcome == "pruned" for r in rows)
+    if pruned:
+        parts.append(
+            f"{pruned} pruned: their model states alone exceed the cap (least {least_states / gib:.1f} GiB per rank)"
+        )
+    return (
+        f"no parallel plan fits in {cap / gib:.1f} GiB per rank on {cluster}, of {len(rows)} candidates: "
+        + "; ".join(parts)
+        + ". Fix the planning errors above, or for memory: more GPUs (more PP / TP), ZeRO-2/3, smaller microbatches"
+    )
 
 
 def _bounds(layer_graph: LayerGraph, cluster: Cluster, d: Degrees, cache: dict) -> tuple[float, float]:

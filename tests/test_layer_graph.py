@@ -5,7 +5,7 @@ from vlmcompile.passes.annotate import annotate
 from vlmcompile.passes.capture import capture
 
 from tests.models import build
-from vlmcompile.layer_graph import Layer, LayerGraph
+from vlmcompile.layer_graph import SCHEMA_VERSION, Layer, LayerGraph
 from vlmcompile.regions import Region
 
 
@@ -27,7 +27,7 @@ def test_json_round_trip_is_lossless(graph, tmp_path):
 def test_an_old_schema_version_is_rejected_with_the_fix(graph):
     data = graph.to_json()
     data["version"] = 0
-    with pytest.raises(ValueError, match="version 0 is not 2; re-run `vlmcompile annotate`"):
+    with pytest.raises(ValueError, match=f"version 0 is not {SCHEMA_VERSION}; re-run `vlmcompile annotate`"):
         LayerGraph.from_json(data)
     with pytest.raises(ValueError, match="not a LayerGraph JSON"):
         LayerGraph.from_json({"schema": "something"})

@@ -14,6 +14,7 @@ report. The schedule pass and codegen join this list as they land.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -30,6 +31,8 @@ from vlmcompile.layer_graph import LayerGraph
 from vlmcompile.pass_runner import Pass, PassRunner, RunReport
 from vlmcompile.passes.annotate import TensorMode, annotate
 from vlmcompile.passes.capture import CaptureMethod, capture
+from vlmcompile.passes.loss_split import LossSplit
+from vlmcompile.plan import Decision, Reason
 from vlmcompile.regions import Region
 
 if TYPE_CHECKING:
@@ -106,6 +109,11 @@ def _plan_pass(
     # The runtime has no tensor parallelism yet, so plans meant to run on local CPU ranks keep TP = 1.
     tp_choices = (1,) if state.cluster.name.startswith("cpu") else None
     global_batch = state.global_batch or int(state.layer_graph.meta.get("batch_size", 1))
+    options = dict(options)
+    coupled = state.layer_graph.meta.get("loss_split") == str(LossSplit.BATCH_COUPLED)
+    if coupled:
+        # A loss that couples the samples trains right only on the whole batch at once.
+        options.update(microbatch_sizes=(global_batch,), dp_choices=(1,))
     run, search = search_and_compare(
         state.layer_graph,
         state.cluster,
@@ -115,6 +123,15 @@ def _plan_pass(
         progress=progress,
         **options,
     )
+    if coupled:
+        decision = Decision(
+            "microbatches",
+            Reason.LOSS_COUPLED,
+            f"the loss couples the samples of a batch ({state.reports['capture'].loss_split.detail}): "
+            f"one microbatch of {global_batch}, DP = 1",
+        )
+        plan = dataclasses.replace(run.plan, decisions=(*run.plan.decisions, decision))
+        run = dataclasses.replace(run, plan=plan)
     state.planned = run
     state.reports["plan"] = f"{search}\n\n{run}"
 

@@ -22,8 +22,8 @@ from tabulate import tabulate
 from vlmcompile.regions import Region
 
 SCHEMA = "vlmcompile.layer_graph"
-SCHEMA_VERSION = 2
-"""2: attention FLOPs and memory traffic per layer; 1 had neither."""
+SCHEMA_VERSION = 3
+"""3: which layers are transformer blocks; 2: attention FLOPs and memory traffic per layer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,10 @@ class Layer:
     measured: tuple[str, float, float] | None = None
     """(device name, forward s, backward s) for the annotated batch, measured by the profile
     pass; the cost model uses them instead of the roofline on that device."""
+    block: bool = False
+    """A repeated transformer block (an element of a ModuleList holding a norm and a linear
+    layer), told by the model's structure: decoder layers are the LLM's blocks, whatever their
+    attention kernel (SDPA, flash or eager matmul + softmax) or name."""
 
     def __post_init__(self):
         if not (0 <= self.fwd_attn_flops <= self.fwd_flops and 0 <= self.bwd_attn_flops <= self.bwd_flops):

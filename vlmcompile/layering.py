@@ -116,8 +116,34 @@ def _prefixes(path: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def assign_layers(gm: fx.GraphModule, assigner: LayerAssigner, *, strip_prefix: str = "") -> list[str]:
-    """Tag every node with its layer and region; return the layers in pipeline order."""
+def regions_by_flow(
+    order: list[str], flow: nx.DiGraph, assigner: LayerAssigner
+) -> dict[str, tuple[Region, str]]:
+    """(region, how it was found) per layer: by override, attribute or keyword first. Then by
+    the data flow, whatever a layer's name: one none of those place that reads from an encoder
+    tower (vision, or a contrastive pair's text tower) and from nothing of the LLM or head is a
+    projector (Blip2's Q-Former blocks and ``language_projection``, CLIP's ``text_projection``);
+    so is one that feeds projectors alone (the Q-Former's norm of its learned queries)."""
+    found = {layer: assigner.region_of(layer) for layer in order}
+    towers = {Region.VISION, Region.TEXT}
+    for layer in order:
+        if found[layer][0] is not Region.OTHER:
+            continue
+        upstream = {found[a][0] for a in nx.ancestors(flow, layer)}
+        if upstream & towers and not upstream & {Region.LLM, Region.HEAD}:
+            found[layer] = (Region.PROJECTOR, "data flow")
+    for layer in reversed(order):
+        readers = {found[d][0] for d in flow.successors(layer)}
+        if found[layer][0] is Region.OTHER and readers == {Region.PROJECTOR}:
+            found[layer] = (Region.PROJECTOR, "data flow")
+    return found
+
+
+def assign_layers(
+    gm: fx.GraphModule, assigner: LayerAssigner, *, strip_prefix: str = ""
+) -> dict[str, tuple[Region, str]]:
+    """Tag every node with its layer and region; return each layer's region and how it was
+    found, in pipeline order."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     own: dict[fx.Node, str] = {}
@@ -185,15 +211,56 @@ def assign_layers(gm: fx.GraphModule, assigner: LayerAssigner, *, strip_prefix: 
         if not consumers[n]:
             inputs = [own[p] for p in n.all_input_nodes if p in own]
             own[n] = max(inputs, key=rank.__getitem__) if inputs else order[0]
+    for group in vmap_regions(nodes):
+        _keep_together(group, own, rank)
 
-    regions = {layer: assigner.region_of(layer)[0] for layer in order}
+    regions = regions_by_flow(order, flow, assigner)
     for n in nodes:
         layer = own.get(n)
         n.meta[LAYER_META] = layer
-        n.meta[REGION_META] = regions[layer] if layer else None
+        n.meta[REGION_META] = regions[layer][0] if layer else None
         for p in n.all_input_nodes:
             assert p not in own or layer is None or rank[own[p]] <= rank[layer], (p, n)
-    return order
+    return regions
+
+
+_VMAP_ENTER = "_vmap_increment_nesting"
+_VMAP_EXIT = "_vmap_decrement_nesting"
+
+
+def vmap_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
+    """The nodes between a ``_vmap_increment_nesting`` and its ``_vmap_decrement_nesting``
+    (transformers builds masks under vmap; export keeps the set-up and tear-down calls, which
+    pass no value, so data flow alone would scatter them), outermost regions, in graph order."""
+    groups: list[list[fx.Node]] = []
+    depth = 0
+    for n in nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name == _VMAP_ENTER:
+            if depth == 0:
+                groups.append([])
+            depth += 1
+        if depth:
+            groups[-1].append(n)
+        if name == _VMAP_EXIT:
+            depth -= 1
+    return groups
+
+
+def _keep_together(group: list[fx.Node], own: dict[fx.Node, str], rank: Mapping[str, int]) -> None:
+    """Put a vmap region in one layer: the earliest that reads a value out of it (else the
+    latest its values come from), so it still flows forward."""
+    inside = set(group)
+    readers = [own[u] for n in group for u in n.users if u not in inside and u in own]
+    sources = [own[p] for n in group for p in n.all_input_nodes if p not in inside and p in own]
+    if readers:
+        layer = min(readers, key=rank.__getitem__)
+    elif sources:
+        layer = max(sources, key=rank.__getitem__)
+    else:
+        return
+    for n in group:
+        own[n] = layer
 
 
 def check_regions_detected(regions: set[Region], *, overridden: bool, top_level: list[str]) -> None:

@@ -15,3 +15,15 @@ NODE_COST_META = "vlmcompile.node_cost"
 
 LAYER_ORDER_META = "vlmcompile.layer_order"
 """On ``GraphModule.meta``: the layer names in pipeline order."""
+
+BLOCK_LAYERS_META = "vlmcompile.block_layers"
+"""On ``GraphModule.meta``: the layers that are repeated transformer blocks (see
+:func:`vlmcompile.layering.find_blocks`), a frozenset of layer names."""
+
+SPECIALIZED_META = "vlmcompile.specialized"
+"""On ``GraphModule.meta``: batch key -> the tensor whose values the graph is specialised on
+(see :mod:`vlmcompile.specialize`); absent when the graph holds for any values."""
+
+LOSS_SPLIT_META = "vlmcompile.loss_split"
+"""On ``GraphModule.meta``: the :class:`vlmcompile.passes.loss_split.LossSplitCheck` of the
+sample batch (whether microbatch losses add up to the batch's)."""

@@ -64,6 +64,8 @@ class Reason(str, enum.Enum):
     JITTERED_CUTS = "jittered_cuts"
     ADAPTIVE_RECOMPUTE = "adaptive_recompute"
     PLAN_SEARCH = "plan_search"
+    LOSS_COUPLED = "loss_coupled"
+    """The loss couples the samples of a batch: one microbatch on one data-parallel rank."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 from vlmcompile.actions import Action, ActionKind
 from vlmcompile.errors import PlanError, VlmCompileError
+from vlmcompile.meta_keys import LOSS_SPLIT_META, SPECIALIZED_META
+from vlmcompile.microbatch import label_weights, rows_per_sample, take
 from vlmcompile.passes.codegen import StageModule
-
-IGNORE_INDEX = -100
+from vlmcompile.passes.loss_split import LossSplit, coupled_loss_error
 
 
 class RankLostError(VlmCompileError, RuntimeError):
@@ -85,22 +86,6 @@ def topology_of(plan) -> Topology:
     return Topology(pp=par.pp, dp=par.dp)
 
 
-def label_weights(batch: Mapping[str, Any], num_parts: int) -> list[float]:
-    """Each of ``num_parts`` equal row-slices' share of the label tokens (equal shares without labels)."""
-    labels = batch.get("labels")
-    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
-        return [1.0 / num_parts] * num_parts
-    counts = [int((part[..., 1:] != IGNORE_INDEX).sum()) for part in labels.chunk(num_parts)]
-    total = sum(counts)
-    if total == 0:
-        return [1.0 / num_parts] * num_parts
-    return [c / total for c in counts]
-
-
-def _rows(batch: Mapping[str, Any], start: int, size: int) -> dict[str, Any]:
-    return {k: v[start : start + size] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 _HEADER = 1000
 """Tag offset of the shape header a stage sends before its first activations."""
 _DTYPES = [
@@ -114,6 +99,8 @@ _DTYPES = [
     torch.uint8,
     torch.int8,
     torch.int16,
+    torch.complex64,  # Llama4's rotary frequencies (freqs_cis) are read by every decoder layer
+    torch.complex128,
 ]
 
 
@@ -151,12 +138,21 @@ class PipelineRunner:
         stages: tuple[StageModule, ...],
         *,
         batch_shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        batch_constants: Mapping[str, Any] | None = None,
+        sample_rows: Mapping[str, int] | None = None,
+        specialized: Mapping[str, torch.Tensor] | None = None,
         timeout_s: float = 60.0,
     ):
         self.plan = plan
         self.topology = topology_of(plan)
         self.stages_all = stages
         self.batch_shapes = dict(batch_shapes)
+        self.batch_constants = dict(batch_constants or {})
+        """Non-tensor batch values (``return_loss=True``): capture baked them into the graph."""
+        self.sample_rows = dict(sample_rows or {k: 1 for k in self.batch_shapes})
+        """Rows each sample holds per batch key (:func:`vlmcompile.microbatch.rows_per_sample`)."""
+        self.specialized = dict(specialized or {})
+        """Batch key -> the values of one microbatch the stage graphs are specialised on."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.on_action: Callable[[int, Action], None] | None = None
@@ -260,7 +256,14 @@ class PipelineRunner:
                     f"{self.topology.dp * self.plan.num_microbatches * self.plan.microbatch_size} = DP x "
                     "microbatches x microbatch size; other dims as in the compiled sample batch)"
                 )
-        extra = sorted(set(batch) - set(self.batch_shapes))
+        for key, expected in self.batch_constants.items():
+            got = batch.get(key, "missing")
+            if got is not expected and got != expected:
+                raise BatchError(
+                    f"batch[{key!r}] is {got!r}; the pipeline was compiled with {expected!r}, and capture "
+                    "fixes non-tensor values in the graph: pass the same value, or compile again with this one"
+                )
+        extra = sorted(set(batch) - set(self.batch_shapes) - set(self.batch_constants))
         if extra:
             raise BatchError(f"the batch has keys {extra} the compiled sample batch did not have")
 
@@ -273,8 +276,10 @@ class PipelineRunner:
         m, mbs = plan.num_microbatches, plan.microbatch_size
         shard_rows = m * mbs
         weights = label_weights(batch, t.dp * m)
-        shard = _rows(batch, self.dp_rank * shard_rows, shard_rows)
-        micro = [_rows(shard, i * mbs, mbs) for i in range(m)]
+        shard = take(batch, self.dp_rank * shard_rows, shard_rows, self.sample_rows)
+        micro = [take(shard, i * mbs, mbs, self.sample_rows) for i in range(m)]
+        for i, microbatch in enumerate(micro):
+            self._check_specialized(microbatch, self.dp_rank * m + i)
         params = self.parameters()
         stash = [p.grad for p in params]
         for p in params:
@@ -347,6 +352,16 @@ class PipelineRunner:
         self._wait(dist.all_reduce(loss, async_op=True), "the loss all-reduce")
         return loss.float()
 
+    def _check_specialized(self, microbatch: Mapping[str, Any], index: int) -> None:
+        for key, expected in self.specialized.items():
+            got = microbatch[key]
+            if got.shape != expected.shape or not torch.equal(got, expected.to(got.device)):
+                raise BatchError(
+                    f"microbatch {index}'s {key!r} is {got.tolist()}, but the pipeline was captured for "
+                    f"{expected.tolist()}: the model's shapes depend on these values, so every microbatch must "
+                    "bring them (same image sizes and token layout), or compile again with such a batch"
+                )
+
     # ---- communication ---------------------------------------------------------------------
     def _peer(self, pp_rank: int) -> int:
         return self.topology.rank(pp_rank, self.dp_rank)
@@ -360,7 +375,9 @@ class PipelineRunner:
         peer = self._peer(pp_rank)
         return [
             (
-                dist.isend(x.detach().contiguous(), peer, tag=self._tag(stage, kind, microbatch, first + k)),
+                dist.isend(
+                    _wire(x.detach().contiguous()), peer, tag=self._tag(stage, kind, microbatch, first + k)
+                ),
                 f"{what} to rank {peer}",
             )
             for k, x in enumerate(tensors)
@@ -373,6 +390,14 @@ class PipelineRunner:
                 raise PlanError(
                     f"stage {s} would send {self.stages[s].send[k]!r}, a {type(x).__name__}, to the next rank; "
                     "only tensors and Python numbers cross ranks - cut the pipeline elsewhere"
+                )
+            if isinstance(x, torch.Tensor) and (
+                x.dtype not in _DTYPES or (x.is_complex() and x.requires_grad)
+            ):
+                raise PlanError(
+                    f"stage {s} would send {self.stages[s].send[k]!r}, a {x.dtype} tensor"
+                    + (" that needs a gradient" if x.dtype in _DTYPES else "")
+                    + ", to the next rank, which the runtime cannot do; cut the pipeline elsewhere"
                 )
         # Python numbers (sizes computed from shapes) travel as 0-d tensors.
         out = tuple(torch.tensor(x) if flag else x for x, flag in zip(out, scalar))
@@ -398,7 +423,7 @@ class PipelineRunner:
     ) -> None:
         peer = self._peer(pp_rank)
         for k, buf in enumerate(buffers):
-            work = dist.irecv(buf, peer, tag=self._tag(stage, kind, microbatch, first + k))
+            work = dist.irecv(_wire(buf), peer, tag=self._tag(stage, kind, microbatch, first + k))
             self._wait(work, f"{what} from rank {peer}")
 
     def _recv_activations(self, s: int, i: int) -> tuple:
@@ -471,6 +496,12 @@ class PipelineRunner:
             offset += g.numel()
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What goes over the wire for ``t``: complex tensors as their real view (gloo has no
+    complex types); the receive buffer's real view shares its storage."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _floats(values) -> list[torch.Tensor]:
     return [x for x in values if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
@@ -492,22 +523,50 @@ def make_runner(pipe, plan, *, timeout_s: float = 60.0) -> PipelineRunner:
             "the plan carries no model fingerprint; it is not checked against the model", stacklevel=3
         )
     topology = topology_of(plan)
+    _check_loss_splits(pipe.gm, topology, plan)
     global_batch = topology.dp * plan.num_microbatches * plan.microbatch_size
+    rows = rows_per_sample(pipe.sample_batch)
     tensors = {k: v for k, v in pipe.sample_batch.items() if isinstance(v, torch.Tensor)}
-    shapes = {k: ((global_batch, *v.shape[1:]), v.dtype) for k, v in tensors.items()}
+    shapes = {
+        k: ((global_batch * rows[k], *v.shape[1:]) if rows[k] else tuple(v.shape), v.dtype)
+        for k, v in tensors.items()
+    }
     gm = pipe.gm
     captured = pipe.report.passes.get("capture")
-    sample_rows = next(iter(tensors.values())).shape[0] if tensors else 0
-    if getattr(captured, "method", "fx") == "export" and sample_rows != plan.microbatch_size:
-        # export specialises shapes: capture again at one microbatch's rows.
-        if pipe.model is None or sample_rows < plan.microbatch_size:
+    samples = int(pipe.layer_graph.meta.get("batch_size", 0))
+    if getattr(captured, "method", "fx") == "export" and samples != plan.microbatch_size:
+        # export specialises shapes: capture again at one microbatch's samples.
+        if pipe.model is None or samples < plan.microbatch_size:
             raise PlanError(
-                f"the graph was exported for batches of {sample_rows}; the plan's microbatches hold "
-                f"{plan.microbatch_size}. Compile with a sample batch of {plan.microbatch_size} rows"
+                f"the graph was exported for batches of {samples}; the plan's microbatches hold "
+                f"{plan.microbatch_size}. Compile with a sample batch of {plan.microbatch_size} samples"
             )
-        gm = capture(pipe.model, _rows(pipe.sample_batch, 0, plan.microbatch_size)).gm
+        microbatch = take(pipe.sample_batch, 0, plan.microbatch_size, rows)
+        gm = capture(pipe.model, microbatch, check_numerics=False).gm
     stages = codegen(gm, plan).stages
-    return PipelineRunner(plan, stages, batch_shapes=shapes, timeout_s=timeout_s)
+    constants = {k: v for k, v in pipe.sample_batch.items() if not isinstance(v, torch.Tensor)}
+    return PipelineRunner(
+        plan,
+        stages,
+        batch_shapes=shapes,
+        batch_constants=constants,
+        sample_rows=rows,
+        specialized=gm.meta.get(SPECIALIZED_META),
+        timeout_s=timeout_s,
+    )
+
+
+def _check_loss_splits(gm, topology: Topology, plan) -> None:
+    """Refuse to split a batch whose loss couples its samples (passes/loss_split.py)."""
+    check = gm.meta.get(LOSS_SPLIT_META)
+    if check is None or check.verdict is not LossSplit.BATCH_COUPLED:
+        return
+    parts = topology.dp * plan.num_microbatches
+    if parts > 1:
+        raise PlanError(
+            f"the plan splits each batch into {parts} parts (DP={topology.dp} x {plan.num_microbatches} "
+            f"microbatches), but {coupled_loss_error(check.detail)}"
+        )
 
 
 def one_step(runner: PipelineRunner, batch: Mapping[str, Any]) -> dict[str, Any]:

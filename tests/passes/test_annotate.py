@@ -232,11 +232,52 @@ def test_data_dependent_shapes_fall_back_to_real_tensors_or_say_why_not():
 
 @needs_transformers
 @pytest.mark.hf
-def test_idefics3_is_annotated_through_the_real_tensor_fallback():
+@needs_transformers
+@pytest.mark.hf
+def test_shapes_that_depend_on_input_values_are_followed_on_fake_tensors():
+    # Idefics3 drops all-zero images (a boolean index on the pixels' values) and scatters the
+    # image features into the image tokens (masked_scatter: its backward selects by the mask).
     model, batch = build("hf-idefics3")
+    fake = _annotate(model, batch).report
+    real = annotate(capture(model, batch).gm, batch, tensor_mode="real").report
+    assert fake.tensor_mode == "fake" and fake.fallback is None and fake.assumptions == ()
+    for f, r in zip(fake.layer_graph.layers, real.layer_graph.layers):
+        assert (f.name, f.fwd_flops, f.bwd_flops, f.saved_bytes) == (
+            r.name,
+            r.fwd_flops,
+            r.bwd_flops,
+            r.saved_bytes,
+        )
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_meta_pixels_are_taken_as_ones_and_the_report_says_so():
+    from vlmcompile.models import hf_tiny
+
+    model, batch = hf_tiny.build("hf-idefics3", device="meta")
+    assert batch["pixel_values"].device.type == "meta" and batch["input_ids"].device.type == "cpu"
     report = _annotate(model, batch).report
-    assert report.tensor_mode == "real"
-    assert "DynamicOutputShapeException" in report.fallback and "model.vision_model" in report.fallback
+    assert report.assumptions == (
+        "meta batch inputs ['pixel_values'] are taken as ones where their values decide shapes",
+    )
+    real = _annotate(*build("hf-idefics3")).layer_graph
+    assert [layer.fwd_flops for layer in report.layer_graph.layers] == [
+        layer.fwd_flops for layer in real.layers
+    ]
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_a_shape_from_meta_token_ids_names_the_input_to_give():
+    from vlmcompile.models import hf_tiny
+
+    model, batch = hf_tiny.build("hf-qwen3-vl", device="meta")
+    batch = {**batch, "input_ids": batch["input_ids"].to("meta")}  # which tokens are image tokens: unknown
+    with pytest.raises(
+        ModelError, match=r"depends on the values of batch inputs \['input_ids'\], which are meta"
+    ):
+        _annotate(model, batch)
 
 
 def test_annotate_rejects_a_graph_that_was_not_captured():

@@ -1,13 +1,16 @@
 """Capture: graph equals eager, every node tagged, regions detected, bad input named."""
 
+import operator
+
 import pytest
 import torch
+import torch.fx as fx
 from torch import nn
-from vlmcompile.passes.capture import capture, layer_nodes
+from vlmcompile.passes.capture import _drop_runtime_asserts, capture, layer_nodes
 
 from tests.models import ALL, build, needs_transformers
 from vlmcompile import CaptureError, ModelError, Region, RegionError, SampleBatchError
-from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META, REGION_META
+from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META, REGION_META, SPECIALIZED_META
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -155,15 +158,60 @@ def test_an_override_naming_a_missing_module_is_rejected():
 
 @needs_transformers
 @pytest.mark.hf
-def test_qwen2_vl_error_names_the_data_dependent_operation():
+def test_shapes_from_image_grids_specialise_the_capture_on_their_values():
     from vlmcompile.models import hf_tiny
 
     model, batch = hf_tiny.build("hf-qwen2-vl")
+    result = capture(model, batch)
+    spec = result.report.specialized
+    # torch.split(..., lengths.tolist()) on the grid; the rope index walks the token types.
+    assert spec is not None and spec.keys == ("image_grid_thw", "mm_token_type_ids")
+    assert "modeling_qwen2_vl.py" in spec.because and "lengths.tolist()" in spec.because
+    assert "equal to eager" in result.report.numerics
+    placeholders = {n.target for n in result.gm.graph.nodes if n.op == "placeholder"}
+    assert "image_grid_thw" not in placeholders and "input_ids" in placeholders
+    assert torch.equal(result.gm.meta[SPECIALIZED_META]["image_grid_thw"], batch["image_grid_thw"])
+
+
+class _BranchOnValues(nn.Module):
+    """Branches on a float value: no specialisation on integer inputs can capture it."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision = nn.Linear(4, 4)
+        self.llm = nn.Linear(4, 4)
+
+    def forward(self, x, sizes):
+        h = self.vision(x).split(sizes.tolist())[0]
+        if self.llm(h).sum() > 0:  # the line the error must name
+            h = h * 2
+        return h.sum()
+
+
+def test_a_capture_failure_names_the_operation_and_the_models_line_with_the_cause_chained():
+    batch = {"x": torch.randn(8, 4), "sizes": torch.tensor([3, 5])}
     with pytest.raises(CaptureError) as err:
-        capture(model, batch)
+        capture(_BranchOnValues(), batch, method="export")
     message = str(err.value)
-    assert "modeling_qwen2_vl.py" in message and "torch.split" in message and "lengths.tolist()" in message
-    assert "Workarounds" in message
+    assert "GuardOnDataDependentSymNode" in message
+    assert f'"{__file__}"' in message and "`if self.llm(h).sum() > 0:" in message
+    assert err.value.__cause__ is not None  # the original traceback
+
+
+def test_runtime_checks_and_what_only_they_read_are_dropped_but_side_effect_calls_stay():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    enter = graph.call_function(torch._C._functorch._vmap_increment_nesting, (2, "error"))
+    item = graph.call_function(torch.ops.aten._local_scalar_dense.default, (x,))
+    ge = graph.call_function(operator.ge, (item, 0))
+    graph.call_function(torch.ops.aten._assert_scalar.default, (ge, "u0 >= 0"))
+    graph.call_function(torch._C._functorch._vmap_decrement_nesting, ())
+    graph.output(x)
+    gm = fx.GraphModule(nn.Module(), graph)
+    assert _drop_runtime_asserts(gm) == ("u0 >= 0",)
+    left = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert left == [torch._C._functorch._vmap_increment_nesting, torch._C._functorch._vmap_decrement_nesting]
+    assert enter in gm.graph.nodes
 
 
 def test_capture_does_not_need_real_weights():

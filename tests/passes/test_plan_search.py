@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 from vlmcompile.cost_models.memory import usable_memory_bytes
-from vlmcompile.passes.plan_search import Degrees, candidates, plan_search
+from vlmcompile.passes.plan_search import CandidateRow, Degrees, _no_plan_message, candidates, plan_search
 
 from vlmcompile.cluster import Cluster
 from vlmcompile.errors import PlanError
@@ -55,8 +55,27 @@ def test_included_degrees_are_considered(demo_graph):
 def test_no_candidate_fits_says_what_is_needed(demo_graph):
     cluster = Cluster.preset("h100x8")
     tiny = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, mem_bytes=2**20))
-    with pytest.raises(PlanError, match="no parallel plan fits .* least model states"):
+    with pytest.raises(
+        PlanError, match=r"no parallel plan fits .* pruned: their model states alone exceed the cap \(least"
+    ):
         plan_search(demo_graph, tiny, global_batch=16, progress=False)
+
+
+def test_the_no_plan_error_names_each_cause_with_its_count():
+    d1 = Degrees(tp=1, pp=2, dp=4, v=1, microbatch_size=1, num_microbatches=4)
+    d2 = Degrees(tp=1, pp=4, dp=2, v=1, microbatch_size=1, num_microbatches=8)
+    d3 = Degrees(tp=2, pp=4, dp=1, v=1, microbatch_size=1, num_microbatches=16)
+    rows = [
+        CandidateRow(d1, "failed", "virtual stages [3] get no layers", 1.0),
+        CandidateRow(d2, "failed", "virtual stages [3] get no layers", 1.0),
+        CandidateRow(d3, "planned", "optimal", 1.0, step_s=2.0, peak_bytes=90 * 2**30),
+        CandidateRow(d1, "pruned", "model states", 1.0),
+    ]
+    message = _no_plan_message(rows, 75 * 2**30, "h100x8", 80 * 2**30)
+    assert "of 4 candidates" in message
+    assert f"2 could not be planned (virtual stages [3] get no layers; e.g. {d1})" in message
+    assert f"1 planned but over the cap (least peak 90.0 GiB at {d3})" in message
+    assert "1 pruned" in message and "least 80.0 GiB per rank" in message
 
 
 def test_a_warm_started_candidate_is_never_worse_than_its_warm_start(demo_graph):

@@ -1,0 +1,104 @@
+"""Does the model's loss split over microbatches? Checked by capture on the sample batch.
+
+A pipeline runs each microbatch alone and adds their losses, weighted by their share of the
+label tokens (:func:`vlmcompile.microbatch.label_weights`). That equals the loss of the whole
+batch when the loss is a mean (or sum) over samples, and is silently wrong when it couples the
+samples: a CLIP-style contrastive loss compares every image with every text of the batch. So
+capture runs the model on every sample of the sample batch alone and compares the weighted sum
+with the loss of the whole batch. The same run checks that the batch splits into samples as
+:func:`vlmcompile.microbatch.take` cuts it (Qwen-VL's patches: the same number per sample).
+
+A model whose loss does not split trains only as one microbatch on one data-parallel rank: the
+plan search keeps to such plans and the runtime refuses others.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlmcompile.errors import SampleBatchError
+from vlmcompile.microbatch import label_weights, num_samples, rows_per_sample, take
+
+
+class LossSplit(str, enum.Enum):
+    PER_SAMPLE = "per-sample"
+    """The loss of the batch is the weighted sum of the samples' losses."""
+    BATCH_COUPLED = "batch-coupled"
+    """It is not (or the model cannot run on one sample): one microbatch, DP = 1."""
+    UNCHECKED = "unchecked"
+    """Meta tensors, or a one-sample batch: nothing to compare."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class LossSplitCheck:
+    verdict: LossSplit
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.verdict}: {self.detail}"
+
+
+def check_loss_split(
+    loss_of: Callable[[Mapping[str, Any]], torch.Tensor], batch: Mapping[str, Any]
+) -> LossSplitCheck:
+    """Compare ``loss_of(batch)`` with the label-weighted sum of ``loss_of`` on each sample.
+
+    Args:
+        loss_of: runs the model eagerly on a batch and returns its loss.
+        batch: the sample batch (real tensors).
+    """
+    if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in batch.values()):
+        return LossSplitCheck(LossSplit.UNCHECKED, "meta tensors hold no values")
+    try:
+        samples = num_samples(batch)
+        rows = rows_per_sample(batch)
+    except SampleBatchError as err:
+        return LossSplitCheck(LossSplit.UNCHECKED, str(err))
+    if samples < 2:
+        return LossSplitCheck(LossSplit.UNCHECKED, "the sample batch holds one sample")
+    weights = label_weights(batch, samples)
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(0)
+        whole = loss_of(batch)
+        if not isinstance(whole, torch.Tensor) or whole.numel() != 1:
+            shape = list(whole.shape) if isinstance(whole, torch.Tensor) else type(whole).__name__
+            return LossSplitCheck(LossSplit.UNCHECKED, f"the model returns {shape}, not a scalar loss")
+        whole = whole.double()
+        try:
+            parts = []
+            for i in range(samples):
+                torch.manual_seed(0)
+                parts.append(loss_of(take(batch, i, 1, rows)).double())
+        except Exception as err:  # whatever the model raises on a sample of its own
+            return LossSplitCheck(
+                LossSplit.BATCH_COUPLED,
+                f"the model does not run on one sample of the batch ({type(err).__name__}: {str(err)[:200]})",
+            )
+    combined = sum(w * p for w, p in zip(weights, parts))
+    if torch.allclose(whole, combined, rtol=1e-4, atol=1e-5):
+        return LossSplitCheck(
+            LossSplit.PER_SAMPLE,
+            f"loss of the {samples} samples together {whole.item():.6g} = weighted sum of each alone",
+        )
+    return LossSplitCheck(
+        LossSplit.BATCH_COUPLED,
+        f"loss of the {samples} samples together {whole.item():.6g}, weighted sum of each alone "
+        f"{combined.item():.6g}: the loss couples the samples of a batch (a contrastive loss does)",
+    )
+
+
+def coupled_loss_error(detail: str) -> str:
+    """What to tell a user whose plan splits a batch the loss couples."""
+    return (
+        f"this model's loss does not split over microbatches ({detail}); a pipeline that adds "
+        "microbatch losses would train it wrong. Plan it as one microbatch on one data-parallel "
+        "rank: microbatch size = global batch and DP = 1 (compile() does so by itself)"
+    )
