@@ -395,8 +395,13 @@ def _what_to_give(gm: fx.GraphModule, node: fx.Node, batch: Mapping[str, Any]) -
         if n.op == "placeholder":
             inputs.append(str(n.target))
         stack.extend(n.all_input_nodes)
+    # Meta floats are taken as ones (_known_batch): the unknown ones are meta integers.
     meta = sorted(
-        k for k in inputs if isinstance(batch.get(k), torch.Tensor) and batch[k].device.type == "meta"
+        k
+        for k in inputs
+        if isinstance(v := batch.get(k), torch.Tensor)
+        and v.device.type == "meta"
+        and not v.is_floating_point()
     )
     if meta:
         return (
