@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -239,7 +240,10 @@ def _export(model: nn.Module, batch: dict[str, Any]) -> tuple[fx.GraphModule, tu
     # On failure torch.export prints the whole partial graph to stderr; the CaptureError says
     # what matters, so keep stderr for a successful export only.
     buffer = io.StringIO()
-    with contextlib.redirect_stderr(buffer):
+    with contextlib.redirect_stderr(buffer), warnings.catch_warnings():
+        # Qwen-VL caches its rope deltas on the module in forward, for generation; a training
+        # step never reads them back.
+        warnings.filterwarnings("ignore", message="The tensor attribute .* was assigned during export")
         if _on_meta(model, batch):
             program = _export_on_fake_cpu(model, batch)
         else:

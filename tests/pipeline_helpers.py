@@ -64,3 +64,23 @@ def eager_step(model, batch):
     loss = out if isinstance(out, torch.Tensor) else out.loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def check_equal_to_eager(model, batch, results):
+    """Every rank's loss and every gradient it holds equal eager training of ``model`` on ``batch``."""
+    loss_ref, grads_ref = eager_step(model, batch)
+    seen = set()
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["loss"], loss_ref, msg=lambda m, r=rank: f"rank {r} loss: {m}")
+        for name, grad in result["grads"].items():
+            seen.add(name)
+            if grads_ref[name] is None:
+                assert grad is None or not grad.any(), name
+            else:
+                torch.testing.assert_close(
+                    grad, grads_ref[name], msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
+                )
+    # Every parameter that gets a gradient is on some rank (tied ones under one of their names).
+    params = model.named_parameters(remove_duplicate=False)
+    covered = {id(p) for n, p in params if n in seen}
+    assert {id(p) for p in model.parameters() if p.grad is not None} <= covered

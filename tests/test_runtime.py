@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.models import build, needs_transformers
-from tests.pipeline_helpers import eager_step, encoder_on_rank_1, even_plan
+from tests.pipeline_helpers import check_equal_to_eager, encoder_on_rank_1, even_plan
 from vlmcompile import compile
 from vlmcompile.demo import eager_losses
 from vlmcompile.errors import PlanError
@@ -21,25 +21,6 @@ from vlmcompile.launch import LaunchError, launch
 from vlmcompile.runtime import BatchError, interleaved_steps, one_step
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
-
-
-def _check_equal_to_eager(model, batch, results):
-    loss_ref, grads_ref = eager_step(model, batch)
-    seen = set()
-    for rank, result in enumerate(results):
-        torch.testing.assert_close(result["loss"], loss_ref, msg=lambda m, r=rank: f"rank {r} loss: {m}")
-        for name, grad in result["grads"].items():
-            seen.add(name)
-            if grads_ref[name] is None:
-                assert grad is None or not grad.any(), name
-            else:
-                torch.testing.assert_close(
-                    grad, grads_ref[name], msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
-                )
-    # Every parameter that gets a gradient is on some rank (tied ones under one of their names).
-    params = model.named_parameters(remove_duplicate=False)
-    covered = {id(p) for n, p in params if n in seen}
-    assert {id(p) for p in model.parameters() if p.grad is not None} <= covered
 
 
 def _pipe(name, batch_size=4):
@@ -61,14 +42,14 @@ def test_one_step_equals_eager(case):
     name, options = CASES[case]
     model, batch, pipe = _pipe(name)
     plan = even_plan(pipe.layer_graph, global_batch=4, **options)
-    _check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+    check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
 
 
 def test_encoder_stage_on_another_rank_than_the_first_llm_stage():
     model, batch, pipe = _pipe("tiny")
     plan = encoder_on_rank_1(pipe.layer_graph, global_batch=4)
     assert plan.stages[0].rank == 1 and plan.stages[1].rank == 0
-    _check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+    check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
 
 
 @needs_transformers
@@ -77,7 +58,7 @@ def test_transformers_llava_equals_eager():
     model, batch = build("hf-llava")  # 2 samples, exported at 2 rows: the runtime re-captures at 1
     pipe = compile(model, batch, log=None)
     plan = even_plan(pipe.layer_graph, pp=2, global_batch=2, recompute=(6,))
-    _check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+    check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
 
 
 def test_two_plans_interleaved_step_by_step_each_train_like_eager():
@@ -206,3 +187,41 @@ def test_cli_run_trains_a_zoo_model_on_local_ranks(policy, capsys):
     assert f"plan '{policy}'" in out
     losses = [float(x) for x in out.split("losses: ")[1].splitlines()[0].split(", ")]
     assert len(losses) == 2 and losses[1] < losses[0]  # SGD on one batch lowers its loss
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_llama4s_complex_rotary_frequencies_cross_a_stage_cut():
+    from vlmcompile.models import hf_tiny
+
+    model, batch = hf_tiny.build("hf-llama4")
+    pipe = compile(model, batch, log=None)
+    names = [layer.name for layer in pipe.layer_graph.layers]
+    cut = names.index("language_model.model.layers.0")  # right after the rotary embedding
+    assert any("complex" in str(o) for o in pipe.layer_graph[names[cut - 1]].outputs)
+    plan = even_plan(pipe.layer_graph, pp=2, global_batch=2, cuts=[cut])
+    check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_batch_values_the_graph_is_fixed_to_must_come_back_unchanged():
+    from vlmcompile.models import hf_tiny
+
+    model, batch = hf_tiny.build("hf-clip")
+    pipe = compile(model, batch, log=None)
+    runner = pipe.runner(even_plan(pipe.layer_graph, pp=1, microbatch_size=2, global_batch=2))
+    runner.check_batch(batch)  # the compiled batch itself, return_loss=True included
+    with pytest.raises(
+        BatchError, match=r"batch\['return_loss'\] is False; the pipeline was compiled with True"
+    ):
+        runner.check_batch({**batch, "return_loss": False})
+
+    model, batch = hf_tiny.build("hf-qwen2-vl")
+    pipe = compile(model, batch, log=None)
+    runner = pipe.runner(even_plan(pipe.layer_graph, pp=1, global_batch=2))
+    runner.check_batch(batch)
+    other = batch["image_grid_thw"].clone()
+    other[1] = torch.tensor([1, 2, 8])  # as many patches, another layout
+    with pytest.raises(BatchError, match=r"microbatch 1's 'image_grid_thw' is \[\[1, 2, 8\]\].*captured for"):
+        runner.check_batch({**batch, "image_grid_thw": other})

@@ -28,7 +28,7 @@ def _annotate(args: argparse.Namespace) -> int:
     if args.model.startswith("hf-"):
         from vlmcompile.models import hf_tiny
 
-        model, batch = hf_tiny.build(args.model)
+        model, batch = hf_tiny.build(args.model, batch=args.batch_size, device="cpu" if args.real else "meta")
     else:
         device = "cpu" if args.real else "meta"
         model = models.build(args.model, device=device, dtype=_DTYPES[args.dtype])
@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         required=True,
         help="zoo name (demo, tiny, InternVL-Chat-1.5, ViT-22B+GPT-175B, CLIP-L, ...) or a tiny "
-        "transformers model (hf-llava, hf-internvl, hf-idefics3, hf-paligemma)",
+        "transformers model (hf-llava, hf-llava-next, hf-qwen2.5-vl, hf-gemma3, hf-mllama, hf-clip, ...: "
+        "vlmcompile.models.hf_tiny.BUILDERS)",
     )
     p.add_argument("--json", metavar="FILE", help="write the LayerGraph (per-layer figures) as JSON")
     p.add_argument("--batch-size", type=int, default=1, help="samples in the sample batch (default 1)")

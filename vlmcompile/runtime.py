@@ -266,6 +266,10 @@ class PipelineRunner:
         extra = sorted(set(batch) - set(self.batch_shapes) - set(self.batch_constants))
         if extra:
             raise BatchError(f"the batch has keys {extra} the compiled sample batch did not have")
+        if self.specialized:
+            mbs = self.plan.microbatch_size
+            for i in range(self.topology.dp * self.plan.num_microbatches):
+                self._check_specialized(take(batch, i * mbs, mbs, self.sample_rows), i)
 
     def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """Run this rank's actions on ``batch`` (the global batch; every rank gets the same one)
@@ -278,8 +282,6 @@ class PipelineRunner:
         weights = label_weights(batch, t.dp * m)
         shard = take(batch, self.dp_rank * shard_rows, shard_rows, self.sample_rows)
         micro = [take(shard, i * mbs, mbs, self.sample_rows) for i in range(m)]
-        for i, microbatch in enumerate(micro):
-            self._check_specialized(microbatch, self.dp_rank * m + i)
         params = self.parameters()
         stash = [p.grad for p in params]
         for p in params:

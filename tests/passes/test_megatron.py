@@ -1,6 +1,7 @@
 """Megatron-LM baselines: where the layers go, the layout string, the balancing DP against
 brute force, and the errors for splits Megatron cannot make."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -8,7 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vlmcompile.passes.megatron import megatron, megatron_layout, model_parts
 from vlmcompile.passes.megatron_balanced import balanced_split, megatron_balanced
+from vlmcompile.passes.partition import partition
 
+from tests.models import needs_transformers
+from vlmcompile import compile
 from vlmcompile.cluster import Cluster
 from vlmcompile.errors import ClusterError, PlanError
 from vlmcompile.plan import Reason, Recompute
@@ -132,3 +136,32 @@ def test_zero_bubble_schedule_gets_the_stages_real_times(demo_graph):
     assert plan.split_backward() == frozenset(range(4))
     with pytest.raises(PlanError, match="with v=2 use interleaved_1f1b"):
         megatron(demo_graph, cluster, tp=1, pp=2, v=2, global_batch=8, schedule="zero_bubble")
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_decoder_layers_are_found_by_structure_whatever_the_attention_kernel():
+    from vlmcompile.models import hf_tiny
+
+    # Eager attention is matmul + softmax: no attention kernel for the FLOP counter to see.
+    model, batch = hf_tiny.build("hf-llava", attn_implementation="eager")
+    graph = compile(model, batch, log=None).layer_graph
+    llm_blocks = [layer.name for layer in graph.layers if layer.region is Region.LLM and layer.block]
+    assert llm_blocks == ["model.language_model.layers.0", "model.language_model.layers.1"]
+    assert all(graph[name].fwd_attn_flops == 0 for name in llm_blocks)
+    assert model_parts(graph).decoder == tuple(llm_blocks)
+    run = megatron(graph, Cluster.preset("cpu:2"), tp=1, pp=2, global_batch=2)
+    assert run.report.layout == "Et|tL"
+
+
+def test_the_layout_export_never_fails_a_plan(demo_graph):
+    # No layer is a block: Megatron's split has nothing to split, but a plan that is not
+    # Megatron's is still made, and only the optional layout says why it is missing.
+    flat = dataclasses.replace(
+        demo_graph, layers=tuple(dataclasses.replace(x, block=False) for x in demo_graph.layers)
+    )
+    with pytest.raises(PlanError, match="no LLM decoder layers"):
+        model_parts(flat)
+    result = partition(flat, Cluster.preset("h100x8"), tp=1, pp=2, global_batch=8, time_limit_s=2)
+    layout, note = megatron_layout(result.plan, flat)
+    assert layout is None and "no LLM decoder layers" in note

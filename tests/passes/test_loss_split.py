@@ -1,0 +1,58 @@
+"""A loss that couples the samples of a batch is found on the sample batch, planned as one
+microbatch on one data-parallel rank, and refused by the runtime when a plan splits it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vlmcompile.passes.loss_split import LossSplit, check_loss_split
+
+from tests.models import build
+from tests.pipeline_helpers import check_equal_to_eager, even_plan
+from vlmcompile import compile
+from vlmcompile.errors import PlanError
+
+
+def _verdict(name, batch_size=4):
+    model, batch = build(name, batch_size=batch_size)
+    return compile(model, batch, log=None).report.passes["capture"].loss_split
+
+
+def test_a_contrastive_loss_is_batch_coupled_and_a_token_mean_is_not():
+    coupled = _verdict("tiny-contrastive")
+    assert coupled.verdict is LossSplit.BATCH_COUPLED and "couples the samples" in coupled.detail
+    assert _verdict("tiny").verdict is LossSplit.PER_SAMPLE
+
+
+def test_nothing_to_compare_is_said_not_guessed():
+    assert _verdict("tiny", batch_size=1).verdict is LossSplit.UNCHECKED
+    per_row = check_loss_split(lambda b: b["x"] * 2, {"x": torch.ones(3, 2)})
+    assert per_row.verdict is LossSplit.UNCHECKED and "not a scalar loss" in per_row.detail
+
+
+def test_a_model_that_cannot_run_on_one_sample_is_treated_as_coupled():
+    def loss_of(b):
+        if len(b["x"]) < 2:
+            raise RuntimeError("batch norm needs more than one sample")
+        return b["x"].mean()
+
+    check = check_loss_split(loss_of, {"x": torch.randn(4, 3)})
+    assert check.verdict is LossSplit.BATCH_COUPLED and "batch norm" in check.detail
+
+
+def test_the_runtime_refuses_a_plan_that_splits_a_coupled_batch():
+    model, batch = build("tiny-contrastive", batch_size=4)
+    pipe = compile(model, batch, log=None)
+    plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)  # 4 microbatches
+    with pytest.raises(
+        PlanError, match=r"splits each batch into 4 parts .* does not split over microbatches"
+    ):
+        pipe.runner(plan)
+
+
+@pytest.mark.multiproc
+def test_compile_plans_a_coupled_loss_as_one_microbatch_that_trains_like_eager():
+    model, batch = build("tiny-contrastive", batch_size=4)
+    pipe = compile(model, batch, "cpu:2", log=None)
+    assert pipe.plan.num_microbatches == 1 and pipe.plan.parallel["model"].dp == 1
+    check_equal_to_eager(model, batch, pipe.launch(timeout_s=30))

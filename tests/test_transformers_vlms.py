@@ -1,0 +1,118 @@
+"""The transformers VLM classes people train, as tiny random-weight models: each compiles for
+local CPU ranks with its regions found, trains one step equal to eager with both attention
+implementations, and compiles on the meta device for 8 GPUs with the real run's figures.
+
+Every (family, attention) pipeline runs in one launch of 2 ranks: starting ranks costs more
+than all the steps together.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models import needs_transformers
+from tests.pipeline_helpers import check_equal_to_eager
+from vlmcompile import compile
+from vlmcompile.launch import launch
+from vlmcompile.regions import Region
+from vlmcompile.runtime import one_step
+
+pytestmark = [needs_transformers, pytest.mark.hf, pytest.mark.multiproc]
+
+try:
+    from vlmcompile.models.hf_tiny import ATTENTION, BUILDERS, build
+except ImportError:  # pragma: no cover - without transformers the module is skipped above
+    ATTENTION, BUILDERS = (), {}
+
+FAMILIES = list(BUILDERS)
+LLM_VLM = {Region.VISION, Region.PROJECTOR, Region.LLM, Region.HEAD}
+EXPECTED_REGIONS = {name: LLM_VLM for name in FAMILIES} | {
+    # CLIP: two towers, each with its projection; the contrastive loss joins the last layer.
+    "hf-clip": {Region.VISION, Region.PROJECTOR, Region.TEXT},
+}
+CASES = [(name, attn) for name in FAMILIES for attn in ATTENTION]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(family, attention) -> (model, batch, pipeline), or the exception compile raised."""
+    out = {}
+    for name, attn in CASES:
+        model, batch = build(name, attn_implementation=attn)
+        try:
+            out[(name, attn)] = (model, batch, compile(model, batch, "cpu:2", log=None))
+        except Exception as err:  # each case reports its own failure
+            out[(name, attn)] = err
+    return out
+
+
+def _every_step(runners: dict, batches: dict) -> dict:
+    """On each rank: one training step of every runner, by case."""
+    return {case: one_step(runner, batches[case]) for case, runner in runners.items()}
+
+
+@pytest.fixture(scope="module")
+def launched(compiled):
+    """(family, attention) -> each rank's loss and gradients, all cases in one launch."""
+    ok = {case: c for case, c in compiled.items() if not isinstance(c, Exception)}
+    runners = {case: pipe.runner(timeout_s=60) for case, (_, _, pipe) in ok.items()}
+    batches = {case: dict(batch) for case, (_, batch, _) in ok.items()}
+    per_rank = launch(_every_step, runners, 2, args=(batches,), timeout_s=60)
+    return {case: [rank[case] for rank in per_rank] for case in ok}
+
+
+def _pipeline(compiled, case):
+    result = compiled[case]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiles_for_cpu_ranks_with_its_regions(compiled, name, record_property):
+    model, _, pipe = _pipeline(compiled, (name, "sdpa"))
+    capture = pipe.report.passes["capture"]
+    # For the README's table of supported families (benchmarks/support_table.py reads them).
+    record_property("model_class", type(model).__name__)
+    record_property("specialised", ", ".join(capture.specialized.keys) if capture.specialized else "")
+    record_property("loss_split", capture.loss_split.verdict.value)
+    layers = capture.layers
+    assert {lr.region for lr in layers} == EXPECTED_REGIONS[name], [
+        (lr.layer, lr.region.value) for lr in layers
+    ]
+    assert pipe.plan is not None and pipe.plan.parallel["model"].tp == 1
+    assert pipe.planned.fits
+
+
+@pytest.mark.parametrize(("name", "attn"), CASES)
+def test_one_step_equals_eager(compiled, launched, name, attn):
+    model, batch, _ = _pipeline(compiled, (name, attn))
+    assert model.config._attn_implementation == attn
+    check_equal_to_eager(model, batch, launched[(name, attn)])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiles_on_meta_for_8_gpus_with_the_real_runs_figures(compiled, name):
+    _, _, real = _pipeline(compiled, (name, "sdpa"))
+    model, batch = build(name, device="meta")
+    assert all(p.device.type == "meta" for p in model.parameters())
+    pipe = compile(model, batch, "h100x8", log=None)
+    assert pipe.plan is not None and pipe.planned.fits
+    meta_layers = [
+        (x.name, x.region, x.fwd_flops, x.bwd_flops, x.saved_bytes) for x in pipe.layer_graph.layers
+    ]
+    real_layers = [
+        (x.name, x.region, x.fwd_flops, x.bwd_flops, x.saved_bytes) for x in real.layer_graph.layers
+    ]
+    assert meta_layers == real_layers
+
+
+def test_a_batch_coupled_loss_is_planned_as_one_microbatch(compiled):
+    _, batch, pipe = _pipeline(compiled, ("hf-clip", "sdpa"))
+    assert pipe.report.passes["capture"].loss_split.verdict.value == "batch-coupled"
+    plan = pipe.plan
+    assert plan.num_microbatches == 1 and plan.microbatch_size == len(batch["input_ids"])
+    assert plan.parallel["model"].dp == 1
+    assert any(d.reason.value == "loss_coupled" for d in plan.decisions)
+    assert torch.is_tensor(batch["input_ids"]) and batch["return_loss"] is True
