@@ -178,21 +178,29 @@ def _takes_use_cache(model: nn.Module) -> bool:
 
 
 class _LossOf(nn.Module):
-    """Returns only the loss of a model that returns a ModelOutput or a dict with 'loss'; the
-    batch inputs in ``fixed`` are passed as known values (:mod:`vlmcompile.specialize`)."""
+    """Returns only the loss of a model that returns a ModelOutput or a dict with 'loss'. The
+    batch's Python values (``return_loss=True``, image sizes as a list) are passed as constants
+    of the graph, and the tensors in ``fixed`` as known values (:mod:`vlmcompile.specialize`)."""
 
-    def __init__(self, inner: nn.Module, no_cache: bool, fixed: Mapping[str, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        inner: nn.Module,
+        no_cache: bool,
+        fixed: Mapping[str, torch.Tensor] | None = None,
+        constants: Mapping[str, Any] | None = None,
+    ):
         super().__init__()
         self.inner = inner
         self.no_cache = no_cache
         self.fixed = dict(fixed or {})  # a plain dict: not buffers, so not graph inputs
+        self.constants = dict(constants or {})
 
     def forward(self, **batch):
         extra = {"use_cache": False} if self.no_cache else {}
         if not self.fixed:
-            return _loss_of(self.inner(**batch, **extra))
+            return _loss_of(self.inner(**batch, **self.constants, **extra))
         with KnownValues(self.fixed):
-            return _loss_of(self.inner(**batch, **self.fixed, **extra))
+            return _loss_of(self.inner(**batch, **self.fixed, **self.constants, **extra))
 
 
 def _loss_of(out: Any) -> Any:
@@ -325,13 +333,19 @@ def _export_specialising(
     """Export ``root``; if a shape depends on tensor values, export again specialised on the
     fewest batch inputs that get it through. Returns the graph, the dropped checks, the module
     exported and the specialisation."""
+    no_cache = root.no_cache if isinstance(root, _LossOf) else _takes_use_cache(model)
+    # Python values are constants of the graph, not inputs: export would make an input of
+    # every int in a list (``image_sizes_0_0``), which no batch key names.
+    constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    if constants:
+        root = _LossOf(model, no_cache, constants=constants)
     try:
-        return (*_export(root, batch), root, None)
+        return (*_export(root, tensors), root, None)
     except Exception as err:
         if not _is_data_dependent(err):
             raise
         first = err
-    no_cache = root.no_cache if isinstance(root, _LossOf) else _takes_use_cache(model)
     for keys in value_input_tiers(batch):
         on_meta = [k for k in keys if batch[k].device.type == "meta"]
         if on_meta:
@@ -341,9 +355,9 @@ def _export_specialising(
                 "Give those inputs as CPU tensors (they are small: image sizes and grids, token types) and "
                 "keep the rest on meta"
             ) from first
-        wrapped = _LossOf(model, no_cache, fixed={k: batch[k] for k in keys})
+        wrapped = _LossOf(model, no_cache, fixed={k: batch[k] for k in keys}, constants=constants)
         try:
-            gm, dropped = _export(wrapped, {k: v for k, v in batch.items() if k not in keys})
+            gm, dropped = _export(wrapped, {k: v for k, v in tensors.items() if k not in keys})
         except Exception as err:
             if not _is_data_dependent(err):
                 raise
@@ -424,7 +438,9 @@ def _check_numerics(model: nn.Module, gm: fx.GraphModule, batch: dict[str, Any])
         expected = _loss_of(model(**batch))
         torch.manual_seed(0)
         specialized = gm.meta.get(SPECIALIZED_META, {})
-        actual = gm(**{k: v for k, v in batch.items() if k not in specialized})
+        actual = gm(
+            **{k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in specialized}
+        )
     try:
         torch.testing.assert_close(actual, expected)
     except AssertionError as err:

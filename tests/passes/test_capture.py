@@ -221,3 +221,19 @@ def test_capture_does_not_need_real_weights():
     result = capture(model, models.sample_batch("tiny", device="meta"))
     assert "not checked" in result.report.numerics
     assert len(result.report.layers) == 10
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_python_values_in_the_batch_are_constants_of_the_graph():
+    from vlmcompile.models import hf_tiny
+
+    model, batch = hf_tiny.build("hf-llava-next")
+    batch["image_sizes"] = batch["image_sizes"].tolist()  # as a list: no per-sample rows to split
+    result = capture(model, batch)
+    placeholders = {str(n.target) for n in result.gm.graph.nodes if n.op == "placeholder"}
+    assert placeholders == {"input_ids", "pixel_values", "labels"}
+    assert "equal to eager" in result.report.numerics
+    # Each sample alone would still get both sizes: the batch runs as one microbatch.
+    split = result.report.loss_split
+    assert split.verdict.value == "batch-coupled" and "does not run on one sample" in split.detail
