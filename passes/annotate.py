@@ -56,7 +56,7 @@ from vlmcompile.cost_models.flops import cpu_sdpa_flop_mapping
 from vlmcompile.passes.capture import layer_nodes
 
 from vlmcompile.errors import ModelError
-from vlmcompile.fake import fake_factory, swapped_tensors
+from vlmcompile.fake import ShapesFromKnownValues, fake_factory, known_batch, made, swapped_tensors
 from vlmcompile.layer_graph import Layer, LayerGraph, NodeCost, TensorSpec, format_count
 from vlmcompile.meta_keys import (
     BLOCK_LAYERS_META,
@@ -242,7 +242,7 @@ class _Annotator(fx.Interpreter):
         """Run one node. On fake tensors, a node that reads only known values (the real CPU
         inputs of the batch: token ids, sizes, and what is computed from them alone) runs on
         real tensors, so a later shape that depends on them can be known
-        (:class:`_ShapesFromKnownValues`)."""
+        (:class:`vlmcompile.fake.ShapesFromKnownValues`)."""
         run = getattr(self, n.op)
         if self.fake_mode is None or n.op != "call_function":
             return run(n.target, args, kwargs)
@@ -296,42 +296,6 @@ class _Annotator(fx.Interpreter):
         if self._bwd_node is not None:
             last = _delta(self.counters.snapshot(), self._bwd_mark)
             self.bwd_cost[self._bwd_node] = _add(self.bwd_cost[self._bwd_node], last)
-
-
-class _ShapesFromKnownValues(TorchDispatchMode):
-    """On fake tensors, an op whose output shape depends on values (``hidden[image_mask]``, the
-    ``masked_select`` in ``masked_scatter``'s backward) runs for real when every integer and
-    boolean argument is a known value: the float arguments become zeros of their shape, and
-    the result becomes a fake tensor again. Only its shape matters here."""
-
-    def __init__(self, fake_mode: FakeTensorMode, limit_bytes: int = 1 << 30):
-        super().__init__()
-        self.fake_mode = fake_mode
-        self.limit_bytes = limit_bytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        try:
-            return func(*args, **kwargs)
-        except (DynamicOutputShapeException, DataDependentOutputException):
-            tensors = _tensors((args, kwargs))
-            fakes = [t for t in tensors if isinstance(t, FakeTensor)]
-            if any(not (t.is_floating_point() or t.is_complex()) for t in fakes):
-                raise  # the shape depends on values nobody knows
-            if sum(t.numel() * t.element_size() for t in fakes) > self.limit_bytes:
-                raise
-            with unset_fake_temporarily():
-                real_args, real_kwargs = tree_map(_zeros_for_fake, (args, kwargs))
-                out = func(*real_args, **real_kwargs)
-            return tree_map(
-                lambda t: self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, out
-            )
-
-
-def _zeros_for_fake(value: Any) -> Any:
-    if isinstance(value, FakeTensor):
-        return torch.zeros(value.shape, dtype=value.dtype)
-    return value
 
 
 def _detached_parameter(t: torch.Tensor) -> torch.Tensor:
@@ -427,7 +391,7 @@ def _measure(
 ) -> tuple[LayerGraph, float, float, list[str]]:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if tensor_mode == "fake" else None
     make = fake_factory(fake_mode) if fake_mode else _detached_parameter
-    batch, assumed = _known_batch(sample_batch, make) if fake_mode else (_made(sample_batch, make), [])
+    batch, assumed = known_batch(sample_batch, make) if fake_mode else (made(sample_batch, make), [])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     args = [batch[n.target] if n.target in batch else _default_of(n) for n in placeholders]
 
@@ -439,7 +403,7 @@ def _measure(
         counters = _Counters(flops, traffic, {op for op in flop_ops if "attention" in str(op)})
         param_storages = {st[0] for p in gm.parameters() if (st := _storage(p))}
         interp = _Annotator(gm, counters, param_storages, fake_mode)
-        known_shapes = _ShapesFromKnownValues(fake_mode) if fake_mode else contextlib.nullcontext()
+        known_shapes = ShapesFromKnownValues(fake_mode) if fake_mode else contextlib.nullcontext()
         with flops, traffic, known_shapes:
             start = time.perf_counter()
             try:
@@ -454,31 +418,6 @@ def _measure(
             gm, interp, model_name=model_name, tensor_mode=tensor_mode, batch=sample_batch
         )
     return layer_graph, fwd_s, bwd_s, assumed
-
-
-def _made(batch: Mapping[str, Any], make: Any) -> dict[str, Any]:
-    return {k: make(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def _known_batch(batch: Mapping[str, Any], make: Any) -> tuple[dict[str, Any], list[str]]:
-    """The batch for a run on fake tensors, and what it assumes. Inputs with values stay real:
-    known values (see ``_Annotator._call``), so a shape that depends on them (image tokens among
-    the token ids, Idefics3 dropping all-zero images) is what a real run makes. A meta float
-    input (pixels) is taken as ones, which no model drops as padding; a meta integer input has
-    no stand-in (token ids decide which tokens are image tokens) and stays unknown."""
-    out, ones = {}, []
-    for k, v in batch.items():
-        if not isinstance(v, torch.Tensor):
-            out[k] = v
-        elif v.device.type != "meta":
-            out[k] = v.detach()
-        elif v.is_floating_point():
-            out[k] = torch.ones(v.shape, dtype=v.dtype)
-            ones.append(k)
-        else:
-            out[k] = make(v)
-    assumed = [f"meta batch inputs {ones} are taken as ones where their values decide shapes"] if ones else []
-    return out, assumed
 
 
 def _default_of(n: fx.Node) -> Any:

@@ -8,19 +8,15 @@ Two capture paths, as decided in DESIGN.md:
   every transformers-5 VLM), and the fallback when ``fx`` tracing fails.
 
 Both tag every node with its layer and region (:mod:`vlmcompile.layering`). A model that
-returns a ModelOutput is captured up to its ``loss``.
+returns a ModelOutput is captured up to its ``loss``. The export machinery - meta models on fake
+CPU tensors, specialisation on the batch values that decide shapes, failures named by the
+model's line - is :mod:`vlmcompile.export`. On real weights capture then checks the graph
+against eager and whether the loss splits over microbatches (:mod:`.loss_split`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import io
-import os
-import re
-import sys
-import traceback
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,15 +25,20 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
 from vlmcompile.passes.loss_split import LossSplit, LossSplitCheck, check_loss_split
 
 from vlmcompile.errors import CaptureError, ModelError, SampleBatchError
-from vlmcompile.fake import fake_factory, swapped_tensors
+from vlmcompile.export import (
+    DATA_DEPENDENT_HELP,
+    WRAPPED,
+    LossOf,
+    Specialization,
+    describe_failure,
+    export_specialising,
+    loss_of,
+    on_meta,
+    takes_use_cache,
+)
 from vlmcompile.layering import LayerAssigner, assign_layers, check_regions_detected
 from vlmcompile.meta_keys import (
     BLOCK_LAYERS_META,
@@ -47,10 +48,8 @@ from vlmcompile.meta_keys import (
     SPECIALIZED_META,
 )
 from vlmcompile.regions import Region, check_override_paths, parse_overrides
-from vlmcompile.specialize import KnownValues, value_input_tiers
 
 CaptureMethod = Literal["fx", "export"]
-_WRAPPED = "inner"  # attribute under which a ModelOutput-returning model is wrapped
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,56 +164,6 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return type(model).__module__.startswith("transformers.")
 
 
-def _takes_use_cache(model: nn.Module) -> bool:
-    """Whether to pass ``use_cache=False``: a training step keeps no KV cache. transformers 5
-    VLMs take it through ``**kwargs`` (their forward does not name it), and without it a
-    generative model builds a DynamicCache whose empty tensors end up in the graph."""
-    params = inspect.signature(model.forward).parameters
-    if "use_cache" in params:
-        return True
-    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    can_generate = getattr(model, "can_generate", None)
-    return takes_kwargs and callable(can_generate) and bool(can_generate())
-
-
-class _LossOf(nn.Module):
-    """Returns only the loss of a model that returns a ModelOutput or a dict with 'loss'. The
-    batch's Python values (``return_loss=True``, image sizes as a list) are passed as constants
-    of the graph, and the tensors in ``fixed`` as known values (:mod:`vlmcompile.specialize`)."""
-
-    def __init__(
-        self,
-        inner: nn.Module,
-        no_cache: bool,
-        fixed: Mapping[str, torch.Tensor] | None = None,
-        constants: Mapping[str, Any] | None = None,
-    ):
-        super().__init__()
-        self.inner = inner
-        self.no_cache = no_cache
-        self.fixed = dict(fixed or {})  # a plain dict: not buffers, so not graph inputs
-        self.constants = dict(constants or {})
-
-    def forward(self, **batch):
-        extra = {"use_cache": False} if self.no_cache else {}
-        if not self.fixed:
-            return _loss_of(self.inner(**batch, **self.constants, **extra))
-        with KnownValues(self.fixed):
-            return _loss_of(self.inner(**batch, **self.fixed, **self.constants, **extra))
-
-
-def _loss_of(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out
-    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
-    if loss is None:
-        raise SampleBatchError(
-            "the model returned no loss for the sample batch; include the labels (e.g. 'labels') "
-            "so that the captured step ends in the training loss"
-        )
-    return loss
-
-
 class _BlockLeafTracer(fx.Tracer):
     def __init__(self, blocks: set[str]):
         super().__init__()
@@ -234,208 +183,12 @@ def _trace_fx(model: nn.Module, batch: dict[str, Any], blocks: set[str]) -> fx.G
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
-_RUNTIME_ASSERTS = ("aten._assert_scalar", "aten._assert_async", "aten._functional_assert_async")
-
-
-def _export(model: nn.Module, batch: dict[str, Any]) -> tuple[fx.GraphModule, tuple[str, ...]]:
-    """Export, then drop the data-dependent runtime assertions export inserts (each reads a
-    tensor value with .item(), which fake tensors cannot answer). They held on the sample
-    batch, and a compiled pipeline runs at the sample's shapes; the report lists them.
-
-    A model or batch on meta is exported on fake tensors that claim the CPU: a graph exported
-    on meta would name the meta device in its constants (``arange(device=meta)``), and small
-    CPU inputs whose values decide shapes could not meet meta tensors."""
-    # On failure torch.export prints the whole partial graph to stderr; the CaptureError says
-    # what matters, so keep stderr for a successful export only.
-    buffer = io.StringIO()
-    with contextlib.redirect_stderr(buffer), warnings.catch_warnings():
-        # Qwen-VL caches its rope deltas on the module in forward, for generation; a training
-        # step never reads them back.
-        warnings.filterwarnings("ignore", message="The tensor attribute .* was assigned during export")
-        if _on_meta(model, batch):
-            program = _export_on_fake_cpu(model, batch)
-        else:
-            program = torch.export.export(model, (), batch, strict=False)
-    sys.stderr.write(buffer.getvalue())
-    gm = program.module(check_guards=False)
-    if _on_meta(model, batch):
-        _restore_meta_tensors(gm, model)
-    return gm, _drop_runtime_asserts(gm)
-
-
-def _export_on_fake_cpu(model: nn.Module, batch: dict[str, Any]) -> torch.export.ExportedProgram:
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    make = fake_factory(mode)
-    fake_batch = {k: make(v) if _is_meta(v) else v for k, v in batch.items()}
-    with swapped_tensors(model, make), mode:
-        return torch.export.export(model, (), fake_batch, strict=False)
-
-
-def _restore_meta_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
-    """The exported module holds the fake stand-ins; put the model's own meta tensors back
-    (by name), so nothing of a dead fake mode outlives the capture."""
-    own = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
-    for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]:
-        if name in own and own[name] is not t:
-            owner, _, attr = name.rpartition(".")
-            sub = gm.get_submodule(owner)
-            table = sub._parameters if attr in sub._parameters else sub._buffers
-            table[attr] = own[name]
-
-
-def _drop_runtime_asserts(gm: fx.GraphModule) -> tuple[str, ...]:
-    """Erase the runtime assertions and what only they read (the ``.item()`` calls and
-    comparisons). Not a general dead-code elimination: that would also delete calls whose
-    effect is not a value, such as the vmap nesting set-up and tear-down of transformers'
-    mask functions (Gemma3)."""
-    dropped, frontier, erased = [], [], set()
-    for n in list(gm.graph.nodes):
-        if n.op == "call_function" and str(n.target).startswith(_RUNTIME_ASSERTS):
-            dropped.append(str(n.args[1]) if len(n.args) > 1 else str(n.target))
-            frontier += n.all_input_nodes
-            gm.graph.erase_node(n)
-            erased.add(n)
-    while frontier:
-        n = frontier.pop()
-        if n in erased or n.users or n.op != "call_function" or n.is_impure():
-            continue
-        frontier += n.all_input_nodes
-        gm.graph.erase_node(n)
-        erased.add(n)
-    if dropped:
-        gm.recompile()
-    return tuple(dropped)
-
-
-@dataclass(frozen=True, slots=True)
-class Specialization:
-    """Batch inputs whose values the graph is specialised on (:mod:`vlmcompile.specialize`)."""
-
-    keys: tuple[str, ...]
-    because: str
-    """The data-dependent operation that stopped the capture without specialising."""
-
-
-def _is_data_dependent(err: BaseException) -> bool:
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
-    while err is not None:
-        if isinstance(err, kinds) or "data-dependent" in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-def _export_specialising(
-    model: nn.Module, root: nn.Module, batch: dict[str, Any]
-) -> tuple[fx.GraphModule, tuple[str, ...], nn.Module, Specialization | None]:
-    """Export ``root``; if a shape depends on tensor values, export again specialised on the
-    fewest batch inputs that get it through. Returns the graph, the dropped checks, the module
-    exported and the specialisation."""
-    no_cache = root.no_cache if isinstance(root, _LossOf) else _takes_use_cache(model)
-    # Python values are constants of the graph, not inputs: export would make an input of
-    # every int in a list (``image_sizes_0_0``), which no batch key names.
-    constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
-    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    if constants:
-        root = _LossOf(model, no_cache, constants=constants)
-    try:
-        return (*_export(root, tensors), root, None)
-    except Exception as err:
-        if not _is_data_dependent(err):
-            raise
-        first = err
-    for keys in value_input_tiers(batch):
-        on_meta = [k for k in keys if batch[k].device.type == "meta"]
-        if on_meta:
-            raise CaptureError(
-                f"{type(model).__name__}'s shapes depend on the values of batch inputs ({_describe_failure(first)}); "
-                f"capture specialises on {list(keys)}, but {on_meta} are meta tensors, which hold no values. "
-                "Give those inputs as CPU tensors (they are small: image sizes and grids, token types) and "
-                "keep the rest on meta"
-            ) from first
-        wrapped = _LossOf(model, no_cache, fixed={k: batch[k] for k in keys}, constants=constants)
-        try:
-            gm, dropped = _export(wrapped, {k: v for k, v in tensors.items() if k not in keys})
-        except Exception as err:
-            if not _is_data_dependent(err):
-                raise
-            continue
-        gm.meta[SPECIALIZED_META] = {k: batch[k].detach().clone() for k in keys}
-        return gm, dropped, wrapped, Specialization(keys, _describe_failure(first))
-    raise first
-
-
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(path) + os.sep
-    for path in (torch.__file__, contextlib.__file__, __file__, inspect.getfile(Region))
-)
-"""torch, the standard library and vlmcompile: frames there are not the model's."""
-
-
-def model_frame(err: BaseException) -> traceback.FrameSummary | None:
-    """The innermost frame of the model's own code (the user's file, or transformers') in the
-    traceback of ``err`` or of the exceptions it was raised from."""
-    chain, seen = [], set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        chain.append(err)
-        err = err.__cause__ or err.__context__
-    for e in reversed(chain):  # the root cause first: its frames are the deepest
-        frames = [
-            f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)
-        ]
-        if frames:
-            return frames[-1]
-    return None
-
-
-def _describe_failure(err: BaseException) -> str:
-    """One paragraph naming the operation that failed, the line of the model that made it, and
-    torch's suggested fix, if any."""
-    text = str(err)
-    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    fix = re.search(
-        r"To fix the error, insert one of the following checks before this call:\n(.*?)\n\n", text, re.S
-    )
-    parts = [f"{type(err).__name__}: {first[:300]}"]
-    frame = model_frame(err)
-    where = re.search(r"The following call raised this error:\n\s*(File .*?)\n\s*(.+?)\n", text)
-    if frame is not None:
-        parts.append(
-            f'at File "{frame.filename}", line {frame.lineno}, in {frame.name}: `{(frame.line or "").strip()}`'
-        )
-    elif where:
-        parts.append(f"at {where.group(1).strip()}: `{where.group(2).strip()}`")
-    if fix:
-        parts.append("torch suggests: " + " or ".join(line.strip() for line in fix.group(1).splitlines()))
-    return "; ".join(parts)
-
-
-_DATA_DEPENDENT_HELP = (
-    "The model's control flow or shapes depend on tensor values at that line. Capture already "
-    "specialises on the batch's integer inputs other than input_ids and labels (image sizes and "
-    "grids, token types), so this depends on the token ids or on computed values. Workarounds: "
-    "compute such sizes from tensor shapes or from those integer inputs, replace the branch with "
-    "torch.where / torch.cond, or add the torch._check hints torch suggests above."
-)
-
-
-def _is_meta(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.device.type == "meta"
-
-
-def _on_meta(model: nn.Module, batch: Mapping[str, Any]) -> bool:
-    return any(_is_meta(t) for t in [*batch.values(), *model.parameters()])
-
-
 def _check_numerics(model: nn.Module, gm: fx.GraphModule, batch: dict[str, Any]) -> str:
-    if _on_meta(model, batch):
+    if on_meta(model, batch):
         return "not checked (meta tensors hold no values)"
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(0)
-        expected = _loss_of(model(**batch))
+        expected = loss_of(model(**batch))
         torch.manual_seed(0)
         specialized = gm.meta.get(SPECIALIZED_META, {})
         actual = gm(
@@ -483,7 +236,7 @@ def capture(
 
     root = model
     if _is_transformers_model(model):
-        root = _LossOf(model, _takes_use_cache(model))
+        root = LossOf(model, takes_use_cache(model))
     assigner = LayerAssigner(model, overrides)
 
     # Symbolic tracing fails on every transformers-5 VLM (DESIGN.md): export only, for those.
@@ -505,20 +258,20 @@ def capture(
                     )
                 gm = _trace_fx(model, batch, assigner.blocks)
             else:
-                gm, dropped, root, specialized = _export_specialising(model, root, batch)
+                gm, dropped, root, specialized = export_specialising(model, root, batch)
             used: CaptureMethod = attempt  # type: ignore[assignment]
             break
         except (SampleBatchError, ModelError, CaptureError):
             raise
         except Exception as err:  # each path fails in its own exception types
-            fallbacks.append(Fallback(attempt, _describe_failure(err)))  # type: ignore[arg-type]
+            fallbacks.append(Fallback(attempt, describe_failure(err)))  # type: ignore[arg-type]
             last_err = err
     if gm is None:
         tried = "; ".join(f"{f.method}: {f.reason}" for f in fallbacks)
         raise CaptureError(
-            f"could not capture {type(model).__name__}. {tried}. {_DATA_DEPENDENT_HELP}"
+            f"could not capture {type(model).__name__}. {tried}. {DATA_DEPENDENT_HELP}"
         ) from last_err
-    strip = f"{_WRAPPED}." if root is not model else ""
+    strip = f"{WRAPPED}." if root is not model else ""
 
     regions = assign_layers(gm, assigner, strip_prefix=strip)
     layer_order = list(regions)
@@ -532,8 +285,8 @@ def capture(
     gm.meta[BLOCK_LAYERS_META] = frozenset(layer for layer in layer_order if layer in assigner.blocks)
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
     if check_numerics:
-        eager = _LossOf(model, _takes_use_cache(model)) if _is_transformers_model(model) else model
-        loss_split = check_loss_split(lambda b: _loss_of(eager(**b)), batch)
+        eager = LossOf(model, takes_use_cache(model)) if _is_transformers_model(model) else model
+        loss_split = check_loss_split(lambda b: loss_of(eager(**b)), batch)
     else:
         loss_split = LossSplitCheck(LossSplit.UNCHECKED, "check_numerics=False")
     gm.meta[LOSS_SPLIT_META] = loss_split

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.fx as fx
 from torch import nn
-from vlmcompile.passes.capture import _drop_runtime_asserts, capture, layer_nodes
+from vlmcompile.passes.capture import capture, layer_nodes
 
 from tests.models import ALL, build, needs_transformers
 from vlmcompile import CaptureError, ModelError, Region, RegionError, SampleBatchError
+from vlmcompile.export import drop_runtime_asserts
 from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META, REGION_META, SPECIALIZED_META
 
 
@@ -208,7 +209,7 @@ def test_runtime_checks_and_what_only_they_read_are_dropped_but_side_effect_call
     graph.call_function(torch._C._functorch._vmap_decrement_nesting, ())
     graph.output(x)
     gm = fx.GraphModule(nn.Module(), graph)
-    assert _drop_runtime_asserts(gm) == ("u0 >= 0",)
+    assert drop_runtime_asserts(gm) == ("u0 >= 0",)
     left = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert left == [torch._C._functorch._vmap_increment_nesting, torch._C._functorch._vmap_decrement_nesting]
     assert enter in gm.graph.nodes
