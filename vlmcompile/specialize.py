@@ -27,6 +27,20 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+_RANDOM = {"bernoulli", "multinomial", "normal", "poisson", "dropout"}
+"""Names (beyond ``rand*``) of torch functions that draw random numbers, in- or out-of-place."""
+
+
+def _is_random(func: Any) -> bool:
+    """A random draw is never folded into a constant: the graph would replay it every step."""
+    name = getattr(func, "__name__", "").rstrip("_").removesuffix("_like")
+    return (
+        name.startswith("rand")
+        or name in _RANDOM
+        or name in {"uniform", "exponential", "cauchy", "log_normal", "geometric", "random"}
+    )
+
+
 _SMALL = 1 << 16
 """Elements of the largest factory result (``torch.arange(n)``) folded into a constant."""
 
@@ -53,7 +67,7 @@ class KnownValues(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if not all(self._is_known(t) for t in tensors):
+        if not all(self._is_known(t) for t in tensors) or _is_random(func):
             return func(*args, **kwargs)
         with _disable_current_modes():
             out = func(*args, **kwargs)
