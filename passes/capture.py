@@ -42,12 +42,14 @@ from vlmcompile.export import (
 from vlmcompile.layering import LayerAssigner, assign_layers, check_regions_detected
 from vlmcompile.meta_keys import (
     BLOCK_LAYERS_META,
+    CAPTURE_OPTIONS_META,
     LAYER_META,
     LAYER_ORDER_META,
     LOSS_SPLIT_META,
     SPECIALIZED_META,
 )
 from vlmcompile.regions import Region, check_override_paths, parse_overrides
+from vlmcompile.specialize import differs_between_samples
 
 CaptureMethod = Literal["fx", "export"]
 
@@ -79,8 +81,8 @@ class CaptureReport:
     """'equal to eager (max abs diff ...)', or why the check was skipped."""
     loss_split: LossSplitCheck = LossSplitCheck(LossSplit.UNCHECKED, "not checked")
     """Whether the loss of a batch is the weighted sum of its samples' (see passes/loss_split.py)."""
-    dropped_checks: tuple[str, ...] = ()
-    """Runtime assertions export inserted and capture removed (they held on the sample batch)."""
+    runtime_checks: tuple[str, ...] = ()
+    """Runtime assertions export inserted (they hold on the sample batch; the runtime runs them)."""
     specialized: Specialization | None = None
     """Batch inputs whose values the graph is fixed to, and why."""
 
@@ -96,10 +98,10 @@ class CaptureReport:
                 f"  specialised on the values of {list(self.specialized.keys)} (every batch must bring the "
                 f"same values), because shapes depend on them: {self.specialized.because}"
             )
-        if self.dropped_checks:
+        if self.runtime_checks:
             lines.append(
-                f"  dropped {len(self.dropped_checks)} runtime check(s) that held on the sample batch: "
-                + "; ".join(self.dropped_checks)
+                f"  {len(self.runtime_checks)} runtime check(s) kept for the run (annotate skips them): "
+                + "; ".join(self.runtime_checks)
             )
         by_region: dict[Region, list[LayerRegion]] = {}
         for lr in self.layers:
@@ -245,7 +247,7 @@ def capture(
         order = [method]
     fallbacks: list[Fallback] = []
     gm = None
-    dropped: tuple[str, ...] = ()
+    checks: tuple[str, ...] = ()
     specialized: Specialization | None = None
     last_err: BaseException | None = None
     for attempt in order:
@@ -258,7 +260,7 @@ def capture(
                     )
                 gm = _trace_fx(model, batch, assigner.blocks)
             else:
-                gm, dropped, root, specialized = export_specialising(model, root, batch)
+                gm, checks, root, specialized = export_specialising(model, root, batch)
             used: CaptureMethod = attempt  # type: ignore[assignment]
             break
         except (SampleBatchError, ModelError, CaptureError):
@@ -283,10 +285,19 @@ def capture(
     )
     gm.meta[LAYER_ORDER_META] = layer_order
     gm.meta[BLOCK_LAYERS_META] = frozenset(layer for layer in layer_order if layer in assigner.blocks)
+    gm.meta[CAPTURE_OPTIONS_META] = {"region_overrides": overrides or None, "method": used}
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
     if check_numerics:
         eager = LossOf(model, takes_use_cache(model)) if _is_transformers_model(model) else model
         loss_split = check_loss_split(lambda b: loss_of(eager(**b)), batch)
+        differ = differs_between_samples(batch, specialized.keys) if specialized else []
+        if differ and loss_split.verdict is LossSplit.PER_SAMPLE:
+            # A microbatch's graph is specialised on its own first samples' values.
+            loss_split = LossSplitCheck(
+                LossSplit.BATCH_COUPLED,
+                f"the graph is specialised on {differ}, whose values differ between the samples of the batch, "
+                "so it holds for the whole batch only",
+            )
     else:
         loss_split = LossSplitCheck(LossSplit.UNCHECKED, "check_numerics=False")
     gm.meta[LOSS_SPLIT_META] = loss_split
@@ -299,7 +310,7 @@ def capture(
         layers=layers,
         numerics=numerics,
         loss_split=loss_split,
-        dropped_checks=dropped,
+        runtime_checks=checks,
         specialized=specialized,
     )
     return CaptureResult(gm, report)

@@ -180,9 +180,10 @@ def plan_search(
         )
     )
     if not todo:
+        only_dp = f" and DP in {list(dp_choices)}" if dp_choices is not None else ""
         raise PlanError(
             f"no parallel degrees divide global batch {global_batch} over {cluster.num_gpus} GPUs with microbatch sizes "
-            f"{list(microbatch_sizes)}; use a global batch that is a multiple of the GPU count"
+            f"{list(microbatch_sizes)}{only_dp}; use a global batch that is a multiple of the GPU count"
         )
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     costs_cache: dict = {}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from vlmcompile.errors import CaptureError
 from vlmcompile.specialize import KnownValues, value_input_tiers
 
 
@@ -53,3 +55,29 @@ def test_the_fewest_inputs_first_and_token_content_never():
         "pixel_values": torch.randn(32, 6),
     }
     assert value_input_tiers(batch) == [("image_grid_thw",), ("image_grid_thw", "mm_token_type_ids")]
+
+
+class _WritesIntoKnown(nn.Module):
+    """``pos`` is computed from the known sizes; the model then writes into it."""
+
+    def __init__(self, from_unknown: bool):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.from_unknown = from_unknown
+
+    def forward(self, x, sizes):
+        pos = torch.zeros(int(sizes.sum()), 4)
+        h = self.lin(x)
+        if self.from_unknown:
+            pos += h.detach()  # a constant of the graph, bumped every step
+        else:
+            h = h + pos  # the graph reads pos as a constant ...
+            pos += 1  # ... and a later write would change what that read saw
+        return (h * pos).sum()
+
+
+@pytest.mark.parametrize("from_unknown", [True, False])
+def test_a_write_into_a_folded_value_is_refused(from_unknown):
+    model = _Fixed(_WritesIntoKnown(from_unknown), {"sizes": torch.tensor([3, 5])})
+    with pytest.raises(CaptureError, match=r"writes into a value computed from them \((__iadd__|add_)\)"):
+        torch.export.export(model, (), {"x": torch.randn(8, 4)}, strict=False)

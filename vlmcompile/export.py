@@ -1,5 +1,5 @@
 """torch.export for the capture pass: the loss wrapper, export of meta models on fake CPU
-tensors, the runtime checks export inserts (dropped), specialisation on the batch values that
+tensors, the runtime checks export inserts (kept, skipped by annotate), specialisation on the batch values that
 decide shapes, and failures described by the line of the model that caused them."""
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
+from torch.utils._pytree import tree_flatten
 
 from vlmcompile.errors import CaptureError, SampleBatchError
 from vlmcompile.fake import fake_factory, swapped_tensors
-from vlmcompile.meta_keys import SPECIALIZED_META
+from vlmcompile.meta_keys import RUNTIME_CHECK_META, SPECIALIZED_META
 from vlmcompile.specialize import KnownValues, value_input_tiers
 
 WRAPPED = "inner"
@@ -111,7 +112,7 @@ def export_graph(model: nn.Module, batch: dict[str, Any]) -> tuple[fx.GraphModul
     gm = program.module(check_guards=False)
     if on_meta(model, batch):
         _restore_meta_tensors(gm, model)
-    return gm, drop_runtime_asserts(gm)
+    return gm, mark_runtime_checks(gm)
 
 
 def _export_on_fake_cpu(model: nn.Module, batch: dict[str, Any]) -> torch.export.ExportedProgram:
@@ -134,28 +135,30 @@ def _restore_meta_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
             table[attr] = own[name]
 
 
-def drop_runtime_asserts(gm: fx.GraphModule) -> tuple[str, ...]:
-    """Erase the runtime assertions and what only they read (the ``.item()`` calls and
-    comparisons). Not a general dead-code elimination: that would also delete calls whose
-    effect is not a value, such as the vmap nesting set-up and tear-down of transformers'
-    mask functions (Gemma3)."""
-    dropped, frontier, erased = [], [], set()
-    for n in list(gm.graph.nodes):
+def mark_runtime_checks(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Mark the runtime assertions export inserts, and what only they read (the ``.item()``
+    calls and comparisons), with :data:`RUNTIME_CHECK_META`; return their messages.
+
+    They stay in the graph: on a real batch they hold the model's own checks (LLaVA's "image
+    features and image tokens do not match") and the assumptions export made, so a batch that
+    breaks them fails instead of training wrong. Annotate skips them: fake tensors hold no
+    values to check. (Nothing is erased: a dead-code elimination would also delete calls whose
+    effect is not a value, the vmap set-up and tear-down of transformers' mask functions.)"""
+    checks, frontier, marked = [], [], set()
+    for n in gm.graph.nodes:
         if n.op == "call_function" and str(n.target).startswith(_RUNTIME_ASSERTS):
-            dropped.append(str(n.args[1]) if len(n.args) > 1 else str(n.target))
+            checks.append(str(n.args[1]) if len(n.args) > 1 else str(n.target))
             frontier += n.all_input_nodes
-            gm.graph.erase_node(n)
-            erased.add(n)
+            marked.add(n)
     while frontier:
         n = frontier.pop()
-        if n in erased or n.users or n.op != "call_function" or n.is_impure():
+        if n in marked or n.op != "call_function" or n.is_impure() or not set(n.users) <= marked:
             continue
         frontier += n.all_input_nodes
-        gm.graph.erase_node(n)
-        erased.add(n)
-    if dropped:
-        gm.recompile()
-    return tuple(dropped)
+        marked.add(n)
+    for n in marked:
+        n.meta[RUNTIME_CHECK_META] = True
+    return tuple(checks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,12 +185,18 @@ def export_specialising(
     model: nn.Module, root: nn.Module, batch: dict[str, Any]
 ) -> tuple[fx.GraphModule, tuple[str, ...], nn.Module, Specialization | None]:
     """Export ``root``; if a shape depends on tensor values, export again specialised on the
-    fewest batch inputs that get it through. Returns the graph, the dropped checks, the module
+    fewest batch inputs that get it through. Returns the graph, its runtime checks, the module
     exported and the specialisation."""
     no_cache = root.no_cache if isinstance(root, LossOf) else takes_use_cache(model)
     # Python values are constants of the graph, not inputs: export would make an input of
     # every int in a list (``image_sizes_0_0``), which no batch key names.
     constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
+    for key, value in constants.items():
+        if any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0]):
+            raise SampleBatchError(
+                f"batch[{key!r}] is a {type(value).__name__} holding tensors; capture takes tensors and plain "
+                "Python values, and would fix these tensors in the graph. Give one tensor (stack or pad them)"
+            )
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     if constants:
         root = LossOf(model, no_cache, constants=constants)
@@ -206,15 +215,18 @@ def export_specialising(
                 "Give those inputs as CPU tensors (they are small: image sizes and grids, token types) and "
                 "keep the rest on meta"
             ) from first
-        wrapped = LossOf(model, no_cache, fixed={k: batch[k] for k in keys}, constants=constants)
+        # Copies: the graph's constants must not share memory with the caller's batch.
+        wrapped = LossOf(
+            model, no_cache, fixed={k: batch[k].detach().clone() for k in keys}, constants=constants
+        )
         try:
-            gm, dropped = export_graph(wrapped, {k: v for k, v in tensors.items() if k not in keys})
+            gm, checks = export_graph(wrapped, {k: v for k, v in tensors.items() if k not in keys})
         except Exception as err:
             if not is_data_dependent(err):
                 raise
             continue
         gm.meta[SPECIALIZED_META] = {k: batch[k].detach().clone() for k in keys}
-        return gm, dropped, wrapped, Specialization(keys, describe_failure(first))
+        return gm, checks, wrapped, Specialization(keys, describe_failure(first))
     raise first
 
 

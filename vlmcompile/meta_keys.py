@@ -27,3 +27,11 @@ SPECIALIZED_META = "vlmcompile.specialized"
 LOSS_SPLIT_META = "vlmcompile.loss_split"
 """On ``GraphModule.meta``: the :class:`vlmcompile.passes.loss_split.LossSplitCheck` of the
 sample batch (whether microbatch losses add up to the batch's)."""
+
+RUNTIME_CHECK_META = "vlmcompile.runtime_check"
+"""True on a runtime assertion export inserted and on the nodes only it reads: run on real
+tensors, skipped by annotate (fake tensors hold no values to check)."""
+
+CAPTURE_OPTIONS_META = "vlmcompile.capture_options"
+"""On ``GraphModule.meta``: the keyword options capture ran with (region overrides, method), so
+that a capture again at a microbatch's size (the runtime's) makes the same layers."""

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from vlmcompile.actions import Action, ActionKind
-from vlmcompile.errors import PlanError, VlmCompileError
-from vlmcompile.meta_keys import LOSS_SPLIT_META, SPECIALIZED_META
+from vlmcompile.errors import PlanError, SampleBatchError, VlmCompileError
+from vlmcompile.meta_keys import CAPTURE_OPTIONS_META, LOSS_SPLIT_META, SPECIALIZED_META
 from vlmcompile.microbatch import label_weights, rows_per_sample, take
 from vlmcompile.passes.codegen import StageModule
 from vlmcompile.passes.loss_split import LossSplit, coupled_loss_error
@@ -359,9 +359,9 @@ class PipelineRunner:
             got = microbatch[key]
             if got.shape != expected.shape or not torch.equal(got, expected.to(got.device)):
                 raise BatchError(
-                    f"microbatch {index}'s {key!r} is {got.tolist()}, but the pipeline was captured for "
-                    f"{expected.tolist()}: the model's shapes depend on these values, so every microbatch must "
-                    "bring them (same image sizes and token layout), or compile again with such a batch"
+                    f"microbatch {index}'s {key!r} {_first_difference(got, expected)}: the model's shapes depend on "
+                    "these values, so every microbatch must bring the ones the pipeline was captured for (same "
+                    "image sizes and token layout), or compile again with such a batch"
                 )
 
     # ---- communication ---------------------------------------------------------------------
@@ -498,10 +498,21 @@ class PipelineRunner:
             offset += g.numel()
 
 
+def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
+    if got.shape != expected.shape:
+        return f"has shape {list(got.shape)}, the captured one {list(expected.shape)}"
+    if got.numel() <= 16:
+        return f"is {got.tolist()}, but the pipeline was captured for {expected.tolist()}"
+    where = tuple(int(i) for i in (got != expected.to(got.device)).nonzero()[0])
+    return (
+        f"is {got[where].item()} at {list(where)}, but the pipeline was captured for {expected[where].item()}"
+    )
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """What goes over the wire for ``t``: complex tensors as their real view (gloo has no
     complex types); the receive buffer's real view shares its storage."""
-    return torch.view_as_real(t) if t.is_complex() else t
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
 
 
 def _floats(values) -> list[torch.Tensor]:
@@ -527,7 +538,12 @@ def make_runner(pipe, plan, *, timeout_s: float = 60.0) -> PipelineRunner:
     topology = topology_of(plan)
     _check_loss_splits(pipe.gm, topology, plan)
     global_batch = topology.dp * plan.num_microbatches * plan.microbatch_size
-    rows = rows_per_sample(pipe.sample_batch)
+    try:
+        rows = rows_per_sample(pipe.sample_batch)
+    except SampleBatchError:
+        if topology.dp * plan.num_microbatches > 1:
+            raise
+        rows = dict.fromkeys(pipe.sample_batch, 0)  # one part: the batch is never split
     tensors = {k: v for k, v in pipe.sample_batch.items() if isinstance(v, torch.Tensor)}
     shapes = {
         k: ((global_batch * rows[k], *v.shape[1:]) if rows[k] else tuple(v.shape), v.dtype)
@@ -544,7 +560,8 @@ def make_runner(pipe, plan, *, timeout_s: float = 60.0) -> PipelineRunner:
                 f"{plan.microbatch_size}. Compile with a sample batch of {plan.microbatch_size} samples"
             )
         microbatch = take(pipe.sample_batch, 0, plan.microbatch_size, rows)
-        gm = capture(pipe.model, microbatch, check_numerics=False).gm
+        options = gm.meta.get(CAPTURE_OPTIONS_META, {})
+        gm = capture(pipe.model, microbatch, check_numerics=False, **options).gm
     stages = codegen(gm, plan).stages
     constants = {k: v for k, v in pipe.sample_batch.items() if not isinstance(v, torch.Tensor)}
     return PipelineRunner(

@@ -6,12 +6,21 @@ import pytest
 import torch
 import torch.fx as fx
 from torch import nn
+from vlmcompile.passes.annotate import annotate
 from vlmcompile.passes.capture import capture, layer_nodes
+from vlmcompile.passes.codegen import codegen
 
 from tests.models import ALL, build, needs_transformers
+from tests.pipeline_helpers import even_plan
 from vlmcompile import CaptureError, ModelError, Region, RegionError, SampleBatchError
-from vlmcompile.export import drop_runtime_asserts
-from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META, REGION_META, SPECIALIZED_META
+from vlmcompile.export import mark_runtime_checks
+from vlmcompile.meta_keys import (
+    LAYER_META,
+    LAYER_ORDER_META,
+    REGION_META,
+    RUNTIME_CHECK_META,
+    SPECIALIZED_META,
+)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -73,7 +82,7 @@ def test_transformers_llava_layers_and_regions():
     assert by_layer["model.multi_modal_projector"] is Region.PROJECTOR
     assert by_layer["model.language_model.layers.1"] is Region.LLM
     assert by_layer["lm_head"] is Region.HEAD
-    assert report.dropped_checks  # export's runtime asserts are listed, not silently removed
+    assert report.runtime_checks  # export's runtime asserts are listed, and kept
 
 
 def test_region_override_takes_precedence_and_is_reported():
@@ -199,20 +208,39 @@ def test_a_capture_failure_names_the_operation_and_the_models_line_with_the_caus
     assert err.value.__cause__ is not None  # the original traceback
 
 
-def test_runtime_checks_and_what_only_they_read_are_dropped_but_side_effect_calls_stay():
+def test_runtime_checks_and_what_only_they_read_are_marked_and_nothing_is_erased():
     graph = fx.Graph()
     x = graph.placeholder("x")
     enter = graph.call_function(torch._C._functorch._vmap_increment_nesting, (2, "error"))
     item = graph.call_function(torch.ops.aten._local_scalar_dense.default, (x,))
     ge = graph.call_function(operator.ge, (item, 0))
-    graph.call_function(torch.ops.aten._assert_scalar.default, (ge, "u0 >= 0"))
-    graph.call_function(torch._C._functorch._vmap_decrement_nesting, ())
+    check = graph.call_function(torch.ops.aten._assert_scalar.default, (ge, "u0 >= 0"))
+    leave = graph.call_function(torch._C._functorch._vmap_decrement_nesting, ())
     graph.output(x)
     gm = fx.GraphModule(nn.Module(), graph)
-    assert drop_runtime_asserts(gm) == ("u0 >= 0",)
-    left = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert left == [torch._C._functorch._vmap_increment_nesting, torch._C._functorch._vmap_decrement_nesting]
-    assert enter in gm.graph.nodes
+    assert mark_runtime_checks(gm) == ("u0 >= 0",)
+    assert {n for n in gm.graph.nodes if n.meta.get(RUNTIME_CHECK_META)} == {item, ge, check}
+    assert [n for n in gm.graph.nodes if n.op == "call_function"] == [enter, item, ge, check, leave]
+
+
+@needs_transformers
+@pytest.mark.hf
+def test_a_batch_that_breaks_the_models_own_check_fails_instead_of_training_wrong():
+    model, batch = build("hf-llava")
+    gm = capture(model, batch).gm
+    ids = batch["input_ids"].clone()
+    ids[1, 1] = 5  # sample 1 loses an image token: eager raises "image tokens do not match"
+    bad = {**batch, "input_ids": ids}
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        model(**bad)
+    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+        gm(**bad)
+    # The stage modules carry the check too (every layer of one stage, run in this process).
+    plan = even_plan(annotate(gm, batch).layer_graph, pp=1, microbatch_size=2, global_batch=2)
+    (stage,) = codegen(gm, plan).stages
+    torch.testing.assert_close(stage((), batch), gm(**batch))
+    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+        stage((), bad)
 
 
 def test_capture_does_not_need_real_weights():
@@ -238,3 +266,33 @@ def test_python_values_in_the_batch_are_constants_of_the_graph():
     # Each sample alone would still get both sizes: the batch runs as one microbatch.
     split = result.report.loss_split
     assert split.verdict.value == "batch-coupled" and "does not run on one sample" in split.detail
+
+
+class _PerSampleLengths(nn.Module):
+    """Each sample uses its own number of rows: the loss splits by sample, but a graph
+    specialised on one sample's length would be wrong for another's."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision = nn.Linear(4, 4)
+        self.llm = nn.Linear(4, 1)
+
+    def forward(self, x, lengths):
+        losses = [self.llm(self.vision(x[i, : int(lengths[i, 0])])).mean() for i in range(len(x))]
+        return torch.stack(losses).mean()
+
+
+def test_a_graph_specialised_on_values_that_differ_between_samples_runs_as_one_microbatch():
+    batch = {"x": torch.randn(2, 6, 4), "lengths": torch.tensor([[3], [5]])}
+    report = capture(_PerSampleLengths(), batch, method="export").report
+    assert report.specialized.keys == ("lengths",)
+    assert report.loss_split.verdict.value == "batch-coupled"
+    assert "['lengths'], whose values differ between the samples" in report.loss_split.detail
+    same = capture(_PerSampleLengths(), {**batch, "lengths": torch.tensor([[4], [4]])}, method="export")
+    assert same.report.loss_split.verdict.value == "per-sample"
+
+
+def test_tensors_inside_python_values_are_refused():
+    model, batch = build("tiny")
+    with pytest.raises(SampleBatchError, match=r"batch\['pixel_values'\] is a list holding tensors"):
+        capture(model, {**batch, "pixel_values": list(batch["pixel_values"])}, method="export")

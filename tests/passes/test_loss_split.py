@@ -56,3 +56,34 @@ def test_compile_plans_a_coupled_loss_as_one_microbatch_that_trains_like_eager()
     pipe = compile(model, batch, "cpu:2", log=None)
     assert pipe.plan.num_microbatches == 1 and pipe.plan.parallel["model"].dp == 1
     check_equal_to_eager(model, batch, pipe.launch(timeout_s=30))
+
+
+def _token_values(b):
+    return b["x"][:, 1:] * (b["labels"][:, 1:] != -100)
+
+
+def test_a_mean_over_samples_is_told_from_a_mean_over_tokens_on_uneven_labels():
+    batch = {"x": torch.randn(3, 6), "labels": torch.ones(3, 6, dtype=torch.long)}  # even counts
+
+    def token_mean(b):
+        return _token_values(b).sum() / (b["labels"][:, 1:] != -100).sum()
+
+    def sample_mean(b):
+        per_sample = _token_values(b).sum(1) / (b["labels"][:, 1:] != -100).sum(1)
+        return per_sample.mean()
+
+    assert check_loss_split(token_mean, batch).verdict is LossSplit.PER_SAMPLE
+    # Equal on even counts; the runtime weights microbatches by tokens, so this is refused.
+    check = check_loss_split(sample_mean, batch)
+    assert check.verdict is LossSplit.BATCH_COUPLED and "not a mean over label tokens" in check.detail
+
+
+def test_a_sample_without_label_tokens_weighs_nothing_in_the_check():
+    labels = torch.ones(3, 6, dtype=torch.long)
+    labels[1] = -100  # its own loss is a mean over nothing
+
+    def token_mean(b):
+        return _token_values(b).sum() / (b["labels"][:, 1:] != -100).sum()
+
+    check = check_loss_split(token_mean, {"x": torch.randn(3, 6), "labels": labels})
+    assert check.verdict is LossSplit.PER_SAMPLE
