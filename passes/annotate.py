@@ -56,7 +56,7 @@ from vlmcompile.cost_models.flops import cpu_sdpa_flop_mapping
 from vlmcompile.passes.capture import layer_nodes
 
 from vlmcompile.errors import ModelError
-from vlmcompile.fake import ShapesFromKnownValues, fake_factory, known_batch, made, swapped_tensors
+from vlmcompile.fake import ShapesFromKnownValues, fake_factory, known_batch, swapped_tensors
 from vlmcompile.layer_graph import Layer, LayerGraph, NodeCost, TensorSpec, format_count
 from vlmcompile.meta_keys import (
     BLOCK_LAYERS_META,
@@ -180,7 +180,6 @@ class _Annotator(fx.Interpreter):
     ):
         super().__init__(gm, garbage_collect_values=False)
         self.fake_mode = fake_mode
-
         self.counters = counters
         self.param_storages = param_storages
         self.seen_storages: set[int] = set()
@@ -247,12 +246,11 @@ class _Annotator(fx.Interpreter):
         real tensors, so a later shape that depends on them can be known
         (:class:`vlmcompile.fake.ShapesFromKnownValues`)."""
         run = getattr(self, n.op)
-        if self.fake_mode is None or n.op != "call_function":
-            return run(n.target, args, kwargs)
-        tensors = _tensors((args, kwargs))
-        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
-            with unset_fake_temporarily():
-                return run(n.target, args, kwargs)
+        if self.fake_mode is not None and n.op == "call_function":
+            tensors = _tensors((args, kwargs))
+            if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+                with unset_fake_temporarily():
+                    return run(n.target, args, kwargs)
         return run(n.target, args, kwargs)
 
     def _own_grad_fns(self, n: fx.Node, out: Any) -> None:
@@ -362,7 +360,7 @@ def _what_to_give(gm: fx.GraphModule, node: fx.Node, batch: Mapping[str, Any]) -
         if n.op == "placeholder":
             inputs.append(str(n.target))
         stack.extend(n.all_input_nodes)
-    # Meta floats are taken as ones (_known_batch): the unknown ones are meta integers.
+    # Meta floats are taken as ones (fake.known_batch): the unknown ones are meta integers.
     meta = sorted(
         k
         for k in inputs
@@ -394,7 +392,13 @@ def _measure(
 ) -> tuple[LayerGraph, float, float, list[str]]:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if tensor_mode == "fake" else None
     make = fake_factory(fake_mode) if fake_mode else _detached_parameter
-    batch, assumed = known_batch(sample_batch, make) if fake_mode else (made(sample_batch, make), [])
+    if fake_mode:
+        batch, assumed = known_batch(sample_batch, make)
+    else:
+        batch, assumed = (
+            {k: make(v) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()},
+            [],
+        )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     args = [batch[n.target] if n.target in batch else _default_of(n) for n in placeholders]
 

@@ -239,6 +239,7 @@ def capture(
     root = model
     if _is_transformers_model(model):
         root = LossOf(model, takes_use_cache(model))
+    eager = root  # what the loss-split check runs: export may wrap root further
     assigner = LayerAssigner(model, overrides)
 
     # Symbolic tracing fails on every transformers-5 VLM (DESIGN.md): export only, for those.
@@ -288,7 +289,6 @@ def capture(
     gm.meta[CAPTURE_OPTIONS_META] = {"region_overrides": overrides or None, "method": used}
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
     if check_numerics:
-        eager = LossOf(model, takes_use_cache(model)) if _is_transformers_model(model) else model
         loss_split = check_loss_split(lambda b: loss_of(eager(**b)), batch)
         differ = differs_between_samples(batch, specialized.keys) if specialized else []
         if differ and loss_split.verdict is LossSplit.PER_SAMPLE:

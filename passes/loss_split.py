@@ -63,7 +63,12 @@ def check_loss_split(
     except SampleBatchError as err:
         return LossSplitCheck(LossSplit.BATCH_COUPLED, f"the batch does not split by sample: {err}")
     if samples < 2:
-        return LossSplitCheck(LossSplit.UNCHECKED, "the sample batch holds one sample")
+        # Nothing to split: take the one sample twice. A contrastive loss of two equal pairs
+        # (log 2) is not that of one pair (0), and a plan may still split bigger batches.
+        if any(not isinstance(v, torch.Tensor) for v in batch.values()):
+            return LossSplitCheck(LossSplit.UNCHECKED, "one sample, and Python values that may be per sample")
+        batch = {k: torch.cat([v, v]) if rows[k] else v for k, v in batch.items()}
+        samples = 2
     batches = [batch]
     uneven = _uneven_labels(batch, samples)
     if uneven is not None:

@@ -28,6 +28,7 @@ from torch import nn
 
 from vlmcompile.cluster import Cluster
 from vlmcompile.layer_graph import LayerGraph
+from vlmcompile.meta_keys import LOSS_SPLIT_META
 from vlmcompile.pass_runner import Pass, PassRunner, RunReport
 from vlmcompile.passes.annotate import TensorMode, annotate
 from vlmcompile.passes.capture import CaptureMethod, capture
@@ -110,7 +111,8 @@ def _plan_pass(
     tp_choices = (1,) if state.cluster.name.startswith("cpu") else None
     global_batch = state.global_batch or int(state.layer_graph.meta.get("batch_size", 1))
     options = dict(options)
-    coupled = state.layer_graph.meta.get("loss_split") == str(LossSplit.BATCH_COUPLED)
+    check = state.gm.meta.get(LOSS_SPLIT_META)
+    coupled = check is not None and check.verdict is LossSplit.BATCH_COUPLED
     if coupled:
         # A loss that couples the samples trains right only on the whole batch at once.
         options.update(microbatch_sizes=(global_batch,), dp_choices=(1,))
@@ -127,7 +129,7 @@ def _plan_pass(
         decision = Decision(
             "microbatches",
             Reason.LOSS_COUPLED,
-            f"the loss couples the samples of a batch ({state.reports['capture'].loss_split.detail}): "
+            f"the loss couples the samples of a batch ({check.detail}): "
             f"one microbatch of {global_batch}, DP = 1",
         )
         plan = dataclasses.replace(run.plan, decisions=(*run.plan.decisions, decision))

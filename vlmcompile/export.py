@@ -90,9 +90,8 @@ _RUNTIME_ASSERTS = ("aten._assert_scalar", "aten._assert_async", "aten._function
 
 
 def export_graph(model: nn.Module, batch: dict[str, Any]) -> tuple[fx.GraphModule, tuple[str, ...]]:
-    """Export, then drop the data-dependent runtime assertions export inserts (each reads a
-    tensor value with .item(), which fake tensors cannot answer). They held on the sample
-    batch, and a compiled pipeline runs at the sample's shapes; the report lists them.
+    """Export, and mark the runtime assertions export inserts (:func:`mark_runtime_checks`);
+    returns the graph and their messages.
 
     A model or batch on meta is exported on fake tensors that claim the CPU: a graph exported
     on meta would name the meta device in its constants (``arange(device=meta)``), and small
@@ -104,13 +103,14 @@ def export_graph(model: nn.Module, batch: dict[str, Any]) -> tuple[fx.GraphModul
         # Qwen-VL caches its rope deltas on the module in forward, for generation; a training
         # step never reads them back.
         warnings.filterwarnings("ignore", message="The tensor attribute .* was assigned during export")
-        if on_meta(model, batch):
+        meta = on_meta(model, batch)
+        if meta:
             program = _export_on_fake_cpu(model, batch)
         else:
             program = torch.export.export(model, (), batch, strict=False)
     sys.stderr.write(buffer.getvalue())
     gm = program.module(check_guards=False)
-    if on_meta(model, batch):
+    if meta:
         _restore_meta_tensors(gm, model)
     return gm, mark_runtime_checks(gm)
 
@@ -225,7 +225,7 @@ def export_specialising(
             if not is_data_dependent(err):
                 raise
             continue
-        gm.meta[SPECIALIZED_META] = {k: batch[k].detach().clone() for k in keys}
+        gm.meta[SPECIALIZED_META] = dict(wrapped.fixed)
         return gm, checks, wrapped, Specialization(keys, describe_failure(first))
     raise first
 

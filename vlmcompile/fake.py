@@ -97,10 +97,6 @@ def _zeros_for_fake(value: Any) -> Any:
     return value
 
 
-def made(batch: Mapping[str, Any], make: Any) -> dict[str, Any]:
-    return {k: make(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def known_batch(batch: Mapping[str, Any], make: Any) -> tuple[dict[str, Any], list[str]]:
     """The batch for a run on fake tensors, and what it assumes. Inputs with values stay real:
     known values (see the annotate pass), so a shape that depends on them (image tokens among

@@ -259,10 +259,11 @@ def _keep_together(group: list[fx.Node], own: dict[fx.Node, str], rank: Mapping[
         layer = max(sources, key=rank.__getitem__)
     else:
         return
-    if sources and rank[max(sources, key=rank.__getitem__)] > rank[layer]:
+    latest_source = max(sources, key=rank.__getitem__) if sources else None
+    if latest_source is not None and rank[latest_source] > rank[layer]:
         raise RegionError(
             f"a vmap region ({group[0].name} .. {group[-1].name}) reads from layer "
-            f"{max(sources, key=rank.__getitem__)} and is read by the earlier layer {layer}; it cannot sit "
+            f"{latest_source} and is read by the earlier layer {layer}; it cannot sit "
             "in one layer of the pipeline. Give region_overrides that keep those modules together"
         )
     for n in group:

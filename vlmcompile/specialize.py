@@ -6,8 +6,8 @@ follow a shape computed from tensor values, but those values are fixed by the sa
 (they describe the images, not the pixels). So capture runs the model with such inputs as real
 tensors and :class:`KnownValues` folds every computation made from them alone into constants:
 ``torch.split(x, lengths.tolist())`` sees a Python list, ``int(grid_t)`` an int. The captured
-graph is then valid for batches with these very values; the runtime checks that every batch
-brings them (:func:`vlmcompile.specialize.check_specialized`).
+graph is then valid for batches with these very values; the runtime checks that every
+microbatch brings them (``PipelineRunner.check_batch``).
 
 Which inputs, no more than a capture needs: none while the model captures without; then the
 integer tensors not laid out per token (``image_sizes``, ``image_grid_thw``: per-token tensors

@@ -24,8 +24,15 @@ def test_a_contrastive_loss_is_batch_coupled_and_a_token_mean_is_not():
     assert _verdict("tiny").verdict is LossSplit.PER_SAMPLE
 
 
+def test_a_one_sample_batch_is_checked_on_that_sample_twice():
+    # A plan may split a bigger global batch than the sample batch: one sample is no excuse.
+    assert _verdict("tiny", batch_size=1).verdict is LossSplit.PER_SAMPLE
+    assert _verdict("tiny-contrastive", batch_size=1).verdict is LossSplit.BATCH_COUPLED
+
+
 def test_nothing_to_compare_is_said_not_guessed():
-    assert _verdict("tiny", batch_size=1).verdict is LossSplit.UNCHECKED
+    one_with_list = check_loss_split(lambda b: b["x"].sum(), {"x": torch.ones(1, 2), "sizes": [3]})
+    assert one_with_list.verdict is LossSplit.UNCHECKED and "Python values" in one_with_list.detail
     per_row = check_loss_split(lambda b: b["x"] * 2, {"x": torch.ones(3, 2)})
     assert per_row.verdict is LossSplit.UNCHECKED and "not a scalar loss" in per_row.detail
 
