@@ -64,6 +64,7 @@ from vlmcompile.meta_keys import (
     LAYER_ORDER_META,
     LOSS_SPLIT_META,
     NODE_COST_META,
+    OUTPUT_META,
     REGION_META,
     RUNTIME_CHECK_META,
 )
@@ -414,7 +415,12 @@ def _measure(
         with flops, traffic, known_shapes:
             start = time.perf_counter()
             try:
-                interp.run(*args)
+                out = interp.run(*args)
+                gm.meta[OUTPUT_META] = (
+                    torch.empty(out.shape, dtype=out.dtype, device="meta")
+                    if isinstance(out, torch.Tensor)
+                    else out
+                )
             except (DynamicOutputShapeException, DataDependentOutputException) as err:
                 raise _DataDependentNode(interp.current, err) from err
             fwd_s = time.perf_counter() - start

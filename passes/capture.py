@@ -159,6 +159,19 @@ def check_sample_batch(model: nn.Module, sample_batch: Any) -> dict[str, Any]:
         )
     if not any(isinstance(v, torch.Tensor) for v in sample_batch.values()):
         raise SampleBatchError("sample_batch holds no tensor; give the model's input tensors")
+    non_finite = [
+        k
+        for k, v in sample_batch.items()
+        if isinstance(v, torch.Tensor)
+        and v.is_floating_point()
+        and v.device.type != "meta"
+        and not bool(torch.isfinite(v).all())
+    ]
+    if non_finite:
+        raise SampleBatchError(
+            f"sample_batch{non_finite} hold NaN or infinite values; capture checks the graph against eager "
+            "on finite numbers: give a batch of real data (or random finite values)"
+        )
     return dict(sample_batch)
 
 
@@ -195,6 +208,11 @@ def _check_numerics(model: nn.Module, gm: fx.GraphModule, batch: dict[str, Any])
         specialized = gm.meta.get(SPECIALIZED_META, {})
         actual = gm(
             **{k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in specialized}
+        )
+    if not bool(torch.isfinite(expected).all()):
+        raise ModelError(
+            f"the model's loss on the sample batch is {expected.item()} in eager PyTorch, before any change by "
+            "vlmcompile; fix the model or the batch (labels that are all -100 give 0/0, for one)"
         )
     try:
         torch.testing.assert_close(actual, expected)

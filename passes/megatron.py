@@ -23,7 +23,7 @@ from vlmcompile.cost_models.stage_costs import layer_costs
 
 from vlmcompile.actions import ActionKind
 from vlmcompile.cluster import Cluster
-from vlmcompile.errors import PlanError
+from vlmcompile.errors import PlanError, positive_int
 from vlmcompile.layer_graph import LayerGraph
 from vlmcompile.plan import Decision, Parallel, Plan, Reason, Recompute, Stage
 from vlmcompile.regions import Region
@@ -87,6 +87,8 @@ class BaselineResult:
 
 
 def num_microbatches(global_batch: int, dp: int, microbatch_size: int) -> int:
+    positive_int("global_batch", global_batch, "the samples per training step")
+    positive_int("microbatch_size", microbatch_size, "the samples per microbatch")
     if global_batch % (dp * microbatch_size):
         raise PlanError(
             f"global batch {global_batch} is not a multiple of dp x microbatch size = {dp} x {microbatch_size}; "

@@ -28,7 +28,7 @@ from vlmcompile.cost_models.stage_costs import layer_costs
 from vlmcompile.passes.partition import partition
 
 from vlmcompile.cluster import Cluster
-from vlmcompile.errors import ClusterError, PlanError
+from vlmcompile.errors import ClusterError, PlanError, positive_int
 from vlmcompile.layer_graph import LayerGraph
 from vlmcompile.plan import Parallel, Plan, Training
 from vlmcompile.simulator import SimResult
@@ -161,6 +161,7 @@ def plan_search(
     Raises:
         PlanError: no candidate fits; the message names the least memory any needs and the knobs.
     """
+    positive_int("global_batch", global_batch, "the samples per training step")
     start = time.perf_counter()
     todo = list(
         dict.fromkeys(

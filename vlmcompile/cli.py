@@ -13,12 +13,57 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_OUTPUT_FLAGS = ("json", "png", "trace")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is not a number > 0")
+    return value
+
+
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse an output file that cannot be written before any work is done, so that a run never
+    ends in an error after writing some of its outputs."""
+    from vlmcompile.errors import ArgumentError
+
+    for flag in _OUTPUT_FLAGS:
+        path = getattr(args, flag, None)
+        if not path:
+            continue
+        target = Path(path)
+        folder = target.parent
+        problem = None
+        if target.is_dir():
+            problem = "is a directory; give a file name"
+        elif not folder.is_dir():
+            problem = f"is in {str(folder)!r}, which does not exist; create it first"
+        elif not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+            problem = "cannot be written (permission denied); choose another path"
+        if problem:
+            raise ArgumentError(f"--{flag} {path} {problem}")
 
 
 def _annotate(args: argparse.Namespace) -> int:
@@ -53,6 +98,12 @@ def _plan(args: argparse.Namespace) -> int:
     from vlmcompile.planning import plan_and_simulate, zoo_layer_graph
     from vlmcompile.setups import setup
 
+    if args.search and args.policy not in (None, "vlmcompile"):
+        raise ValueError(
+            f"--search plans with the vlmcompile policy; drop --policy {args.policy} (or drop --search to plan "
+            f"with {args.policy} at the degrees you give)"
+        )
+    args.policy = args.policy or ("vlmcompile" if args.search else "megatron")
     if args.setup:
         s = setup(args.setup)
         args.model = args.model or s.model
@@ -71,8 +122,6 @@ def _plan(args: argparse.Namespace) -> int:
     missing = [f"--{k.replace('_', '-')}" for k in required if not getattr(args, k)]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --setup NAME)")
-    if args.search and args.policy != "vlmcompile":
-        raise ValueError(f"--search plans with the vlmcompile policy; drop --policy {args.policy}")
     cluster = Cluster.preset(args.cluster)
     print(f"annotating {args.model} ...", file=sys.stderr)
     graph = zoo_layer_graph(args.model, dtype=_DTYPES[args.dtype])
@@ -150,8 +199,10 @@ def _run(args: argparse.Namespace) -> int:
 
     import vlmcompile
     from vlmcompile import models
+    from vlmcompile.launch import check_launchable
     from vlmcompile.runtime import timed_steps
 
+    check_launchable(args.nprocs, args.timeout)  # before minutes of compiling
     model = models.build(args.model)
     batch = models.sample_batch(args.model, batch_size=args.global_batch)
     pipe = vlmcompile.compile(
@@ -198,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         "vlmcompile.models.hf_tiny.BUILDERS)",
     )
     p.add_argument("--json", metavar="FILE", help="write the LayerGraph (per-layer figures) as JSON")
-    p.add_argument("--batch-size", type=int, default=1, help="samples in the sample batch (default 1)")
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=1, help="samples in the sample batch (default 1)"
+    )
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="parameter and activation dtype")
     p.add_argument(
         "--real",
@@ -216,18 +269,20 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument(
         "--policy",
         choices=["megatron", "megatron_balanced", "omnibal", "vlmcompile"],
-        default="megatron",
-        help="vlmcompile: CP-SAT cuts and per-layer recompute, compared with every baseline",
+        help="default megatron (vlmcompile with --search); vlmcompile: CP-SAT cuts and per-layer recompute, "
+        "compared with every baseline",
     )
     q.add_argument(
         "--search", action="store_true", help="let the plan search choose TP/PP/DP/v/microbatch (vlmcompile)"
     )
-    q.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds (vlmcompile)")
-    q.add_argument("--tp", type=int, help="tensor-parallel size")
-    q.add_argument("--pp", type=int, help="pipeline-parallel size (dp is what the cluster leaves)")
-    q.add_argument("--v", type=int, help="virtual stages per rank (interleaved 1F1B when > 1)")
-    q.add_argument("--global-batch", type=int, help="samples per step")
-    q.add_argument("--microbatch-size", type=int, help="samples per microbatch (default 1)")
+    q.add_argument(
+        "--time-limit", type=_positive_float, default=10.0, help="CP-SAT time limit in seconds (vlmcompile)"
+    )
+    q.add_argument("--tp", type=_positive_int, help="tensor-parallel size")
+    q.add_argument("--pp", type=_positive_int, help="pipeline-parallel size (dp is what the cluster leaves)")
+    q.add_argument("--v", type=_positive_int, help="virtual stages per rank (interleaved 1F1B when > 1)")
+    q.add_argument("--global-batch", type=_positive_int, help="samples per step")
+    q.add_argument("--microbatch-size", type=_positive_int, help="samples per microbatch (default 1)")
     q.add_argument(
         "--recompute",
         choices=["auto", "none", "selective", "full"],
@@ -248,33 +303,57 @@ def main(argv: list[str] | None = None) -> int:
         "demo",
         help="compile the demo VLM for 2 CPU ranks; run our plan and Megatron's; measured vs predicted",
     )
-    d.add_argument("--global-batch", type=int, default=32, help="samples per step (default 32)")
+    d.add_argument("--global-batch", type=_positive_int, default=32, help="samples per step (default 32)")
     d.add_argument(
-        "--steps", type=int, default=6, help="training steps per plan, the first a warm-up (default 6)"
+        "--steps",
+        type=_positive_int,
+        default=6,
+        help="training steps per plan, the first a warm-up (default 6)",
     )
     d.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     d.set_defaults(run=_demo)
 
     r = sub.add_parser("run", help="compile a zoo model for N local CPU ranks and train a few steps on them")
     r.add_argument("--model", default="demo", help="zoo name (default demo)")
-    r.add_argument("--nprocs", type=int, default=2, help="local ranks, one thread each (default 2)")
+    r.add_argument("--nprocs", type=_positive_int, default=2, help="local ranks, one thread each (default 2)")
     r.add_argument(
         "--policy", choices=["vlmcompile", "megatron", "megatron_balanced", "omnibal"], default="vlmcompile"
     )
-    r.add_argument("--pp", type=int, default=2, help="pipeline size for the baseline policies (default 2)")
-    r.add_argument("--global-batch", type=int, default=8)
-    r.add_argument("--steps", type=int, default=3)
-    r.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
-    r.add_argument("--timeout", type=float, default=120.0, help="seconds any rank may wait for another")
+    r.add_argument(
+        "--pp", type=_positive_int, default=2, help="pipeline size for the baseline policies (default 2)"
+    )
+    r.add_argument("--global-batch", type=_positive_int, default=8)
+    r.add_argument("--steps", type=_positive_int, default=3)
+    r.add_argument("--lr", type=_positive_float, default=1e-3, help="SGD learning rate")
+    r.add_argument(
+        "--timeout", type=_positive_float, default=120.0, help="seconds any rank may wait for another"
+    )
     r.set_defaults(run=_run)
     args = parser.parse_args(argv)
     from vlmcompile.errors import VlmCompileError
+    from vlmcompile.launch import Interrupted, interrupt_on_stop_signals, restore_signals
 
+    previous = interrupt_on_stop_signals()
     try:
+        _check_output_paths(args)
         return args.run(args)
-    except (VlmCompileError, ValueError, KeyError) as err:
+    except Interrupted as err:
+        print(f"vlmcompile: interrupted by {err.signal_name}; stopped every rank", file=sys.stderr)
+        return 128 + int(getattr(signal, err.signal_name))
+    except (VlmCompileError, ValueError, KeyError, OSError) as err:
         print(f"vlmcompile: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a bug: one line, and the traceback on request
+        if os.environ.get("VLMCOMPILE_TRACEBACK"):
+            raise
+        print(
+            f"vlmcompile: internal error: {type(err).__name__}: {err} - a bug in vlmcompile; please report it "
+            "with the command (VLMCOMPILE_TRACEBACK=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 70
+    finally:
+        restore_signals(previous)
 
 
 if __name__ == "__main__":

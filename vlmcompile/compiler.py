@@ -27,8 +27,9 @@ import torch.fx as fx
 from torch import nn
 
 from vlmcompile.cluster import Cluster
+from vlmcompile.export import check_loss
 from vlmcompile.layer_graph import LayerGraph
-from vlmcompile.meta_keys import LOSS_SPLIT_META
+from vlmcompile.meta_keys import LOSS_SPLIT_META, OUTPUT_META
 from vlmcompile.pass_runner import Pass, PassRunner, RunReport
 from vlmcompile.passes.annotate import TensorMode, annotate
 from vlmcompile.passes.capture import CaptureMethod, capture
@@ -72,6 +73,8 @@ def _annotate_pass(state: CompileState, *, tensor_mode) -> None:
     )
     state.layer_graph = result.layer_graph
     state.reports["annotate"] = result.report
+    # A model whose forward returns logits would plan, then fail on a rank: refuse it here.
+    check_loss(state.gm.meta.pop(OUTPUT_META, None))
 
 
 def _profile_pass(state: CompileState, *, repeats: int) -> None:
@@ -205,18 +208,24 @@ class CompiledPipeline:
     ) -> list[Any]:
         """Start the plan's ranks on this machine and run ``fn(runner, *args)`` on each (default:
         one training step on the sample batch, returning the loss); results in rank order."""
-        from vlmcompile.launch import launch
+        from vlmcompile.errors import ArgumentError
+        from vlmcompile.launch import check_launchable, launch
         from vlmcompile.runtime import one_step
 
+        check_launchable(1, timeout_s)
         runner = self.runner(plan, timeout_s=timeout_s)
         world = runner.topology.world_size
+        check_launchable(world, timeout_s)
         if nprocs is not None and nprocs != world:
-            raise ValueError(
+            raise ArgumentError(
                 f"the plan runs on {world} ranks (PP={runner.topology.pp} x DP={runner.topology.dp}); "
                 f"nprocs={nprocs} - launch {world} or compile for cluster='cpu:{nprocs}'"
             )
         if fn is None:
             fn, args = one_step, (dict(self.sample_batch),)
+        for value in args:  # a batch the ranks would refuse is refused before any rank starts
+            if isinstance(value, Mapping) and any(isinstance(v, torch.Tensor) for v in value.values()):
+                runner.check_batch(value)
         return launch(fn, runner, world, args=args, timeout_s=timeout_s)
 
     def baseline(self, policy: str = "megatron", **options: Any) -> PlannedRun:
@@ -266,8 +275,14 @@ def compile(
             measured times (the "profile" pass, after annotate).
         log: where the pass runner prints progress (None for silence).
     """
-    if isinstance(cluster, str):
-        cluster = Cluster.preset(cluster)
+    cluster = _check_compile_args(
+        cluster,
+        capture_method=capture_method,
+        tensor_mode=tensor_mode,
+        disable_passes=disable_passes,
+        global_batch=global_batch,
+        plan_time_limit_s=plan_time_limit_s,
+    )
     passes = [
         Pass(
             "capture",
@@ -294,11 +309,6 @@ def compile(
         global_batch=global_batch,
     )
     run = PassRunner(passes, disabled=disable_passes, log=log).run(state)
-    if state.gm is None or state.layer_graph is None:
-        raise ValueError(
-            f"passes {list(disable_passes)} were disabled, but capture and annotate are needed to build a "
-            "pipeline; disable only optional passes"
-        )
     return CompiledPipeline(
         gm=state.gm,
         layer_graph=state.layer_graph,
@@ -308,3 +318,45 @@ def compile(
         model=model,
         sample_batch=dict(sample_batch),
     )
+
+
+_REQUIRED_PASSES = ("capture", "annotate")
+
+
+def _check_compile_args(
+    cluster: Any,
+    *,
+    capture_method: Any,
+    tensor_mode: Any,
+    disable_passes: Sequence[str],
+    global_batch: Any,
+    plan_time_limit_s: Any,
+) -> Cluster | None:
+    """Refuse bad arguments before any pass runs; returns the cluster as a :class:`Cluster`."""
+    from vlmcompile.errors import ClusterError, VlmCompileError, positive_int, positive_number
+
+    if isinstance(cluster, str):
+        cluster = Cluster.preset(cluster)
+    elif cluster is not None and not isinstance(cluster, Cluster):
+        raise ClusterError(
+            f"cluster={cluster!r} is a {type(cluster).__name__}; pass a Cluster or a preset name "
+            "('cpu:2' for two local ranks, 'h100x64', 'a100x32', ...)"
+        )
+    if capture_method not in ("auto", "fx", "export"):
+        raise VlmCompileError(f"capture_method={capture_method!r}; use 'auto', 'fx' or 'export'")
+    if tensor_mode not in ("fake", "real"):
+        raise VlmCompileError(f"tensor_mode={tensor_mode!r}; use 'fake' or 'real'")
+    if isinstance(disable_passes, str):
+        raise VlmCompileError(f"disable_passes={disable_passes!r} is a string; give a list, e.g. ['plan']")
+    required = [p for p in disable_passes if p in _REQUIRED_PASSES]
+    if required:
+        raise VlmCompileError(
+            f"disable_passes={list(disable_passes)}: {required} cannot be disabled, every pipeline is built "
+            "from the captured and annotated graph; disable only optional passes ('plan', 'profile')"
+        )
+    if global_batch is not None:
+        positive_int(
+            "global_batch", global_batch, "the samples per training step, or None for the sample batch's"
+        )
+    positive_number("plan_time_limit_s", plan_time_limit_s, "CP-SAT's seconds per candidate")
+    return cluster

@@ -43,3 +43,22 @@ class ClusterError(VlmCompileError, ValueError):
 
 class PlanError(VlmCompileError, ValueError):
     """A plan is malformed: a layer in no stage, a missing action, a deadlock, memory over the limit."""
+
+
+class ArgumentError(VlmCompileError, ValueError):
+    """An argument of the API or the CLI is out of its range or of the wrong type."""
+
+
+def positive_int(name: str, value: object, what: str) -> int:
+    """``value`` if it is an integer >= 1; else an :class:`ArgumentError` naming ``name`` and saying
+    what the number is (``what``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ArgumentError(f"{name}={value!r}; give {what} (an integer >= 1)")
+    return value
+
+
+def positive_number(name: str, value: object, what: str) -> float:
+    """``value`` if it is a number > 0 (seconds, rates)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ArgumentError(f"{name}={value!r}; give {what} (a number > 0)")
+    return float(value)

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_flatten
 
-from vlmcompile.errors import CaptureError, SampleBatchError
+from vlmcompile.errors import CaptureError, ModelError, SampleBatchError
 from vlmcompile.fake import fake_factory, swapped_tensors
 from vlmcompile.meta_keys import RUNTIME_CHECK_META, SPECIALIZED_META
 from vlmcompile.specialize import KnownValues, value_input_tiers
@@ -84,6 +84,23 @@ def loss_of(out: Any) -> Any:
             "so that the captured step ends in the training loss"
         )
     return loss
+
+
+def check_loss(loss: Any) -> Any:
+    """``loss`` if it is a one-element floating tensor: a training step ends in it. (Capture and
+    annotate take any output - a block on its own is captured too; ``compile`` trains.)"""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    got = (
+        f"a {list(loss.shape)} {loss.dtype} tensor"
+        if isinstance(loss, torch.Tensor)
+        else f"a {type(loss).__name__}"
+    )
+    raise ModelError(
+        f"the model's forward returned {got}, not a scalar loss; vlmcompile trains the loss the forward "
+        "returns: pass labels (transformers models), or wrap the model in a module whose forward returns "
+        "the loss (e.g. cross_entropy of its logits)"
+    )
 
 
 _RUNTIME_ASSERTS = ("aten._assert_scalar", "aten._assert_async", "aten._functional_assert_async")

@@ -35,3 +35,7 @@ tensors, skipped by annotate (fake tensors hold no values to check)."""
 CAPTURE_OPTIONS_META = "vlmcompile.capture_options"
 """On ``GraphModule.meta``: the keyword options capture ran with (region overrides, method), so
 that a capture again at a microbatch's size (the runtime's) makes the same layers."""
+
+OUTPUT_META = "vlmcompile.output"
+"""On ``GraphModule.meta``, set by annotate: the graph's output as annotate ran it (on fake or
+real tensors); ``compile`` checks that it is a scalar loss."""

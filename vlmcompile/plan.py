@@ -226,43 +226,84 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+    def from_json(cls, data: Any) -> Plan:
+        """Read a plan from its JSON form (or from the JSON of ``vlmcompile plan --json``, which holds
+        it under ``"plan"``); every field is type-checked, and a malformed one raises
+        :class:`PlanError` naming it."""
+        if isinstance(data, Mapping) and "schema" not in data and isinstance(data.get("plan"), Mapping):
+            data = data["plan"]
+        r = _Reader(data, "plan")
         if data.get("schema") != SCHEMA:
             raise PlanError(f"not a plan JSON (schema {data.get('schema')!r}, expected {SCHEMA!r})")
         if data.get("version") != SCHEMA_VERSION:
             raise PlanError(
-                f"plan JSON version {data.get('version')} is not {SCHEMA_VERSION} (this vlmcompile reads "
-                f"version {SCHEMA_VERSION} only); re-create the plan with `vlmcompile plan ... --json FILE`"
+                f"plan JSON version {data.get('version')!r} is not {SCHEMA_VERSION} (this vlmcompile reads "
+                f"version {SCHEMA_VERSION} only); re-create the plan with `vlmcompile plan ... --json FILE` "
+                "or Plan.save"
             )
-        return cls(
-            model=data["model"],
-            fingerprint=data.get("fingerprint", ""),
-            policy=data["policy"],
-            cluster=data.get("cluster", ""),
-            schedule=data["schedule"],
-            microbatch_size=data["microbatch_size"],
-            num_microbatches=data["num_microbatches"],
-            parallel={k: Parallel(**v) for k, v in data["parallel"].items()},
-            training=Training(**data.get("training", {})),
-            stages=tuple(
-                Stage(index=s["index"], rank=s["rank"], layers=tuple(s["layers"]), group=s["group"])
-                for s in data["stages"]
-            ),
-            recompute={k: Recompute(v) for k, v in data.get("recompute", {}).items()},
-            pieces={k: tuple(v) for k, v in data.get("pieces", {}).items()},
-            actions=tuple(tuple(Action.from_str(a) for a in acts) for acts in data["actions"]),
-            decisions=tuple(
-                Decision(d["subject"], Reason(d["reason"]), d["detail"], d.get("numbers", {}))
-                for d in data.get("decisions", [])
-            ),
-        )
+        try:
+            return cls(
+                model=r.get("model", str),
+                fingerprint=r.get("fingerprint", str, ""),
+                policy=r.get("policy", str),
+                cluster=r.get("cluster", str, ""),
+                schedule=r.get("schedule", str),
+                microbatch_size=r.get("microbatch_size", int),
+                num_microbatches=r.get("num_microbatches", int),
+                parallel={
+                    name: Parallel(**_Reader(v, f"parallel.{name}").fields(_PARALLEL_FIELDS))
+                    for name, v in r.get("parallel", dict).items()
+                },
+                training=Training(
+                    **_Reader(r.get("training", dict, {}), "training").fields(_TRAINING_FIELDS)
+                ),
+                stages=tuple(
+                    Stage(**_Reader(v, f"stages[{i}]").fields(_STAGE_FIELDS))
+                    for i, v in enumerate(r.get("stages", list))
+                ),
+                recompute={
+                    k: Recompute(_Reader.typed(v, str, f"recompute[{k!r}]"))
+                    for k, v in r.get("recompute", dict, {}).items()
+                },
+                pieces={
+                    k: _Reader.strings(v, f"pieces[{k!r}]") for k, v in r.get("pieces", dict, {}).items()
+                },
+                actions=tuple(
+                    tuple(
+                        Action.from_str(_Reader.typed(a, str, f"actions[{rank}][{step}]"))
+                        for step, a in enumerate(_Reader.typed(acts, list, f"actions[{rank}]"))
+                    )
+                    for rank, acts in enumerate(r.get("actions", list))
+                ),
+                decisions=tuple(
+                    Decision(**_Reader(v, f"decisions[{i}]").fields(_DECISION_FIELDS))
+                    for i, v in enumerate(r.get("decisions", list, []))
+                ),
+            )
+        except PlanError:
+            raise
+        except (ValueError, TypeError) as err:  # enum values, actions, degrees out of range
+            raise PlanError(f"malformed plan JSON: {err}") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """Read a plan saved by :meth:`save` or by ``vlmcompile plan --json``; an unreadable or
+        malformed file raises :class:`PlanError` naming the file and the fault."""
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise PlanError(f"cannot read plan file {str(path)!r}: {err.strerror or err}") from None
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise PlanError(f"plan file {str(path)!r} is not JSON: {err}") from None
+        try:
+            return cls.from_json(data)
+        except PlanError as err:
+            raise PlanError(f"plan file {str(path)!r}: {err}") from None
 
     # ---- validation ------------------------------------------------------------------------
     def validate(self, layer_graph: LayerGraph | None = None, cluster: Cluster | None = None) -> None:
@@ -288,6 +329,96 @@ class Plan:
                         "use more pipeline or tensor parallelism, or fewer microbatches in flight\n"
                         + _grid_around(self, rank, step, "<- peak memory")
                     )
+
+
+_PARALLEL_FIELDS = {
+    "dp": int,
+    "tp": int,
+    "pp": int,
+    "v": (int, 1),
+    "sequence_parallel": (bool, True),
+    "zero_stage": (int, 1),
+}
+_TRAINING_FIELDS = {
+    "param_bytes": (int, 2),
+    "grad_bytes": (int, 4),
+    "optimizer_bytes": (int, 12),
+    "dp_grad_bytes": (int, 4),
+}
+_STAGE_FIELDS = {"index": int, "rank": int, "layers": "strings", "group": (str, "model")}
+_DECISION_FIELDS = {"subject": str, "reason": "reason", "detail": str, "numbers": ("numbers", {})}
+_MISSING = object()
+
+
+class _Reader:
+    """Typed access to one JSON object of a plan file; every fault names the field."""
+
+    def __init__(self, data: Any, where: str):
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{where} is {_shown(data)}; expected an object")
+        self.data, self.where = data, where
+
+    def get(self, key: str, kind: type, default: Any = _MISSING) -> Any:
+        if key not in self.data:
+            if default is _MISSING:
+                raise PlanError(f"{self.where} lacks the field {key!r}")
+            return default
+        return self.typed(self.data[key], kind, f"{self.where}.{key}")
+
+    def fields(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(self.data) - set(spec))
+        if unknown:
+            raise PlanError(f"{self.where} has unknown fields {unknown}; expected {sorted(spec)}")
+        out = {}
+        for key, kind in spec.items():
+            kind, default = kind if isinstance(kind, tuple) else (kind, _MISSING)
+            if kind == "strings":
+                out[key] = self.strings(self.get(key, list, default), f"{self.where}.{key}")
+            elif kind == "reason":
+                value = self.get(key, str, default)
+                try:
+                    out[key] = Reason(value)
+                except ValueError:
+                    raise PlanError(f"{self.where}.{key} is {value!r}, not a known reason") from None
+            elif kind == "numbers":
+                numbers = self.get(key, dict, default)
+                for k, v in numbers.items():
+                    self.typed(v, float, f"{self.where}.{key}[{k!r}]")
+                out[key] = numbers
+            else:
+                out[key] = self.get(key, kind, default)
+        return out
+
+    @staticmethod
+    def typed(value: Any, kind: type, where: str) -> Any:
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            names = {
+                int: "an integer",
+                float: "a number",
+                str: "a string",
+                bool: "true or false",
+                list: "a list",
+                dict: "an object",
+            }
+            raise PlanError(f"{where} is {_shown(value)}; expected {names.get(kind, kind.__name__)}")
+        return value
+
+    @classmethod
+    def strings(cls, value: Any, where: str) -> tuple[str, ...]:
+        return tuple(cls.typed(v, str, f"{where}[{i}]") for i, v in enumerate(cls.typed(value, list, where)))
+
+
+def _shown(value: Any) -> str:
+    text = (
+        json.dumps(value) if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+    )
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check_structure(plan: Plan) -> None:

@@ -43,7 +43,12 @@ from vlmcompile.passes.loss_split import LossSplit, coupled_loss_error
 
 
 class RankLostError(VlmCompileError, RuntimeError):
-    """A peer rank died, hung or failed while this rank waited for it."""
+    """A peer rank died, hung or failed while this rank waited for it (``peer``: its global rank,
+    None for a collective over a group)."""
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 class BatchError(VlmCompileError, ValueError):
@@ -311,7 +316,13 @@ class PipelineRunner:
                 )
                 out = stage(leaves, micro[i])
                 if s == last:
-                    scaled = out * weights[self.dp_rank * m + i]
+                    weight = weights[self.dp_rank * m + i]
+                    if weight == 0:
+                        # No label tokens: the batch's loss does not see this microbatch, and its
+                        # own mean over no tokens is NaN (0/0), which a zero weight cannot cancel.
+                        saved[(s, i)] = (leaves, None)
+                        continue
+                    scaled = out * weight
                     loss_sum += scaled.detach().double()
                     saved[(s, i)] = (leaves, scaled)
                     continue
@@ -323,7 +334,8 @@ class PipelineRunner:
             elif action.kind is ActionKind.B:
                 leaves, out = saved.pop((s, i))
                 if s == last:
-                    out.backward()
+                    if out is not None:
+                        out.backward()
                 else:
                     if self.rank_of_stage[s + 1] == self.pp_rank:
                         grads = local_bwd.pop((s, i))
@@ -344,8 +356,8 @@ class PipelineRunner:
                         )
             else:  # topology_of rejects I/W plans
                 raise AssertionError(action)
-        for work, what in sends:
-            self._wait(work, what)
+        for work, what, peer in sends:
+            self._wait(work, what, peer)
         self._reduce_gradients(params)
         for p, old in zip(params, stash):
             if old is not None:
@@ -375,17 +387,23 @@ class PipelineRunner:
         self, tensors, pp_rank: int, stage: int, kind: str, microbatch: int, what: str, first: int = 0
     ) -> list:
         peer = self._peer(pp_rank)
-        return [
-            (
-                dist.isend(
+        works = []
+        for k, x in enumerate(tensors):
+            try:
+                work = dist.isend(
                     _wire(x.detach().contiguous()), peer, tag=self._tag(stage, kind, microbatch, first + k)
-                ),
-                f"{what} to rank {peer}",
-            )
-            for k, x in enumerate(tensors)
-        ]
+                )
+            except RuntimeError as err:
+                raise self._lost(f"the connection failed sending {what} to rank {peer}", err, peer) from None
+            works.append((work, f"{what} to rank {peer}", peer))
+        return works
 
     def _send_activations(self, s: int, i: int, out: tuple) -> list:
+        if len(out) >= _HEADER:
+            raise PlanError(
+                f"stage {s} would send {len(out)} values to the next rank; the runtime sends fewer than "
+                f"{_HEADER} - cut the pipeline elsewhere"
+            )
         scalar = [isinstance(x, (bool, int, float)) for x in out]
         for k, x in enumerate(out):
             if not isinstance(x, torch.Tensor) and not scalar[k]:
@@ -417,7 +435,9 @@ class PipelineRunner:
                 dtype=torch.int64,
             )
             size = torch.tensor([header.numel()], dtype=torch.int64)
-            works += self._send((size, header), peer_pp, s, "F", i, f"stage {s}'s activation shapes", _HEADER)
+            # Tagged as microbatch 0 whichever microbatch goes first: the receiving rank may run
+            # its microbatches in another order.
+            works += self._send((size, header), peer_pp, s, "F", 0, f"stage {s}'s activation shapes", _HEADER)
         return works + self._send(out, peer_pp, s, "F", i, f"{Action(s, ActionKind.F, i)}'s activations")
 
     def _recv(
@@ -425,17 +445,22 @@ class PipelineRunner:
     ) -> None:
         peer = self._peer(pp_rank)
         for k, buf in enumerate(buffers):
-            work = dist.irecv(_wire(buf), peer, tag=self._tag(stage, kind, microbatch, first + k))
-            self._wait(work, f"{what} from rank {peer}")
+            try:
+                work = dist.irecv(_wire(buf), peer, tag=self._tag(stage, kind, microbatch, first + k))
+            except RuntimeError as err:
+                raise self._lost(
+                    f"the connection failed receiving {what} from rank {peer}", err, peer
+                ) from None
+            self._wait(work, f"{what} from rank {peer}", peer)
 
     def _recv_activations(self, s: int, i: int) -> tuple:
         prev = s - 1
         if prev not in self._meta:
             size = torch.zeros(1, dtype=torch.int64)
             what = f"stage {prev}'s activation shapes"
-            self._recv((size,), self.rank_of_stage[prev], prev, "F", i, what, _HEADER)
+            self._recv((size,), self.rank_of_stage[prev], prev, "F", 0, what, _HEADER)
             header = torch.zeros(int(size), dtype=torch.int64)
-            self._recv((header,), self.rank_of_stage[prev], prev, "F", i, what, _HEADER + 1)
+            self._recv((header,), self.rank_of_stage[prev], prev, "F", 0, what, _HEADER + 1)
             values = header.tolist()
             meta, pos = [], 1
             for _ in range(values[0]):
@@ -461,17 +486,21 @@ class PipelineRunner:
         )
         return tuple(buffers)
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, peer: int | None = None) -> None:
         start = time.monotonic()
         try:
             work.wait(self.timeout)
         except RuntimeError as err:
             waited = time.monotonic() - start
             cause = "timed out" if waited >= 0.9 * self.timeout_s else "the connection failed"
-            raise RankLostError(
-                f"rank {self.rank}: {cause} after {waited:.1f} s waiting for {what}; that rank died, hung or "
-                f"failed (see its own error). gloo said: {str(err).splitlines()[0][:200]}"
-            ) from None
+            raise self._lost(f"{cause} after {waited:.1f} s waiting for {what}", err, peer) from None
+
+    def _lost(self, what: str, err: BaseException, peer: int | None) -> RankLostError:
+        return RankLostError(
+            f"rank {self.rank}: {what}; that rank died, hung or failed (see its own error). "
+            f"gloo said: {(str(err).splitlines() or [''])[0][:200]}",
+            peer,
+        )
 
     def _reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         for group, tied in self.tied:
@@ -535,7 +564,14 @@ def make_runner(pipe, plan, *, timeout_s: float = 60.0) -> PipelineRunner:
         warnings.warn(
             "the plan carries no model fingerprint; it is not checked against the model", stacklevel=3
         )
+    plan.validate(pipe.layer_graph)
     topology = topology_of(plan)
+    cluster = pipe.cluster
+    if cluster is not None and topology.world_size > cluster.num_gpus:
+        raise PlanError(
+            f"the plan runs on {topology.world_size} ranks (PP={topology.pp} x DP={topology.dp}), more than the "
+            f"{cluster.num_gpus} devices of {cluster.name}, the cluster this pipeline was compiled for"
+        )
     _check_loss_splits(pipe.gm, topology, plan)
     global_batch = topology.dp * plan.num_microbatches * plan.microbatch_size
     try:

@@ -389,6 +389,10 @@ def solve(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = workers or max(1, min(8, os.cpu_count() or 1))
+    # CP-SAT's own SIGINT handler leaves the process's C-level handler at the default when it is
+    # done, so a later Ctrl-C would kill the process without cleaning up (local ranks orphaned).
+    # Python's handler stays; a Ctrl-C during a solve takes effect when the solve returns.
+    solver.parameters.catch_sigint_signal = False
     start = time.perf_counter()
     status = solver.solve(model)
     wall = time.perf_counter() - start

@@ -1,0 +1,658 @@
+"""Every class of bad input we tried, on the CLI, the API, plan files and batches: each ends in
+a one-line message naming the value at fault (never a Python traceback at a CLI user).
+
+``CASES`` is the table of ``tests/README.md`` (``python -m tests.test_bad_inputs`` rewrites it):
+each row's message is an excerpt the test asserts in what the user sees. ``ELSEWHERE`` lists the
+classes covered by tests in other files (faults, signals, fuzzing); the table test checks that
+each of those tests exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.pipeline_helpers import even_plan
+
+TESTS = Path(__file__).parent
+README = TESTS / "README.md"
+BEGIN, END = "<!-- bad_inputs:begin -->", "<!-- bad_inputs:end -->"
+
+
+@dataclass(frozen=True)
+class Case:
+    area: str
+    what: str
+    run: Callable[[Path], object]
+    """Does the bad thing; gets a scratch folder."""
+    message: str
+    """An excerpt of what the user sees."""
+
+
+# ---- helpers -------------------------------------------------------------------------------
+def cli(*argv: str) -> Callable[[Path], object]:
+    """Run the CLI in this process; the output the user would see is raised as a CliOutput."""
+
+    def run(tmp: Path):
+        from vlmcompile.cli import main
+
+        err = io.StringIO()
+        args = [a.replace("{tmp}", str(tmp)) for a in argv]
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = main(args)
+            except SystemExit as exit_:  # argparse's usage errors
+                code = exit_.code
+        raise CliOutput(code, err.getvalue())
+
+    return run
+
+
+class CliOutput(Exception):
+    def __init__(self, code, stderr: str):
+        super().__init__(stderr)
+        self.code, self.stderr = code, stderr
+
+
+def _tiny(batch_size: int = 4, device: str = "cpu"):
+    from vlmcompile import models
+
+    return models.build("tiny", device=device), models.sample_batch(
+        "tiny", batch_size=batch_size, device=device
+    )
+
+
+def compile_with(**kwargs) -> Callable[[Path], object]:
+    def run(tmp: Path):
+        from vlmcompile import compile
+
+        model, batch = _tiny(device="meta")
+        return compile(model, batch, log=None, **kwargs)
+
+    return run
+
+
+def compile_batch(change: Callable[[dict], object], device: str = "cpu") -> Callable[[Path], object]:
+    def run(tmp: Path):
+        from vlmcompile import compile
+
+        model, batch = _tiny(device=device)
+        return compile(model, change(dict(batch)), log=None)
+
+    return run
+
+
+class _Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision = nn.Linear(8, 8)
+        self.llm = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.llm(self.vision(x))
+
+
+class _NoParams(nn.Module):
+    def forward(self, x):
+        return x.sum()
+
+
+def compile_model(model_fn: Callable[[], object], batch: Callable[[], object]):
+    def run(tmp: Path):
+        from vlmcompile import compile
+
+        return compile(model_fn(), batch(), log=None, region_overrides={"vision": "vision", "llm": "llm"})
+
+    return run
+
+
+_PIPE = {}
+
+
+def _pipe():
+    if "pipe" not in _PIPE:
+        from vlmcompile import compile
+
+        model, batch = _tiny()
+        _PIPE["pipe"] = compile(model, batch, log=None)
+        _PIPE["batch"] = batch
+    return _PIPE["pipe"], _PIPE["batch"]
+
+
+def _plan_json():
+    pipe, _ = _pipe()
+    return even_plan(pipe.layer_graph, pp=2, global_batch=4).to_json()
+
+
+def plan_file(change: Callable[[dict], object] | None = None, text: str | None = None, run: bool = False):
+    """Write a plan file (the tiny model's 2-stage plan, changed), load it and make a runner."""
+
+    def go(tmp: Path):
+        from vlmcompile.plan import Plan
+
+        path = tmp / "plan.json"
+        if text is not None:
+            path.write_text(text)
+        else:
+            data = _plan_json()
+            change(data)
+            path.write_text(json.dumps(data))
+        plan = Plan.load(path)
+        pipe, batch = _pipe()
+        if run:
+            return pipe.launch(plan=plan, timeout_s=20)
+        return pipe.runner(plan)
+
+    return go
+
+
+def _load_missing_plan(tmp: Path):
+    from vlmcompile.plan import Plan
+
+    return Plan.load(tmp / "none.json")
+
+
+def launch_batch(change: Callable[[dict], object]) -> Callable[[Path], object]:
+    def run(tmp: Path):
+        from vlmcompile.runtime import one_step
+
+        pipe, batch = _pipe()
+        plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)
+        return pipe.launch(one_step, plan=plan, args=(change(dict(batch)),), timeout_s=20)
+
+    return run
+
+
+def _set(key, value):
+    def change(d):
+        d[key] = value
+        return d
+
+    return change
+
+
+def _stage_rank(d):
+    d["stages"][1]["rank"] = 5
+
+
+def _delete_action(d):
+    d["actions"][1].pop(2)
+
+
+def _swap_lists(d):
+    d["actions"].reverse()
+
+
+def _dp_500(d):
+    d["parallel"]["model"]["dp"] = 500
+
+
+def _deadlock(d):
+    d["actions"][0].reverse()
+
+
+def _other_model(d):
+    d["fingerprint"] = "0123456789abcdef"
+
+
+def _labels_all_ignored(b):
+    b["labels"] = torch.full_like(b["labels"], -100)
+    return b
+
+
+def _nan_pixels(b):
+    b["pixel_values"] = b["pixel_values"].clone()
+    b["pixel_values"][0, 0, 0, 0] = float("nan")
+    return b
+
+
+def _pixels_half(b):
+    b["pixel_values"] = b["pixel_values"][:2]
+    return b
+
+
+def _drop_labels(b):
+    b.pop("labels")
+    return b
+
+
+def _extra_key(b):
+    b["attention_mask"] = torch.ones_like(b["input_ids"])
+    return b
+
+
+def _launch_api(**kwargs):
+    def run(tmp):
+        pipe, _ = _pipe()
+        return pipe.launch(plan=even_plan(pipe.layer_graph, pp=2, global_batch=4), **kwargs)
+
+    return run
+
+
+PLAN = ["plan", "--model", "demo", "--cluster", "h100x8", "--tp", "1", "--pp", "2", "--global-batch", "8"]
+
+CASES = {
+    # ---- CLI -----------------------------------------------------------------------------------
+    "cli-unknown-command": Case("CLI", "unknown subcommand", cli("train"), "invalid choice: 'train'"),
+    "cli-unknown-model": Case(
+        "CLI", "unknown zoo model", cli("annotate", "--model", "gpt-9"), "unknown model 'gpt-9'"
+    ),
+    "cli-missing-flag": Case(
+        "CLI",
+        "plan without --cluster",
+        cli("plan", "--model", "demo", "--tp", "1", "--pp", "2", "--global-batch", "8"),
+        "missing --cluster",
+    ),
+    "cli-unknown-cluster": Case(
+        "CLI",
+        "unknown cluster preset",
+        cli(*PLAN[:4], "tpu9000", *PLAN[5:]),
+        "unknown cluster preset 'tpu9000'",
+    ),
+    "cli-global-batch-0": Case(
+        "CLI", "--global-batch 0", cli(*PLAN[:-1], "0"), "--global-batch: 0 is not >= 1"
+    ),
+    "cli-global-batch-negative": Case(
+        "CLI", "--global-batch -4", cli(*PLAN[:-1], "-4"), "--global-batch: -4 is not >= 1"
+    ),
+    "cli-global-batch-text": Case(
+        "CLI", "--global-batch abc", cli(*PLAN[:-1], "abc"), "--global-batch: 'abc' is not an integer"
+    ),
+    "cli-tp-0": Case("CLI", "--tp 0", cli(*PLAN[:5], "--tp", "0", *PLAN[7:]), "--tp: 0 is not >= 1"),
+    "cli-v-0": Case("CLI", "--v 0", cli(*PLAN, "--v", "0"), "--v: 0 is not >= 1"),
+    "cli-time-limit-nan": Case(
+        "CLI", "--time-limit nan", cli(*PLAN, "--time-limit", "nan"), "--time-limit: nan is not a number > 0"
+    ),
+    "cli-search-with-policy": Case(
+        "CLI",
+        "--search with --policy megatron",
+        cli(*PLAN, "--search", "--policy", "megatron"),
+        "--search plans with the vlmcompile policy; drop --policy megatron",
+    ),
+    "cli-unknown-setup": Case(
+        "CLI", "unknown --setup", cli("plan", "--setup", "optimus-weak-Z"), "unknown setup 'optimus-weak-Z'"
+    ),
+    "cli-indivisible-batch": Case(
+        "CLI",
+        "global batch not a multiple of DP x microbatch",
+        cli(*PLAN[:-1], "9"),
+        "global batch 9 is not a multiple of dp x microbatch size",
+    ),
+    "cli-json-missing-dir": Case(
+        "CLI",
+        "--json into a missing folder",
+        cli(*PLAN, "--json", "{tmp}/no/such/plan.json"),
+        "which does not exist; create it first",
+    ),
+    "cli-png-is-dir": Case(
+        "CLI", "--png naming a folder", cli(*PLAN, "--png", "{tmp}"), "is a directory; give a file name"
+    ),
+    "cli-trace-missing-dir": Case(
+        "CLI",
+        "--trace into a missing folder",
+        cli(*PLAN, "--trace", "{tmp}/none/t.json"),
+        "which does not exist; create it first",
+    ),
+    "cli-annotate-json-dir": Case(
+        "CLI",
+        "annotate --json naming a folder",
+        cli("annotate", "--model", "tiny", "--json", "{tmp}"),
+        "is a directory; give a file name",
+    ),
+    "cli-run-steps-0": Case("CLI", "run --steps 0", cli("run", "--steps", "0"), "--steps: 0 is not >= 1"),
+    "cli-run-timeout-0": Case(
+        "CLI", "run --timeout 0", cli("run", "--timeout", "0"), "--timeout: 0 is not a number > 0"
+    ),
+    "cli-run-too-many-ranks": Case(
+        "CLI",
+        "run --nprocs 1000",
+        cli("run", "--nprocs", "1000"),
+        "nprocs=1000 local ranks is more than this launcher starts",
+    ),
+    "cli-run-pp-not-dividing": Case(
+        "CLI",
+        "run --pp 3 on 2 ranks",
+        cli("run", "--model", "tiny", "--policy", "megatron", "--pp", "3", "--global-batch", "4"),
+        "--pp 3 does not divide --nprocs 2",
+    ),
+    "cli-demo-batch-0": Case(
+        "CLI", "demo --global-batch 0", cli("demo", "--global-batch", "0"), "--global-batch: 0 is not >= 1"
+    ),
+    # ---- API: compile ----------------------------------------------------------------------------
+    "api-model-not-module": Case(
+        "API",
+        "model is not an nn.Module",
+        compile_model(lambda: "llava", lambda: {"x": torch.ones(1)}),
+        "model is a str; give a torch.nn.Module",
+    ),
+    "api-model-no-params": Case(
+        "API",
+        "model without parameters",
+        compile_model(_NoParams, lambda: {"x": torch.ones(2, 8)}),
+        "has no parameters",
+    ),
+    "api-returns-logits": Case(
+        "API",
+        "forward returns logits, not a loss (real weights)",
+        compile_model(_Logits, lambda: {"x": torch.ones(2, 8)}),
+        "returned a [2, 5] torch.float32 tensor, not a scalar loss",
+    ),
+    "api-returns-logits-meta": Case(
+        "API",
+        "forward returns logits, not a loss (meta)",
+        compile_model(lambda: _Logits().to("meta"), lambda: {"x": torch.ones(2, 8, device="meta")}),
+        "not a scalar loss",
+    ),
+    "api-batch-not-mapping": Case(
+        "API",
+        "sample batch is a list",
+        compile_batch(lambda b: list(b.values())),
+        "sample_batch is a list; give a dict",
+    ),
+    "api-batch-missing-key": Case(
+        "API",
+        "sample batch lacks a forward argument",
+        compile_batch(_drop_labels),
+        "sample_batch lacks ['labels']",
+    ),
+    "api-batch-unknown-key": Case(
+        "API", "sample batch has a key forward does not take", compile_batch(_extra_key), "attention_mask"
+    ),
+    "api-batch-nan": Case(
+        "API",
+        "NaN in the sample batch",
+        compile_batch(_nan_pixels),
+        "sample_batch['pixel_values'] hold NaN or infinite values",
+    ),
+    "api-eager-loss-nan": Case(
+        "API",
+        "eager loss is NaN (every label ignored)",
+        compile_batch(_labels_all_ignored),
+        "in eager PyTorch, before any change by vlmcompile",
+    ),
+    "api-capture-method": Case(
+        "API",
+        "capture_method='bogus'",
+        compile_with(capture_method="bogus"),
+        "capture_method='bogus'; use 'auto', 'fx' or 'export'",
+    ),
+    "api-disable-capture": Case(
+        "API",
+        "disable_passes=['capture']",
+        compile_with(disable_passes=["capture"]),
+        "['capture'] cannot be disabled",
+    ),
+    "api-disable-unknown": Case(
+        "API",
+        "disable_passes names no pass",
+        compile_with(disable_passes=["partition2"]),
+        "cannot disable unknown pass(es) ['partition2']",
+    ),
+    "api-disable-string": Case(
+        "API",
+        "disable_passes='plan' (a string)",
+        compile_with(disable_passes="plan"),
+        "is a string; give a list",
+    ),
+    "api-cluster-int": Case(
+        "API", "cluster=2", compile_with(cluster=2), "cluster=2 is a int; pass a Cluster or a preset name"
+    ),
+    "api-cluster-unknown": Case(
+        "API", "cluster='gpu:4'", compile_with(cluster="gpu:4"), "unknown cluster preset 'gpu:4'"
+    ),
+    "api-global-batch-0": Case(
+        "API",
+        "global_batch=0",
+        compile_with(cluster="cpu:2", global_batch=0),
+        "global_batch=0; give the samples per training step",
+    ),
+    "api-global-batch-negative": Case(
+        "API",
+        "global_batch=-8",
+        compile_with(cluster="cpu:2", global_batch=-8),
+        "global_batch=-8; give the samples per training step",
+    ),
+    "api-tensor-mode": Case(
+        "API",
+        "tensor_mode='half'",
+        compile_with(tensor_mode="half"),
+        "tensor_mode='half'; use 'fake' or 'real'",
+    ),
+    "api-launch-timeout-0": Case(
+        "API",
+        "launch(timeout_s=0)",
+        _launch_api(timeout_s=0),
+        "timeout_s=0; give the seconds a rank may wait",
+    ),
+    "api-launch-nprocs": Case(
+        "API", "launch(nprocs=3) for a 2-rank plan", _launch_api(nprocs=3), "the plan runs on 2 ranks"
+    ),
+    # ---- plan files ------------------------------------------------------------------------------
+    "plan-missing-file": Case("plan file", "no such file", _load_missing_plan, "cannot read plan file"),
+    "plan-not-json": Case("plan file", "not JSON", plan_file(text="{stages: oops"), "is not JSON"),
+    "plan-wrong-schema": Case(
+        "plan file",
+        "JSON of something else",
+        plan_file(text='{"schema": "other"}'),
+        "not a plan JSON (schema 'other'",
+    ),
+    "plan-old-version": Case(
+        "plan file", "another schema version", plan_file(_set("version", 0)), "plan JSON version 0 is not 1"
+    ),
+    "plan-wrong-type": Case(
+        "plan file",
+        "a number given as a string",
+        plan_file(_set("microbatch_size", "2")),
+        'plan.microbatch_size is "2"; expected an integer',
+    ),
+    "plan-missing-field": Case(
+        "plan file", "a field deleted", plan_file(lambda d: d.pop("stages")), "plan lacks the field 'stages'"
+    ),
+    "plan-bad-action": Case(
+        "plan file",
+        "an action that is not one",
+        plan_file(lambda d: d["actions"][0].__setitem__(0, "0X0")),
+        "'0X0' is not an action",
+    ),
+    "plan-deleted-action": Case(
+        "plan file", "an action deleted", plan_file(_delete_action), "rank 1 is missing"
+    ),
+    "plan-stage-rank": Case(
+        "plan file",
+        "a stage on a rank that does not exist",
+        plan_file(_stage_rank),
+        "stage 1 is placed on rank 5, but the plan has 2 pipeline ranks",
+    ),
+    "plan-swapped-lists": Case(
+        "plan file", "action lists of two ranks swapped", plan_file(_swap_lists), "which is placed on rank"
+    ),
+    "plan-deadlock": Case(
+        "plan file", "actions in an order that deadlocks", plan_file(_deadlock), "the action lists deadlock"
+    ),
+    "plan-dp-500": Case(
+        "plan file",
+        "dp: 500 (1000 local processes)",
+        plan_file(_dp_500, run=True),
+        "nprocs=1000 local ranks is more than this launcher starts",
+    ),
+    "plan-other-model": Case(
+        "plan file", "a plan made for another model", plan_file(_other_model), "the plan was made for model"
+    ),
+    "plan-cli-json": Case(
+        "plan file",
+        "`vlmcompile plan --json` output with a broken plan",
+        plan_file(text='{"plan": {"schema": "vlmcompile.plan", "version": 1}, "simulation": {}}'),
+        "plan lacks the field 'model'",
+    ),
+    # ---- batches ---------------------------------------------------------------------------------
+    "batch-shape": Case(
+        "batch",
+        "a batch of other shapes at launch",
+        launch_batch(_pixels_half),
+        "batch['pixel_values'] is [2, ",
+    ),
+    "batch-missing-key": Case(
+        "batch", "a batch without labels at launch", launch_batch(_drop_labels), "the batch lacks 'labels'"
+    ),
+    "batch-extra-key": Case(
+        "batch",
+        "a batch with a key the sample batch had not",
+        launch_batch(_extra_key),
+        "the batch has keys ['attention_mask']",
+    ),
+}
+
+ELSEWHERE = {
+    "batch-no-label-tokens": (
+        "batch",
+        "a microbatch with no label tokens (its own loss is 0/0)",
+        "tests/test_runtime.py::test_a_microbatch_without_label_tokens_trains_like_eager",
+        "trains equal to eager (no error: nothing is wrong)",
+    ),
+    "batch-specialized-values": (
+        "batch",
+        "a microbatch whose shape-deciding values differ from the captured ones",
+        "tests/test_runtime.py::test_batch_values_the_graph_is_fixed_to_must_come_back_unchanged",
+        "microbatch 1's 'image_grid_thw' is [[1, 2, 8]], but the pipeline was captured for ...",
+    ),
+    "batch-constant-changed": (
+        "batch",
+        "a non-tensor batch value other than the captured one",
+        "tests/test_runtime.py::test_batch_values_the_graph_is_fixed_to_must_come_back_unchanged",
+        "batch['return_loss'] is False; the pipeline was compiled with True",
+    ),
+    "fault-dead-rank": (
+        "fault",
+        "a rank killed mid-step",
+        "tests/test_runtime.py::test_a_dead_rank_fails_the_others_naming_it",
+        "rank 1 failed first: killed by SIGKILL ... rank 3: ... waiting for ... from rank 1",
+    ),
+    "fault-hung-rank": (
+        "fault",
+        "a rank that hangs",
+        "tests/test_launch.py::test_a_hung_rank_is_blamed_and_killed_soon_after_its_peer_gives_up",
+        "rank 1 hung: rank 0 gave up waiting for it after ... s and the launcher killed it",
+    ),
+    "fault-no-main-guard": (
+        "fault",
+        'a script that launches ranks without `if __name__ == "__main__":`',
+        "tests/test_launch.py::test_a_script_without_a_main_guard_is_told_to_add_one",
+        'guard the script\'s entry point with `if __name__ == "__main__":`',
+    ),
+    "fault-too-many-ranks": (
+        "fault",
+        "launch(nprocs=0 or 1000), timeout_s=0",
+        "tests/test_launch.py::test_rank_counts_and_timeouts_no_local_run_can_use_are_refused_before_anything_starts",
+        "nprocs=1000 local ranks is more than this launcher starts (64)",
+    ),
+    "fault-open-ports": (
+        "fault",
+        "a rendezvous store reachable from other machines",
+        "tests/test_launch.py::test_the_store_and_gloo_listen_on_127_0_0_1_only",
+        "(none: every listening socket is on 127.0.0.1)",
+    ),
+    "fault-mutated-plans": (
+        "plan file",
+        "60 random plan mutations (delete/duplicate/swap actions, move stages and layers, numbers, types)",
+        "tests/test_plan_fuzz.py::test_mutated_plans_are_refused_or_train_equal_to_eager",
+        "a PlanError naming the fault, or a step equal to eager",
+    ),
+    "signal-sigint": (
+        "signal",
+        "SIGINT (Ctrl-C) to `vlmcompile run`",
+        "tests/test_launch.py::test_a_signal_to_the_cli_stops_every_rank_and_says_so_in_one_line",
+        "vlmcompile: interrupted by SIGINT; stopped every rank",
+    ),
+    "signal-sigterm": (
+        "signal",
+        "SIGTERM to `vlmcompile run`",
+        "tests/test_launch.py::test_a_signal_to_the_cli_stops_every_rank_and_says_so_in_one_line",
+        "vlmcompile: interrupted by SIGTERM; stopped every rank",
+    ),
+    "signal-sigkill": (
+        "signal",
+        "SIGKILL of `vlmcompile run` (no cleanup possible)",
+        "tests/test_launch.py::test_ranks_exit_on_their_own_when_the_launcher_is_killed",
+        "(the ranks exit on their own within a second)",
+    ),
+    "signal-after-solve": (
+        "signal",
+        "Ctrl-C after a CP-SAT solve",
+        "tests/test_launch.py::test_a_python_level_sigint_handler_survives_a_cp_sat_solve",
+        "KeyboardInterrupt as usual (CP-SAT no longer resets the handler)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_gets_a_message_naming_it(name, tmp_path):
+    case = CASES[name]
+    if case.area == "CLI":
+        with pytest.raises(CliOutput) as info:
+            case.run(tmp_path)
+        out = info.value
+        assert out.code not in (0, None), out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+        assert case.message in out.stderr, out.stderr
+        error_lines = [line for line in out.stderr.splitlines() if "error" in line]
+        assert len(error_lines) == 1, out.stderr
+        return
+    from vlmcompile.errors import VlmCompileError
+
+    with pytest.raises(VlmCompileError) as info:
+        case.run(tmp_path)
+    assert case.message in str(info.value), str(info.value)
+
+
+def table() -> str:
+    rows = [
+        "| # | area | bad input | covered by | what the user sees |",
+        "|---|------|-----------|------------|--------------------|",
+    ]
+    entries = [
+        (c.area, c.what, f"tests/test_bad_inputs.py::test_bad_input_gets_a_message_naming_it[{n}]", c.message)
+        for n, c in CASES.items()
+    ]
+    entries += list(ELSEWHERE.values())
+    for i, (area, what, test, message) in enumerate(entries, 1):
+        cells = [str(i), area, what, f"`{test}`", message.replace("|", "\\|")]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def test_the_readme_table_lists_every_case():
+    text = README.read_text()
+    assert BEGIN in text and END in text, f"{README} lost its {BEGIN} markers"
+    inside = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert inside == table(), "tests/README.md's table is stale: run python -m tests.test_bad_inputs"
+    assert len(CASES) + len(ELSEWHERE) >= 40
+
+
+@pytest.mark.parametrize("name", sorted(ELSEWHERE))
+def test_every_test_the_table_names_exists(name):
+    path, _, test = ELSEWHERE[name][2].partition("::")
+    tree = ast.parse((TESTS.parent / path).read_text())
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert test in defined, f"{path} has no {test}"
+
+
+def _write_readme() -> None:
+    text = README.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(f"{head}{BEGIN}\n{table()}\n{END}{tail}")
+
+
+if __name__ == "__main__":
+    _write_readme()
+    print(f"wrote {len(CASES) + len(ELSEWHERE)} rows to {README}", file=sys.stderr)

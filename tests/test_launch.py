@@ -1,0 +1,229 @@
+"""The local launcher fails safe: signals to the launching process stop every rank, ranks exit
+when their launcher disappears, nothing listens beyond 127.0.0.1, and a hung rank is blamed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from vlmcompile.errors import ArgumentError
+from vlmcompile.launch import LaunchError, launch
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+
+
+def _children(pid: int) -> list[int]:
+    """Rank processes started by ``pid`` (spawned interpreters; the resource tracker is not one)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"spawn_main" in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent has not read its status yet
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _wait_for_ranks(parent: subprocess.Popen) -> list[int]:
+    def started():
+        if parent.poll() is not None:
+            raise AssertionError(
+                f"vlmcompile run exited {parent.returncode} early: {parent.communicate()[1][-3000:]}"
+            )
+        ranks = _children(parent.pid)
+        return ranks if len(ranks) == 2 else None
+
+    return _wait_for(started, 180, "2 ranks")
+
+
+def _start_cli_run() -> subprocess.Popen:
+    # Many steps: the ranks are still training when the signal comes.
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vlmcompile.cli",
+            "run",
+            "--model",
+            "tiny",
+            "--nprocs",
+            "2",
+            "--global-batch",
+            "4",
+            "--steps",
+            "100000",
+            "--timeout",
+            "30",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the signal reaches the parent alone, not its process group
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_cli_stops_every_rank_and_says_so_in_one_line(signum):
+    parent = _start_cli_run()
+    try:
+        ranks = _wait_for_ranks(parent)
+        time.sleep(2.0)  # inside the training steps
+        os.kill(parent.pid, signum)
+        _, stderr = parent.communicate(timeout=15)
+        _wait_for(lambda: not any(_alive(r) for r in ranks), 5, f"ranks {ranks} to exit")
+    finally:
+        parent.kill()
+    name = signal.Signals(signum).name
+    assert parent.returncode == 128 + signum, stderr
+    lines = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert lines == [f"vlmcompile: interrupted by {name}; stopped every rank"], stderr
+    assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.slow
+def test_ranks_exit_on_their_own_when_the_launcher_is_killed():
+    parent = _start_cli_run()
+    try:
+        ranks = _wait_for_ranks(parent)
+        time.sleep(1.0)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        _wait_for(lambda: not any(_alive(r) for r in ranks), 5, f"orphaned ranks {ranks} to exit")
+    finally:
+        parent.kill()
+
+
+def _listening_sockets(_payload):
+    """This rank's listening TCP sockets as (ip, port), from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                out.append((address, int(port, 16)))
+    return out
+
+
+def test_the_store_and_gloo_listen_on_127_0_0_1_only():
+    per_rank = launch(_listening_sockets, None, 2, timeout_s=30)
+    assert per_rank[0], "rank 0 holds the rendezvous store; it must listen somewhere"
+    loopback = "0100007F"  # 127.0.0.1 in /proc/net/tcp's little-endian hex
+    for rank, sockets in enumerate(per_rank):
+        assert sockets and all(address == loopback for address, _ in sockets), (rank, sockets)
+
+
+def test_a_python_level_sigint_handler_survives_a_cp_sat_solve(tmp_path):
+    # OR-Tools' own SIGINT handler used to leave the C-level handler at the default afterwards:
+    # Ctrl-C then killed the process outright, orphaning its ranks.
+    script = tmp_path / "solve_then_interrupt.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal
+            from vlmcompile.cluster import Cluster
+            from vlmcompile.planning import plan_and_simulate, zoo_layer_graph
+
+            graph = zoo_layer_graph("demo")
+            plan_and_simulate(graph, Cluster.preset("cpu:2"), "vlmcompile", tp=1, pp=2, global_batch=4, time_limit_s=1)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                print("no interrupt")
+            except KeyboardInterrupt:
+                print("caught")
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "caught", (
+        done.returncode,
+        done.stdout,
+        done.stderr,
+    )
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from vlmcompile.launch import launch\n"
+        "def rank_fn(x):\n    return x\n"
+        "print(launch(rank_fn, b'x' * 200_000, 2, timeout_s=20))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-2000:]
+
+
+def _hang_on_rank_1(_payload):
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(3600)  # alive, silent
+    from vlmcompile.runtime import RankLostError
+
+    work = dist.irecv(torch.zeros(1), 1)
+    try:
+        work.wait(__import__("datetime").timedelta(seconds=3))
+    except RuntimeError as err:
+        raise RankLostError(f"timed out waiting for rank 1: {err}", peer=1) from None
+
+
+def test_a_hung_rank_is_blamed_and_killed_soon_after_its_peer_gives_up():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_hang_on_rank_1, None, 2, timeout_s=3)
+    took = time.monotonic() - start
+    text = str(info.value)
+    assert info.value.first_failed == 1, text
+    assert text.splitlines()[0].startswith("rank 1 hung: rank 0 gave up waiting for it"), text
+    assert "rank 1: killed by the launcher" in text
+    assert took < 3 + 5 + 15, took  # timeout + grace + start-up, not 2 x timeout
+
+
+def test_rank_counts_and_timeouts_no_local_run_can_use_are_refused_before_anything_starts():
+    with pytest.raises(ArgumentError, match="nprocs=1000 local ranks is more than"):
+        launch(_listening_sockets, None, 1000)
+    with pytest.raises(ArgumentError, match=r"nprocs=0; give the number of local ranks"):
+        launch(_listening_sockets, None, 0)
+    with pytest.raises(ArgumentError, match=r"timeout_s=0; give the seconds"):
+        launch(_listening_sockets, None, 2, timeout_s=0)
