@@ -210,8 +210,9 @@ def _check_numerics(model: nn.Module, gm: fx.GraphModule, batch: dict[str, Any])
             **{k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in specialized}
         )
     if not bool(torch.isfinite(expected).all()):
+        shown = expected.item() if expected.numel() == 1 else "not finite"
         raise ModelError(
-            f"the model's loss on the sample batch is {expected.item()} in eager PyTorch, before any change by "
+            f"the model's loss on the sample batch is {shown} in eager PyTorch, before any change by "
             "vlmcompile; fix the model or the batch (labels that are all -100 give 0/0, for one)"
         )
     try:

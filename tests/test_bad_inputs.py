@@ -563,7 +563,7 @@ ELSEWHERE = {
     ),
     "fault-mutated-plans": (
         "plan file",
-        "60 random plan mutations (delete/duplicate/swap actions, move stages and layers, numbers, types)",
+        "100 random plan mutations (delete/duplicate/swap actions, move stages and layers, numbers, types)",
         "tests/test_plan_fuzz.py::test_mutated_plans_are_refused_or_train_equal_to_eager",
         "a PlanError naming the fault, or a step equal to eager",
     ),

@@ -190,10 +190,13 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
-    assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-2000:]
+    assert "LaunchError: rank 0 exited before it received its work" in done.stderr, done.stderr[-2000:]
+    assert 'if __name__ == "__main__":' in done.stderr.split("LaunchError:")[-1], done.stderr[-2000:]
 
 
 def _hang_on_rank_1(_payload):
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -203,7 +206,7 @@ def _hang_on_rank_1(_payload):
 
     work = dist.irecv(torch.zeros(1), 1)
     try:
-        work.wait(__import__("datetime").timedelta(seconds=3))
+        work.wait(datetime.timedelta(seconds=3))
     except RuntimeError as err:
         raise RankLostError(f"timed out waiting for rank 1: {err}", peer=1) from None
 
@@ -211,13 +214,39 @@ def _hang_on_rank_1(_payload):
 def test_a_hung_rank_is_blamed_and_killed_soon_after_its_peer_gives_up():
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        launch(_hang_on_rank_1, None, 2, timeout_s=3)
+        launch(_hang_on_rank_1, None, 2, timeout_s=12)
     took = time.monotonic() - start
     text = str(info.value)
     assert info.value.first_failed == 1, text
     assert text.splitlines()[0].startswith("rank 1 hung: rank 0 gave up waiting for it"), text
     assert "rank 1: killed by the launcher" in text
-    assert took < 3 + 5 + 15, took  # timeout + grace + start-up, not 2 x timeout
+    # rank 0 gives up after 3 s, rank 1 is killed 5 s later; before, the launcher waited out its
+    # own timeout and 10 s more (3 + 12 + 10 s plus start-up).
+    assert took < 3 + 5 + 12, took
+
+
+def _hang_on_rank_1_in_a_collective(_payload):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from vlmcompile.runtime import RankLostError
+
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    try:
+        dist.all_reduce(torch.zeros(1), async_op=True).wait(datetime.timedelta(seconds=3))
+    except RuntimeError:
+        raise RankLostError("timed out in the all-reduce", peer=None) from None
+
+
+def test_a_rank_hung_in_a_collective_is_blamed_too():
+    with pytest.raises(LaunchError) as info:
+        launch(_hang_on_rank_1_in_a_collective, None, 2, timeout_s=12)
+    text = str(info.value)
+    assert info.value.first_failed == 1, text
+    assert text.startswith("rank 1 hung: rank 0 gave up waiting for a collective"), text
 
 
 def test_rank_counts_and_timeouts_no_local_run_can_use_are_refused_before_anything_starts():

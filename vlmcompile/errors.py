@@ -59,6 +59,6 @@ def positive_int(name: str, value: object, what: str) -> int:
 
 def positive_number(name: str, value: object, what: str) -> float:
     """``value`` if it is a number > 0 (seconds, rates)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ArgumentError(f"{name}={value!r}; give {what} (a number > 0)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ArgumentError(f"{name}={value!r}; give {what} (a finite number > 0)")
     return float(value)

@@ -21,7 +21,6 @@ import ctypes
 import datetime
 import os
 import pickle
-import queue as queue_mod
 import signal
 import socket
 import sys
@@ -29,6 +28,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing import connection as mp_connection
 from typing import Any
 
 import torch
@@ -42,6 +42,8 @@ GRACE_S = 5.0
 MAX_LOCAL_RANKS = 64
 """More local ranks than this is a plan for a cluster, not for this machine: use torchrun."""
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_COLLECTIVE = -1
+"""What a rank's report names as the peer it lost when it waited on a whole group."""
 
 
 class LaunchError(VlmCompileError, RuntimeError):
@@ -121,11 +123,11 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(70)
 
 
-def _rank_main(rank, nprocs, store_socket, port, parent_pid, fn, work, results, timeout_s) -> None:
+def _rank_main(rank, nprocs, store_socket, port, parent_pid, fn, work, report, timeout_s) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        payload, args = pickle.loads(work.recv_bytes())
+        work_bytes = work.recv_bytes()
     except (EOFError, OSError):
         os._exit(1)  # the launcher stopped before it sent the work
     torch.set_num_threads(1)
@@ -142,6 +144,7 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, fn, work, results, 
     os.environ.update(env)
     code = 0
     try:
+        payload, args = pickle.loads(work_bytes)
         timeout = datetime.timedelta(seconds=timeout_s)
         if rank == 0:
             store = dist.TCPStore(
@@ -150,16 +153,22 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, fn, work, results, 
         else:
             store = dist.TCPStore("127.0.0.1", port, nprocs, False, timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs, timeout=timeout)
-        # Plain pickles: torch's queue would share tensors by file descriptor, which dies with
-        # the process that made them.
-        results.put((rank, True, pickle.dumps(fn(payload, *args)), None))
+        # Plain pickles: torch's reductions would share tensors by file descriptor, which dies
+        # with the process that made them.
+        message = pickle.dumps((True, pickle.dumps(fn(payload, *args)), None))
     except BaseException as err:  # report anything, then exit non-zero
         frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
         where = f" (at {frame.filename}:{frame.lineno})" if frame else ""
-        results.put((rank, False, f"{type(err).__name__}: {err}{where}", getattr(err, "peer", None)))
+        # The peer a RankLostError gave up on; _COLLECTIVE when it waited on a group.
+        lost = None
+        if hasattr(err, "peer"):  # a RankLostError
+            lost = _COLLECTIVE if err.peer is None else err.peer
+        message = pickle.dumps((False, f"{type(err).__name__}: {err}{where}", lost))
         code = 1
-    results.close()
-    results.join_thread()
+    try:
+        report.send_bytes(message)
+    except OSError:
+        code = code or 1  # the launcher is gone
     # Skip interpreter teardown: a process group whose peer died can block in its destructor.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -225,17 +234,19 @@ def launch(
     # a child that dies before reading them (a script without a main guard) would block that
     # write forever.
     work = pickle.dumps((payload, tuple(args)))
-    previous = interrupt_on_stop_signals()
-    results = ctx.Queue()
     procs: list[Any] = []
+    reports: list[Any] = []
+    previous = interrupt_on_stop_signals()
     try:
         senders = []
-        # A stop signal while a rank is being started would cut its start-up data short (and the
-        # rank would print a traceback): it waits until every rank has started.
-        with _listening_socket() as store_socket, _signals_held():
+        # A stop signal while a rank is being started would cut its start-up data short: it
+        # waits until every rank has started. The ranks are born ignoring SIGINT, so a terminal's
+        # Ctrl-C during their start-up reaches the launcher alone.
+        with _listening_socket() as store_socket, _signals_held(), _children_ignore_sigint():
             port = store_socket.getsockname()[1]
             for rank in range(nprocs):
-                receiver, sender = ctx.Pipe(duplex=False)
+                work_r, work_w = ctx.Pipe(duplex=False)
+                report_r, report_w = ctx.Pipe(duplex=False)
                 p = ctx.Process(
                     target=_rank_main,
                     args=(
@@ -245,16 +256,19 @@ def launch(
                         port,
                         os.getpid(),
                         fn,
-                        receiver,
-                        results,
+                        work_r,
+                        report_w,
                         timeout_s,
                     ),
                     name=f"vlmcompile-rank{rank}",
                 )
                 p.start()
-                receiver.close()  # else a dead rank's pipe never breaks
+                # The rank's ends close here, or a dead rank's pipes would never break.
+                work_r.close()
+                report_w.close()
                 procs.append(p)
-                senders.append(sender)
+                senders.append(work_w)
+                reports.append(report_r)
         for rank, sender in enumerate(senders):
             try:
                 sender.send_bytes(work)
@@ -264,11 +278,13 @@ def launch(
                 ) from None
             finally:
                 sender.close()
-        return _watch(procs, results, nprocs, timeout_s, limit_s)
+        return _watch(procs, reports, timeout_s, limit_s)
     finally:
-        with _signals_held():
+        with _signals_held():  # a second Ctrl-C must not cut the clean-up short
             _stop(procs)
-        restore_signals(previous)
+            for r in reports:
+                r.close()
+            restore_signals(previous)  # a signal held meanwhile goes to the caller's handler
 
 
 @contextlib.contextmanager
@@ -282,6 +298,23 @@ def _signals_held():
     finally:
         if held:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Processes started inside ignore SIGINT from birth (the disposition survives exec, and Python
+    keeps an ignored SIGINT ignored). Call with the signals held: a SIGINT that comes meanwhile
+    stays pending for the handler restored on leaving (Linux never discards a blocked signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if hasattr(signal, "sigpending") and signal.SIGINT in signal.sigpending():
+        raise Interrupted(signal.SIGINT)  # setting SIG_IGN would discard it
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 def _stop(procs: list[Any]) -> None:
@@ -298,27 +331,34 @@ def _stop(procs: list[Any]) -> None:
             p.join(5)
 
 
-def _watch(procs, results, nprocs: int, timeout_s: float, limit_s: float | None) -> list[Any]:
+def _watch(procs, reports, timeout_s: float, limit_s: float | None) -> list[Any]:
+    nprocs = len(procs)
     start = time.monotonic()
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
     lost: dict[int, int] = {}
     ended: dict[int, float] = {}
     killed: set[int] = set()
+    open_reports = dict(enumerate(reports))
     first_failure: float | None = None
+    over_limit = False
 
-    def collect(wait_s: float) -> bool:
-        try:
-            rank, ok, value, peer = results.get(timeout=wait_s)
-        except queue_mod.Empty:
-            return False
-        if ok:
-            values[rank] = pickle.loads(value)
-        else:
-            errors[rank] = value
-            if peer is not None:
-                lost[rank] = peer
-        return True
+    def collect(wait_s: float) -> None:
+        ready = mp_connection.wait(list(open_reports.values()), timeout=wait_s)
+        for rank, conn in list(open_reports.items()):
+            if conn not in ready:
+                continue
+            del open_reports[rank]
+            try:
+                ok, value, peer = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                continue  # the rank died before or while reporting
+            if ok:
+                values[rank] = pickle.loads(value)
+            else:
+                errors[rank] = value
+                if peer is not None:
+                    lost[rank] = peer
 
     while len(ended) < nprocs:
         collect(0.1)
@@ -340,23 +380,25 @@ def _watch(procs, results, nprocs: int, timeout_s: float, limit_s: float | None)
             for rank, p in enumerate(procs):
                 p.join(5)
                 ended.setdefault(rank, time.monotonic() - start)
-    while collect(0.2):  # results put just before exiting
-        pass
+    while open_reports and mp_connection.wait(list(open_reports.values()), timeout=0.2):
+        collect(0)  # reports sent just before exiting
     codes = {rank: p.exitcode for rank, p in enumerate(procs)}
     if all(c == 0 for c in codes.values()) and len(values) == nprocs:
         return [values[r] for r in range(nprocs)]
     failed = [r for r in range(nprocs) if codes[r] != 0 or r not in values]
     first, header = _blame(failed, errors, lost, killed, ended, codes)
     lines = [header]
-    if limit_s is not None and time.monotonic() - start > limit_s and not errors:
+    if over_limit and not errors:
         lines.insert(0, f"the ranks ran past the {limit_s:.0f} s limit")
+    why_killed = (
+        "at the run's time limit" if over_limit else f"still running {GRACE_S:.0f} s after the first failure"
+    )
     for r in range(nprocs):
-        if r in killed:
-            lines.append(
-                f"  rank {r}: killed by the launcher, still running {GRACE_S:.0f} s after the first failure"
-            )
-        elif r in errors:
-            lines.append(f"  rank {r}: {_how(codes[r])} after {ended[r]:.1f} s: {errors[r].strip()}")
+        if r in errors:
+            then = f" (then killed by the launcher, {why_killed})" if r in killed else ""
+            lines.append(f"  rank {r}: {_how(codes[r])} after {ended[r]:.1f} s: {errors[r].strip()}{then}")
+        elif r in killed:
+            lines.append(f"  rank {r}: killed by the launcher, {why_killed}")
         elif codes[r] != 0:
             lines.append(f"  rank {r}: {_how(codes[r])} after {ended.get(r, 0):.1f} s without a report")
         else:
@@ -380,6 +422,15 @@ def _blame(failed, errors, lost, killed, ended, codes) -> tuple[int, str]:
     waiter = first
     while waiter in lost and lost[waiter] not in seen:
         peer = lost[waiter]
+        if peer == _COLLECTIVE:  # it waited on a group: a rank the launcher had to kill hung
+            hung = sorted(killed)
+            if hung:
+                return hung[0], (
+                    f"rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} hung: rank {waiter} gave up "
+                    f"waiting for a collective after {ended.get(waiter, 0):.1f} s and the launcher killed "
+                    f"{'them' if len(hung) > 1 else 'it'}"
+                )
+            break
         seen.add(peer)
         if peer in killed:
             return peer, (

@@ -293,12 +293,12 @@ class Plan:
         """Read a plan saved by :meth:`save` or by ``vlmcompile plan --json``; an unreadable or
         malformed file raises :class:`PlanError` naming the file and the fault."""
         try:
-            text = Path(path).read_text()
+            raw = Path(path).read_bytes()
         except OSError as err:
             raise PlanError(f"cannot read plan file {str(path)!r}: {err.strerror or err}") from None
         try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
             raise PlanError(f"plan file {str(path)!r} is not JSON: {err}") from None
         try:
             return cls.from_json(data)

@@ -513,7 +513,12 @@ class PipelineRunner:
                 )
         if self.dp_group is None:
             return
-        grads = [p.grad for p in params if p.grad is not None]
+        # Every replica reduces the same list: a parameter without a gradient here (its stage
+        # saw only microbatches without label tokens) may have one on another replica.
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -657,7 +662,7 @@ def interleaved_steps(
         order = range(len(runners)) if k % 2 == 0 else reversed(range(len(runners)))
         for j in order:
             optimizers[j].zero_grad(set_to_none=True)
-            dist.barrier()
+            runners[j]._wait(dist.barrier(async_op=True), "the barrier that starts every step together")
             start = time.perf_counter()
             loss = runners[j].step(batch)
             out[j]["step_s"].append(time.perf_counter() - start)
