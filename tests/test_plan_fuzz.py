@@ -164,6 +164,7 @@ def test_mutated_plans_are_refused_or_train_equal_to_eager(tmp_path):
         runnable.setdefault(text, (kinds, runner))
 
     try_mutant()
+    print(f"{len(set(refused))} distinct mutants refused, {len(runnable)} ran")  # shown by pytest -s
     assert len(set(refused)) >= 20, f"only {len(set(refused))} distinct mutants refused: a weak fuzzer"
     assert len(runnable) >= 8, f"only {len(runnable)} distinct mutants ran: the runtime was barely fuzzed"
     by_world: dict[int, list[tuple[list[str], object]]] = {}
