@@ -19,7 +19,7 @@ from vlmcompile import compile
 from vlmcompile.demo import eager_losses
 from vlmcompile.errors import PlanError
 from vlmcompile.launch import LaunchError, launch
-from vlmcompile.runtime import BatchError, interleaved_steps, one_step
+from vlmcompile.runtime import BatchError, PipelineRunner, interleaved_steps, one_step
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -265,3 +265,11 @@ def test_microbatches_may_run_in_another_order_on_each_rank():
     assert swapped.actions[0][0].microbatch != swapped.actions[1][0].microbatch
     results = pipe.launch(plan=swapped, timeout_s=30)
     check_equal_to_eager(model, batch, results)
+
+
+def test_a_runner_built_by_hand_validates_its_plan():
+    _, _, pipe = _pipe("tiny")
+    plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)
+    broken = dataclasses.replace(plan, actions=(plan.actions[0][1:], plan.actions[1]))
+    with pytest.raises(PlanError, match="rank 0 is missing 0F0"):
+        PipelineRunner(broken, (), batch_shapes={})

@@ -148,6 +148,7 @@ class PipelineRunner:
         specialized: Mapping[str, torch.Tensor] | None = None,
         timeout_s: float = 60.0,
     ):
+        plan.validate()  # whatever made the plan: never run one that fails its checks
         self.plan = plan
         self.topology = topology_of(plan)
         self.stages_all = stages
