@@ -513,6 +513,12 @@ CASES = {
 }
 
 ELSEWHERE = {
+    "cli-flags-ignored": (
+        "CLI",
+        "flags a plan command does not read (--tp with --search, --first-stage-layers with omnibal)",
+        "tests/test_cli.py::test_a_flag_the_policy_does_not_read_is_named",
+        "vlmcompile: warning: ignoring --tp, --v: --search chooses them itself (the plan goes on)",
+    ),
     "batch-no-label-tokens": (
         "batch",
         "a microbatch with no label tokens (its own loss is 0/0)",

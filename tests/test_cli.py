@@ -94,8 +94,18 @@ def test_omnibal_policy_and_search(capsys):
         "--policy",
         "vlmcompile",
     ]
-    assert main([*search, "--search"]) == 0
-    assert "plan search on h100x8" in capsys.readouterr().out
+    assert main([*search, "--search", "--tp", "2", "--v", "2"]) == 0
+    out = capsys.readouterr()
+    assert "plan search on h100x8" in out.out
+    assert "warning: ignoring --tp, --v: --search chooses them itself" in out.err
+
+
+def test_a_flag_the_policy_does_not_read_is_named(capsys):
+    assert main([*ARGS, "--policy", "omnibal", "--first-stage-layers", "2"]) == 0
+    assert (
+        "ignoring --first-stage-layers: only the megatron policy reads them, not omnibal"
+        in capsys.readouterr().err
+    )
 
 
 def test_per_layer_policies_refuse_a_global_recompute(capsys):

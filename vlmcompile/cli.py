@@ -104,6 +104,7 @@ def _plan(args: argparse.Namespace) -> int:
             f"with {args.policy} at the degrees you give)"
         )
     args.policy = args.policy or ("vlmcompile" if args.search else "megatron")
+    _warn_ignored_flags(args)
     if args.setup:
         s = setup(args.setup)
         args.model = args.model or s.model
@@ -179,6 +180,25 @@ def _plan(args: argparse.Namespace) -> int:
             write_png(run.sim, args.png)
             print(f"timeline written to {args.png}", file=sys.stderr)
     return 0 if run.fits else 3
+
+
+_SEARCHED = ("tp", "pp", "v", "microbatch_size", "schedule", "first_stage_layers", "last_stage_layers")
+"""Flags of ``plan`` that ``--search`` chooses itself."""
+_MEGATRON_ONLY = ("first_stage_layers", "last_stage_layers")
+
+
+def _warn_ignored_flags(args: argparse.Namespace) -> None:
+    """Say which given flags a ``plan`` command will not use, rather than dropping them silently."""
+    ignored = []
+    if args.search:
+        ignored = [k for k in _SEARCHED if getattr(args, k) is not None]
+        why = "--search chooses them itself"
+    elif args.policy != "megatron":
+        ignored = [k for k in _MEGATRON_ONLY if getattr(args, k) is not None]
+        why = f"only the megatron policy reads them, not {args.policy}"
+    if ignored:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in ignored)
+        print(f"vlmcompile: warning: ignoring {flags}: {why}", file=sys.stderr)
 
 
 def _demo(args: argparse.Namespace) -> int:
