@@ -212,7 +212,6 @@ class CompiledPipeline:
         from vlmcompile.launch import check_launchable, launch
         from vlmcompile.runtime import one_step
 
-        check_launchable(1, timeout_s)
         runner = self.runner(plan, timeout_s=timeout_s)
         world = runner.topology.world_size
         check_launchable(world, timeout_s)

@@ -278,7 +278,7 @@ def launch(
                 ) from None
             finally:
                 sender.close()
-        return _watch(procs, reports, timeout_s, limit_s)
+        return _watch(procs, reports, limit_s)
     finally:
         with _signals_held():  # a second Ctrl-C must not cut the clean-up short
             _stop(procs)
@@ -331,7 +331,7 @@ def _stop(procs: list[Any]) -> None:
             p.join(5)
 
 
-def _watch(procs, reports, timeout_s: float, limit_s: float | None) -> list[Any]:
+def _watch(procs, reports, limit_s: float | None) -> list[Any]:
     nprocs = len(procs)
     start = time.monotonic()
     values: dict[int, Any] = {}
