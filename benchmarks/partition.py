@@ -3,7 +3,7 @@ and the CP-SAT solve time on ViT-22B + GPT-175B.
 
     python benchmarks/partition.py [--only NAME ...] [--solve-only | --table-only] [--readme] [--no-run]
 
-Per setup (``vlmcompile.setups``), every policy at the paper's DP/TP/PP and microbatch size:
+Per setup (``vlmcompile.planning.setups``), every policy at the paper's DP/TP/PP and microbatch size:
 
 * ``megatron``: 1F1B (v = 1), least global recompute that fits;
 * ``megatron_balanced``: the appendix-B split with the paper's v, least global recompute that fits;
@@ -30,13 +30,17 @@ from pathlib import Path
 
 import torch
 from readme_section import write_readme_section
-from vlmcompile.passes.partition import partition
-from vlmcompile.passes.plan_search import Degrees
 
-from vlmcompile.cluster import Cluster
-from vlmcompile.errors import ClusterError, PlanError
-from vlmcompile.planning import compare_baselines, plan_and_simulate, search_and_compare, zoo_layer_graph
-from vlmcompile.setups import SETUPS
+from vlmcompile.compiler import zoo_layer_graph
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.errors import ClusterError, PlanError
+from vlmcompile.passes.partition import partition
+from vlmcompile.passes.policies import (
+    plan_and_simulate,
+    search_and_compare,
+)
+from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
+from vlmcompile.planning.setups import SETUPS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "partition.json"
@@ -53,7 +57,12 @@ def solve_time(repeats: int = 5) -> dict:
         c = Cluster.preset(cluster)
         runs = []
         for _ in range(repeats):
-            result = partition(graph, c, tp=8, pp=8, microbatch_size=mbs, global_batch=gb, time_limit_s=10)
+            result = partition(
+                graph,
+                c,
+                PlanRequest.on(c, tp=8, pp=8, global_batch=gb, microbatch_size=mbs),
+                solver=SolverOptions(time_limit_s=10),
+            )
             s = result.report.solution
             runs.append(
                 {"wall_s": s.wall_s, "status": s.status, "gap": s.gap, "recomputed": sum(s.recompute)}
@@ -75,9 +84,6 @@ def setup_rows(name: str, graphs: dict) -> list[dict]:
         graphs[setup.model] = zoo_layer_graph(setup.model)
     graph = graphs[setup.model]
     cluster = Cluster.preset(setup.cluster)
-    base = dict(
-        tp=setup.tp, pp=setup.pp, microbatch_size=setup.microbatch_size, global_batch=setup.global_batch
-    )
     rows = []
 
     def row(policy, run, extra=""):
@@ -106,7 +112,7 @@ def setup_rows(name: str, graphs: dict) -> list[dict]:
 
     for policy, v in (("megatron", 1), ("megatron_balanced", setup.v_balanced), ("omnibal", 1)):
         try:
-            row(policy, plan_and_simulate(graph, cluster, policy, v=v, **base))
+            row(policy, plan_and_simulate(graph, cluster, policy, setup.request(v)))
         except (
             PlanError,
             ClusterError,
@@ -115,11 +121,11 @@ def setup_rows(name: str, graphs: dict) -> list[dict]:
             print(f"  {policy}: {err}", file=sys.stderr)
     ours = []
     for v in sorted({1, setup.v_balanced}):
-        runs, _ = compare_baselines(graph, cluster, v=v, **base)
-        fitting = [r for r in runs if r.fits]
-        warm = min(fitting, key=lambda r: r.sim.step_time_s).plan if fitting else None
         start = time.perf_counter()
-        run = plan_and_simulate(graph, cluster, "vlmcompile", v=v, warm_start=warm, time_limit_s=10, **base)
+        # Warm-started from the fastest baseline that fits, as plan_and_simulate does for ours.
+        run = plan_and_simulate(
+            graph, cluster, "vlmcompile", setup.request(v), solver=SolverOptions(time_limit_s=10)
+        )
         solve = run.report.solution
         ours.append(
             (run, f"v={v}: {solve.status}, gap {100 * solve.gap:.2f} %, {time.perf_counter() - start:.1f} s")
@@ -127,29 +133,23 @@ def setup_rows(name: str, graphs: dict) -> list[dict]:
     run, note = min(ours, key=lambda x: x[0].sim.step_time_s)
     row("vlmcompile", run, note)
     # The search considers the paper's degrees too, starting there from our plans above.
-    warm_starts = {
-        Degrees(
-            setup.tp,
-            setup.pp,
-            setup.dp,
-            r.plan.parallel["model"].v,
-            setup.microbatch_size,
-            setup.global_batch // (setup.dp * setup.microbatch_size),
-        ): r.plan
-        for r, _ in ours
-    }
+    warm_starts = {setup.request(r.plan.parallel["model"].v): r.plan for r, _ in ours}
     include = list(warm_starts)
     start = time.perf_counter()
-    run, search = search_and_compare(
+    run = search_and_compare(
         graph,
         cluster,
         global_batch=setup.global_batch,
         include=include,
         warm_starts=warm_starts,
-        v_choices=sorted({1, 2, 4, setup.v_balanced}),
+        space=SearchSpace(v_choices=tuple(sorted({1, 2, 4, setup.v_balanced}))),
         progress=False,
     )
-    row("vlmcompile search", run, f"{len(search.candidates)} candidates, {time.perf_counter() - start:.0f} s")
+    row(
+        "vlmcompile search",
+        run,
+        f"{len(run.report.candidates)} candidates, {time.perf_counter() - start:.0f} s",
+    )
     return rows
 
 
@@ -180,7 +180,7 @@ def markdown_table(rows: list[dict]) -> str:
         s = got["vlmcompile search"]
         setup = SETUPS[name]
         lines.append(
-            f"| {name} | {setup.dp}/{setup.tp}/{setup.pp} | "
+            f"| {name} | {setup.parallel.dp}/{setup.parallel.tp}/{setup.parallel.pp} | "
             + " | ".join(cells)
             + f" | {ratio} | {s['degrees']} mb {s['microbatch_size']} |"
         )

@@ -1,6 +1,6 @@
 """Simulate the Megatron-LM baselines on every Optimus and OmniBal setup of paper_setups.json.
 
-For each setup (``vlmcompile.setups``) the model is annotated once on meta tensors; ``megatron``
+For each setup (``vlmcompile.planning.setups``) the model is annotated once on meta tensors; ``megatron``
 (1F1B) and ``megatron_balanced`` (the Optimus appendix-B split, interleaved with the paper's v)
 are planned with the least recompute that fits in memory, and simulated. Every figure is a
 prediction of the cost model, not a measurement. Simulation time (median of 3 runs, this
@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 from readme_section import write_readme_section
 
-from vlmcompile.cluster import Cluster
-from vlmcompile.planning import plan_and_simulate, zoo_layer_graph
-from vlmcompile.setups import SETUPS
-from vlmcompile.simulator import simulate
+from vlmcompile.compiler import zoo_layer_graph
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.passes.policies import plan_and_simulate
+from vlmcompile.planning.setups import SETUPS
+from vlmcompile.sim.simulator import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "plan_baselines.json"
@@ -87,11 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 graph,
                 cluster,
                 policy,
-                tp=setup.tp,
-                pp=setup.pp,
-                v=v,
-                microbatch_size=setup.microbatch_size,
-                global_batch=setup.global_batch,
+                setup.request(v),
             )
             times = []
             for _ in range(3):

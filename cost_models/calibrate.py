@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from vlmcompile.cost_models.compute import bwd_work, fwd_work
 from vlmcompile.cost_models.hardware import DeviceSpec, Efficiency
-
-from vlmcompile.layer_graph import Layer
+from vlmcompile.ir.layer_graph import Layer
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.hardware import DeviceSpec
-
-from vlmcompile.layer_graph import Layer
+from vlmcompile.ir.layer_graph import Layer
 
 REPLICATED_SHARE_WITHOUT_SP = 10 / 34
 """Share of a transformer layer's activations outside the TP-sharded regions (Korthikanti et

@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
-from vlmcompile.errors import ClusterError
+from vlmcompile.ir.errors import ClusterError
 
 GB = 10**9
 GiB = 2**30

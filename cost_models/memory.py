@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.compute import sharded_share
-
-from vlmcompile.layer_graph import Layer
-from vlmcompile.plan import Recompute, Training
+from vlmcompile.ir.layer_graph import Layer
+from vlmcompile.ir.plan import Recompute, Training
 
 MEMORY_RESERVE = 0.05
 """Share of device memory no plan may use: the CUDA context, NCCL buffers and the caching

@@ -5,21 +5,21 @@ collectives per layer. The simulator reads only this.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from vlmcompile.cost_models import comm
+from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.compute import is_tensor_parallel, layer_time
 from vlmcompile.cost_models.memory import (
     kept_activation_bytes,
     model_state_bytes,
     recompute_transient_bytes,
 )
-
-from vlmcompile.cluster import Cluster
-from vlmcompile.errors import PlanError
-from vlmcompile.layer_graph import Layer, LayerGraph
-from vlmcompile.plan import Parallel, Plan, Recompute, Training
+from vlmcompile.ir.actions import ActionKind
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.layer_graph import Layer, LayerGraph
+from vlmcompile.ir.plan import Parallel, Plan, Recompute, Training
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,32 @@ class LayerCost:
     """Gathering the layer's updated parameters over the DP group (distributed optimizer)."""
     dp_reduce_s: float
     """Reduce-scattering (ZeRO >= 1) or all-reducing (ZeRO 0) the layer's gradients over DP."""
+
+    # The durations of the layer's share of each action kind, TP collectives included: every
+    # planner and the simulator time actions with these.
+    @property
+    def f_s(self) -> float:
+        return self.fwd_s + self.fwd_tp_comm_s
+
+    @property
+    def i_s(self) -> float:
+        return self.input_grad_s + self.bwd_tp_comm_s
+
+    @property
+    def w_s(self) -> float:
+        return self.weight_grad_s
+
+    @property
+    def b_s(self) -> float:
+        return self.i_s + self.w_s
+
+    def action_s(self, kind: ActionKind) -> float:
+        return {
+            ActionKind.F: self.f_s,
+            ActionKind.B: self.b_s,
+            ActionKind.I: self.i_s,
+            ActionKind.W: self.w_s,
+        }[kind]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +101,10 @@ class StageCost:
     @property
     def bwd_tp_comm_s(self) -> float:
         return sum(c.bwd_tp_comm_s for c in self.layers)
+
+    def action_s(self, kind: ActionKind) -> float:
+        """Duration of one action of this stage, TP collectives included."""
+        return sum(c.action_s(kind) for c in self.layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +175,24 @@ def layer_cost(
         dp_all_gather_s=gather,
         dp_reduce_s=reduce,
     )
+
+
+def layer_state_bytes(cost: LayerCost, par: Parallel, training: Training | None = None) -> float:
+    """Model states (parameters, gradients, optimizer) of the layer on one rank."""
+    return model_state_bytes(
+        cost.num_params, training or Training(), dp=par.dp, zero_stage=par.zero_stage
+    ).total
+
+
+def chunk_action_times(
+    costs: Mapping[str, LayerCost], chunks: Sequence[Sequence[str]]
+) -> dict[ActionKind, tuple[float, ...]]:
+    """Per action kind, one duration per stage of ``chunks`` (the schedules that place work by
+    time read these)."""
+    return {
+        kind: tuple(sum(costs[n].action_s(kind) for n in chunk) for chunk in chunks)
+        for kind in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+    }
 
 
 def samples_per_microbatch(layer_graph: LayerGraph, microbatch_size: int) -> float:
@@ -218,8 +266,7 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
 
     static = [0.0] * plan.num_ranks
     for stage, par, layers, _, _ in stage_costs:
-        params = sum(c.num_params for c in layers)
-        static[stage.rank] += model_state_bytes(params, training, dp=par.dp, zero_stage=par.zero_stage).total
+        static[stage.rank] += sum(layer_state_bytes(c, par, training) for c in layers)
     model_flops = (
         samples
         * plan.num_microbatches

@@ -9,5 +9,5 @@
 
 Graph passes are built and run by :mod:`vlmcompile.compiler`; planning passes take the
 LayerGraph, a :class:`vlmcompile.Cluster` and keyword options and return a plan with a report
-(:mod:`vlmcompile.planning` runs one and simulates its plan).
+(:mod:`vlmcompile.passes.policies` runs one and simulates its plan).
 """

@@ -52,13 +52,12 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
-from vlmcompile.cost_models.flops import cpu_sdpa_flop_mapping
-from vlmcompile.passes.capture import layer_nodes
 
-from vlmcompile.errors import ModelError
-from vlmcompile.fake import ShapesFromKnownValues, fake_factory, known_batch, swapped_tensors
-from vlmcompile.layer_graph import Layer, LayerGraph, NodeCost, TensorSpec, format_count
-from vlmcompile.meta_keys import (
+from vlmcompile.cost_models.flops import cpu_sdpa_flop_mapping
+from vlmcompile.graph.fake import ShapesFromKnownValues, fake_factory, known_batch, swapped_tensors
+from vlmcompile.ir.errors import ModelError
+from vlmcompile.ir.layer_graph import Layer, LayerGraph, NodeCost, TensorSpec, format_count
+from vlmcompile.ir.meta_keys import (
     BLOCK_LAYERS_META,
     LAYER_META,
     LAYER_ORDER_META,
@@ -68,7 +67,8 @@ from vlmcompile.meta_keys import (
     REGION_META,
     RUNTIME_CHECK_META,
 )
-from vlmcompile.microbatch import num_samples
+from vlmcompile.ir.microbatch import num_samples
+from vlmcompile.passes.capture import layer_nodes
 
 TensorMode = Literal["fake", "real"]
 
@@ -245,7 +245,7 @@ class _Annotator(fx.Interpreter):
         """Run one node. On fake tensors, a node that reads only known values (the real CPU
         inputs of the batch: token ids, sizes, and what is computed from them alone) runs on
         real tensors, so a later shape that depends on them can be known
-        (:class:`vlmcompile.fake.ShapesFromKnownValues`)."""
+        (:class:`vlmcompile.graph.fake.ShapesFromKnownValues`)."""
         run = getattr(self, n.op)
         if self.fake_mode is not None and n.op == "call_function":
             tensors = _tensors((args, kwargs))

@@ -7,10 +7,10 @@ Two capture paths, as decided in DESIGN.md:
 * ``export``: ``torch.export(strict=False)``. transformers models (symbolic tracing fails on
   every transformers-5 VLM), and the fallback when ``fx`` tracing fails.
 
-Both tag every node with its layer and region (:mod:`vlmcompile.layering`). A model that
+Both tag every node with its layer and region (:mod:`vlmcompile.graph.layering`). A model that
 returns a ModelOutput is captured up to its ``loss``. The export machinery - meta models on fake
 CPU tensors, specialisation on the batch values that decide shapes, failures named by the
-model's line - is :mod:`vlmcompile.export`. On real weights capture then checks the graph
+model's line - is :mod:`vlmcompile.graph.export`. On real weights capture then checks the graph
 against eager and whether the loss splits over microbatches (:mod:`.loss_split`).
 """
 
@@ -25,10 +25,8 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 from torch import nn
-from vlmcompile.passes.loss_split import LossSplit, LossSplitCheck, check_loss_split
 
-from vlmcompile.errors import CaptureError, ModelError, SampleBatchError
-from vlmcompile.export import (
+from vlmcompile.graph.export import (
     DATA_DEPENDENT_HELP,
     WRAPPED,
     LossOf,
@@ -39,17 +37,20 @@ from vlmcompile.export import (
     on_meta,
     takes_use_cache,
 )
-from vlmcompile.layering import LayerAssigner, assign_layers, check_regions_detected
-from vlmcompile.meta_keys import (
+from vlmcompile.graph.layering import LayerAssigner, assign_layers, check_regions_detected
+from vlmcompile.graph.loss_split import LossSplit, LossSplitCheck, check_loss_split
+from vlmcompile.graph.specialize import differs_between_samples
+from vlmcompile.ir.errors import CaptureError, ModelError, SampleBatchError
+from vlmcompile.ir.meta_keys import (
     BLOCK_LAYERS_META,
     CAPTURE_OPTIONS_META,
     LAYER_META,
     LAYER_ORDER_META,
     LOSS_SPLIT_META,
     SPECIALIZED_META,
+    WRAPPER_PREFIX_META,
 )
-from vlmcompile.regions import Region, check_override_paths, parse_overrides
-from vlmcompile.specialize import differs_between_samples
+from vlmcompile.ir.regions import Region, check_override_paths, parse_overrides
 
 CaptureMethod = Literal["fx", "export"]
 
@@ -80,7 +81,7 @@ class CaptureReport:
     numerics: str
     """'equal to eager (max abs diff ...)', or why the check was skipped."""
     loss_split: LossSplitCheck = LossSplitCheck(LossSplit.UNCHECKED, "not checked")
-    """Whether the loss of a batch is the weighted sum of its samples' (see passes/loss_split.py)."""
+    """Whether the loss of a batch is the weighted sum of its samples' (see vlmcompile/graph/loss_split.py)."""
     runtime_checks: tuple[str, ...] = ()
     """Runtime assertions export inserted (they hold on the sample batch; the runtime runs them)."""
     specialized: Specialization | None = None
@@ -306,6 +307,7 @@ def capture(
     gm.meta[LAYER_ORDER_META] = layer_order
     gm.meta[BLOCK_LAYERS_META] = frozenset(layer for layer in layer_order if layer in assigner.blocks)
     gm.meta[CAPTURE_OPTIONS_META] = {"region_overrides": overrides or None, "method": used}
+    gm.meta[WRAPPER_PREFIX_META] = strip
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
     if check_numerics:
         loss_split = check_loss_split(lambda b: loss_of(eager(**b)), batch)

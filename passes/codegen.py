@@ -14,85 +14,20 @@ so every stage parameter maps back to the original model's name (:meth:`StageMod
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.fx as fx
 from tabulate import tabulate
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from vlmcompile.errors import PlanError
-from vlmcompile.meta_keys import LAYER_META, LAYER_ORDER_META
-from vlmcompile.plan import Plan, Recompute
-
-WRAPPER_PREFIX = "inner."
-"""Capture wraps transformers models (``_LossOf``): their graph's attribute paths start so."""
-
-
-@dataclass(frozen=True, slots=True)
-class LayerWiring:
-    name: str
-    inputs: tuple[str, ...]
-    """Names of the values the layer reads (captured-graph node names), in argument order."""
-    outputs: tuple[str, ...]
-    """Names of the values it makes that a later layer or the loss reads."""
-    recompute: bool
-
-
-class StageModule(nn.Module):
-    """One stage of the chain: ``forward(received, microbatch)`` returns the values the next
-    stage needs (a tuple in ``send`` order), or the loss on the last stage."""
-
-    def __init__(
-        self,
-        index: int,
-        layer_modules: Sequence[fx.GraphModule],
-        wiring: Sequence[LayerWiring],
-        *,
-        receive: tuple[str, ...],
-        send: tuple[str, ...],
-        batch_inputs: Mapping[str, str],
-        loss: str | None,
-        prefix: str = "",
-    ):
-        super().__init__()
-        self.index = index
-        self.layers = nn.ModuleList(layer_modules)
-        self.wiring = tuple(wiring)
-        self.receive = receive
-        self.send = send
-        self.batch_inputs = dict(batch_inputs)
-        """Placeholder node name -> batch key."""
-        self.loss = loss
-        self.prefix = prefix
-
-    def forward(self, received: Sequence[Any], microbatch: Mapping[str, Any]) -> Any:
-        env: dict[str, Any] = dict(zip(self.receive, received))
-        for node, key in self.batch_inputs.items():
-            env[node] = microbatch[key]
-        for module, wiring in zip(self.layers, self.wiring):
-            args = [env[n] for n in wiring.inputs]
-            if wiring.recompute:
-                outs = checkpoint(module, *args, use_reentrant=False)
-            else:
-                outs = module(*args)
-            env.update(zip(wiring.outputs, outs))
-        if self.loss is not None:
-            return env[self.loss]
-        return tuple(env[n] for n in self.send)
-
-    def original_names(self) -> dict[str, str]:
-        """Stage parameter/buffer name -> the original model's name."""
-        out = {}
-        for name, _ in [*self.named_parameters(), *self.named_buffers()]:
-            # "layers.<i>.<captured path>": the captured path is the original's, behind the wrapper.
-            path = name.split(".", 2)[2]
-            out[name] = path[len(self.prefix) :] if path.startswith(self.prefix) else path
-        return out
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.meta_keys import CAPTURE_OPTIONS_META, LAYER_META, LAYER_ORDER_META, WRAPPER_PREFIX_META
+from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
+from vlmcompile.ir.plan import Plan, Recompute
+from vlmcompile.passes.capture import capture
+from vlmcompile.runtime.stage import LayerModule, LayerWiring, StageModule
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,26 +65,13 @@ class CodegenReport:
 class CodegenResult:
     stages: tuple[StageModule, ...]
     report: CodegenReport
+    gm: fx.GraphModule
+    """The graph the stages were split from (its ``meta`` says what the runtime must check)."""
 
 
-def _layer_of(node: fx.Node) -> str:
-    return node.meta[LAYER_META]
-
-
-def _codegen_layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """Each node's layer for codegen: the capture's, except that a constant-index ``getitem``
-    joins the layer of what it indexes, so a multi-output node's tuple never crosses a layer
-    boundary (only its elements do). Earlier layer, so every value still flows forward."""
-    layer = {n: _layer_of(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
-    for n in gm.graph.nodes:
-        if (
-            n.op == "call_function"
-            and n.target is operator.getitem
-            and n.args[0] in layer
-            and n.all_input_nodes == [n.args[0]]
-        ):
-            layer[n] = layer[n.args[0]]
-    return layer
+def _layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Each computing node's layer, as capture wrote it."""
+    return {n: n.meta[LAYER_META] for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
 
 
 def _loss_node(gm: fx.GraphModule) -> fx.Node:
@@ -181,74 +103,10 @@ def _build_layer_module(gm: fx.GraphModule, nodes: list[fx.Node], outputs: list[
     return module, inputs
 
 
-class LayerModule(fx.GraphModule):
-    """One layer's graph. Pickles as a list of its nodes and the objects it reads, not as code:
-    fx unpickles a GraphModule by tracing its generated code again, which fails on calls that
-    take no proxies (functorch's vmap set-up in transformers' mask functions, Gemma3); and an
-    ``fx.Graph`` does not pickle, its operators (``aten.view.default``) do not."""
-
-    def __reduce__(self):
-        rows = []
-        for n in self.graph.nodes:
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _NodeRef(a.name))
-            target = _OpRef.of(n.target) if isinstance(n.target, _TORCH_OPS) else n.target
-            rows.append((n.op, n.name, target, args, kwargs))
-        targets = {str(n.target) for n in self.graph.nodes if n.op in ("get_attr", "call_module")}
-        attrs = {t: _get_attr(self, t) for t in targets}
-        return (_rebuild_layer, (attrs, rows, type(self).__name__))
-
-
-_TORCH_OPS = (torch._ops.OpOverload, torch._ops.HigherOrderOperator)
-
-
-@dataclass(frozen=True, slots=True)
-class _NodeRef:
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class _OpRef:
-    """A torch operator by its path under ``torch.ops`` (``aten.view.default``)."""
-
-    path: tuple[str, ...]
-
-    @staticmethod
-    def of(op: Any) -> _OpRef:
-        if isinstance(op, torch._ops.HigherOrderOperator):
-            return _OpRef(("higher_order", op.name()))
-        return _OpRef((op.namespace, op._schema.name.split("::", 1)[1], op._overloadname))
-
-    def resolve(self) -> Any:
-        out: Any = torch.ops
-        for part in self.path:
-            out = getattr(out, part)
-        return out
-
-
-def _get_attr(module: nn.Module, target: str) -> Any:
-    owner, _, name = target.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, name)
-
-
-def _rebuild_layer(attrs: dict[str, Any], rows: list[tuple], class_name: str) -> LayerModule:
-    graph = fx.Graph()
-    env: dict[str, fx.Node] = {}
-    for op, name, target, args, kwargs in rows:
-        args, kwargs = fx.node.map_aggregate(
-            (args, kwargs), lambda a: env[a.name] if isinstance(a, _NodeRef) else a
-        )
-        if op == "output":
-            graph.output(args[0])
-            continue
-        target = target.resolve() if isinstance(target, _OpRef) else target
-        env[name] = graph.create_node(op, target, args, kwargs, name=name)
-    return LayerModule(attrs, graph, class_name=class_name)
-
-
 def layer_modules(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, list[str], list[str]]]:
     """One module per layer, in pipeline order: (module, names of the values it reads, names of
     the values it returns - those a later layer or the loss reads)."""
-    layer_of = _codegen_layers(gm)
+    layer_of = _layers(gm)
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     loss = _loss_node(gm)
     nodes_of: dict[str, list[fx.Node]] = {name: [] for name in gm.meta[LAYER_ORDER_META]}
@@ -289,12 +147,12 @@ def codegen(gm: fx.GraphModule, plan: Plan) -> CodegenResult:
             "per-layer recompute (policy vlmcompile or omnibal) or none"
         )
 
-    layer_of = _codegen_layers(gm)
+    layer_of = _layers(gm)
     stage_of_layer = {name: s.index for s in plan.stages for name in s.layers}
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     loss = _loss_node(gm)
     placeholders = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "placeholder"}
-    prefix = WRAPPER_PREFIX if any(k.startswith(WRAPPER_PREFIX) for k, _ in gm.named_parameters()) else ""
+    prefix = gm.meta.get(WRAPPER_PREFIX_META, "")
     built = dict(zip(order, layer_modules(gm)))
 
     def stage_of(n: fx.Node) -> int | None:
@@ -351,18 +209,30 @@ def codegen(gm: fx.GraphModule, plan: Plan) -> CodegenResult:
                 sum(p.numel() for p in module.parameters()),
             )
         )
-    return CodegenResult(tuple(stages), CodegenReport(tuple(summaries)))
+    return CodegenResult(tuple(stages), CodegenReport(tuple(summaries)), gm)
 
 
-def load_original_state(stage: StageModule, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy the original model's ``state_dict`` entries into this stage's parameters and buffers."""
-    names = stage.original_names()
-    params = dict(stage.named_parameters())
-    missing = sorted(orig for name, orig in names.items() if name in params and orig not in state_dict)
-    if missing:
-        raise KeyError(f"the state dict lacks parameters {missing[:5]} needed by stage {stage.index}")
-    own = {**dict(stage.named_buffers()), **params}
-    with torch.no_grad():
-        for name, orig in names.items():
-            if orig in state_dict:  # buffers absent from a state dict are non-persistent (derived)
-                own[name].copy_(state_dict[orig])
+def graph_for(
+    gm: fx.GraphModule, plan: Plan, *, model: nn.Module | None, sample_batch: Mapping[str, Any]
+) -> fx.GraphModule:
+    """The captured graph to split for ``plan``: ``gm`` itself, unless export made it (export
+    specialises shapes) at another batch size than the plan's microbatch; then the model is
+    captured again, with the same options, at the first microbatch of the sample batch."""
+    options = gm.meta.get(CAPTURE_OPTIONS_META, {})
+    samples = num_samples(sample_batch)
+    if options.get("method") != "export" or samples == plan.microbatch_size:
+        return gm
+    if model is None or samples < plan.microbatch_size:
+        raise PlanError(
+            f"the graph was exported for batches of {samples}; the plan's microbatches hold "
+            f"{plan.microbatch_size}. Compile with a sample batch of {plan.microbatch_size} samples"
+        )
+    microbatch = take(sample_batch, 0, plan.microbatch_size, rows_per_sample(sample_batch))
+    return capture(model, microbatch, check_numerics=False, **options).gm
+
+
+def codegen_for(
+    gm: fx.GraphModule, plan: Plan, *, model: nn.Module | None, sample_batch: Mapping[str, Any]
+) -> CodegenResult:
+    """The codegen pass: :func:`codegen` on :func:`graph_for`'s graph."""
+    return codegen(graph_for(gm, plan, model=model, sample_batch=sample_batch), plan)

@@ -17,19 +17,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
 
-from vlmcompile.cost_models.stage_costs import layer_costs
-
-from vlmcompile.actions import ActionKind
-from vlmcompile.cluster import Cluster
-from vlmcompile.errors import PlanError, positive_int
-from vlmcompile.layer_graph import LayerGraph
-from vlmcompile.plan import Decision, Parallel, Plan, Reason, Recompute, Stage
-from vlmcompile.regions import Region
-from vlmcompile.schedules import make_schedule
-
-ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute
+from vlmcompile.ir.regions import Region
+from vlmcompile.planning.build import build_plan
+from vlmcompile.planning.chunks import chunks_of
+from vlmcompile.planning.request import GlobalRecompute, PlanRequest
+from vlmcompile.planning.result import PolicyResult
+from vlmcompile.sim.simulator import simulate
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +65,7 @@ def model_parts(layer_graph: LayerGraph) -> ModelParts:
 
 
 @dataclass(frozen=True, slots=True)
-class BaselineReport:
+class MegatronReport:
     plan: Plan
     layout: str | None
     """``--pipeline-model-parallel-layout`` for the LLM split, if Megatron can express it."""
@@ -79,137 +77,65 @@ class BaselineReport:
         return f"{self.plan}\n\nMegatron layout: {layout}{note}"
 
 
-@dataclass(frozen=True, slots=True)
-class BaselineResult:
-    plan: Plan
-    report: Any
-    """The policy's report; str() prints it."""
-
-
-def num_microbatches(global_batch: int, dp: int, microbatch_size: int) -> int:
-    positive_int("global_batch", global_batch, "the samples per training step")
-    positive_int("microbatch_size", microbatch_size, "the samples per microbatch")
-    if global_batch % (dp * microbatch_size):
-        raise PlanError(
-            f"global batch {global_batch} is not a multiple of dp x microbatch size = {dp} x {microbatch_size}; "
-            f"use a global batch of {(global_batch // (dp * microbatch_size) + 1) * dp * microbatch_size}"
-        )
-    return global_batch // (dp * microbatch_size)
-
-
 def recompute_flags(
-    layer_graph: LayerGraph, parts: ModelParts, recompute: Recompute | str, recompute_vision: bool
+    layer_graph: LayerGraph, parts: ModelParts, recompute: GlobalRecompute
 ) -> dict[str, Recompute]:
-    rc = Recompute(recompute)
+    rc = recompute.granularity
     flags = {n: rc for n in parts.decoder if rc is not Recompute.NONE}
-    if recompute_vision:
+    if recompute.vision:
         for layer in layer_graph.in_region(Region.VISION):
             if layer.block:
                 flags[layer.name] = Recompute.FULL
     return flags
 
 
-def parallel_for(
-    cluster: Cluster, *, tp: int, pp: int, v: int, sequence_parallel: bool, zero_stage: int
-) -> Parallel:
-    """Megatron's degrees on ``cluster``: DP is what TP x PP leave."""
-    dp = cluster.data_parallel_size(tp, pp)
-    cluster.check_tensor_parallel(tp)
-    return Parallel(dp=dp, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage)
-
-
-def recompute_decision(parts: ModelParts, recompute: Recompute | str, recompute_vision: bool) -> Decision:
+def recompute_decision(parts: ModelParts, recompute: GlobalRecompute) -> Decision:
     return Decision(
         "recompute",
         Reason.GLOBAL_RECOMPUTE,
-        f"{Recompute(recompute).value} for all {len(parts.decoder)} decoder layers; vision encoder "
-        f"{'fully recomputed' if recompute_vision else 'not recomputed'}",
+        f"{recompute.granularity.value} for all {len(parts.decoder)} decoder layers; vision encoder "
+        f"{'fully recomputed' if recompute.vision else 'not recomputed'}",
     )
 
 
-def build_plan(
+def megatron_result(
     layer_graph: LayerGraph,
     cluster: Cluster,
+    request: PlanRequest,
     *,
     policy: str,
     chunks: list[list[str]],
-    parallel: Parallel,
-    microbatch_size: int,
-    global_batch: int,
-    schedule: ScheduleName | None,
-    recompute: dict[str, Recompute],
+    recompute: GlobalRecompute,
+    flags: dict[str, Recompute],
     decisions: list[Decision],
-) -> BaselineResult:
-    """Stages from chunks (virtual stage k on rank k % pp), the schedule's action lists, the
-    validated plan and its report."""
-    m = num_microbatches(global_batch, parallel.dp, microbatch_size)
-    p, v = parallel.pp, parallel.v
-    name = schedule or ("interleaved_1f1b" if v > 1 else "1f1b")
-    costs = {
-        c.name: c
-        for c in layer_costs(
-            layer_graph, cluster, parallel, microbatch_size=microbatch_size, recompute=recompute
-        )
-    }
-    times = {
-        ActionKind.F: tuple(sum(costs[n].fwd_s + costs[n].fwd_tp_comm_s for n in chunk) for chunk in chunks),
-        ActionKind.I: tuple(
-            sum(costs[n].input_grad_s + costs[n].bwd_tp_comm_s for n in chunk) for chunk in chunks
-        ),
-        ActionKind.W: tuple(sum(costs[n].weight_grad_s for n in chunk) for chunk in chunks),
-    }
-    actions = make_schedule(name, p, m, v=v, stage_times=times)
-    decisions.append(
-        Decision("schedule", Reason.SCHEDULE, f"{name} over {p} ranks, {m} microbatches", {"microbatches": m})
+) -> PolicyResult:
+    """The plan of a Megatron-LM policy, simulated, with its layout in the report."""
+    plan = build_plan(
+        layer_graph, cluster, request, policy=policy, chunks=chunks, recompute=flags, decisions=decisions
     )
-    stages = tuple(Stage(index=k, rank=k % p, layers=tuple(chunk)) for k, chunk in enumerate(chunks))
-    plan = Plan(
-        model=str(layer_graph.meta.get("model", "?")),
-        fingerprint=layer_graph.fingerprint(),
-        policy=policy,
-        cluster=cluster.name,
-        stages=stages,
-        parallel={"model": parallel},
-        microbatch_size=microbatch_size,
-        num_microbatches=m,
-        actions=actions,
-        schedule=name,
-        recompute=recompute,
-        decisions=tuple(decisions),
-    )
-    plan.validate(layer_graph)
     layout, note = megatron_layout(plan, layer_graph)
-    return BaselineResult(plan, BaselineReport(plan, layout, note))
+    return PolicyResult(
+        plan=plan,
+        sim=simulate(plan, layer_graph, cluster),
+        report=MegatronReport(plan, layout, note),
+        recompute=str(recompute),
+    )
 
 
 def megatron(
     layer_graph: LayerGraph,
     cluster: Cluster,
+    request: PlanRequest,
     *,
-    tp: int,
-    pp: int,
-    v: int = 1,
-    microbatch_size: int = 1,
-    global_batch: int,
-    recompute: Recompute | str = "none",
-    recompute_vision: bool = False,
+    recompute: GlobalRecompute = GlobalRecompute(),
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
-    schedule: ScheduleName | None = None,
-    sequence_parallel: bool = True,
-    zero_stage: int = 1,
-) -> BaselineResult:
-    """Megatron-LM's plan (see the module docstring). ``dp`` is what the cluster leaves."""
-    parallel = parallel_for(
-        cluster, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage
-    )
+) -> PolicyResult:
+    """Megatron-LM's plan for ``request`` (see the module docstring)."""
+    pp, v = request.parallel.pp, request.parallel.v
     parts = model_parts(layer_graph)
     counts, decisions = _decoder_split(len(parts.decoder), pp, v, first_stage_layers, last_stage_layers)
-    chunks: list[list[str]] = []
-    start = 0
-    for count in counts:
-        chunks.append(list(parts.decoder[start : start + count]))
-        start += count
+    chunks = chunks_of(parts.decoder, counts)
     chunks[0] = list(parts.pre) + chunks[0]
     chunks[-1] = chunks[-1] + list(parts.post)
     if not all(chunks):
@@ -234,18 +160,15 @@ def megatron(
             f"{', '.join(parts.post)} on the last stage",
         )
     )
-    flags = recompute_flags(layer_graph, parts, recompute, recompute_vision)
-    decisions.append(recompute_decision(parts, recompute, recompute_vision))
-    return build_plan(
+    decisions.append(recompute_decision(parts, recompute))
+    return megatron_result(
         layer_graph,
         cluster,
+        request,
         policy="megatron",
         chunks=chunks,
-        parallel=parallel,
-        microbatch_size=microbatch_size,
-        global_batch=global_batch,
-        schedule=schedule,
-        recompute=flags,
+        recompute=recompute,
+        flags=recompute_flags(layer_graph, parts, recompute),
         decisions=decisions,
     )
 

@@ -28,22 +28,17 @@ from dataclasses import dataclass
 
 import numpy as np
 from tabulate import tabulate
-from vlmcompile.cost_models.memory import usable_memory_bytes
-from vlmcompile.passes.megatron import (
-    BaselineResult,
-    ScheduleName,
-    build_plan,
-    num_microbatches,
-    parallel_for,
-)
-from vlmcompile.passes.partition import chunks_from, partition_problem
 
-from vlmcompile.cluster import Cluster
-from vlmcompile.errors import PlanError
-from vlmcompile.layer_graph import LayerGraph
-from vlmcompile.plan import Decision, Plan, Reason, Recompute
-from vlmcompile.simulator import simulate
-from vlmcompile.stage_cuts import PartitionProblem, evaluate
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute
+from vlmcompile.planning.build import build_plan
+from vlmcompile.planning.chunks import chunks_by_stage, stage_of_counts
+from vlmcompile.planning.problem import PartitionProblem, evaluate, partition_problem
+from vlmcompile.planning.request import PlanRequest
+from vlmcompile.planning.result import PolicyResult
+from vlmcompile.sim.simulator import simulate
 
 
 def anchor_counts(fwd_s: list[float] | tuple[float, ...], num_stages: int) -> list[int]:
@@ -149,28 +144,21 @@ def adaptive_recompute(problem: PartitionProblem, stage_of: tuple[int, ...]) -> 
 def omnibal(
     layer_graph: LayerGraph,
     cluster: Cluster,
+    request: PlanRequest,
     *,
-    tp: int,
-    pp: int,
-    v: int = 1,
-    microbatch_size: int = 1,
-    global_batch: int,
-    schedule: ScheduleName | None = None,
-    sequence_parallel: bool = True,
-    zero_stage: int = 1,
     radius: int = 1,
     top_k: int = 10,
     max_candidates: int = 5000,
-) -> BaselineResult:
-    """OmniBal's partition and adaptive recompute at these degrees (see the module docstring)."""
-    parallel = parallel_for(
-        cluster, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage
-    )
-    name = schedule or ("interleaved_1f1b" if v > 1 else "1f1b")
-    m = num_microbatches(global_batch, parallel.dp, microbatch_size)
-    problem = partition_problem(
-        layer_graph, cluster, parallel, microbatch_size=microbatch_size, num_microbatches=m, schedule=name
-    )
+) -> PolicyResult:
+    """OmniBal's partition and adaptive recompute for ``request`` (see the module docstring).
+
+    Args:
+        radius: how far each anchor cut is jittered (the paper finds the optimum within 3).
+        top_k: candidates simulated, best VAR + SUM metric first (the paper: 10-15).
+        max_candidates: above this many jittered cuts, a seeded random sample of them.
+    """
+    request.check_on(cluster)
+    problem = partition_problem(layer_graph, cluster, request)
     S, n = problem.num_stages, problem.num_layers
     counts = anchor_counts(problem.fwd_s, S)
     anchor = tuple(int(x) for x in np.cumsum(counts)[:-1])
@@ -187,47 +175,46 @@ def omnibal(
     ranked = sorted(candidates, key=metric)[:top_k]
     evaluated, best = [], None
     for cuts in ranked:
-        stage_of = tuple(int(k) for k in np.repeat(np.arange(S), np.diff([0, *cuts, n])))
+        stage_of = stage_of_counts(np.diff([0, *cuts, n]))
         flags = adaptive_recompute(problem, stage_of)
         if flags is None:
             evaluated.append(Candidate(cuts, metric(cuts), fits=False))
             continue
-        result = None
         while True:  # the "training test": add a layer on any rank the simulator finds over
             recompute = {n: Recompute.FULL for n, f in zip(problem.names, flags) if f}
-            result = build_plan(
+            plan = build_plan(
                 layer_graph,
                 cluster,
+                request,
                 policy="omnibal",
-                chunks=chunks_from(problem, stage_of),
-                parallel=parallel,
-                microbatch_size=microbatch_size,
-                global_batch=global_batch,
-                schedule=name,
+                chunks=chunks_by_stage(problem.names, stage_of, S),
                 recompute=recompute,
                 decisions=_decisions(layer_graph, anchor, len(candidates), cuts, metric(cuts), recompute),
             )
-            sim = simulate(result.plan, layer_graph, cluster)
-            over = [r for r, x in enumerate(sim.peak_mem_bytes) if x > problem.mem_cap_bytes]
+            sim = simulate(plan, layer_graph, cluster)
+            over = [r for r, x in enumerate(sim.peak_mem_bytes) if x > sim.mem_cap_bytes]
             extra = [
                 i
                 for i, k in enumerate(stage_of)
-                if k % pp in over and not flags[i] and problem.recomputable[i]
+                if k % problem.num_ranks in over and not flags[i] and problem.recomputable[i]
             ]
             if not over or not extra:
                 break
             flags[extra[0]] = True
-        fits = not over
-        evaluated.append(Candidate(cuts, metric(cuts), sim.step_time_s, fits, sum(flags)))
-        if fits and (best is None or sim.step_time_s < best[0]):
-            best = (sim.step_time_s, result)
+        evaluated.append(Candidate(cuts, metric(cuts), sim.step_time_s, sim.fits, sum(flags)))
+        if sim.fits and (best is None or sim.step_time_s < best.step_time_s):
+            best = sim
     if best is None:
         raise PlanError(
-            f"none of OmniBal's top {len(ranked)} partitions fits in {usable_memory_bytes(cluster.device.mem_bytes) / 2**30:.1f} "
+            f"none of OmniBal's top {len(ranked)} partitions fits in {problem.mem_cap_bytes / 2**30:.1f} "
             f"GiB per rank even with recompute on every layer; use more PP or TP or a smaller microbatch"
         )
-    plan = best[1].plan
-    return BaselineResult(plan, OmniBalReport(plan, anchor, len(candidates), tuple(evaluated)))
+    return PolicyResult(
+        plan=best.plan,
+        sim=best,
+        report=OmniBalReport(best.plan, anchor, len(candidates), tuple(evaluated)),
+        recompute=f"per layer ({len(best.plan.recompute)})",
+    )
 
 
 def _decisions(layer_graph, anchor, num_candidates, cuts, metric, recompute) -> list[Decision]:

@@ -6,7 +6,7 @@ The objective is the pipeline step time of 1F1B / interleaved 1F1B with point-to
 recompute time included; the constraint is every rank's memory at every step of its action
 list (model states + activations in flight + recompute transient) within the device memory
 less the reserve (:data:`~vlmcompile.cost_models.memory.MEMORY_RESERVE`). The model is in
-:mod:`vlmcompile.stage_cuts`.
+:mod:`vlmcompile.planning.stage_cuts`, its numbers in :mod:`vlmcompile.planning.problem`.
 
 Branches of a multi-encoder model stay valid: contiguous cuts of a topological order put every
 layer's inputs on the same or an earlier stage.
@@ -25,83 +25,23 @@ from collections import Counter
 from dataclasses import dataclass
 
 from tabulate import tabulate
-from vlmcompile.cost_models.memory import (
-    MEMORY_RESERVE,
-    kept_activation_bytes,
-    model_state_bytes,
-    recompute_transient_bytes,
-    usable_memory_bytes,
-)
-from vlmcompile.cost_models.stage_costs import cut_transfer_s, layer_costs, samples_per_microbatch
-from vlmcompile.passes.megatron import (
-    BaselineResult,
-    ScheduleName,
-    build_plan,
-    num_microbatches,
-    parallel_for,
-)
-from vlmcompile.passes.megatron_balanced import balanced_split
 
-from vlmcompile.cluster import Cluster
-from vlmcompile.errors import PlanError
-from vlmcompile.layer_graph import LayerGraph
-from vlmcompile.plan import Decision, Parallel, Plan, Reason, Recompute, Training
-from vlmcompile.schedules import make_schedule
-from vlmcompile.simulator import SimResult, simulate
-from vlmcompile.stage_cuts import Infeasible, PartitionProblem, Solution, evaluate, memory_patterns, solve
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import MEMORY_RESERVE
+from vlmcompile.cost_models.stage_costs import samples_per_microbatch
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
+from vlmcompile.planning.build import build_plan
+from vlmcompile.planning.chunks import balanced_split, chunks_by_stage, stage_of_counts
+from vlmcompile.planning.problem import PartitionProblem, evaluate, partition_problem
+from vlmcompile.planning.request import PlanRequest, SolverOptions
+from vlmcompile.planning.result import PolicyResult
+from vlmcompile.planning.schedules import Schedule
+from vlmcompile.planning.stage_cuts import Infeasible, Solution, solve
+from vlmcompile.sim.simulator import SimResult, simulate
 
 GiB = 2**30
-
-
-def partition_problem(
-    layer_graph: LayerGraph,
-    cluster: Cluster,
-    parallel: Parallel,
-    *,
-    microbatch_size: int,
-    num_microbatches: int,
-    schedule: str,
-) -> PartitionProblem:
-    """The numbers CP-SAT needs, from the cost model (one TP rank, one microbatch)."""
-    plain = layer_costs(layer_graph, cluster, parallel, microbatch_size=microbatch_size)
-    every = {layer.name: Recompute.FULL for layer in layer_graph.layers}
-    full = layer_costs(layer_graph, cluster, parallel, microbatch_size=microbatch_size, recompute=every)
-    samples = samples_per_microbatch(layer_graph, microbatch_size)
-    shard = {"samples": samples, "tp": parallel.tp, "sequence_parallel": parallel.sequence_parallel}
-    p, v = parallel.pp, parallel.v
-    # Cuts sit between neighbouring ranks, and with v > 1 also from the last rank back to the first.
-    pairs = [(0, 1)] + ([(p - 1, 0)] if v > 1 and p > 2 else []) if p > 1 else []
-    layers = layer_graph.layers
-    act = [kept_activation_bytes(x, Recompute.NONE, **shard) for x in layers]
-    act_rc = [kept_activation_bytes(x, Recompute.FULL, **shard) for x in layers]
-    actions = make_schedule(schedule, p, num_microbatches, v=v)
-    return PartitionProblem(
-        names=tuple(x.name for x in layers),
-        fwd_s=tuple(c.fwd_s + c.fwd_tp_comm_s for c in plain),
-        bwd_s=tuple(c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s for c in plain),
-        redo_s=tuple(
-            (f.input_grad_s + f.bwd_tp_comm_s) - (c.input_grad_s + c.bwd_tp_comm_s)
-            for c, f in zip(plain, full)
-        ),
-        act_bytes=tuple(act),
-        act_bytes_recompute=tuple(act_rc),
-        transient_bytes=tuple(recompute_transient_bytes(x, Recompute.FULL, **shard) for x in layers),
-        state_bytes=tuple(
-            model_state_bytes(c.num_params, Training(), dp=parallel.dp, zero_stage=parallel.zero_stage).total
-            for c in plain
-        ),
-        reduce_s=tuple(c.dp_reduce_s for c in plain),
-        cut_s=tuple(
-            max((sum(cut_transfer_s(x, cluster, parallel, samples, a, b)) for a, b in pairs), default=0.0)
-            for x in layers
-        ),
-        recomputable=tuple(rc < a for a, rc in zip(act, act_rc)),
-        num_ranks=p,
-        v=v,
-        num_microbatches=num_microbatches,
-        memory_patterns=memory_patterns(actions, p * v),
-        mem_cap_bytes=usable_memory_bytes(cluster.device.mem_bytes),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,112 +140,84 @@ class PartitionReport:
 def partition(
     layer_graph: LayerGraph,
     cluster: Cluster,
+    request: PlanRequest,
     *,
-    tp: int,
-    pp: int,
-    v: int = 1,
-    microbatch_size: int = 1,
-    global_batch: int,
-    schedule: ScheduleName | None = None,
-    sequence_parallel: bool = True,
-    zero_stage: int = 1,
-    time_limit_s: float = 10.0,
+    solver: SolverOptions = SolverOptions(),
     warm_start: Plan | None = None,
-    workers: int | None = None,
-) -> BaselineResult:
-    """Choose stage cuts and per-layer recompute for these degrees (see the module docstring).
+) -> PolicyResult:
+    """Choose stage cuts and per-layer recompute for ``request`` (see the module docstring).
 
     Args:
-        warm_start: a plan at the same degrees (e.g. the best baseline's) to start the solver from
-            and to return instead if the simulator finds it faster.
-        time_limit_s: CP-SAT's limit; on a timeout the best plan found is returned and the
-            report says so.
+        solver: CP-SAT's time limit and workers; on a timeout the best plan found is returned
+            and the report says so.
+        warm_start: a plan for the same request (e.g. the best baseline's) to start the solver
+            from and to return instead if the simulator finds it faster.
 
     Raises:
         PlanError: no cut and recompute choice fits in memory; the message gives the least
             memory any needs and the knobs that would lower it.
     """
-    parallel = parallel_for(
-        cluster, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage
-    )
-    name = schedule or ("interleaved_1f1b" if v > 1 else "1f1b")
-    if name not in ("1f1b", "interleaved_1f1b"):
+    request.check_on(cluster)
+    par = request.parallel
+    if request.schedule_name not in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B):
         raise PlanError(
-            f"the partition pass models 1f1b and interleaved_1f1b; schedule {name!r} is not modelled"
+            f"the partition pass models 1f1b and interleaved_1f1b; schedule {request.schedule_name.value!r} "
+            "is not modelled"
         )
-    m = num_microbatches(global_batch, parallel.dp, microbatch_size)
-    if pp * v > len(layer_graph.layers):
+    if par.pp * par.v > len(layer_graph.layers):
         raise PlanError(
-            f"pp x v = {pp} x {v} = {pp * v} stages for {len(layer_graph.layers)} layers; every stage needs a layer"
+            f"pp x v = {par.pp} x {par.v} = {par.pp * par.v} stages for {len(layer_graph.layers)} layers; "
+            "every stage needs a layer"
         )
-    problem = partition_problem(
-        layer_graph, cluster, parallel, microbatch_size=microbatch_size, num_microbatches=m, schedule=name
-    )
-    hint = _hint(problem, layer_graph, warm_start)
+    problem = partition_problem(layer_graph, cluster, request)
     try:
-        solution = solve(problem, time_limit_s=time_limit_s, hint=hint, workers=workers)
+        solution = solve(problem, solver, hint=_hint(problem, warm_start))
     except Infeasible as err:
         if err.status == "INFEASIBLE":
-            raise PlanError(
-                _no_fit_message(problem, parallel, microbatch_size, time_limit_s, workers)
-            ) from None
+            raise PlanError(_no_fit_message(problem, request, solver)) from None
         raise PlanError(
-            f"CP-SAT found no plan within {time_limit_s} s ({err.status}) at {parallel}; "
+            f"CP-SAT found no plan within {solver.time_limit_s} s ({err.status}) at {par}; "
             "raise time_limit_s (no claim is made that none fits)"
         ) from None
 
-    options = dict(
-        parallel=parallel, microbatch_size=microbatch_size, global_batch=global_batch, schedule=name
-    )
-    ours = _plan_from(layer_graph, cluster, problem, solution, options)
-    sim = simulate(ours.plan, layer_graph, cluster)
-    warm_s = None
-    chosen, chosen_sim = ours, sim
+    plan = _plan_from(layer_graph, cluster, request, problem, solution)
+    sim = simulate(plan, layer_graph, cluster)
+    solver_sim, warm_s = sim, None
     if warm_start is not None:
         warm_sim = simulate(warm_start, layer_graph, cluster)
         warm_s = warm_sim.step_time_s
-        cap = problem.mem_cap_bytes
-        if warm_s < sim.step_time_s and max(warm_sim.peak_mem_bytes) <= cap:
-            kept = _plan_from(
+        if warm_s < sim.step_time_s and warm_sim.fits:
+            plan = _plan_from(
                 layer_graph,
                 cluster,
+                request,
                 problem,
                 solution,
-                options,
                 chunks=[list(st.layers) for st in warm_start.stages],
                 recompute=dict(warm_start.recompute),
                 note=Decision(
                     "stage cuts",
                     Reason.WARM_START,
                     f"the warm start ({warm_start.policy}) simulates faster ({warm_s * 1e3:.2f} ms) than the "
-                    f"solver's plan ({sim.step_time_s * 1e3:.2f} ms), so its cuts and recompute are kept",
-                    {"warm_start_s": warm_s, "solver_plan_s": sim.step_time_s},
+                    f"solver's plan ({solver_sim.step_time_s * 1e3:.2f} ms), so its cuts and recompute are kept",
+                    {"warm_start_s": warm_s, "solver_plan_s": solver_sim.step_time_s},
                 ),
             )
-            chosen, chosen_sim = kept, simulate(kept.plan, layer_graph, cluster)
-    plan = chosen.plan
+            sim = simulate(plan, layer_graph, cluster)
     stage_of = tuple(plan.stage_of()[n] for n in problem.names)
     flags = tuple(plan.recompute_of(n) is not Recompute.NONE for n in problem.names)
     report = PartitionReport(
         plan=plan,
         solution=solution,
-        stages=_stage_rows(problem, layer_graph, plan, chosen_sim),
-        sim=chosen_sim,
+        stages=_stage_rows(problem, layer_graph, plan, sim),
+        sim=sim,
         model_step_s=evaluate(problem, stage_of, flags).step_s,
         warm_start_step_s=warm_s,
     )
-    return BaselineResult(plan, report)
+    return PolicyResult(plan=plan, sim=sim, report=report, recompute=f"per layer ({len(plan.recompute)})")
 
 
-def chunks_from(problem: PartitionProblem, stage_of) -> list[list[str]]:
-    """Layer names per stage, in order, from each layer's stage index."""
-    chunks: list[list[str]] = [[] for _ in range(problem.num_stages)]
-    for name, k in zip(problem.names, stage_of):
-        chunks[k].append(name)
-    return chunks
-
-
-def _hint(problem: PartitionProblem, layer_graph: LayerGraph, warm_start: Plan | None):
+def _hint(problem: PartitionProblem, warm_start: Plan | None) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     if warm_start is not None:
         where = warm_start.stage_of()
         if set(where) == set(problem.names) and warm_start.num_stages == problem.num_stages:
@@ -317,15 +229,22 @@ def _hint(problem: PartitionProblem, layer_graph: LayerGraph, warm_start: Plan |
                 ),
             )
     counts = balanced_split([f + b for f, b in zip(problem.fwd_s, problem.bwd_s)], problem.num_stages)
-    stage_of = tuple(k for k, c in enumerate(counts) for _ in range(c))
-    return stage_of, (False,) * problem.num_layers
+    return stage_of_counts(counts), (False,) * problem.num_layers
 
 
 def _plan_from(
-    layer_graph, cluster, problem, solution, options, *, chunks=None, recompute=None, note=None
-) -> BaselineResult:
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    request: PlanRequest,
+    problem: PartitionProblem,
+    solution: Solution,
+    *,
+    chunks: list[list[str]] | None = None,
+    recompute: dict[str, Recompute] | None = None,
+    note: Decision | None = None,
+) -> Plan:
     if chunks is None:
-        chunks = chunks_from(problem, solution.stage_of)
+        chunks = chunks_by_stage(problem.names, solution.stage_of, problem.num_stages)
         recompute = {n: Recompute.FULL for n, f in zip(problem.names, solution.recompute) if f}
     flags = [recompute.get(n, Recompute.NONE) is not Recompute.NONE for n in problem.names]
     decisions = [
@@ -359,11 +278,11 @@ def _plan_from(
     return build_plan(
         layer_graph,
         cluster,
+        request,
         policy="vlmcompile",
         chunks=chunks,
         recompute=recompute,
         decisions=decisions,
-        **options,
     )
 
 
@@ -407,9 +326,10 @@ def _stage_rows(
     return tuple(rows)
 
 
-def _no_fit_message(problem, parallel, microbatch_size, time_limit_s, workers) -> str:
+def _no_fit_message(problem: PartitionProblem, request: PlanRequest, solver: SolverOptions) -> str:
+    parallel, microbatch_size = request.parallel, request.microbatch_size
     try:
-        least = solve(problem, time_limit_s=time_limit_s, workers=workers, minimize_memory=True)
+        least = solve(problem, solver, minimize_memory=True)
         peak = max(least.evaluation.peak_bytes)
         rank = least.evaluation.peak_bytes.index(peak)
         states = sum(

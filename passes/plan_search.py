@@ -23,33 +23,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tabulate import tabulate
-from vlmcompile.cost_models.memory import model_state_bytes, usable_memory_bytes
-from vlmcompile.cost_models.stage_costs import layer_costs
+
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.cost_models.stage_costs import layer_costs, layer_state_bytes
+from vlmcompile.ir.errors import ClusterError, PlanError, positive_int
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.plan import Parallel, Plan
 from vlmcompile.passes.partition import partition
-
-from vlmcompile.cluster import Cluster
-from vlmcompile.errors import ClusterError, PlanError, positive_int
-from vlmcompile.layer_graph import LayerGraph
-from vlmcompile.plan import Parallel, Plan, Training
-from vlmcompile.simulator import SimResult
-
-
-@dataclass(frozen=True, slots=True)
-class Degrees:
-    tp: int
-    pp: int
-    dp: int
-    v: int
-    microbatch_size: int
-    num_microbatches: int
-
-    def __str__(self) -> str:
-        return f"DP={self.dp} TP={self.tp} PP={self.pp} V={self.v} mb={self.microbatch_size}x{self.num_microbatches}"
+from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
+from vlmcompile.planning.result import PolicyResult
+from vlmcompile.sim.simulator import SimResult
 
 
 @dataclass(frozen=True, slots=True)
 class CandidateRow:
-    degrees: Degrees
+    request: PlanRequest
     outcome: str
     """chosen, planned (slower than the chosen), pruned, or failed."""
     reason: str
@@ -72,7 +61,7 @@ class SearchReport:
         shown = rows if limit is None else rows[:limit]
         lines = [
             [
-                str(c.degrees),
+                str(c.request),
                 c.outcome,
                 f"{c.step_s * 1e3:.1f}" if c.step_s is not None else "-",
                 f"{c.lower_bound_s * 1e3:.1f}",
@@ -96,40 +85,40 @@ class SearchReport:
             f"({counts['planned'] + 1 if self.chosen else counts['planned']} planned, {counts['pruned']} pruned, "
             f"{counts['failed']} failed)"
         )
-        return f"{head}\n{self.table()}"
+        chosen = f"\n\nchosen:\n{self.chosen}" if self.chosen is not None else ""
+        return f"{head}\n{self.table()}{chosen}"
 
 
 def candidates(
-    layer_graph: LayerGraph,
-    cluster: Cluster,
-    *,
-    global_batch: int,
-    tp_choices: Sequence[int] | None = None,
-    pp_choices: Sequence[int] | None = None,
-    dp_choices: Sequence[int] | None = None,
-    microbatch_sizes: Sequence[int] = (1, 2, 4),
-    v_choices: Sequence[int] = (1, 2, 4),
-) -> list[Degrees]:
+    layer_graph: LayerGraph, cluster: Cluster, *, global_batch: int, space: SearchSpace = SearchSpace()
+) -> list[PlanRequest]:
+    """Every request in ``space`` the cluster and the global batch allow."""
     num_layers = len(layer_graph.layers)
-    tps = tp_choices or [
+    tps = space.tp_choices or [
         t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and cluster.num_gpus % t == 0
     ]
     out = []
     for tp in tps:
         for pp in range(1, min(num_layers, cluster.num_gpus // tp) + 1):
-            if (cluster.num_gpus // tp) % pp or (pp_choices is not None and pp not in pp_choices):
+            if (cluster.num_gpus // tp) % pp or (space.pp_choices is not None and pp not in space.pp_choices):
                 continue
             dp = cluster.num_gpus // (tp * pp)
-            if dp_choices is not None and dp not in dp_choices:
+            if space.dp_choices is not None and dp not in space.dp_choices:
                 continue
-            for mbs in microbatch_sizes:
+            for mbs in space.microbatch_sizes:
                 if global_batch % (dp * mbs):
                     continue
                 m = global_batch // (dp * mbs)
-                for v in v_choices:
+                for v in space.v_choices:
                     if v > 1 and (pp == 1 or m % pp or pp * v > num_layers):
                         continue
-                    out.append(Degrees(tp, pp, dp, v, mbs, m))
+                    out.append(
+                        PlanRequest(
+                            parallel=Parallel(dp=dp, tp=tp, pp=pp, v=v),
+                            global_batch=global_batch,
+                            microbatch_size=mbs,
+                        )
+                    )
     return out
 
 
@@ -138,24 +127,21 @@ def plan_search(
     cluster: Cluster,
     *,
     global_batch: int,
-    tp_choices: Sequence[int] | None = None,
-    pp_choices: Sequence[int] | None = None,
-    dp_choices: Sequence[int] | None = None,
-    microbatch_sizes: Sequence[int] = (1, 2, 4),
-    v_choices: Sequence[int] = (1, 2, 4),
-    include: Iterable[Degrees] = (),
-    warm_starts: Mapping[Degrees, Plan] | None = None,
-    time_limit_s: float = 3.0,
+    space: SearchSpace = SearchSpace(),
+    solver: SolverOptions = SolverOptions(time_limit_s=3.0),
+    include: Iterable[PlanRequest] = (),
+    warm_starts: Mapping[PlanRequest, Plan] | None = None,
     progress: bool = True,
-) -> tuple[Plan, SearchReport]:
+) -> PolicyResult:
     """The fastest plan (simulated) over the degrees the cluster allows; see the module docstring.
 
     Args:
-        include: degrees to consider on top of the enumerated ones (e.g. a paper's).
-        warm_starts: plans already made at some degrees (e.g. our partition at a paper's, with a
-            longer time limit): the partition of those candidates starts from them, so the search
-            never returns a slower plan than one it was given.
-        time_limit_s: CP-SAT's limit per candidate.
+        space: the degrees to choose from (default: all the cluster allows).
+        solver: CP-SAT's limits per candidate.
+        include: requests to consider on top of the enumerated ones (e.g. a paper's).
+        warm_starts: plans already made for some requests (e.g. our partition at a paper's, with
+            a longer time limit): the partition of those candidates starts from them, so the
+            search never returns a slower plan than one it was given.
         progress: a progress bar on stderr.
 
     Raises:
@@ -164,87 +150,78 @@ def plan_search(
     positive_int("global_batch", global_batch, "the samples per training step")
     start = time.perf_counter()
     todo = list(
-        dict.fromkeys(
-            [
-                *include,
-                *candidates(
-                    layer_graph,
-                    cluster,
-                    global_batch=global_batch,
-                    tp_choices=tp_choices,
-                    pp_choices=pp_choices,
-                    dp_choices=dp_choices,
-                    microbatch_sizes=microbatch_sizes,
-                    v_choices=v_choices,
-                ),
-            ]
-        )
+        dict.fromkeys([*include, *candidates(layer_graph, cluster, global_batch=global_batch, space=space)])
     )
     if not todo:
-        only_dp = f" and DP in {list(dp_choices)}" if dp_choices is not None else ""
+        only_dp = f" and DP in {list(space.dp_choices)}" if space.dp_choices is not None else ""
         raise PlanError(
             f"no parallel degrees divide global batch {global_batch} over {cluster.num_gpus} GPUs with microbatch sizes "
-            f"{list(microbatch_sizes)}{only_dp}; use a global batch that is a multiple of the GPU count"
+            f"{list(space.microbatch_sizes)}{only_dp}; use a global batch that is a multiple of the GPU count"
         )
-    cap = usable_memory_bytes(cluster.device.mem_bytes)
     costs_cache: dict = {}
-    bounds = {d: _bounds(layer_graph, cluster, d, costs_cache) for d in todo}
-    todo.sort(key=lambda d: bounds[d][0])
+    bounds = {r: _bounds(layer_graph, cluster, r, costs_cache) for r in todo}
+    todo.sort(key=lambda r: bounds[r][0])
     rows: list[CandidateRow] = []
-    best: tuple[float, Plan, SimResult, Degrees] | None = None
+    best: tuple[PolicyResult, PlanRequest] | None = None
     hints: dict[tuple[int, int], Plan] = {}
     least_states = min(b[1] for b in bounds.values())
     bar = _progress(len(todo), progress)
-    for d in todo:
+    cap = usable_memory_bytes(cluster.device.mem_bytes)
+    for request in todo:
         bar.update(1)
-        lower, states = bounds[d]
+        lower, states = bounds[request]
+        par = request.parallel
         if states > cap:
             rows.append(
-                CandidateRow(d, "pruned", f"model states alone need {states / 2**30:.1f} GiB per rank", lower)
+                CandidateRow(
+                    request, "pruned", f"model states alone need {states / 2**30:.1f} GiB per rank", lower
+                )
             )
             continue
-        if best is not None and lower >= best[0]:
+        if best is not None and lower >= best[0].sim.step_time_s:
             rows.append(
-                CandidateRow(d, "pruned", f"lower bound >= best found ({best[0] * 1e3:.1f} ms)", lower)
+                CandidateRow(
+                    request,
+                    "pruned",
+                    f"lower bound >= best found ({best[0].sim.step_time_s * 1e3:.1f} ms)",
+                    lower,
+                )
             )
             continue
         try:
             result = partition(
                 layer_graph,
                 cluster,
-                tp=d.tp,
-                pp=d.pp,
-                v=d.v,
-                microbatch_size=d.microbatch_size,
-                global_batch=global_batch,
-                time_limit_s=time_limit_s,
-                warm_start=(warm_starts or {}).get(d) or hints.get((d.pp, d.v)),
+                request,
+                solver=solver,
+                warm_start=(warm_starts or {}).get(request) or hints.get((par.pp, par.v)),
             )
         except (PlanError, ClusterError) as err:
-            rows.append(CandidateRow(d, "failed", str(err).split(": ", 1)[-1][:120], lower))
+            rows.append(CandidateRow(request, "failed", str(err).split(": ", 1)[-1][:120], lower))
             continue
-        sim = result.report.sim
-        hints[(d.pp, d.v)] = result.plan
+        sim = result.sim
+        hints[(par.pp, par.v)] = result.plan
         peak = max(sim.peak_mem_bytes)
         rows.append(
-            CandidateRow(d, "planned", result.report.solution.summary(), lower, sim.step_time_s, peak)
+            CandidateRow(request, "planned", result.report.solution.summary(), lower, sim.step_time_s, peak)
         )
-        if peak <= cap and (best is None or sim.step_time_s < best[0]):
-            best = (sim.step_time_s, result.plan, sim, d)
-        bar.set_postfix_str(f"best {best[0] * 1e3:.0f} ms" if best else "none fits yet")
+        if sim.fits and (best is None or sim.step_time_s < best[0].sim.step_time_s):
+            best = (result, request)
+        bar.set_postfix_str(f"best {best[0].sim.step_time_s * 1e3:.0f} ms" if best else "none fits yet")
     bar.close()
     if best is None:
         raise PlanError(_no_plan_message(rows, cap, cluster.name, least_states))
+    chosen, chosen_request = best
     rows = [
         CandidateRow(
-            r.degrees, "chosen", "fastest simulated plan that fits", r.lower_bound_s, r.step_s, r.peak_bytes
+            r.request, "chosen", "fastest simulated plan that fits", r.lower_bound_s, r.step_s, r.peak_bytes
         )
-        if r.degrees == best[3] and r.outcome == "planned"
+        if r.request == chosen_request and r.outcome == "planned"
         else r
         for r in rows
     ]
-    report = SearchReport(cluster.name, tuple(rows), time.perf_counter() - start, best[1], best[2])
-    return best[1], report
+    report = SearchReport(cluster.name, tuple(rows), time.perf_counter() - start, chosen.plan, chosen.sim)
+    return PolicyResult(plan=chosen.plan, sim=chosen.sim, report=report, recompute=chosen.recompute)
 
 
 def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, least_states: float) -> str:
@@ -252,17 +229,17 @@ def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, lea
     memory cap (the least peak), candidates pruned by their model states."""
     gib = 2**30
     parts = []
-    failed: dict[str, list[Degrees]] = {}
+    failed: dict[str, list[PlanRequest]] = {}
     for r in rows:
         if r.outcome == "failed":
-            failed.setdefault(r.reason, []).append(r.degrees)
+            failed.setdefault(r.reason, []).append(r.request)
     for reason, degrees in sorted(failed.items(), key=lambda kv: -len(kv[1])):
         parts.append(f"{len(degrees)} could not be planned ({reason}; e.g. {degrees[0]})")
     over = [r for r in rows if r.outcome == "planned" and r.peak_bytes is not None]
     if over:
         least = min(over, key=lambda r: r.peak_bytes)
         parts.append(
-            f"{len(over)} planned but over the cap (least peak {least.peak_bytes / gib:.1f} GiB at {least.degrees})"
+            f"{len(over)} planned but over the cap (least peak {least.peak_bytes / gib:.1f} GiB at {least.request})"
         )
     pruned = sum(r.outcome == "pruned" for r in rows)
     if pruned:
@@ -276,22 +253,22 @@ def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, lea
     )
 
 
-def _bounds(layer_graph: LayerGraph, cluster: Cluster, d: Degrees, cache: dict) -> tuple[float, float]:
+def _bounds(
+    layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest, cache: dict
+) -> tuple[float, float]:
     """(step-time lower bound, model states per rank if split evenly over the PP ranks); layer
     costs depend on TP, DP and the microbatch only, so ``cache`` holds them per that key."""
-    par = Parallel(dp=d.dp, tp=d.tp, pp=d.pp, v=d.v)
-    key = (d.tp, d.dp, d.microbatch_size)
+    par = request.parallel
+    key = (par.tp, par.dp, request.microbatch_size)
     try:
         if key not in cache:
-            cache[key] = layer_costs(layer_graph, cluster, par, microbatch_size=d.microbatch_size)
+            cache[key] = layer_costs(layer_graph, cluster, par, microbatch_size=request.microbatch_size)
     except ClusterError:
         return float("inf"), float("inf")
     costs = cache[key]
-    work = sum(c.fwd_s + c.fwd_tp_comm_s + c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s for c in costs)
-    states = sum(
-        model_state_bytes(c.num_params, Training(), dp=d.dp, zero_stage=par.zero_stage).total for c in costs
-    )
-    return d.num_microbatches * work / d.pp, states / d.pp
+    work = sum(c.f_s + c.b_s for c in costs)
+    states = sum(layer_state_bytes(c, par) for c in costs)
+    return request.num_microbatches * work / par.pp, states / par.pp
 
 
 def _progress(total: int, enabled: bool):

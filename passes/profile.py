@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 from tabulate import tabulate
-from vlmcompile.cost_models.calibrate import LayerMeasurement
-from vlmcompile.passes.codegen import layer_modules
 
-from vlmcompile.layer_graph import LayerGraph
+from vlmcompile.cost_models.calibrate import LayerMeasurement
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.passes.codegen import layer_modules
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ def _single_thread_and_seed():
 @pytest.fixture(scope="session")
 def demo_graph():
     """The demo VLM's LayerGraph, annotated on meta tensors (bf16, one sample)."""
-    from vlmcompile.planning import zoo_layer_graph
+    from vlmcompile.compiler import zoo_layer_graph
 
     return zoo_layer_graph("demo")
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from vlmcompile.passes.megatron import build_plan, parallel_for
 
-from vlmcompile.cluster import Cluster
-from vlmcompile.plan import Plan, Recompute
-from vlmcompile.regions import Region
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.plan import Plan, Recompute
+from vlmcompile.ir.regions import Region
+from vlmcompile.planning.build import build_plan
+from vlmcompile.planning.request import PlanRequest
 
 
 def even_plan(
@@ -30,19 +31,25 @@ def even_plan(
     bounds = [0, *(cuts or [i * len(names) // k for i in range(1, k)]), len(names)]
     chunks = [names[a:b] for a, b in zip(bounds, bounds[1:])]
     cluster = Cluster.preset(f"cpu:{pp * dp}")
-    par = parallel_for(cluster, tp=1, pp=pp, v=v, sequence_parallel=False, zero_stage=0)
+    request = PlanRequest.on(
+        cluster,
+        tp=1,
+        pp=pp,
+        v=v,
+        global_batch=global_batch,
+        microbatch_size=microbatch_size,
+        sequence_parallel=False,
+        zero_stage=0,
+    )
     return build_plan(
         layer_graph,
         cluster,
+        request,
         policy="test",
         chunks=chunks,
-        parallel=par,
-        microbatch_size=microbatch_size,
-        global_batch=global_batch,
-        schedule=None,
         recompute={names[i]: Recompute.FULL for i in recompute},
         decisions=[],
-    ).plan
+    )
 
 
 def encoder_on_rank_1(layer_graph, *, global_batch: int) -> Plan:

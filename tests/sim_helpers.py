@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from vlmcompile.cost_models.stage_costs import LayerCost, PlanCosts, StageCost
-
-from vlmcompile.actions import Action
-from vlmcompile.plan import Parallel, Plan, Stage
+from vlmcompile.ir.actions import Action
+from vlmcompile.ir.plan import Parallel, Plan, Stage
 
 
 def make_plan(

@@ -138,7 +138,7 @@ def plan_file(change: Callable[[dict], object] | None = None, text: str | None =
     """Write a plan file (the tiny model's 2-stage plan, changed), load it and make a runner."""
 
     def go(tmp: Path):
-        from vlmcompile.plan import Plan
+        from vlmcompile.ir.plan import Plan
 
         path = tmp / "plan.json"
         if text is not None:
@@ -157,14 +157,14 @@ def plan_file(change: Callable[[dict], object] | None = None, text: str | None =
 
 
 def _load_missing_plan(tmp: Path):
-    from vlmcompile.plan import Plan
+    from vlmcompile.ir.plan import Plan
 
     return Plan.load(tmp / "none.json")
 
 
 def launch_batch(change: Callable[[dict], object]) -> Callable[[Path], object]:
     def run(tmp: Path):
-        from vlmcompile.runtime import one_step
+        from vlmcompile.runtime.training import one_step
 
         pipe, batch = _pipe()
         plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)
@@ -613,7 +613,7 @@ def test_bad_input_gets_a_message_naming_it(name, tmp_path):
         error_lines = [line for line in out.stderr.splitlines() if "error" in line]
         assert len(error_lines) == 1, out.stderr
         return
-    from vlmcompile.errors import VlmCompileError
+    from vlmcompile.ir.errors import VlmCompileError
 
     with pytest.raises(VlmCompileError) as info:
         case.run(tmp_path)

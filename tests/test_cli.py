@@ -4,7 +4,7 @@ trace and PNG; bad input is an error message and exit code 2."""
 import json
 
 from vlmcompile.cli import main
-from vlmcompile.plan import Plan
+from vlmcompile.ir.plan import Plan
 
 ARGS = ["plan", "--model", "demo", "--cluster", "h100x16", "--tp", "2", "--pp", "4", "--global-batch", "16"]
 

@@ -1,10 +1,10 @@
 """Cluster presets and the errors for inconsistent ones."""
 
 import pytest
-from vlmcompile.cost_models.hardware import DEVICES, device
 
-from vlmcompile.cluster import PAPER_PRESETS, Cluster
-from vlmcompile.errors import ClusterError
+from vlmcompile.cost_models.cluster import PAPER_PRESETS, Cluster
+from vlmcompile.cost_models.hardware import DEVICES, device
+from vlmcompile.ir.errors import ClusterError
 
 
 @pytest.mark.parametrize("name", list(PAPER_PRESETS))

@@ -21,7 +21,8 @@ def test_compile_returns_graph_layer_graph_and_a_readable_report():
         and "per layer:" in text
     )
     assert "llm.blocks.1" in text
-    assert "[1/3] capture" in log.getvalue() and "[2/3] annotate done" in log.getvalue()
+    assert "[1/4] capture" in log.getvalue() and "[2/4] annotate done" in log.getvalue()
+    assert pipe.codegen is None and "no plan: nothing to split" in text
     assert "no cluster given" in text
     assert len(pipe.layer_graph) == 10
 
@@ -63,6 +64,11 @@ def test_compile_with_a_cluster_returns_the_partition_pass_plan_and_the_comparis
     pipe.plan.validate(pipe.layer_graph)
     report = str(pipe.report)
     assert "plan search on h100x8" in report and "policies at the same degrees" in report
+    # The codegen pass split the graph along the plan: one module per stage, every layer once.
+    assert len(pipe.codegen.stages) == pipe.plan.num_stages and "== codegen ==" in report
+    assert [w.name for s in pipe.codegen.stages for w in s.wiring] == [
+        x.name for x in pipe.layer_graph.layers
+    ]
     ours = pipe.planned.sim.step_time_s
     for row in pipe.planned.baselines:
         if row.step_s is not None and row.fits:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vlmcompile.errors import ArgumentError
-from vlmcompile.launch import LaunchError, launch
+from vlmcompile.ir.errors import ArgumentError
+from vlmcompile.runtime.launch import LaunchError, launch
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -160,11 +160,15 @@ def test_a_python_level_sigint_handler_survives_a_cp_sat_solve(tmp_path):
         textwrap.dedent(
             """
             import os, signal
-            from vlmcompile.cluster import Cluster
-            from vlmcompile.planning import plan_and_simulate, zoo_layer_graph
+            from vlmcompile.cost_models.cluster import Cluster
+            from vlmcompile.compiler import zoo_layer_graph
+            from vlmcompile.passes.policies import plan_and_simulate
+            from vlmcompile.planning.request import PlanRequest, SolverOptions
 
             graph = zoo_layer_graph("demo")
-            plan_and_simulate(graph, Cluster.preset("cpu:2"), "vlmcompile", tp=1, pp=2, global_batch=4, time_limit_s=1)
+            cluster = Cluster.preset("cpu:2")
+            request = PlanRequest.on(cluster, tp=1, pp=2, global_batch=4)
+            plan_and_simulate(graph, cluster, "vlmcompile", request, solver=SolverOptions(time_limit_s=1))
             try:
                 os.kill(os.getpid(), signal.SIGINT)
                 print("no interrupt")
@@ -184,7 +188,7 @@ def test_a_python_level_sigint_handler_survives_a_cp_sat_solve(tmp_path):
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     script = tmp_path / "no_guard.py"
     script.write_text(
-        "from vlmcompile.launch import launch\n"
+        "from vlmcompile.runtime.launch import launch\n"
         "def rank_fn(x):\n    return x\n"
         "print(launch(rank_fn, b'x' * 200_000, 2, timeout_s=20))\n"
     )
@@ -202,7 +206,7 @@ def _hang_on_rank_1(_payload):
 
     if dist.get_rank() == 1:
         time.sleep(3600)  # alive, silent
-    from vlmcompile.runtime import RankLostError
+    from vlmcompile.runtime.executor import RankLostError
 
     work = dist.irecv(torch.zeros(1), 1)
     try:
@@ -231,7 +235,7 @@ def _hang_on_rank_1_in_a_collective(_payload):
     import torch
     import torch.distributed as dist
 
-    from vlmcompile.runtime import RankLostError
+    from vlmcompile.runtime.executor import RankLostError
 
     if dist.get_rank() == 1:
         time.sleep(3600)

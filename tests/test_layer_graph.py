@@ -1,12 +1,12 @@
 import json
 
 import pytest
-from vlmcompile.passes.annotate import annotate
-from vlmcompile.passes.capture import capture
 
 from tests.models import build
-from vlmcompile.layer_graph import SCHEMA_VERSION, Layer, LayerGraph
-from vlmcompile.regions import Region
+from vlmcompile.ir.layer_graph import SCHEMA_VERSION, Layer, LayerGraph
+from vlmcompile.ir.regions import Region
+from vlmcompile.passes.annotate import annotate
+from vlmcompile.passes.capture import capture
 
 
 @pytest.fixture(scope="module")

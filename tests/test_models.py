@@ -3,13 +3,13 @@ FLOP shares match InternVL-Chat-1.5's."""
 
 import pytest
 import torch
-from vlmcompile.passes.annotate import annotate
-from vlmcompile.passes.capture import capture
 
 from tests.models import ZOO
 from vlmcompile import Region, models
-from vlmcompile.errors import ModelError
+from vlmcompile.ir.errors import ModelError
 from vlmcompile.models.configs import ENCODERS, LLMS, VLMS, ProjectorConfig, VLMConfig
+from vlmcompile.passes.annotate import annotate
+from vlmcompile.passes.capture import capture
 
 
 def _num_params(model: torch.nn.Module) -> int:

@@ -2,7 +2,7 @@ import io
 
 import pytest
 
-from vlmcompile.errors import PassError, SampleBatchError, VlmCompileError
+from vlmcompile.ir.errors import PassError, SampleBatchError, VlmCompileError
 from vlmcompile.pass_runner import Pass, PassRunner
 
 

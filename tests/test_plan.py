@@ -2,23 +2,33 @@
 with the rank and step named."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
-from vlmcompile.passes.megatron import megatron
 
+import vlmcompile
+from tests.models import build
 from tests.sim_helpers import make_plan
-from vlmcompile.actions import Action, ActionKind, format_grid
-from vlmcompile.cluster import Cluster
-from vlmcompile.errors import PlanError
-from vlmcompile.plan import Plan, Stage
-from vlmcompile.schedules import one_f_one_b
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.actions import Action, ActionKind, format_grid
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.plan import Plan, Stage
+from vlmcompile.passes.megatron import megatron
+from vlmcompile.planning.request import GlobalRecompute, PlanRequest
+from vlmcompile.planning.schedules import one_f_one_b
+from vlmcompile.sim.simulator import simulate
 
 CLUSTER = Cluster.preset("h100x16")
 
 
 @pytest.fixture(scope="module")
 def plan(demo_graph):
-    return megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, recompute="full").plan
+    return megatron(
+        demo_graph,
+        CLUSTER,
+        PlanRequest.on(CLUSTER, tp=2, pp=4, global_batch=16),
+        recompute=GlobalRecompute(granularity="full"),
+    ).plan
 
 
 def test_actions_read_back_from_their_text():
@@ -38,9 +48,7 @@ def test_json_round_trip_is_lossless(plan, tmp_path):
 def test_an_older_plan_schema_is_rejected_with_the_fix(plan):
     data = plan.to_json()
     data["version"] = 0
-    with pytest.raises(
-        PlanError, match="plan JSON version 0 is not 1.*re-create the plan with `vlmcompile plan"
-    ):
+    with pytest.raises(PlanError, match="plan JSON version 0 is not 1.*re-plan: `vlmcompile plan"):
         Plan.from_json(data)
     with pytest.raises(PlanError, match="not a plan JSON"):
         Plan.from_json({"schema": "vlmcompile.layer_graph"})
@@ -88,14 +96,17 @@ def test_an_action_on_the_wrong_rank_is_marked():
         plan.validate()
 
 
-def test_a_plan_over_device_memory_names_the_rank_and_step(demo_graph):
+def test_a_plan_over_the_memory_cap_names_the_rank_and_step(demo_graph):
     tiny_memory = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, mem_bytes=2**20))
-    plan = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16).plan
+    plan = megatron(demo_graph, CLUSTER, PlanRequest.on(CLUSTER, tp=2, pp=4, global_batch=16)).plan
+    sim = simulate(plan, demo_graph, tiny_memory)
+    assert not sim.fits
     with pytest.raises(
-        PlanError, match=r"rank 0 needs .* GiB at step \d+ \(.*\), over the 0.0 GiB of a H100-80GB"
+        PlanError, match=r"rank 0 needs .* GiB at step \d+ \(.*\), over the 0.0 GiB a H100-80GB leaves"
     ) as err:
-        plan.validate(demo_graph, tiny_memory)
+        sim.check_fits()
     assert "<- peak memory" in str(err.value)
+    assert simulate(plan, demo_graph, CLUSTER).fits
 
 
 def test_stage_and_rank_mismatch_is_rejected(plan):
@@ -110,3 +121,17 @@ def test_grid_prints_steps_by_rank(plan):
     assert "0F0" in grid.splitlines()[1]
     assert format_grid(plan.actions, steps=range(2)).endswith(f"(steps 0-1 of {len(plan.actions[0])})")
     assert "schedule 1f1b" in str(plan) and "recompute" in str(plan)
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_a_plan_saved_by_an_earlier_vlmcompile_still_loads_and_splits_the_model():
+    """Saved by 0.1.0 before the planning core moved (``vlmcompile plan --json``): the format
+    and the model's fingerprint are unchanged, so it runs as it did."""
+    plan = Plan.load(DATA / "plan_v1_tiny_megatron.json")
+    model, batch = build("tiny", batch_size=4)
+    pipe = vlmcompile.compile(model, batch, log=None)
+    runner = pipe.runner(plan)
+    assert plan.fingerprint == pipe.layer_graph.fingerprint()
+    assert [len(s.wiring) for s in runner.stages_all] == [len(s.layers) for s in plan.stages]

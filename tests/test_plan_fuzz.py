@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from tests.models import build
 from tests.pipeline_helpers import check_equal_to_eager, even_plan
 from vlmcompile import compile
-from vlmcompile.errors import PlanError, VlmCompileError
-from vlmcompile.launch import launch
-from vlmcompile.plan import Plan
-from vlmcompile.runtime import BatchError, one_step
+from vlmcompile.ir.errors import PlanError, VlmCompileError
+from vlmcompile.ir.plan import Plan
+from vlmcompile.runtime.executor import BatchError
+from vlmcompile.runtime.launch import launch
+from vlmcompile.runtime.training import one_step
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
@@ -169,7 +170,7 @@ def test_mutated_plans_are_refused_or_train_equal_to_eager(tmp_path):
     assert len(runnable) >= 8, f"only {len(runnable)} distinct mutants ran: the runtime was barely fuzzed"
     by_world: dict[int, list[tuple[list[str], object]]] = {}
     for kinds, runner in runnable.values():
-        by_world.setdefault(runner.topology.world_size, []).append((kinds, runner))
+        by_world.setdefault(runner.parallel.world_size, []).append((kinds, runner))
     for world, named in by_world.items():
         results = launch(_steps_of_every_plan, [r for _, r in named], world, args=(batch,), timeout_s=30)
         for j, (kinds, _) in enumerate(named):

@@ -17,9 +17,10 @@ from tests.models import build, needs_transformers
 from tests.pipeline_helpers import check_equal_to_eager, encoder_on_rank_1, even_plan
 from vlmcompile import compile
 from vlmcompile.demo import eager_losses
-from vlmcompile.errors import PlanError
-from vlmcompile.launch import LaunchError, launch
-from vlmcompile.runtime import BatchError, PipelineRunner, interleaved_steps, one_step
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.runtime.executor import BatchError, PipelineRunner
+from vlmcompile.runtime.launch import LaunchError, launch
+from vlmcompile.runtime.training import interleaved_steps, one_step
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -156,7 +157,7 @@ def test_a_plan_made_for_another_model_is_refused(tmp_path):
     _, _, other = _pipe("tiny-two-encoder")
     path = tmp_path / "plan.json"
     even_plan(other.layer_graph, pp=2, global_batch=4).save(path)
-    from vlmcompile.plan import Plan
+    from vlmcompile.ir.plan import Plan
 
     with pytest.raises(PlanError, match=r"made for model .* \(fingerprint "):
         pipe.runner(Plan.load(path))

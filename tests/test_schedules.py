@@ -5,11 +5,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.sim_helpers import make_plan, synthetic_costs
-from vlmcompile.actions import ActionKind
-from vlmcompile.cluster import Cluster
-from vlmcompile.errors import PlanError
-from vlmcompile.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
-from vlmcompile.simulator import simulate
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.actions import ActionKind
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.planning.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
+from vlmcompile.sim.simulator import simulate
 
 CLUSTER = Cluster.preset("h100x8")
 times = st.floats(min_value=0.1, max_value=10.0, allow_nan=False)

@@ -7,14 +7,15 @@ import networkx as nx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vlmcompile.passes.megatron import megatron
 
 from tests.sim_helpers import make_plan, synthetic_costs
-from vlmcompile.actions import Action, ActionKind
-from vlmcompile.cluster import Cluster
-from vlmcompile.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
-from vlmcompile.simulator import CAUSES, simulate
-from vlmcompile.trace import chrome_trace, write_chrome_trace, write_png
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.actions import Action, ActionKind
+from vlmcompile.passes.megatron import megatron
+from vlmcompile.planning.request import PlanRequest
+from vlmcompile.planning.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
+from vlmcompile.sim.simulator import CAUSES, simulate
+from vlmcompile.sim.trace import chrome_trace, write_chrome_trace, write_png
 
 CLUSTER = Cluster.preset("h100x8")
 
@@ -106,7 +107,7 @@ def test_step_and_idle_time_agree_with_the_reference(case):
 @pytest.fixture(scope="module")
 def demo_run(demo_graph):
     cluster = Cluster.preset("h100x16")
-    plan = megatron(demo_graph, cluster, tp=2, pp=4, global_batch=16).plan
+    plan = megatron(demo_graph, cluster, PlanRequest.on(cluster, tp=2, pp=4, global_batch=16)).plan
     return simulate(plan, demo_graph, cluster)
 
 
@@ -127,7 +128,7 @@ def test_more_microbatches_shrink_warmup_and_cooldown(demo_graph):
     cluster = Cluster.preset("h100x16")
     shares = []
     for batch in (8, 32):
-        plan = megatron(demo_graph, cluster, tp=2, pp=4, global_batch=batch).plan
+        plan = megatron(demo_graph, cluster, PlanRequest.on(cluster, tp=2, pp=4, global_batch=batch)).plan
         result = simulate(plan, demo_graph, cluster)
         s = result.idle_share()
         shares.append(s["pp_warmup"] + s["pp_cooldown"])

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from vlmcompile.errors import CaptureError
-from vlmcompile.specialize import KnownValues, value_input_tiers
+from vlmcompile.graph.specialize import KnownValues, value_input_tiers
+from vlmcompile.ir.errors import CaptureError
 
 
 class _SplitBySizes(nn.Module):

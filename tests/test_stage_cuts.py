@@ -9,8 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmcompile.schedules import make_schedule
-from vlmcompile.stage_cuts import Infeasible, PartitionProblem, memory_patterns, solve
+from vlmcompile.planning.problem import PartitionProblem, memory_patterns
+from vlmcompile.planning.request import SolverOptions
+from vlmcompile.planning.schedules import make_schedule
+from vlmcompile.planning.stage_cuts import Infeasible, solve
 
 
 def enumerate_plans(problem: PartitionProblem):
@@ -116,9 +118,13 @@ def test_solver_finds_the_brute_force_optimum(problem):
     reference = brute_force(problem)
     if reference is None:
         with pytest.raises(Infeasible):
-            solve(problem, time_limit_s=20, workers=1, time_quantum_s=1.0, mem_quantum_bytes=1.0)
+            solve(
+                problem, SolverOptions(time_limit_s=20, workers=1), time_quantum_s=1.0, mem_quantum_bytes=1.0
+            )
         return
-    solution = solve(problem, time_limit_s=20, workers=1, time_quantum_s=1.0, mem_quantum_bytes=1.0)
+    solution = solve(
+        problem, SolverOptions(time_limit_s=20, workers=1), time_quantum_s=1.0, mem_quantum_bytes=1.0
+    )
     assert solution.status == "OPTIMAL"
     assert solution.evaluation.fits
     assert solution.evaluation.step_s == pytest.approx(reference, rel=1e-9)
@@ -154,7 +160,7 @@ def test_a_timeout_returns_the_best_plan_and_says_so():
     problem = _large_problem(300, 8, 32)
     # A feasible start (even cuts, everything recomputed) so that the solver has a plan to return.
     hint = (tuple(i * 8 // 300 for i in range(300)), (True,) * 300)
-    solution = solve(problem, time_limit_s=1.0, workers=1, hint=hint)
+    solution = solve(problem, SolverOptions(time_limit_s=1.0, workers=1), hint=hint)
     assert solution.timed_out == (solution.status != "OPTIMAL")
     assert ("timed out" in solution.summary()) == solution.timed_out
     assert solution.evaluation.fits
@@ -174,5 +180,5 @@ def test_memory_patterns_of_1f1b_hold_min_p_minus_s_m():
 def test_minimize_memory_finds_the_enumerated_least_peak():
     problem = _large_problem(7, 3, 4)
     least = min(peak.min() for _, _, _, peak in enumerate_plans(problem))
-    solution = solve(problem, minimize_memory=True, workers=1, mem_quantum_bytes=1e-3)
+    solution = solve(problem, SolverOptions(workers=1), minimize_memory=True, mem_quantum_bytes=1e-3)
     assert max(solution.evaluation.peak_bytes) == pytest.approx(least, rel=1e-3)

@@ -14,9 +14,9 @@ import torch
 from tests.models import needs_transformers
 from tests.pipeline_helpers import check_equal_to_eager
 from vlmcompile import compile
-from vlmcompile.launch import launch
-from vlmcompile.regions import Region
-from vlmcompile.runtime import one_step
+from vlmcompile.ir.regions import Region
+from vlmcompile.runtime.launch import launch
+from vlmcompile.runtime.training import one_step
 
 pytestmark = [needs_transformers, pytest.mark.hf, pytest.mark.multiproc]
 

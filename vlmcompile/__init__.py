@@ -7,9 +7,9 @@
 >>> print(run.sim)             # predicted step time and bubbles
 """
 
-from vlmcompile.cluster import Cluster
-from vlmcompile.compiler import CompiledPipeline, CompileReport, compile
-from vlmcompile.errors import (
+from vlmcompile.compiler import compile
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.errors import (
     CaptureError,
     ClusterError,
     ModelError,
@@ -19,9 +19,10 @@ from vlmcompile.errors import (
     SampleBatchError,
     VlmCompileError,
 )
-from vlmcompile.layer_graph import Layer, LayerGraph
-from vlmcompile.plan import Plan
-from vlmcompile.regions import Region
+from vlmcompile.ir.layer_graph import Layer, LayerGraph
+from vlmcompile.ir.plan import Plan
+from vlmcompile.ir.regions import Region
+from vlmcompile.pipeline import CompiledPipeline, CompileReport
 
 __version__ = "0.1.0"
 

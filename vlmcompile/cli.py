@@ -47,7 +47,7 @@ def _positive_float(text: str) -> float:
 def _check_output_paths(args: argparse.Namespace) -> None:
     """Refuse an output file that cannot be written before any work is done, so that a run never
     ends in an error after writing some of its outputs."""
-    from vlmcompile.errors import ArgumentError
+    from vlmcompile.ir.errors import ArgumentError
 
     for flag in _OUTPUT_FLAGS:
         path = getattr(args, flag, None)
@@ -91,12 +91,28 @@ def _annotate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import dataclasses
+    from vlmcompile.compiler import zoo_layer_graph
+    from vlmcompile.cost_models.cluster import Cluster
 
-    from vlmcompile.cluster import Cluster
-    from vlmcompile.passes.megatron import megatron_layout
-    from vlmcompile.planning import plan_and_simulate, zoo_layer_graph
-    from vlmcompile.setups import setup
+    _fill_plan_args(args)
+    cluster = Cluster.preset(args.cluster)
+    print(f"annotating {args.model} ...", file=sys.stderr)
+    graph = zoo_layer_graph(args.model, dtype=_DTYPES[args.dtype])
+    run = _plan_run(args, graph, cluster)
+    if args.search:
+        print()
+    print(cluster)
+    print()
+    print(run)
+    if not run.fits:
+        print(f"\nwarning: the plan does not fit in {cluster.device.name} memory", file=sys.stderr)
+    _write_plan_outputs(args, run, graph)
+    return 0 if run.fits else 3
+
+
+def _fill_plan_args(args: argparse.Namespace) -> None:
+    """The policy, a paper setup's values for the flags not given, and a check that nothing needed is missing."""
+    from vlmcompile.planning.setups import setup
 
     if args.search and args.policy not in (None, "vlmcompile"):
         raise ValueError(
@@ -109,8 +125,8 @@ def _plan(args: argparse.Namespace) -> int:
         s = setup(args.setup)
         args.model = args.model or s.model
         args.cluster = args.cluster or s.cluster
-        args.tp = args.tp or s.tp
-        args.pp = args.pp or s.pp
+        args.tp = args.tp or s.parallel.tp
+        args.pp = args.pp or s.parallel.pp
         args.global_batch = args.global_batch or s.global_batch
         args.microbatch_size = args.microbatch_size or s.microbatch_size
         if args.v is None:
@@ -123,44 +139,49 @@ def _plan(args: argparse.Namespace) -> int:
     missing = [f"--{k.replace('_', '-')}" for k in required if not getattr(args, k)]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --setup NAME)")
-    cluster = Cluster.preset(args.cluster)
-    print(f"annotating {args.model} ...", file=sys.stderr)
-    graph = zoo_layer_graph(args.model, dtype=_DTYPES[args.dtype])
-    if args.search:
-        from vlmcompile.planning import search_and_compare
 
-        run, search = search_and_compare(graph, cluster, global_batch=args.global_batch)
-        print(search)
-        print()
-    else:
-        options = {
-            "tp": args.tp,
-            "pp": args.pp,
-            "v": args.v or 1,
-            "microbatch_size": args.microbatch_size or 1,
-            "global_batch": args.global_batch,
-            "schedule": args.schedule,
-        }
-        if args.policy == "megatron":
-            options |= {
-                "first_stage_layers": args.first_stage_layers,
-                "last_stage_layers": args.last_stage_layers,
-            }
-        if args.policy == "vlmcompile":
-            options["time_limit_s"] = args.time_limit
-        run = plan_and_simulate(
-            graph,
-            cluster,
-            args.policy,
-            recompute=args.recompute,
-            recompute_vision=args.recompute_vision,
-            **options,
+
+def _plan_run(args: argparse.Namespace, graph, cluster):
+    from vlmcompile.passes.policies import plan_and_simulate, search_and_compare
+    from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
+
+    solver = SolverOptions(time_limit_s=args.time_limit)
+    if args.search:
+        return search_and_compare(graph, cluster, global_batch=args.global_batch, solver=solver)
+    request = PlanRequest.on(
+        cluster,
+        tp=args.tp,
+        pp=args.pp,
+        v=args.v or 1,
+        global_batch=args.global_batch,
+        microbatch_size=args.microbatch_size or 1,
+        schedule=args.schedule,
+    )
+    recompute = (
+        "auto"
+        if args.recompute == "auto" and not args.recompute_vision
+        else GlobalRecompute(
+            granularity="none" if args.recompute == "auto" else args.recompute, vision=args.recompute_vision
         )
-    print(cluster)
-    print()
-    print(run)
-    if not run.fits:
-        print(f"\nwarning: the plan does not fit in {cluster.device.name} memory", file=sys.stderr)
+    )
+    megatron = args.policy == "megatron"
+    return plan_and_simulate(
+        graph,
+        cluster,
+        args.policy,
+        request,
+        recompute=recompute,
+        first_stage_layers=args.first_stage_layers if megatron else None,
+        last_stage_layers=args.last_stage_layers if megatron else None,
+        solver=solver if args.policy == "vlmcompile" else None,
+    )
+
+
+def _write_plan_outputs(args: argparse.Namespace, run, graph) -> None:
+    import dataclasses
+
+    from vlmcompile.passes.megatron import megatron_layout
+
     if args.json:
         data = {
             "plan": run.plan.to_json(),
@@ -171,7 +192,7 @@ def _plan(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(data, indent=1))
         print(f"plan and simulation written to {args.json}", file=sys.stderr)
     if args.trace or args.png:
-        from vlmcompile.trace import write_chrome_trace, write_png
+        from vlmcompile.sim.trace import write_chrome_trace, write_png
 
         if args.trace:
             write_chrome_trace(run.sim, args.trace)
@@ -179,7 +200,6 @@ def _plan(args: argparse.Namespace) -> int:
         if args.png:
             write_png(run.sim, args.png)
             print(f"timeline written to {args.png}", file=sys.stderr)
-    return 0 if run.fits else 3
 
 
 _SEARCHED = ("tp", "pp", "v", "microbatch_size", "schedule", "first_stage_layers", "last_stage_layers")
@@ -192,7 +212,8 @@ def _warn_ignored_flags(args: argparse.Namespace) -> None:
     ignored = []
     if args.search:
         ignored = [k for k in _SEARCHED if getattr(args, k) is not None]
-        why = "--search chooses them itself"
+        ignored += ["recompute"] * (args.recompute != "auto") + ["recompute_vision"] * args.recompute_vision
+        why = "--search chooses them itself (recompute per layer)"
     elif args.policy != "megatron":
         ignored = [k for k in _MEGATRON_ONLY if getattr(args, k) is not None]
         why = f"only the megatron policy reads them, not {args.policy}"
@@ -217,22 +238,23 @@ def _demo(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import statistics
 
-    import vlmcompile
     from vlmcompile import models
-    from vlmcompile.launch import check_launchable
-    from vlmcompile.runtime import timed_steps
+    from vlmcompile.compiler import compile
+    from vlmcompile.planning.request import SearchSpace
+    from vlmcompile.runtime.launch import check_launchable
+    from vlmcompile.runtime.training import timed_steps
 
     check_launchable(args.nprocs, args.timeout)  # before minutes of compiling
     model = models.build(args.model)
     batch = models.sample_batch(args.model, batch_size=args.global_batch)
-    pipe = vlmcompile.compile(
+    pipe = compile(
         model,
         batch,
         cluster=f"cpu:{args.nprocs}",
         model_name=args.model,
         global_batch=args.global_batch,
         profile=True,
-        plan_options={"microbatch_sizes": (1,)},
+        search_space=SearchSpace(microbatch_sizes=(1,)),
     )
     if args.policy == "vlmcompile":
         plan = pipe.plan
@@ -252,7 +274,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _setup_names() -> list[str]:
-    from vlmcompile.setups import SETUPS
+    from vlmcompile.planning.setups import SETUPS
 
     return list(SETUPS)
 
@@ -350,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.set_defaults(run=_run)
     args = parser.parse_args(argv)
-    from vlmcompile.errors import VlmCompileError
-    from vlmcompile.launch import Interrupted, interrupt_on_stop_signals, restore_signals
+    from vlmcompile.ir.errors import VlmCompileError
+    from vlmcompile.runtime.launch import Interrupted, interrupt_on_stop_signals, restore_signals
 
     previous = interrupt_on_stop_signals()
     try:

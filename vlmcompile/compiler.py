@@ -1,15 +1,17 @@
 """``vlmcompile.compile``: builds the pass list and runs it.
 
-| #  | pass     | file               |
-|----|----------|--------------------|
-| 1  | capture  | passes/capture.py  |
-| 2  | annotate | passes/annotate.py |
-| (3) | profile | passes/profile.py (``profile=True``: measured layer times for the plan) |
-| 3  | plan     | passes/plan_search.py, passes/partition.py (through ``planning.search_and_compare``) |
+| #   | pass     | file               |
+|-----|----------|--------------------|
+| 1   | capture  | passes/capture.py  |
+| 2   | annotate | passes/annotate.py |
+| (3) | profile  | passes/profile.py (``profile=True``: measured layer times for the plan) |
+| 3   | plan     | passes/plan_search.py, passes/partition.py, every baseline (passes/policies.py) |
+| 4   | codegen  | passes/codegen.py: the plan's stage modules |
 
 The plan pass runs when a cluster is given: the plan search picks the degrees, the partition
 pass the cuts and recompute, and every baseline is planned at the chosen degrees for the
-report. The schedule pass and codegen join this list as they land.
+report. Codegen splits the captured graph along the plan (not on meta tensors: nothing could
+run them). The schedule pass joins this list as it lands.
 """
 
 from __future__ import annotations
@@ -18,29 +20,32 @@ import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from vlmcompile.cluster import Cluster
-from vlmcompile.export import check_loss
-from vlmcompile.layer_graph import LayerGraph
-from vlmcompile.meta_keys import LOSS_SPLIT_META, OUTPUT_META
-from vlmcompile.pass_runner import Pass, PassRunner, RunReport
+from vlmcompile import models
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.graph.export import check_loss
+from vlmcompile.graph.loss_split import LossSplit
+from vlmcompile.ir.errors import ClusterError, VlmCompileError, positive_int, positive_number
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, OUTPUT_META
+from vlmcompile.ir.plan import Decision, Reason
+from vlmcompile.ir.regions import Region
+from vlmcompile.pass_runner import Pass, PassRunner
 from vlmcompile.passes.annotate import TensorMode, annotate
 from vlmcompile.passes.capture import CaptureMethod, capture
-from vlmcompile.passes.loss_split import LossSplit
-from vlmcompile.plan import Decision, Reason
-from vlmcompile.regions import Region
-
-if TYPE_CHECKING:
-    from vlmcompile.plan import Plan
-    from vlmcompile.planning import PlannedRun
-    from vlmcompile.runtime import PipelineRunner
+from vlmcompile.passes.codegen import CodegenResult, codegen_for
+from vlmcompile.passes.policies import search_and_compare
+from vlmcompile.passes.profile import profile
+from vlmcompile.pipeline import CompiledPipeline, CompileReport
+from vlmcompile.planning.request import SearchSpace, SolverOptions
+from vlmcompile.runtime.executor import RUNTIME
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,6 +60,7 @@ class CompileState:
     gm: fx.GraphModule | None = None
     layer_graph: LayerGraph | None = None
     planned: Any = None
+    codegen: CodegenResult | None = None
     reports: dict[str, Any] = field(default_factory=dict)
 
 
@@ -78,16 +84,14 @@ def _annotate_pass(state: CompileState, *, tensor_mode) -> None:
 
 
 def _profile_pass(state: CompileState, *, repeats: int) -> None:
-    from vlmcompile.passes.profile import profile
-
-    tensors = [v for v in state.sample_batch.values() if isinstance(v, torch.Tensor)]
-    if any(t.device.type == "meta" for t in [*tensors, *state.model.parameters()]):
+    if _on_meta(state):
         state.reports["profile"] = (
             "skipped: the model or the sample batch is on meta tensors (nothing to time)"
         )
         return
     device = state.cluster.device.name if state.cluster is not None else "cpu"
-    ranks_here = state.cluster.num_gpus if state.cluster is not None and device == "cpu" else 1
+    local = state.cluster is not None and state.cluster.ranks_on_this_machine
+    ranks_here = state.cluster.num_gpus if local else 1
     # One row: the plan search scales per-sample times to its microbatch sizes.
     microbatch = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in state.sample_batch.items()}
     result = profile(
@@ -102,31 +106,26 @@ def _profile_pass(state: CompileState, *, repeats: int) -> None:
     state.reports["profile"] = result.report
 
 
-def _plan_pass(
-    state: CompileState, *, time_limit_s: float, progress: bool, options: Mapping[str, Any]
-) -> None:
+def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, space: SearchSpace) -> None:
     if state.cluster is None:
         state.reports["plan"] = "no cluster given: nothing planned (pass cluster=... to plan)"
         return
-    from vlmcompile.planning import search_and_compare
-
-    # The runtime has no tensor parallelism yet, so plans meant to run on local CPU ranks keep TP = 1.
-    tp_choices = (1,) if state.cluster.name.startswith("cpu") else None
+    # A plan for ranks on this machine is meant to run here: keep to what the runtime can do.
+    if state.cluster.ranks_on_this_machine and not RUNTIME.tensor_parallel:
+        space = dataclasses.replace(space, tp_choices=(1,))
     global_batch = state.global_batch or int(state.layer_graph.meta.get("batch_size", 1))
-    options = dict(options)
     check = state.gm.meta.get(LOSS_SPLIT_META)
     coupled = check is not None and check.verdict is LossSplit.BATCH_COUPLED
     if coupled:
         # A loss that couples the samples trains right only on the whole batch at once.
-        options.update(microbatch_sizes=(global_batch,), dp_choices=(1,))
-    run, search = search_and_compare(
+        space = dataclasses.replace(space, microbatch_sizes=(global_batch,), dp_choices=(1,))
+    run = search_and_compare(
         state.layer_graph,
         state.cluster,
         global_batch=global_batch,
-        tp_choices=tp_choices,
-        time_limit_s=time_limit_s,
+        space=space,
+        solver=solver,
         progress=progress,
-        **options,
     )
     if coupled:
         decision = Decision(
@@ -136,108 +135,29 @@ def _plan_pass(
             f"one microbatch of {global_batch}, DP = 1",
         )
         plan = dataclasses.replace(run.plan, decisions=(*run.plan.decisions, decision))
-        run = dataclasses.replace(run, plan=plan)
+        run = dataclasses.replace(run, plan=plan, sim=dataclasses.replace(run.sim, plan=plan))
     state.planned = run
-    state.reports["plan"] = f"{search}\n\n{run}"
+    state.reports["plan"] = run
 
 
-@dataclass(frozen=True, slots=True)
-class CompileReport:
-    passes: dict[str, Any]
-    run: RunReport
+def _codegen_pass(state: CompileState) -> None:
+    if state.planned is None:
+        state.reports["codegen"] = "no plan: nothing to split"
+        return
+    if _on_meta(state):
+        state.reports["codegen"] = (
+            "skipped: the model or the sample batch is on meta tensors (nothing could run)"
+        )
+        return
+    state.codegen = codegen_for(
+        state.gm, state.planned.plan, model=state.model, sample_batch=state.sample_batch
+    )
+    state.reports["codegen"] = state.codegen.report
 
-    def __str__(self) -> str:
-        parts = [f"== {name} ==\n{report}" for name, report in self.passes.items()]
-        return "\n\n".join([*parts, f"== passes ==\n{self.run}"])
 
-
-@dataclass(frozen=True, slots=True)
-class CompiledPipeline:
-    """What ``compile`` returns: the captured graph, its LayerGraph and every pass's report;
-    ``step``/``launch``/``runner`` run a plan on torch.distributed."""
-
-    gm: fx.GraphModule
-    layer_graph: LayerGraph
-    report: CompileReport
-    cluster: Cluster | None = None
-    planned: PlannedRun | None = None
-    """The plan chosen by the plan search and partition passes, simulated, with every baseline
-    at the same degrees (None without a cluster)."""
-    model: nn.Module | None = None
-    sample_batch: Mapping[str, Any] = field(default_factory=dict)
-    _runners: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def plan(self) -> Plan | None:
-        return self.planned.plan if self.planned else None
-
-    def runner(self, plan: Plan | None = None, *, timeout_s: float = 60.0) -> PipelineRunner:
-        """This pipeline's stage modules for ``plan`` (default: ``self.plan``), ready to run on
-        every rank (see :mod:`vlmcompile.runtime`)."""
-        from vlmcompile.runtime import make_runner
-
-        plan = plan or self.plan
-        if plan is None:
-            raise ValueError("no plan: compile with a cluster (e.g. cluster='cpu:2'), or pass plan=...")
-        return make_runner(self, plan, timeout_s=timeout_s)
-
-    def step(self, batch: Mapping[str, Any]) -> Any:
-        """One training step of ``self.plan`` on this rank (under torchrun, every rank calls it
-        with the same global batch); returns the loss. Gradients land in the ``.grad`` of
-        ``self.parameters()``."""
-        return self._default_runner().step(batch)
-
-    def parameters(self) -> list:
-        """This rank's parameters under ``self.plan`` (give them to the optimizer)."""
-        return self._default_runner().parameters()
-
-    def _default_runner(self) -> PipelineRunner:
-        # Built once per process: codegen and process groups are set up on the first call.
-        if "default" not in self._runners:
-            self._runners["default"] = self.runner()
-        return self._runners["default"]
-
-    def launch(
-        self,
-        fn: Callable[..., Any] | None = None,
-        *,
-        nprocs: int | None = None,
-        args: Sequence[Any] = (),
-        plan: Plan | None = None,
-        timeout_s: float = 60.0,
-    ) -> list[Any]:
-        """Start the plan's ranks on this machine and run ``fn(runner, *args)`` on each (default:
-        one training step on the sample batch, returning the loss); results in rank order."""
-        from vlmcompile.errors import ArgumentError
-        from vlmcompile.launch import check_launchable, launch
-        from vlmcompile.runtime import one_step
-
-        runner = self.runner(plan, timeout_s=timeout_s)
-        world = runner.topology.world_size
-        check_launchable(world, timeout_s)
-        if nprocs is not None and nprocs != world:
-            raise ArgumentError(
-                f"the plan runs on {world} ranks (PP={runner.topology.pp} x DP={runner.topology.dp}); "
-                f"nprocs={nprocs} - launch {world} or compile for cluster='cpu:{nprocs}'"
-            )
-        if fn is None:
-            fn, args = one_step, (dict(self.sample_batch),)
-        for value in args:  # a batch the ranks would refuse is refused before any rank starts
-            if isinstance(value, Mapping) and any(isinstance(v, torch.Tensor) for v in value.values()):
-                runner.check_batch(value)
-        return launch(fn, runner, world, args=args, timeout_s=timeout_s)
-
-    def baseline(self, policy: str = "megatron", **options: Any) -> PlannedRun:
-        """Plan with one policy (``megatron``, ``megatron_balanced``, ``omnibal`` or ``vlmcompile``)
-        on the pipeline's cluster and simulate it; ``options`` are the policy's (tp, pp, v,
-        global_batch, ...)."""
-        if self.cluster is None:
-            raise ValueError(
-                "compile(..., cluster=...) was given no cluster; pass one (e.g. 'h100x64') to plan"
-            )
-        from vlmcompile.planning import plan_and_simulate
-
-        return plan_and_simulate(self.layer_graph, self.cluster, policy, **options)
+def _on_meta(state: CompileState) -> bool:
+    tensors = [v for v in state.sample_batch.values() if isinstance(v, torch.Tensor)]
+    return any(t.device.type == "meta" for t in [*tensors, *state.model.parameters()])
 
 
 def compile(
@@ -252,7 +172,7 @@ def compile(
     model_name: str | None = None,
     global_batch: int | None = None,
     plan_time_limit_s: float = 3.0,
-    plan_options: Mapping[str, Any] | None = None,
+    search_space: SearchSpace | None = None,
     profile: bool = False,
     log: TextIO | None = sys.stderr,
 ) -> CompiledPipeline:
@@ -269,7 +189,8 @@ def compile(
         model_name: shown in reports (default: the model's class name).
         global_batch: samples per training step to plan for (default: the sample batch's size).
         plan_time_limit_s: CP-SAT's time limit per candidate of the plan search.
-        plan_options: passed to the plan search, e.g. ``{"pp_choices": (2,), "microbatch_sizes": (1,)}``.
+        search_space: the degrees the plan search may choose from, e.g.
+            ``SearchSpace(pp_choices=(2,), microbatch_sizes=(1,))`` (default: all the cluster allows).
         profile: time every layer on this machine (real tensors needed) and plan with the
             measured times (the "profile" pass, after annotate).
         log: where the pass runner prints progress (None for silence).
@@ -292,11 +213,12 @@ def compile(
             "plan",
             functools.partial(
                 _plan_pass,
-                time_limit_s=plan_time_limit_s,
+                solver=SolverOptions(time_limit_s=plan_time_limit_s),
                 progress=log is not None,
-                options=dict(plan_options or {}),
+                space=search_space or SearchSpace(),
             ),
         ),
+        Pass("codegen", _codegen_pass),
     ]
     if profile:
         passes.insert(2, Pass("profile", functools.partial(_profile_pass, repeats=5)))
@@ -314,9 +236,18 @@ def compile(
         report=CompileReport(dict(state.reports), run),
         cluster=cluster,
         planned=state.planned,
+        codegen=state.codegen,
         model=model,
         sample_batch=dict(sample_batch),
     )
+
+
+def zoo_layer_graph(model_name: str, *, dtype: Any = None) -> LayerGraph:
+    """A zoo model's LayerGraph for one sample, annotated on meta tensors (any size, no memory)."""
+    dtype = dtype or torch.bfloat16
+    model = models.build(model_name, device="meta", dtype=dtype)
+    batch = models.sample_batch(model_name, batch_size=1, device="meta", dtype=dtype)
+    return compile(model, batch, model_name=model_name, log=None).layer_graph
 
 
 _REQUIRED_PASSES = ("capture", "annotate")
@@ -332,8 +263,6 @@ def _check_compile_args(
     plan_time_limit_s: Any,
 ) -> Cluster | None:
     """Refuse bad arguments before any pass runs; returns the cluster as a :class:`Cluster`."""
-    from vlmcompile.errors import ClusterError, VlmCompileError, positive_int, positive_number
-
     if isinstance(cluster, str):
         cluster = Cluster.preset(cluster)
     elif cluster is not None and not isinstance(cluster, Cluster):
@@ -351,7 +280,7 @@ def _check_compile_args(
     if required:
         raise VlmCompileError(
             f"disable_passes={list(disable_passes)}: {required} cannot be disabled, every pipeline is built "
-            "from the captured and annotated graph; disable only optional passes ('plan', 'profile')"
+            "from the captured and annotated graph; disable only optional passes ('plan', 'profile', 'codegen')"
         )
     if global_batch is not None:
         positive_int(

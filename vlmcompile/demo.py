@@ -13,6 +13,7 @@ Every step time is measured; the first step of each plan is a warm-up, left out 
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 import time
@@ -21,6 +22,13 @@ from typing import Any, TextIO
 
 import torch
 from tabulate import tabulate
+
+from vlmcompile import models
+from vlmcompile.compiler import compile
+from vlmcompile.planning.request import SearchSpace
+from vlmcompile.runtime.launch import launch
+from vlmcompile.runtime.training import interleaved_steps
+from vlmcompile.sim.simulator import simulate
 
 NUM_RANKS = 2
 
@@ -133,26 +141,18 @@ def run_demo(
     *, global_batch: int = 32, num_steps: int = 6, lr: float = 1e-3, log: TextIO | None = sys.stderr
 ) -> tuple[Any, DemoResult]:
     """Compile, then run both plans; returns (the compiled pipeline, the figures)."""
-    import copy
-
-    import vlmcompile
-    from vlmcompile import models
-    from vlmcompile.launch import launch
-    from vlmcompile.runtime import interleaved_steps
-    from vlmcompile.simulator import simulate
-
     if num_steps < 6:
         raise ValueError(f"num_steps={num_steps}; the demo needs a warm-up step and at least 5 timed steps")
     model = models.build("demo")
     batch = models.sample_batch("demo", batch_size=global_batch)
-    pipe = vlmcompile.compile(
+    pipe = compile(
         model,
         batch,
         cluster=f"cpu:{NUM_RANKS}",
         model_name="demo",
         global_batch=global_batch,
         profile=True,
-        plan_options={"pp_choices": (NUM_RANKS,), "microbatch_sizes": (1,)},
+        search_space=SearchSpace(pp_choices=(NUM_RANKS,), microbatch_sizes=(1,)),
         log=log,
     )
     megatron = pipe.baseline("megatron", tp=1, pp=NUM_RANKS, global_batch=global_batch, microbatch_size=1)

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from tabulate import tabulate
 
-from vlmcompile.errors import PassError, VlmCompileError
+from vlmcompile.ir.errors import PassError, VlmCompileError
 
 
 @dataclass(frozen=True, slots=True)

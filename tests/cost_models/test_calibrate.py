@@ -3,11 +3,11 @@
 import dataclasses
 
 import pytest
+
 from vlmcompile.cost_models.calibrate import LayerMeasurement, calibrate
+from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.compute import layer_time
 from vlmcompile.cost_models.hardware import Efficiency
-
-from vlmcompile.cluster import Cluster
 
 
 def test_fit_recovers_the_efficiencies_behind_the_times(demo_graph):

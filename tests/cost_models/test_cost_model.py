@@ -3,14 +3,14 @@
 import dataclasses
 
 import pytest
+
 from vlmcompile.cost_models import comm
+from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.compute import REPLICATED_SHARE_WITHOUT_SP, is_tensor_parallel, layer_time
 from vlmcompile.cost_models.hardware import Efficiency
 from vlmcompile.cost_models.memory import kept_activation_bytes, model_state_bytes
 from vlmcompile.cost_models.stage_costs import layer_costs
-
-from vlmcompile.cluster import Cluster
-from vlmcompile.plan import Parallel, Recompute, Training
+from vlmcompile.ir.plan import Parallel, Recompute, Training
 
 H100 = Cluster.preset("h100x16")
 

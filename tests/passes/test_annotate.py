@@ -5,19 +5,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from tests.models import ALL, ZOO, build, needs_transformers
+from vlmcompile import ModelError, models
 from vlmcompile.cost_models.flops import (
     attention_fwd_flops,
     cpu_sdpa_flop_mapping,
     decoder_block_fwd_flops,
     vit_block_fwd_flops,
 )
+from vlmcompile.ir.meta_keys import NODE_COST_META
+from vlmcompile.models.configs import LLMConfig, ViTConfig
 from vlmcompile.passes.annotate import annotate
 from vlmcompile.passes.capture import capture
-
-from tests.models import ALL, ZOO, build, needs_transformers
-from vlmcompile import ModelError, models
-from vlmcompile.meta_keys import NODE_COST_META
-from vlmcompile.models.configs import LLMConfig, ViTConfig
 
 
 def _annotate(model, batch, overrides=None, **kw):

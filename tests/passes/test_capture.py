@@ -6,21 +6,21 @@ import pytest
 import torch
 import torch.fx as fx
 from torch import nn
-from vlmcompile.passes.annotate import annotate
-from vlmcompile.passes.capture import capture, layer_nodes
-from vlmcompile.passes.codegen import codegen
 
 from tests.models import ALL, build, needs_transformers
 from tests.pipeline_helpers import even_plan
 from vlmcompile import CaptureError, ModelError, Region, RegionError, SampleBatchError
-from vlmcompile.export import mark_runtime_checks
-from vlmcompile.meta_keys import (
+from vlmcompile.graph.export import mark_runtime_checks
+from vlmcompile.ir.meta_keys import (
     LAYER_META,
     LAYER_ORDER_META,
     REGION_META,
     RUNTIME_CHECK_META,
     SPECIALIZED_META,
 )
+from vlmcompile.passes.annotate import annotate
+from vlmcompile.passes.capture import capture, layer_nodes
+from vlmcompile.passes.codegen import codegen
 
 
 @pytest.mark.parametrize("name", ALL)

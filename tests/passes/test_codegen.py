@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlmcompile.passes.annotate import annotate
-from vlmcompile.passes.capture import capture
-from vlmcompile.passes.codegen import codegen, load_original_state
 
 from tests.models import ALL, build
 from tests.pipeline_helpers import eager_step, even_plan
-from vlmcompile.errors import PlanError
-from vlmcompile.plan import Recompute
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.plan import Recompute
+from vlmcompile.passes.annotate import annotate
+from vlmcompile.passes.capture import capture
+from vlmcompile.passes.codegen import codegen
+from vlmcompile.runtime.stage import load_original_state
 
 
 def _compiled(name):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlmcompile.passes.loss_split import LossSplit, check_loss_split
 
 from tests.models import build
 from tests.pipeline_helpers import check_equal_to_eager, even_plan
 from vlmcompile import compile
-from vlmcompile.errors import PlanError
+from vlmcompile.graph.loss_split import LossSplit, check_loss_split
+from vlmcompile.ir.errors import PlanError
 
 
 def _verdict(name, batch_size=4):

@@ -7,22 +7,24 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vlmcompile.passes.megatron import megatron, megatron_layout, model_parts
-from vlmcompile.passes.megatron_balanced import balanced_split, megatron_balanced
-from vlmcompile.passes.partition import partition
 
 from tests.models import needs_transformers
 from vlmcompile import compile
-from vlmcompile.cluster import Cluster
-from vlmcompile.errors import ClusterError, PlanError
-from vlmcompile.plan import Reason, Recompute
-from vlmcompile.regions import Region
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.errors import ClusterError, PlanError
+from vlmcompile.ir.plan import Reason, Recompute
+from vlmcompile.ir.regions import Region
+from vlmcompile.passes.megatron import megatron, megatron_layout, model_parts
+from vlmcompile.passes.megatron_balanced import megatron_balanced
+from vlmcompile.passes.partition import partition
+from vlmcompile.planning.chunks import balanced_split
+from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 
 CLUSTER = Cluster.preset("h100x16")
 
 
 def test_encoder_projector_and_embedding_share_stage_0(demo_graph):
-    plan = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16).plan
+    plan = megatron(demo_graph, CLUSTER, PlanRequest.on(CLUSTER, tp=2, pp=4, global_batch=16)).plan
     stage0 = plan.stages[0].layers
     for layer in demo_graph.in_region(Region.VISION, Region.PROJECTOR):
         assert layer.name in stage0
@@ -35,7 +37,7 @@ def test_encoder_projector_and_embedding_share_stage_0(demo_graph):
 
 
 def test_interleaved_places_virtual_stage_k_on_rank_k_mod_pp(demo_graph):
-    plan = megatron(demo_graph, CLUSTER, tp=2, pp=2, v=2, global_batch=16).plan
+    plan = megatron(demo_graph, CLUSTER, PlanRequest.on(CLUSTER, tp=2, pp=2, v=2, global_batch=16)).plan
     assert plan.schedule == "interleaved_1f1b"
     assert [s.rank for s in plan.stages] == [0, 1, 0, 1]
     layout, note = megatron_layout(plan, demo_graph)
@@ -44,7 +46,11 @@ def test_interleaved_places_virtual_stage_k_on_rank_k_mod_pp(demo_graph):
 
 def test_first_and_last_stage_counts(demo_graph):
     result = megatron(
-        demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, first_stage_layers=1, last_stage_layers=3
+        demo_graph,
+        CLUSTER,
+        PlanRequest.on(CLUSTER, tp=2, pp=4, global_batch=16),
+        first_stage_layers=1,
+        last_stage_layers=3,
     )
     assert result.report.layout == "Et|tt|tt|tttL"
     reasons = {d.reason for d in result.plan.decisions}
@@ -53,13 +59,21 @@ def test_first_and_last_stage_counts(demo_graph):
 
 def test_global_recompute_and_vision_switch(demo_graph):
     plan = megatron(
-        demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, recompute="full", recompute_vision=True
+        demo_graph,
+        CLUSTER,
+        PlanRequest.on(CLUSTER, tp=2, pp=4, global_batch=16),
+        recompute=GlobalRecompute(granularity="full", vision=True),
     ).plan
     decoder = model_parts(demo_graph).decoder
     assert all(plan.recompute_of(n) is Recompute.FULL for n in decoder)
     assert plan.recompute_of("encoders.0.blocks.0") is Recompute.FULL
     assert plan.recompute_of("llm.embed") is Recompute.NONE
-    selective = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16, recompute="selective").plan
+    selective = megatron(
+        demo_graph,
+        CLUSTER,
+        PlanRequest.on(CLUSTER, tp=2, pp=4, global_batch=16),
+        recompute=GlobalRecompute(granularity="selective"),
+    ).plan
     assert selective.recompute_of(decoder[0]) is Recompute.SELECTIVE
     assert selective.recompute_of("encoders.0.blocks.0") is Recompute.NONE
 
@@ -82,8 +96,9 @@ def test_global_recompute_and_vision_switch(demo_graph):
     ],
 )
 def test_splits_megatron_cannot_make_are_refused(demo_graph, kwargs, error, message):
+    split = {k: kwargs.pop(k) for k in ("first_stage_layers", "last_stage_layers") if k in kwargs}
     with pytest.raises(error, match=message):
-        megatron(demo_graph, CLUSTER, **({"global_batch": 16} | kwargs))
+        megatron(demo_graph, CLUSTER, PlanRequest.on(CLUSTER, **({"global_batch": 16} | kwargs)), **split)
 
 
 def _brute_force(times, k):
@@ -108,34 +123,42 @@ def test_balanced_split_matches_brute_force(times, data):
 
 
 def test_balanced_plan_spreads_the_encoder_and_says_why_megatron_cannot(demo_graph):
-    result = megatron_balanced(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16)
+    result = megatron_balanced(demo_graph, CLUSTER, PlanRequest.on(CLUSTER, tp=2, pp=4, global_batch=16))
     plan = result.plan
     assert any(layer.startswith("encoders") for layer in plan.stages[1].layers)
     assert result.report.layout is None
     assert "vision encoder on the first pipeline stage only" in result.report.layout_note
     balanced = next(d for d in plan.decisions if d.reason is Reason.BALANCED)
-    even = megatron(demo_graph, CLUSTER, tp=2, pp=4, global_batch=16).plan
+    even = megatron(demo_graph, CLUSTER, PlanRequest.on(CLUSTER, tp=2, pp=4, global_batch=16)).plan
     assert balanced.numbers["max_stage_s"] > 0
     assert len(plan.stages) == len(even.stages)
 
 
 def test_two_encoders_are_linearised_and_reported(two_encoder_graph):
     cluster = Cluster.preset("h100x2")
-    plan = megatron_balanced(two_encoder_graph, cluster, tp=1, pp=2, global_batch=4).plan
+    plan = megatron_balanced(
+        two_encoder_graph, cluster, PlanRequest.on(cluster, tp=1, pp=2, global_batch=4)
+    ).plan
     assert any(d.reason is Reason.LINEARISED_BRANCHES for d in plan.decisions)
 
 
 def test_too_many_virtual_stages_for_the_layers(demo_graph):
     with pytest.raises(PlanError, match="every stage needs a layer"):
-        megatron_balanced(demo_graph, CLUSTER, tp=2, pp=4, v=6, global_batch=16)
+        megatron_balanced(demo_graph, CLUSTER, PlanRequest.on(CLUSTER, tp=2, pp=4, v=6, global_batch=16))
 
 
 def test_zero_bubble_schedule_gets_the_stages_real_times(demo_graph):
     cluster = Cluster.preset("h100x8")
-    plan = megatron_balanced(demo_graph, cluster, tp=1, pp=4, global_batch=8, schedule="zero_bubble").plan
+    plan = megatron_balanced(
+        demo_graph, cluster, PlanRequest.on(cluster, tp=1, pp=4, global_batch=8, schedule="zero_bubble")
+    ).plan
     assert plan.split_backward() == frozenset(range(4))
     with pytest.raises(PlanError, match="with v=2 use interleaved_1f1b"):
-        megatron(demo_graph, cluster, tp=1, pp=2, v=2, global_batch=8, schedule="zero_bubble")
+        megatron(
+            demo_graph,
+            cluster,
+            PlanRequest.on(cluster, tp=1, pp=2, v=2, global_batch=8, schedule="zero_bubble"),
+        )
 
 
 @needs_transformers
@@ -150,7 +173,9 @@ def test_decoder_layers_are_found_by_structure_whatever_the_attention_kernel():
     assert llm_blocks == ["model.language_model.layers.0", "model.language_model.layers.1"]
     assert all(graph[name].fwd_attn_flops == 0 for name in llm_blocks)
     assert model_parts(graph).decoder == tuple(llm_blocks)
-    run = megatron(graph, Cluster.preset("cpu:2"), tp=1, pp=2, global_batch=2)
+    run = megatron(
+        graph, Cluster.preset("cpu:2"), PlanRequest.on(Cluster.preset("cpu:2"), tp=1, pp=2, global_batch=2)
+    )
     assert run.report.layout == "Et|tL"
 
 
@@ -162,6 +187,11 @@ def test_the_layout_export_never_fails_a_plan(demo_graph):
     )
     with pytest.raises(PlanError, match="no LLM decoder layers"):
         model_parts(flat)
-    result = partition(flat, Cluster.preset("h100x8"), tp=1, pp=2, global_batch=8, time_limit_s=2)
+    result = partition(
+        flat,
+        Cluster.preset("h100x8"),
+        PlanRequest.on(Cluster.preset("h100x8"), tp=1, pp=2, global_batch=8),
+        solver=SolverOptions(time_limit_s=2),
+    )
     layout, note = megatron_layout(result.plan, flat)
     assert layout is None and "no LLM decoder layers" in note

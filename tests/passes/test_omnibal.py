@@ -3,13 +3,14 @@ import itertools
 
 import numpy as np
 import pytest
-from vlmcompile.cost_models.memory import usable_memory_bytes
-from vlmcompile.passes.omnibal import adaptive_recompute, anchor_counts, jittered, omnibal
-from vlmcompile.passes.partition import partition_problem
 
-from vlmcompile.cluster import Cluster
-from vlmcompile.plan import Parallel, Reason
-from vlmcompile.stage_cuts import evaluate
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.ir.plan import Parallel, Reason
+from vlmcompile.passes.omnibal import adaptive_recompute, anchor_counts, jittered, omnibal
+from vlmcompile.planning.problem import evaluate, partition_problem
+from vlmcompile.planning.request import PlanRequest
+from vlmcompile.sim.simulator import simulate
 
 
 def test_anchor_cuts_sit_where_the_forward_prefix_is_closest_to_k_over_s():
@@ -44,8 +45,8 @@ def h100():
 
 
 def test_adaptive_recompute_is_the_fewest_per_rank(demo_graph, h100):
-    par = Parallel(dp=4, tp=1, pp=2)
-    problem = partition_problem(demo_graph, h100, par, microbatch_size=4, num_microbatches=4, schedule="1f1b")
+    request = PlanRequest(parallel=Parallel(dp=4, tp=1, pp=2), global_batch=64, microbatch_size=4)
+    problem = partition_problem(demo_graph, h100, request)
     stage_of = tuple(0 if i < 9 else 1 for i in range(problem.num_layers))
     plain = evaluate(problem, stage_of, [False] * problem.num_layers)
     cap = 0.5 * (max(plain.peak_bytes) + min(plain.peak_bytes))
@@ -61,9 +62,10 @@ def test_adaptive_recompute_is_the_fewest_per_rank(demo_graph, h100):
 
 
 def test_omnibal_plan_is_valid_fits_and_explains_itself(demo_graph, h100):
-    result = omnibal(demo_graph, h100, tp=1, pp=4, global_batch=16)
+    result = omnibal(demo_graph, h100, PlanRequest.on(h100, tp=1, pp=4, global_batch=16))
     plan = result.plan
-    plan.validate(demo_graph, h100)
+    plan.validate(demo_graph)
+    simulate(plan, demo_graph, h100).check_fits()
     assert plan.policy == "omnibal"
     reasons = {d.reason for d in plan.decisions}
     assert {Reason.GREEDY_ANCHOR, Reason.JITTERED_CUTS, Reason.ADAPTIVE_RECOMPUTE} <= reasons
@@ -71,8 +73,6 @@ def test_omnibal_plan_is_valid_fits_and_explains_itself(demo_graph, h100):
     assert report.num_candidates == 27 and len(report.evaluated) == 10
     assert all(c.fits for c in report.evaluated if c.step_s is not None)
     best = min(c.step_s for c in report.evaluated if c.fits)
-    from vlmcompile.simulator import simulate
-
     sim = simulate(plan, demo_graph, h100)
     assert sim.step_time_s == pytest.approx(best)
     assert max(sim.peak_mem_bytes) <= usable_memory_bytes(h100.device.mem_bytes)

@@ -1,13 +1,14 @@
 import dataclasses
 
 import pytest
-from vlmcompile.cost_models.memory import usable_memory_bytes
-from vlmcompile.passes.partition import partition
 
-from vlmcompile.cluster import Cluster
-from vlmcompile.errors import PlanError
-from vlmcompile.plan import Reason, Recompute
-from vlmcompile.simulator import simulate
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.plan import Reason, Recompute
+from vlmcompile.passes.partition import partition
+from vlmcompile.planning.request import PlanRequest
+from vlmcompile.sim.simulator import simulate
 
 
 def small_memory(cluster: Cluster, mem_bytes: float) -> Cluster:
@@ -20,9 +21,10 @@ def h100():
 
 
 def test_plan_is_valid_and_within_memory(demo_graph, h100):
-    result = partition(demo_graph, h100, tp=1, pp=4, microbatch_size=1, global_batch=16)
+    result = partition(demo_graph, h100, PlanRequest.on(h100, tp=1, pp=4, global_batch=16, microbatch_size=1))
     plan = result.plan
-    plan.validate(demo_graph, h100)
+    plan.validate(demo_graph)
+    simulate(plan, demo_graph, h100).check_fits()
     assert plan.policy == "vlmcompile"
     assert sorted(n for s in plan.stages for n in s.layers) == sorted(x.name for x in demo_graph.layers)
     sim = simulate(plan, demo_graph, h100)
@@ -34,20 +36,24 @@ def test_plan_is_valid_and_within_memory(demo_graph, h100):
 
 
 def test_two_encoder_branches_keep_inputs_on_earlier_stages(two_encoder_graph, h100):
-    plan = partition(two_encoder_graph, h100, tp=1, pp=4, microbatch_size=1, global_batch=8).plan
+    plan = partition(
+        two_encoder_graph, h100, PlanRequest.on(h100, tp=1, pp=4, global_batch=8, microbatch_size=1)
+    ).plan
     stage = plan.stage_of()
     for producer, consumer in two_encoder_graph.graph.edges:
         assert stage[producer] <= stage[consumer], (producer, consumer)
 
 
 def test_tight_memory_makes_it_recompute_and_still_fit(demo_graph, h100):
-    loose = partition(demo_graph, h100, tp=1, pp=2, microbatch_size=4, global_batch=64)
+    loose = partition(demo_graph, h100, PlanRequest.on(h100, tp=1, pp=2, global_batch=64, microbatch_size=4))
     assert not loose.plan.recompute
     peak = max(loose.report.sim.peak_mem_bytes)
     states = max(loose.report.sim.ranks[r].static_bytes for r in range(2))
     # Room for the model states and a little under half the activations.
     tight = small_memory(h100, (states + 0.45 * (peak - states)) / 0.95)
-    result = partition(demo_graph, tight, tp=1, pp=2, microbatch_size=4, global_batch=64)
+    result = partition(
+        demo_graph, tight, PlanRequest.on(tight, tp=1, pp=2, global_batch=64, microbatch_size=4)
+    )
     assert result.plan.recompute, "no layer recomputed under a cap that the plain plan exceeds"
     assert all(v is Recompute.FULL for v in result.plan.recompute.values())
     assert max(result.report.sim.peak_mem_bytes) <= usable_memory_bytes(tight.device.mem_bytes)
@@ -58,19 +64,25 @@ def test_tight_memory_makes_it_recompute_and_still_fit(demo_graph, h100):
 
 def test_no_fit_names_the_least_memory_and_the_knobs(demo_graph, h100):
     with pytest.raises(PlanError, match=r"least memory any cut and recompute choice needs .* GiB.*Try"):
-        partition(demo_graph, small_memory(h100, 2**20), tp=1, pp=2, microbatch_size=1, global_batch=8)
+        partition(
+            demo_graph,
+            small_memory(h100, 2**20),
+            PlanRequest.on(small_memory(h100, 2**20), tp=1, pp=2, global_batch=8, microbatch_size=1),
+        )
 
 
 def test_a_faster_warm_start_is_kept_and_said(demo_graph, h100):
     # Equal or better: our plan must simulate no slower than the warm start it was given.
-    from vlmcompile.planning import plan_and_simulate
+    from vlmcompile.passes.policies import plan_and_simulate
 
-    warm = plan_and_simulate(demo_graph, h100, "megatron_balanced", tp=1, pp=2, global_batch=16).plan
-    result = partition(demo_graph, h100, tp=1, pp=2, global_batch=16, warm_start=warm)
+    warm = plan_and_simulate(
+        demo_graph, h100, "megatron_balanced", PlanRequest.on(h100, tp=1, pp=2, global_batch=16)
+    ).plan
+    result = partition(demo_graph, h100, PlanRequest.on(h100, tp=1, pp=2, global_batch=16), warm_start=warm)
     assert result.report.sim.step_time_s <= simulate(warm, demo_graph, h100).step_time_s
     assert result.report.warm_start_step_s is not None
 
 
 def test_schedules_it_does_not_model_are_refused(demo_graph, h100):
     with pytest.raises(PlanError, match="zero_bubble"):
-        partition(demo_graph, h100, tp=1, pp=2, global_batch=8, schedule="zero_bubble")
+        partition(demo_graph, h100, PlanRequest.on(h100, tp=1, pp=2, global_batch=8, schedule="zero_bubble"))

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from tests.models import build
 from vlmcompile.cost_models.compute import layer_time
 from vlmcompile.cost_models.hardware import device
 from vlmcompile.passes.annotate import annotate
 from vlmcompile.passes.capture import capture
 from vlmcompile.passes.profile import profile
-
-from tests.models import build
 
 
 def test_every_layer_is_timed_and_the_cost_model_uses_the_times_on_that_device_only():

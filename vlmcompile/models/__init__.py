@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmcompile.errors import ModelError
+from vlmcompile.ir.errors import ModelError
 from vlmcompile.models.configs import (
     ENCODERS,
     LLMS,

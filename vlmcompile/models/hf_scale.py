@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmcompile.errors import ModelError
+from vlmcompile.ir.errors import ModelError
 
 IMAGE_TOKEN = 32000
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from vlmcompile.errors import ModelError
+from vlmcompile.ir.errors import ModelError
 from vlmcompile.models.hf_tiny import other_vlms, projector_vlms, qwen
 
 BUILDERS: dict[str, Callable[..., tuple[nn.Module, dict[str, torch.Tensor]]]] = {

@@ -5,7 +5,7 @@ fixed number of rows per sample: Qwen-VL's ``pixel_values`` are the flattened pa
 image, ``16 x batch`` rows for 16 patches an image. :func:`rows_per_sample` reads that number
 off the sample batch, and :func:`take` cuts samples ``[start, start + count)`` out of a batch
 with it. Whether that cut is right for a model (every sample the same number of patches) is
-what the capture pass checks on the sample batch (:mod:`vlmcompile.passes.loss_split`).
+what the capture pass checks on the sample batch (:mod:`vlmcompile.graph.loss_split`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vlmcompile.errors import SampleBatchError
+from vlmcompile.ir.errors import SampleBatchError
 
 IGNORE_INDEX = -100
 """Label of a token the loss skips (transformers' convention, and the zoo's)."""

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vlmcompile.ir.plan import Parallel
+from vlmcompile.planning.request import PlanRequest
+
 
 @dataclass(frozen=True, slots=True)
 class Setup:
@@ -21,13 +24,38 @@ class Setup:
     paper: str
     model: str
     cluster: str
-    tp: int
-    pp: int
-    dp: int
+    parallel: Parallel
+    """The paper's degrees, v = 1."""
     global_batch: int
     microbatch_size: int
     v_balanced: int = 1
+    """v of the paper's balanced baseline (and ours)."""
     note: str = ""
+
+    def request(self, v: int = 1) -> PlanRequest:
+        """The paper's request, with ``v`` virtual stages per rank."""
+        return PlanRequest(
+            parallel=Parallel(dp=self.parallel.dp, tp=self.parallel.tp, pp=self.parallel.pp, v=v),
+            global_batch=self.global_batch,
+            microbatch_size=self.microbatch_size,
+        )
+
+
+def _setup(
+    name: str,
+    paper: str,
+    model: str,
+    cluster: str,
+    tp: int,
+    pp: int,
+    dp: int,
+    global_batch: int,
+    microbatch_size: int,
+    v_balanced: int = 1,
+    note: str = "",
+) -> Setup:
+    parallel = Parallel(dp=dp, tp=tp, pp=pp)
+    return Setup(name, paper, model, cluster, parallel, global_batch, microbatch_size, v_balanced, note)
 
 
 def _optimus() -> list[Setup]:
@@ -38,19 +66,21 @@ def _optimus() -> list[Setup]:
         ("Model D", "ViT-22B", "GPT-175B", 512, 256, 8, 8, 8, 12),
     ]
     out = [
-        Setup(f"optimus-weak-{n[-1]}", "Optimus", f"Optimus-Model-{n[-1]}", f"h100x{g}", tp, pp, dp, gb, 2, v)
+        _setup(
+            f"optimus-weak-{n[-1]}", "Optimus", f"Optimus-Model-{n[-1]}", f"h100x{g}", tp, pp, dp, gb, 2, v
+        )
         for n, _, _, g, gb, dp, pp, tp, v in weak
     ]
     for gpus, dp in ((1536, 24), (2048, 32), (3072, 48)):
         out.append(
-            Setup(
+            _setup(
                 f"optimus-strong-{gpus}", "Optimus", "Optimus-Model-D", f"h100x{gpus}", 8, 8, dp, 1536, 2, 12
             )
         )
     for encoders in (("ViT-11B", "ViT-5B"), ("ViT-22B", "ViT-5B"), ("ViT-22B", "ViT-11B")):
         model = "+".join([*encoders, "GPT-175B"])
         out.append(
-            Setup(
+            _setup(
                 f"optimus-multi-{'-'.join(e.removeprefix('ViT-') for e in encoders)}",
                 "Optimus",
                 model,
@@ -65,7 +95,7 @@ def _optimus() -> list[Setup]:
             )
         )
     out.append(
-        Setup(
+        _setup(
             "optimus-single-node",
             "Optimus",
             "ViT-3B+GPT-11B",
@@ -91,7 +121,7 @@ def _omnibal() -> list[Setup]:
         ("Qwen1.5-110B", 8, 8, 1),
     ]
     return [
-        Setup(
+        _setup(
             f"omnibal-{llm}",
             "OmniBal",
             f"InternViT-6B+{llm}",

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vlmcompile.errors import ArgumentError, VlmCompileError, positive_int, positive_number
+from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int, positive_number
 
 GRACE_S = 5.0
 """How long ranks still running after the first failure get to report before they are killed."""
@@ -219,7 +219,7 @@ def launch(
 
     Args:
         fn: a module-level function (it is pickled into each process).
-        payload: what every rank gets first (e.g. a :class:`~vlmcompile.runtime.PipelineRunner`).
+        payload: what every rank gets first (e.g. a :class:`~vlmcompile.runtime.executor.PipelineRunner`).
         timeout_s: the timeout of every collective in the ranks.
         limit_s: wall-clock bound on the whole run (None: no bound while every rank is healthy).
 

@@ -1,12 +1,12 @@
 """Does the model's loss split over microbatches? Checked by capture on the sample batch.
 
 A pipeline runs each microbatch alone and adds their losses, weighted by their share of the
-label tokens (:func:`vlmcompile.microbatch.label_weights`). That equals the loss of the whole
+label tokens (:func:`vlmcompile.ir.microbatch.label_weights`). That equals the loss of the whole
 batch when the loss is a mean (or sum) over samples, and is silently wrong when it couples the
 samples: a CLIP-style contrastive loss compares every image with every text of the batch. So
 capture runs the model on every sample of the sample batch alone and compares the weighted sum
 with the loss of the whole batch. The same run checks that the batch splits into samples as
-:func:`vlmcompile.microbatch.take` cuts it (Qwen-VL's patches: the same number per sample).
+:func:`vlmcompile.ir.microbatch.take` cuts it (Qwen-VL's patches: the same number per sample).
 
 A model whose loss does not split trains only as one microbatch on one data-parallel rank: the
 plan search keeps to such plans and the runtime refuses others.
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from vlmcompile.errors import SampleBatchError
-from vlmcompile.microbatch import IGNORE_INDEX, label_weights, num_samples, rows_per_sample, take
+from vlmcompile.ir.errors import SampleBatchError
+from vlmcompile.ir.microbatch import IGNORE_INDEX, label_weights, num_samples, rows_per_sample, take
 
 
 class LossSplit(str, enum.Enum):

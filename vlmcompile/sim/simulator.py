@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 
 from tabulate import tabulate
 
-from vlmcompile.actions import Action, ActionKind, dependencies, execution_order
-from vlmcompile.cluster import Cluster
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import MEMORY_RESERVE, usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import PlanCosts, StageCost, plan_costs
-from vlmcompile.errors import PlanError
-from vlmcompile.layer_graph import LayerGraph
-from vlmcompile.plan import Plan
+from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.plan import Plan
 
 CAUSES = ("dp_all_gather", "pp_warmup", "pp_other", "pp_cooldown", "tp_comm", "dp_reduce_scatter")
 
@@ -97,6 +98,30 @@ class SimResult:
     @property
     def peak_step(self) -> list[int]:
         return [r.peak_step for r in self.ranks]
+
+    @property
+    def mem_cap_bytes(self) -> float:
+        """The memory a rank may use: the device's less the reserve, the cap every policy plans to."""
+        return usable_memory_bytes(self.cluster.device.mem_bytes)
+
+    @property
+    def fits(self) -> bool:
+        """Every rank's peak memory within :attr:`mem_cap_bytes`."""
+        return max(self.peak_mem_bytes) <= self.mem_cap_bytes
+
+    def check_fits(self) -> None:
+        """Raise :class:`PlanError` naming the first rank over the cap, its step and action."""
+        cap = self.mem_cap_bytes
+        for rank, peak in enumerate(self.peak_mem_bytes):
+            if peak > cap:
+                step = self.peak_step[rank]
+                raise PlanError(
+                    f"rank {rank} needs {peak / 2**30:.1f} GiB at step {step} ({self.plan.actions[rank][step]}), "
+                    f"over the {cap / 2**30:.1f} GiB a {self.cluster.device.name} leaves (device memory less "
+                    f"the {100 * MEMORY_RESERVE:.0f} % reserve); recompute more layers, use more pipeline or "
+                    "tensor parallelism, or fewer microbatches in flight\n"
+                    + self.plan.grid_around(rank, step, "<- peak memory")
+                )
 
     def idle_share(self) -> dict[str, float]:
         """Idle time by cause as a share of (step time x ranks)."""

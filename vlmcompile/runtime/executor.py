@@ -26,20 +26,18 @@ from __future__ import annotations
 import ctypes
 import datetime
 import time
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vlmcompile.actions import Action, ActionKind
-from vlmcompile.errors import PlanError, SampleBatchError, VlmCompileError
-from vlmcompile.meta_keys import CAPTURE_OPTIONS_META, LOSS_SPLIT_META, SPECIALIZED_META
-from vlmcompile.microbatch import label_weights, rows_per_sample, take
-from vlmcompile.passes.codegen import StageModule
-from vlmcompile.passes.loss_split import LossSplit, coupled_loss_error
+from vlmcompile.ir.actions import Action, ActionKind
+from vlmcompile.ir.errors import PlanError, VlmCompileError
+from vlmcompile.ir.microbatch import label_weights, take
+from vlmcompile.ir.plan import Parallel, Plan
+from vlmcompile.runtime.stage import StageModule
 
 
 class RankLostError(VlmCompileError, RuntimeError):
@@ -56,39 +54,35 @@ class BatchError(VlmCompileError, ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Topology:
-    """Global ranks in Megatron-LM's order without TP: rank = dp_rank + dp * pp_rank."""
+class RuntimeCapabilities:
+    """What the runtime can run; planning for ranks it starts itself keeps within these."""
 
-    pp: int
-    dp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp
-
-    def rank(self, pp_rank: int, dp_rank: int) -> int:
-        return dp_rank + self.dp * pp_rank
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        """(pp_rank, dp_rank)."""
-        return divmod(rank, self.dp)
+    tensor_parallel: bool
+    split_backward: bool
+    """Separate input- and weight-gradient actions (I, W: zero-bubble schedules)."""
 
 
-def topology_of(plan) -> Topology:
+RUNTIME = RuntimeCapabilities(tensor_parallel=False, split_backward=False)
+
+
+def runnable_degrees(plan: Plan) -> Parallel:
+    """The plan's degrees, if the runtime can run them; else a :class:`PlanError` saying why."""
     groups = set(plan.parallel.values())
     if len(groups) != 1:
         raise PlanError("the runtime runs plans with one parallel group for the whole model")
     par = next(iter(groups))
-    if par.tp != 1:
+    if par.tp != 1 and not RUNTIME.tensor_parallel:
         raise PlanError(
             f"the runtime has no tensor parallelism yet; this plan has TP={par.tp} (plan with tp=1)"
         )
-    if any(a.kind in (ActionKind.I, ActionKind.W) for acts in plan.actions for a in acts):
+    if not RUNTIME.split_backward and any(
+        a.kind in (ActionKind.I, ActionKind.W) for acts in plan.actions for a in acts
+    ):
         raise PlanError(
             "the runtime runs full backward actions (B); this plan splits backwards into I and W "
             "(zero_bubble) - plan with 1f1b or interleaved_1f1b"
         )
-    return Topology(pp=par.pp, dp=par.dp)
+    return par
 
 
 _HEADER = 1000
@@ -150,13 +144,13 @@ class PipelineRunner:
     ):
         plan.validate()  # whatever made the plan: never run one that fails its checks
         self.plan = plan
-        self.topology = topology_of(plan)
+        self.parallel = runnable_degrees(plan)
         self.stages_all = stages
         self.batch_shapes = dict(batch_shapes)
         self.batch_constants = dict(batch_constants or {})
         """Non-tensor batch values (``return_loss=True``): capture baked them into the graph."""
         self.sample_rows = dict(sample_rows or {k: 1 for k in self.batch_shapes})
-        """Rows each sample holds per batch key (:func:`vlmcompile.microbatch.rows_per_sample`)."""
+        """Rows each sample holds per batch key (:func:`vlmcompile.ir.microbatch.rows_per_sample`)."""
         self.specialized = dict(specialized or {})
         """Batch key -> the values of one microbatch the stage graphs are specialised on."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -175,22 +169,22 @@ class PipelineRunner:
                 "CompiledPipeline.launch(nprocs=N) to start N local ranks"
             )
         world = dist.get_world_size()
-        if world != self.topology.world_size:
+        if world != self.parallel.world_size:
             raise PlanError(
-                f"the plan runs on {self.topology.world_size} ranks (PP={self.topology.pp} x DP={self.topology.dp}), "
-                f"but torch.distributed has {world}; start {self.topology.world_size} ranks or plan for {world}"
+                f"the plan runs on {self.parallel.world_size} ranks (PP={self.parallel.pp} x DP={self.parallel.dp}), "
+                f"but torch.distributed has {world}; start {self.parallel.world_size} ranks or plan for {world}"
             )
         if dist.get_backend() == "gloo":
             keep_freed_memory()
         self.rank = dist.get_rank()
-        self.pp_rank, self.dp_rank = self.topology.coords(self.rank)
+        self.pp_rank, self.dp_rank, _ = self.parallel.coords(self.rank)
         self.rank_of_stage = {s.index: s.rank for s in self.plan.stages}
         self.stages = {s.index: self.stages_all[s.index] for s in self.plan.stages if s.rank == self.pp_rank}
         self.actions = self.plan.actions[self.pp_rank]
-        t = self.topology
+        t = self.parallel
         self.dp_group = None
         for pp_rank in range(t.pp):  # every rank creates every group, in the same order
-            ranks = [t.rank(pp_rank, d) for d in range(t.dp)]
+            ranks = [t.global_rank(pp_rank, d) for d in range(t.dp)]
             group = dist.new_group(ranks, timeout=self.timeout) if t.dp > 1 else None
             if pp_rank == self.pp_rank:
                 self.dp_group, self.dp_ranks = group, ranks
@@ -208,11 +202,11 @@ class PipelineRunner:
                 holders.setdefault(id(p), set()).add(s.rank)
                 by_id.setdefault(id(p), {})[s.rank] = p
         out = []
-        t = self.topology
+        t = self.parallel
         sets = sorted({tuple(sorted(r)) for r in holders.values() if len(r) > 1})
         for pp_ranks in sets:
             for d in range(t.dp):
-                ranks = [t.rank(r, d) for r in pp_ranks]
+                ranks = [t.global_rank(r, d) for r in pp_ranks]
                 group = dist.new_group(ranks, timeout=self.timeout)
                 if self.pp_rank in pp_ranks and d == self.dp_rank:
                     params = [
@@ -259,7 +253,7 @@ class PipelineRunner:
                 )
                 raise BatchError(
                     f"batch[{key!r}] is {got}; the pipeline expects {list(shape)} {dtype} (global batch "
-                    f"{self.topology.dp * self.plan.num_microbatches * self.plan.microbatch_size} = DP x "
+                    f"{self.parallel.dp * self.plan.num_microbatches * self.plan.microbatch_size} = DP x "
                     "microbatches x microbatch size; other dims as in the compiled sample batch)"
                 )
         for key, expected in self.batch_constants.items():
@@ -274,7 +268,7 @@ class PipelineRunner:
             raise BatchError(f"the batch has keys {extra} the compiled sample batch did not have")
         if self.specialized:
             mbs = self.plan.microbatch_size
-            for i in range(self.topology.dp * self.plan.num_microbatches):
+            for i in range(self.parallel.dp * self.plan.num_microbatches):
                 self._check_specialized(take(batch, i * mbs, mbs, self.sample_rows), i)
 
     def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -282,7 +276,7 @@ class PipelineRunner:
         and return the global loss (the same on every rank)."""
         self.check_batch(batch)
         self.setup()
-        plan, t = self.plan, self.topology
+        plan, t = self.plan, self.parallel
         m, mbs = plan.num_microbatches, plan.microbatch_size
         shard_rows = m * mbs
         weights = label_weights(batch, t.dp * m)
@@ -355,7 +349,7 @@ class PipelineRunner:
                         sends += self._send(
                             input_grads, self.rank_of_stage[s - 1], s, "B", i, f"{action}'s input gradients"
                         )
-            else:  # topology_of rejects I/W plans
+            else:  # runnable_degrees rejects I/W plans
                 raise AssertionError(action)
         for work, what, peer in sends:
             self._wait(work, what, peer)
@@ -379,7 +373,7 @@ class PipelineRunner:
 
     # ---- communication ---------------------------------------------------------------------
     def _peer(self, pp_rank: int) -> int:
-        return self.topology.rank(pp_rank, self.dp_rank)
+        return self.parallel.global_rank(pp_rank, self.dp_rank)
 
     def _tag(self, stage: int, kind: str, microbatch: int, k: int) -> int:
         return ((stage * 2 + (kind == "B")) * self.plan.num_microbatches + microbatch) * 1024 + k
@@ -552,121 +546,3 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 def _floats(values) -> list[torch.Tensor]:
     return [x for x in values if isinstance(x, torch.Tensor) and x.is_floating_point()]
-
-
-def make_runner(pipe, plan, *, timeout_s: float = 60.0) -> PipelineRunner:
-    """Codegen ``pipe``'s captured graph for ``plan`` and wrap it in a runner."""
-    from vlmcompile.passes.capture import capture
-    from vlmcompile.passes.codegen import codegen
-
-    mine = pipe.layer_graph.fingerprint()
-    if plan.fingerprint and plan.fingerprint != mine:
-        raise PlanError(
-            f"the plan was made for model {plan.model!r} (fingerprint {plan.fingerprint}); this pipeline "
-            f"compiled {pipe.layer_graph.meta.get('model', '?')!r} (fingerprint {mine}). Plan for this model: "
-            "vlmcompile plan ... --json FILE, or pipe.baseline(...)/pipe.plan"
-        )
-    if not plan.fingerprint:
-        warnings.warn(
-            "the plan carries no model fingerprint; it is not checked against the model", stacklevel=3
-        )
-    plan.validate(pipe.layer_graph)
-    topology = topology_of(plan)
-    cluster = pipe.cluster
-    if cluster is not None and topology.world_size > cluster.num_gpus:
-        raise PlanError(
-            f"the plan runs on {topology.world_size} ranks (PP={topology.pp} x DP={topology.dp}), more than the "
-            f"{cluster.num_gpus} devices of {cluster.name}, the cluster this pipeline was compiled for"
-        )
-    _check_loss_splits(pipe.gm, topology, plan)
-    global_batch = topology.dp * plan.num_microbatches * plan.microbatch_size
-    try:
-        rows = rows_per_sample(pipe.sample_batch)
-    except SampleBatchError:
-        if topology.dp * plan.num_microbatches > 1:
-            raise
-        rows = dict.fromkeys(pipe.sample_batch, 0)  # one part: the batch is never split
-    tensors = {k: v for k, v in pipe.sample_batch.items() if isinstance(v, torch.Tensor)}
-    shapes = {
-        k: ((global_batch * rows[k], *v.shape[1:]) if rows[k] else tuple(v.shape), v.dtype)
-        for k, v in tensors.items()
-    }
-    gm = pipe.gm
-    captured = pipe.report.passes.get("capture")
-    samples = int(pipe.layer_graph.meta.get("batch_size", 0))
-    if getattr(captured, "method", "fx") == "export" and samples != plan.microbatch_size:
-        # export specialises shapes: capture again at one microbatch's samples.
-        if pipe.model is None or samples < plan.microbatch_size:
-            raise PlanError(
-                f"the graph was exported for batches of {samples}; the plan's microbatches hold "
-                f"{plan.microbatch_size}. Compile with a sample batch of {plan.microbatch_size} samples"
-            )
-        microbatch = take(pipe.sample_batch, 0, plan.microbatch_size, rows)
-        options = gm.meta.get(CAPTURE_OPTIONS_META, {})
-        gm = capture(pipe.model, microbatch, check_numerics=False, **options).gm
-    stages = codegen(gm, plan).stages
-    constants = {k: v for k, v in pipe.sample_batch.items() if not isinstance(v, torch.Tensor)}
-    return PipelineRunner(
-        plan,
-        stages,
-        batch_shapes=shapes,
-        batch_constants=constants,
-        sample_rows=rows,
-        specialized=gm.meta.get(SPECIALIZED_META),
-        timeout_s=timeout_s,
-    )
-
-
-def _check_loss_splits(gm, topology: Topology, plan) -> None:
-    """Refuse to split a batch whose loss couples its samples (passes/loss_split.py)."""
-    check = gm.meta.get(LOSS_SPLIT_META)
-    if check is None or check.verdict is not LossSplit.BATCH_COUPLED:
-        return
-    parts = topology.dp * plan.num_microbatches
-    if parts > 1:
-        raise PlanError(
-            f"the plan splits each batch into {parts} parts (DP={topology.dp} x {plan.num_microbatches} "
-            f"microbatches), but {coupled_loss_error(check.detail)}"
-        )
-
-
-def one_step(runner: PipelineRunner, batch: Mapping[str, Any]) -> dict[str, Any]:
-    """One training step (no optimizer): the loss and this rank's gradients by original name."""
-    for p in runner.parameters():
-        p.grad = None
-    loss = runner.step(batch)
-    return {
-        "loss": loss,
-        "grads": {n: p.grad for n, p in runner.named_parameters().items()},
-    }
-
-
-def timed_steps(
-    runner: PipelineRunner, batch: Mapping[str, Any], num_steps: int, lr: float
-) -> dict[str, Any]:
-    """``num_steps`` training steps with SGD(lr) on the same batch; this rank's losses and step
-    times (the ranks start every step together, after a barrier)."""
-    return interleaved_steps((runner,), batch, num_steps, lr)[0]
-
-
-def interleaved_steps(
-    runners: Sequence[PipelineRunner], batch: Mapping[str, Any], num_steps: int, lr: float
-) -> list[dict[str, Any]]:
-    """``num_steps`` training steps of every runner (each with its own parameters and SGD(lr))
-    on the same batch, interleaved step by step, the order reversed every other step (A B, B A,
-    A B, ...): a shared machine's speed drifts over minutes, and interleaving puts the drift on
-    every plan alike. Per runner, this rank's losses and step times; the ranks start every step
-    together, after a barrier."""
-    optimizers = [torch.optim.SGD(r.parameters(), lr=lr) for r in runners]
-    out: list[dict[str, list[float]]] = [{"losses": [], "step_s": []} for _ in runners]
-    for k in range(num_steps):
-        order = range(len(runners)) if k % 2 == 0 else reversed(range(len(runners)))
-        for j in order:
-            optimizers[j].zero_grad(set_to_none=True)
-            runners[j]._wait(dist.barrier(async_op=True), "the barrier that starts every step together")
-            start = time.perf_counter()
-            loss = runners[j].step(batch)
-            out[j]["step_s"].append(time.perf_counter() - start)
-            optimizers[j].step()
-            out[j]["losses"].append(float(loss))
-    return out

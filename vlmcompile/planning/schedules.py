@@ -14,11 +14,12 @@ Every generator returns ``tuple[tuple[Action, ...], ...]`` indexed by rank.
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections.abc import Mapping
 
-from vlmcompile.actions import Action, ActionKind
-from vlmcompile.errors import PlanError
+from vlmcompile.ir.actions import Action, ActionKind
+from vlmcompile.ir.errors import PlanError
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741 - torch's letters
 RankActions = tuple[tuple[Action, ...], ...]
@@ -152,11 +153,34 @@ def zero_bubble(
     return tuple(tuple(a) for a in acts)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+class Schedule(str, enum.Enum):
+    """A schedule's name, as plans, requests and the CLI write it."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    ZERO_BUBBLE = "zero_bubble"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, name: Schedule | str) -> Schedule:
+        try:
+            return cls(name)
+        except ValueError:
+            raise PlanError(
+                f"unknown schedule {name!r}; choose one of {', '.join(s.value for s in cls)}"
+            ) from None
+
+    @classmethod
+    def default(cls, v: int) -> Schedule:
+        """Megatron-LM's: 1F1B, interleaved when a rank holds several virtual stages."""
+        return cls.INTERLEAVED_1F1B if v > 1 else cls.ONE_F_ONE_B
 
 
 def make_schedule(
-    name: str,
+    name: Schedule | str,
     p: int,
     m: int,
     *,
@@ -165,12 +189,13 @@ def make_schedule(
 ) -> RankActions:
     """The named schedule for p ranks, m microbatches and v stages per rank. ``stage_times``
     (per kind, one per stage) is used by the schedules that place work by time (zero_bubble)."""
-    if name not in SCHEDULES:
-        raise PlanError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if name == "interleaved_1f1b":
+    schedule = Schedule.parse(name)
+    if schedule is Schedule.INTERLEAVED_1F1B:
         return interleaved_one_f_one_b(p, m, v)
     if v > 1:
-        raise PlanError(f"schedule {name!r} runs one stage per rank; with v={v} use interleaved_1f1b")
-    if name == "zero_bubble":
+        raise PlanError(
+            f"schedule {schedule.value!r} runs one stage per rank; with v={v} use interleaved_1f1b"
+        )
+    if schedule is Schedule.ZERO_BUBBLE:
         return zero_bubble(p, m, stage_times)
-    return gpipe(p, m) if name == "gpipe" else one_f_one_b(p, m)
+    return gpipe(p, m) if schedule is Schedule.GPIPE else one_f_one_b(p, m)

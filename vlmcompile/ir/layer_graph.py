@@ -19,7 +19,7 @@ from typing import Any
 import networkx as nx
 from tabulate import tabulate
 
-from vlmcompile.regions import Region
+from vlmcompile.ir.regions import Region
 
 SCHEMA = "vlmcompile.layer_graph"
 SCHEMA_VERSION = 3

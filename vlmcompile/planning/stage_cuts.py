@@ -1,10 +1,6 @@
 """Stage cuts and per-layer recompute flags as one integer program (OR-Tools CP-SAT).
 
-A :class:`PartitionProblem` is the numbers only: per layer its forward and backward time, the
-extra backward time if it is recomputed, the activation bytes it keeps per microbatch with and
-without recompute, its model-state bytes, its DP gradient reduction and the transfer time of a
-cut right after it; plus the pipeline shape (p ranks, v virtual stages per rank, m
-microbatches) and, per rank, the activation counts the schedule holds at each step.
+The numbers are a :class:`~vlmcompile.planning.problem.PartitionProblem`.
 
 Layers go, in order, into S = p x v consecutive stages; stage k runs on rank k mod p
 (Megatron's interleaved placement). The step time modelled is
@@ -27,132 +23,14 @@ This is the same accounting as the simulator's peak memory.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from vlmcompile.actions import ActionKind
-
-MemoryPattern = tuple[tuple[tuple[int, int], ...], int]
-"""((stage, microbatches in flight), ...), and the stage whose backward runs (-1 for none)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PartitionProblem:
-    names: tuple[str, ...]
-    fwd_s: tuple[float, ...]
-    """Forward of one microbatch, TP collectives included."""
-    bwd_s: tuple[float, ...]
-    """Backward (input and weight gradients, TP collectives) without recompute."""
-    redo_s: tuple[float, ...]
-    """Extra backward time when the layer is recomputed."""
-    act_bytes: tuple[float, ...]
-    """Kept per microbatch from forward to backward, without recompute."""
-    act_bytes_recompute: tuple[float, ...]
-    transient_bytes: tuple[float, ...]
-    """Extra bytes during the layer's backward when it is recomputed."""
-    state_bytes: tuple[float, ...]
-    """Parameters, gradients and optimizer states on one rank."""
-    reduce_s: tuple[float, ...]
-    """DP gradient reduction of the layer."""
-    cut_s: tuple[float, ...]
-    """Sending activations forward and gradients back for a cut right after the layer."""
-    recomputable: tuple[bool, ...]
-    num_ranks: int
-    v: int
-    num_microbatches: int
-    memory_patterns: tuple[tuple[MemoryPattern, ...], ...]
-    """Per rank, the distinct in-flight patterns of its action list (see :func:`memory_patterns`)."""
-    mem_cap_bytes: float
-
-    def __post_init__(self):
-        n = len(self.names)
-        for field in ("fwd_s", "bwd_s", "redo_s", "act_bytes", "act_bytes_recompute", "transient_bytes"):
-            if len(getattr(self, field)) != n:
-                raise ValueError(f"{field} has {len(getattr(self, field))} values for {n} layers")
-        if len(self.memory_patterns) != self.num_ranks:
-            raise ValueError(f"{len(self.memory_patterns)} memory pattern lists for {self.num_ranks} ranks")
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.names)
-
-    @property
-    def num_stages(self) -> int:
-        return self.num_ranks * self.v
-
-
-@dataclass(frozen=True, slots=True)
-class Evaluation:
-    """The model's figures for one assignment (floats, no rounding)."""
-
-    step_s: float
-    peak_bytes: tuple[float, ...]
-    """Per rank."""
-    fits: bool
-
-
-def evaluate(problem: PartitionProblem, stage_of: Sequence[int], recompute: Sequence[bool]) -> Evaluation:
-    p, v, m = problem.num_ranks, problem.v, problem.num_microbatches
-    S = problem.num_stages
-    F, B, R = [0.0] * S, [0.0] * S, [0.0] * p
-    A, T, static = [0.0] * S, [0.0] * S, [0.0] * p
-    for i, k in enumerate(stage_of):
-        rc = bool(recompute[i])
-        F[k] += problem.fwd_s[i]
-        B[k] += problem.bwd_s[i] + (problem.redo_s[i] if rc else 0.0)
-        A[k] += problem.act_bytes_recompute[i] if rc else problem.act_bytes[i]
-        if rc:
-            T[k] = max(T[k], problem.transient_bytes[i])
-        R[k % p] += problem.reduce_s[i]
-        static[k % p] += problem.state_bytes[i]
-    work = [sum(F[k] + B[k] for k in range(r, S, p)) for r in range(p)]
-    cuts = sum(problem.cut_s[i] for i in range(len(stage_of) - 1) if stage_of[i + 1] != stage_of[i])
-    tail = max(0.0, *(R[r] - sum(B[: r + 1]) for r in range(p)))
-    step = ((v * m - 1) * max(work) + sum(F) + sum(B) + cuts) / v + tail
-    peaks = []
-    for r in range(p):
-        peak = 0.0
-        for live, busy in problem.memory_patterns[r]:
-            peak = max(peak, sum(n * A[k] for k, n in live) + (T[busy] if busy >= 0 else 0.0))
-        peaks.append(static[r] + peak)
-    return Evaluation(step, tuple(peaks), all(x <= problem.mem_cap_bytes for x in peaks))
-
-
-def memory_patterns(actions: Sequence[Sequence], num_stages: int) -> tuple[tuple[MemoryPattern, ...], ...]:
-    """Per rank, every distinct (activations in flight per stage, stage in backward) of its
-    action list, without the ones another pattern dominates. A microbatch is in flight on a
-    stage from its forward until its backward (B, or W when the backward is split)."""
-    split = {a.stage for acts in actions for a in acts if a.kind is ActionKind.W}
-    out = []
-    for acts in actions:
-        live = [0] * num_stages
-        seen: set[MemoryPattern] = set()
-        for a in acts:
-            if a.kind is ActionKind.F:
-                live[a.stage] += 1
-                busy = -1
-            elif a.kind in (ActionKind.B, ActionKind.I):
-                busy = a.stage
-            else:
-                busy = -1
-            seen.add((tuple((k, n) for k, n in enumerate(live) if n), busy))
-            if a.kind is ActionKind.B or (a.kind is ActionKind.W and a.stage in split):
-                live[a.stage] -= 1
-        out.append(tuple(sorted(_undominated(seen))))
-    return tuple(out)
-
-
-def _undominated(patterns: set[MemoryPattern]) -> list[MemoryPattern]:
-    def covers(big: MemoryPattern, small: MemoryPattern) -> bool:
-        b, s = dict(big[0]), dict(small[0])
-        return (small[1] in (-1, big[1])) and all(b.get(k, 0) >= n for k, n in s.items())
-
-    items = list(patterns)
-    return [x for x in items if not any(y != x and covers(y, x) for y in items)]
+from vlmcompile.planning.problem import Evaluation, PartitionProblem, evaluate
+from vlmcompile.planning.request import SolverOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +102,9 @@ class Infeasible(Exception):
 
 def solve(
     problem: PartitionProblem,
+    options: SolverOptions = SolverOptions(),
     *,
-    time_limit_s: float = 10.0,
     hint: tuple[Sequence[int], Sequence[bool]] | None = None,
-    workers: int | None = None,
     time_quantum_s: float | None = None,
     mem_quantum_bytes: float | None = None,
     minimize_memory: bool = False,
@@ -387,8 +264,8 @@ def solve(
         model.add_hint(tail, max(0, *(reduce_of[r] - sum(b_of[: r + 1]) for r in range(p))))
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = workers or max(1, min(8, os.cpu_count() or 1))
+    solver.parameters.max_time_in_seconds = options.time_limit_s
+    solver.parameters.num_workers = options.num_workers
     # CP-SAT's own SIGINT handler leaves the process's C-level handler at the default when it is
     # done, so a later Ctrl-C would kill the process without cleaning up (local ranks orphaned).
     # Python's handler stays; a Ctrl-C during a solve takes effect when the solve returns.

@@ -17,15 +17,16 @@ broken by where each first appears in the graph.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import networkx as nx
 import torch.fx as fx
 from torch import nn
 
-from vlmcompile.errors import RegionError
-from vlmcompile.meta_keys import LAYER_META, REGION_META
-from vlmcompile.regions import (
+from vlmcompile.ir.errors import RegionError
+from vlmcompile.ir.meta_keys import LAYER_META, REGION_META
+from vlmcompile.ir.regions import (
     ENCODER_REGIONS,
     LANGUAGE_REGIONS,
     REGION_ATTR,
@@ -213,6 +214,17 @@ def assign_layers(
             own[n] = max(inputs, key=rank.__getitem__) if inputs else order[0]
     for group in vmap_regions(nodes):
         _keep_together(group, own, rank)
+    # A constant-index getitem joins the layer of the tuple it indexes (an earlier layer, so
+    # values still flow forward): a multi-output node's tuple never crosses a layer boundary,
+    # only its elements do, and codegen can cut at any layer boundary.
+    for n in nodes:
+        if (
+            n.op == "call_function"
+            and n.target is operator.getitem
+            and n.all_input_nodes == [n.args[0]]
+            and n.args[0] in own
+        ):
+            own[n] = own[n.args[0]]
 
     regions = regions_by_flow(order, flow, assigner)
     for n in nodes:

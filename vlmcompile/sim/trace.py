@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vlmcompile.actions import ActionKind
-from vlmcompile.simulator import SimResult
+from vlmcompile.ir.actions import ActionKind
+from vlmcompile.sim.simulator import SimResult
 
 _COMPUTE, _DP, _BUBBLE = 0, 1, 2
 _COLOURS = {  # one colour per action kind, darker for later virtual stages

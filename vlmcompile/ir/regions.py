@@ -10,7 +10,7 @@ Assignment order, first match wins:
 2. a ``vlmcompile_region`` attribute on a module's class (the reference zoo sets it);
 3. a keyword in the module path, innermost component first, so ``visual.merger`` (Qwen2-VL)
    is a projector inside a vision tower (rules below, covering the transformers VLMs);
-4. the data flow (:func:`vlmcompile.layering.regions_by_flow`): a layer still unplaced that
+4. the data flow (:func:`vlmcompile.graph.layering.regions_by_flow`): a layer still unplaced that
    reads from an encoder tower and from nothing of the LLM is a projector, whatever its name.
 """
 
@@ -21,7 +21,7 @@ import enum
 import re
 from collections.abc import Mapping, Sequence
 
-from vlmcompile.errors import RegionError
+from vlmcompile.ir.errors import RegionError
 
 
 class Region(str, enum.Enum):

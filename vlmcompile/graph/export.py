@@ -27,10 +27,10 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_flatten
 
-from vlmcompile.errors import CaptureError, ModelError, SampleBatchError
-from vlmcompile.fake import fake_factory, swapped_tensors
-from vlmcompile.meta_keys import RUNTIME_CHECK_META, SPECIALIZED_META
-from vlmcompile.specialize import KnownValues, value_input_tiers
+from vlmcompile.graph.fake import fake_factory, swapped_tensors
+from vlmcompile.graph.specialize import KnownValues, value_input_tiers
+from vlmcompile.ir.errors import CaptureError, ModelError, SampleBatchError
+from vlmcompile.ir.meta_keys import RUNTIME_CHECK_META, SPECIALIZED_META
 
 WRAPPED = "inner"
 """Attribute under which :class:`LossOf` holds the model (graph paths start ``inner.``)."""
@@ -51,7 +51,7 @@ def takes_use_cache(model: nn.Module) -> bool:
 class LossOf(nn.Module):
     """Returns only the loss of a model that returns a ModelOutput or a dict with 'loss'. The
     batch's Python values (``return_loss=True``, image sizes as a list) are passed as constants
-    of the graph, and the tensors in ``fixed`` as known values (:mod:`vlmcompile.specialize`)."""
+    of the graph, and the tensors in ``fixed`` as known values (:mod:`vlmcompile.graph.specialize`)."""
 
     def __init__(
         self,
@@ -180,7 +180,7 @@ def mark_runtime_checks(gm: fx.GraphModule) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Specialization:
-    """Batch inputs whose values the graph is specialised on (:mod:`vlmcompile.specialize`)."""
+    """Batch inputs whose values the graph is specialised on (:mod:`vlmcompile.graph.specialize`)."""
 
     keys: tuple[str, ...]
     because: str

@@ -27,8 +27,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from vlmcompile.errors import CaptureError
-from vlmcompile.microbatch import num_samples
+from vlmcompile.ir.errors import CaptureError
+from vlmcompile.ir.microbatch import num_samples
 
 _RANDOM = {"bernoulli", "multinomial", "normal", "poisson", "rrelu", "gumbel_softmax"}
 """Names (beyond ``rand*`` and ``*dropout*``) of torch functions that draw random numbers."""

@@ -23,12 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
 
-from vlmcompile.actions import Action, ActionKind, dependencies, execution_order, format_grid
-from vlmcompile.errors import PlanError
+from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order, format_grid
+from vlmcompile.ir.errors import PlanError
 
 if TYPE_CHECKING:
-    from vlmcompile.cluster import Cluster
-    from vlmcompile.layer_graph import LayerGraph
+    from vlmcompile.ir.layer_graph import LayerGraph
 
 SCHEMA = "vlmcompile.plan"
 SCHEMA_VERSION = 1
@@ -97,6 +96,20 @@ class Parallel:
                 raise PlanError(f"parallel degree {name}={getattr(self, name)} must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage={self.zero_stage}; use 0, 1, 2 or 3")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
+        """Megatron-LM's layout: tensor-parallel fastest, then data-parallel, then pipeline."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        rest, tp_rank = divmod(rank, self.tp)
+        pp_rank, dp_rank = divmod(rest, self.dp)
+        return pp_rank, dp_rank, tp_rank
 
     def __str__(self) -> str:
         sp = ", SP" if self.sequence_parallel and self.tp > 1 else ""
@@ -238,8 +251,8 @@ class Plan:
         if data.get("version") != SCHEMA_VERSION:
             raise PlanError(
                 f"plan JSON version {data.get('version')!r} is not {SCHEMA_VERSION} (this vlmcompile reads "
-                f"version {SCHEMA_VERSION} only); re-create the plan with `vlmcompile plan ... --json FILE` "
-                "or Plan.save"
+                f"version {SCHEMA_VERSION} only); re-plan: `vlmcompile plan ... --json FILE`, or "
+                "compile(...).plan.save(FILE)"
             )
         try:
             return cls(
@@ -306,29 +319,22 @@ class Plan:
             raise PlanError(f"plan file {str(path)!r}: {err}") from None
 
     # ---- validation ------------------------------------------------------------------------
-    def validate(self, layer_graph: LayerGraph | None = None, cluster: Cluster | None = None) -> None:
+    def validate(self, layer_graph: LayerGraph | None = None) -> None:
         """Raise :class:`PlanError` for the first fault found: structure, layer coverage (with
-        ``layer_graph``), missing or misplaced actions, deadlock, and memory over the device
-        limit (with ``layer_graph`` and ``cluster``)."""
+        ``layer_graph``), missing or misplaced actions, deadlock. Whether the plan fits in memory
+        is the simulator's to say (:meth:`vlmcompile.sim.simulator.SimResult.check_fits`)."""
         _check_structure(self)
         if layer_graph is not None:
             _check_layers(self, layer_graph)
         _check_actions(self)
         _check_deadlock(self)
-        if layer_graph is not None and cluster is not None:
-            from vlmcompile.simulator import simulate
 
-            result = simulate(self, layer_graph, cluster)
-            limit = cluster.device.mem_bytes
-            for rank, peak in enumerate(result.peak_mem_bytes):
-                if peak > limit:
-                    step = result.peak_step[rank]
-                    raise PlanError(
-                        f"rank {rank} needs {peak / 2**30:.1f} GiB at step {step} ({self.actions[rank][step]}), "
-                        f"over the {limit / 2**30:.1f} GiB of a {cluster.device.name}; recompute more layers, "
-                        "use more pipeline or tensor parallelism, or fewer microbatches in flight\n"
-                        + _grid_around(self, rank, step, "<- peak memory")
-                    )
+    def grid_around(self, rank: int, step: int, note: str) -> str:
+        """The grid's rows near ``step``, with ``note`` next to rank ``rank``'s action there."""
+        longest = max(len(a) for a in self.actions)
+        return format_grid(
+            self.actions, mark={(rank, step): note}, steps=range(max(0, step - 3), min(longest, step + 4))
+        )
 
 
 _PARALLEL_FIELDS = {
@@ -495,22 +501,22 @@ def _check_actions(plan: Plan) -> None:
             if a.stage not in rank_of:
                 raise PlanError(
                     f"rank {rank} step {step}: {a} names stage {a.stage}, but the plan has stages "
-                    f"0..{plan.num_stages - 1}\n" + _grid_around(plan, rank, step, "<- unknown stage")
+                    f"0..{plan.num_stages - 1}\n" + plan.grid_around(rank, step, "<- unknown stage")
                 )
             if rank_of[a.stage] != rank:
                 raise PlanError(
                     f"rank {rank} step {step}: {a} belongs to stage {a.stage}, which is placed on rank "
-                    f"{rank_of[a.stage]}\n" + _grid_around(plan, rank, step, "<- wrong rank")
+                    f"{rank_of[a.stage]}\n" + plan.grid_around(rank, step, "<- wrong rank")
                 )
             if a.microbatch >= plan.num_microbatches:
                 raise PlanError(
                     f"rank {rank} step {step}: {a} names microbatch {a.microbatch}, but the plan has "
-                    f"{plan.num_microbatches}\n" + _grid_around(plan, rank, step, "<- no such microbatch")
+                    f"{plan.num_microbatches}\n" + plan.grid_around(rank, step, "<- no such microbatch")
                 )
             if a in seen:
                 raise PlanError(
                     f"rank {rank} step {step}: {a} is scheduled twice (also at step {seen[a][1]})\n"
-                    + _grid_around(plan, rank, step, "<- again")
+                    + plan.grid_around(rank, step, "<- again")
                 )
             seen[a] = (rank, step)
     kinds: dict[tuple[int, int], set[ActionKind]] = defaultdict(set)
@@ -565,11 +571,4 @@ def _check_deadlock(plan: Plan) -> None:
         + "; ".join(lines)
         + "\n"
         + format_grid(plan.actions, mark=mark, steps=range(lo, hi))
-    )
-
-
-def _grid_around(plan: Plan, rank: int, step: int, note: str) -> str:
-    longest = max(len(a) for a in plan.actions)
-    return format_grid(
-        plan.actions, mark={(rank, step): note}, steps=range(max(0, step - 3), min(longest, step + 4))
     )

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.hardware import GB, DeviceSpec, device
-from vlmcompile.errors import ClusterError
+from vlmcompile.ir.errors import ClusterError
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +95,9 @@ class Cluster:
     intra_node_latency_s: float = 3e-6
     inter_node_latency_s: float = 10e-6
     note: str = ""
+    ranks_on_this_machine: bool = False
+    """Its ranks are processes on this machine (started by the local launcher, sharing its
+    cores): a plan for it is meant to run here, on the runtime as it is."""
 
     def __post_init__(self):
         if self.num_gpus < 1 or self.gpus_per_node < 1:
@@ -156,6 +159,7 @@ class Cluster:
             intra_node_latency_s=50e-6,
             inter_node_latency_s=50e-6,
             note="local CPU ranks over gloo; device rates measured here, link figures assumed",
+            ranks_on_this_machine=True,
         )
 
     def data_parallel_size(self, tp: int, pp: int) -> int:

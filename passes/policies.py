@@ -1,0 +1,189 @@
+"""The planning policies by name, and how to run one, compare them, or search the degrees.
+
+For the Megatron policies ``recompute="auto"`` does what a Megatron-LM user does - the least
+global recompute whose plan fits in memory (none, then selective, then full, then full with the
+vision encoder too). ``omnibal`` and ``vlmcompile`` choose per-layer recompute themselves.
+``vlmcompile`` first plans every baseline for the same request: the fastest that fits is its
+warm start, and all of them are rows of its report. Every policy is held to the same memory
+cap: device memory less :data:`~vlmcompile.cost_models.memory.MEMORY_RESERVE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.errors import ArgumentError, PlanError
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.plan import Decision, Reason
+from vlmcompile.passes.megatron import megatron
+from vlmcompile.passes.megatron_balanced import megatron_balanced
+from vlmcompile.passes.omnibal import omnibal
+from vlmcompile.passes.partition import partition
+from vlmcompile.passes.plan_search import plan_search
+from vlmcompile.planning.request import (
+    RECOMPUTE_LADDER,
+    GlobalRecompute,
+    PlanRequest,
+    SearchSpace,
+    SolverOptions,
+)
+from vlmcompile.planning.result import PolicyResult, PolicyRow
+
+POLICIES: dict[str, Callable[..., PolicyResult]] = {
+    "megatron": megatron,
+    "megatron_balanced": megatron_balanced,
+    "omnibal": omnibal,
+    "vlmcompile": partition,
+}
+"""Every policy is ``policy(layer_graph, cluster, request, **its_own_options) -> PolicyResult``."""
+BASELINES = ("megatron", "megatron_balanced", "omnibal")
+GLOBAL_RECOMPUTE_POLICIES = ("megatron", "megatron_balanced")
+
+
+def plan_and_simulate(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    policy: str,
+    request: PlanRequest,
+    *,
+    recompute: GlobalRecompute | Literal["auto"] = "auto",
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    solver: SolverOptions | None = None,
+) -> PolicyResult:
+    """``policy``'s plan for ``request``, simulated.
+
+    Args:
+        recompute: the Megatron policies' global recompute, or "auto": the least that fits.
+        first_stage_layers, last_stage_layers: Megatron's decoder layers on the first and last
+            pipeline stage (``--decoder-first/last-pipeline-num-layers``).
+        solver: CP-SAT's limits (``vlmcompile``).
+
+    Raises:
+        ArgumentError: an unknown policy, or an option the policy does not take.
+    """
+    if policy not in POLICIES:
+        raise ArgumentError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    given = {
+        "recompute": recompute != "auto",
+        "first_stage_layers": first_stage_layers is not None,
+        "last_stage_layers": last_stage_layers is not None,
+        "solver": solver is not None,
+    }
+    takes = {
+        "megatron": ("recompute", "first_stage_layers", "last_stage_layers"),
+        "megatron_balanced": ("recompute",),
+        "omnibal": (),
+        "vlmcompile": ("solver",),
+    }[policy]
+    wrong = [name for name, is_given in given.items() if is_given and name not in takes]
+    if wrong:
+        raise ArgumentError(
+            f"policy {policy!r} does not take {', '.join(wrong)}"
+            + (" (it chooses recompute per layer)" if "recompute" in wrong else "")
+        )
+    if policy == "vlmcompile":
+        return _ours_with_baselines(layer_graph, cluster, request, solver or SolverOptions())
+    if policy == "omnibal":
+        return omnibal(layer_graph, cluster, request)
+    split = {"first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
+    options = split if policy == "megatron" else {}
+    if recompute != "auto":
+        return POLICIES[policy](layer_graph, cluster, request, recompute=recompute, **options)
+    return _least_recompute_that_fits(layer_graph, cluster, policy, request, options)
+
+
+def _least_recompute_that_fits(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    policy: str,
+    request: PlanRequest,
+    options: dict[str, int | None],
+) -> PolicyResult:
+    tried = []
+    for rung in RECOMPUTE_LADDER:
+        result = POLICIES[policy](layer_graph, cluster, request, recompute=rung, **options)
+        tried.append(f"{rung}: {max(result.sim.peak_mem_bytes) / 2**30:.1f} GiB")
+        if result.fits:
+            break
+    cap = result.sim.mem_cap_bytes
+    verdict = (
+        "fits" if result.fits else f"does not fit even with the most recompute (cap {cap / 2**30:.1f} GiB)"
+    )
+    said = Decision(
+        "recompute",
+        Reason.GLOBAL_RECOMPUTE,
+        f"auto: least recompute that fits; tried {'; '.join(tried)}; {verdict}",
+    )
+    plan = dataclasses.replace(result.plan, decisions=(*result.plan.decisions, said))
+    return dataclasses.replace(
+        result,
+        plan=plan,
+        sim=dataclasses.replace(result.sim, plan=plan),
+        report=dataclasses.replace(result.report, plan=plan),
+    )
+
+
+def _ours_with_baselines(
+    layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest, solver: SolverOptions
+) -> PolicyResult:
+    runs, rows = compare_baselines(layer_graph, cluster, request)
+    stages = request.parallel.pp * request.parallel.v
+    fitting = [r for r in runs if r.fits and r.plan.num_stages == stages]
+    warm = min(fitting, key=lambda r: r.sim.step_time_s).plan if fitting else None
+    result = partition(layer_graph, cluster, request, solver=solver, warm_start=warm)
+    return dataclasses.replace(result, baselines=rows)
+
+
+def compare_baselines(
+    layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest
+) -> tuple[list[PolicyResult], tuple[PolicyRow, ...]]:
+    """Every baseline for ``request``; a policy that cannot plan it gets a row saying why."""
+    runs, rows = [], []
+    for policy in BASELINES:
+        try:
+            run = plan_and_simulate(layer_graph, cluster, policy, request)
+        except PlanError as err:
+            rows.append(PolicyRow(policy, None, False, "-", str(err).split(";")[0][:90]))
+            continue
+        runs.append(run)
+        rows.append(PolicyRow(policy, run.sim.step_time_s, run.fits, run.recompute))
+    return runs, tuple(rows)
+
+
+def search_and_compare(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    space: SearchSpace = SearchSpace(),
+    solver: SolverOptions = SolverOptions(time_limit_s=3.0),
+    progress: bool = True,
+) -> PolicyResult:
+    """The plan search's best plan (its report the search's), with every baseline planned for the
+    request it chose."""
+    result = plan_search(
+        layer_graph, cluster, global_batch=global_batch, space=space, solver=solver, progress=progress
+    )
+    plan = result.plan
+    request = PlanRequest(
+        parallel=plan.parallel["model"], global_batch=global_batch, microbatch_size=plan.microbatch_size
+    )
+    _, rows = compare_baselines(layer_graph, cluster, request)
+    said = Decision(
+        "parallel degrees",
+        Reason.PLAN_SEARCH,
+        f"{plan.parallel['model']}, microbatch {plan.microbatch_size}: fastest simulated of "
+        f"{len(result.report.candidates)} candidates",
+    )
+    plan = dataclasses.replace(plan, decisions=(*plan.decisions, said))
+    return dataclasses.replace(
+        result,
+        plan=plan,
+        sim=dataclasses.replace(result.sim, plan=plan),
+        report=dataclasses.replace(result.report, chosen=plan),
+        baselines=rows,
+    )

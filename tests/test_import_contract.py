@@ -1,0 +1,121 @@
+"""Imports point one way: ir <- cost_models <- sim <- planning <- passes <- compiler <- cli, demo
+(graph and runtime read ir only; models read ir). Planning sits above the simulator: a policy's
+result is its plan simulated, and the simulator knows nothing of how plans are made.
+
+Every import of a vlmcompile module is read from the source (inside functions and under
+TYPE_CHECKING too), so a shortcut taken in a function body breaks this test like one at the top.
+"""
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = {
+    "vlmcompile": ROOT / "vlmcompile",
+    "vlmcompile.passes": ROOT / "passes",
+    "vlmcompile.cost_models": ROOT / "cost_models",
+}
+
+TOP = {
+    "vlmcompile",
+    "vlmcompile.compiler",
+    "vlmcompile.pipeline",
+    "vlmcompile.pass_runner",
+    "vlmcompile.cli",
+    "vlmcompile.demo",
+}
+ALLOWED = {
+    "ir": {"ir"},
+    "cost_models": {"ir", "cost_models"},
+    "graph": {"ir", "graph"},
+    "planning": {"ir", "cost_models", "sim", "planning"},
+    "sim": {"ir", "cost_models", "sim"},
+    "runtime": {"ir", "runtime"},
+    "models": {"ir", "models"},
+    "passes": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "passes"},
+    "top": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "models", "passes", "top"},
+}
+COMPILER_USERS = {"vlmcompile", "vlmcompile.cli", "vlmcompile.demo"}
+"""The package's own __init__ (``vlmcompile.compile``), the CLI and the demo."""
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            name = ".".join([package, *parts])
+            if package == "vlmcompile" and parts and parts[0] in ("passes", "cost_models"):
+                continue  # not there: they install from the top-level folders
+            out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> str:
+    if module in TOP:
+        return "top"
+    return module.split(".")[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """Our modules ``path`` imports: ``from a.b import c`` counts a.b.c if that is a module, else a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vlmcompile":
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "vlmcompile"}
+    return found
+
+
+GRAPH = nx.DiGraph()
+for _name, _path in MODULES.items():
+    GRAPH.add_node(_name)
+    for _target in _imports(_path):
+        GRAPH.add_edge(_name, _target)
+
+
+def test_the_sources_are_all_found():
+    assert {
+        "vlmcompile.ir.plan",
+        "vlmcompile.passes.capture",
+        "vlmcompile.cost_models.memory",
+        "vlmcompile.cli",
+    } <= set(MODULES)
+    unknown = sorted(t for _, t in GRAPH.edges if t not in MODULES)
+    assert not unknown, f"imports of modules that do not exist: {unknown}"
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_each_layer_imports_only_the_layers_below_it(layer):
+    wrong = sorted(
+        f"{a} imports {b}" for a, b in GRAPH.edges if _layer(a) == layer and _layer(b) not in ALLOWED[layer]
+    )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_the_cli_and_the_demo_import_the_compiler():
+    users = {a for a, b in GRAPH.edges if b == "vlmcompile.compiler"}
+    assert users <= COMPILER_USERS, sorted(users - COMPILER_USERS)
+
+
+def test_no_import_cycles():
+    cycles = list(nx.simple_cycles(GRAPH))
+    assert not cycles, cycles[:5]
+
+
+def test_the_contract_catches_a_wrong_import(tmp_path):
+    """The reader sees an import inside a function as well as one at the top."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "def f():\n    from vlmcompile.sim.simulator import simulate\n    import vlmcompile.compiler\n"
+    )
+    assert _imports(bad) == {"vlmcompile.sim.simulator", "vlmcompile.compiler"}

@@ -1,0 +1,3 @@
+"""The data every stage of the compiler hands the next: the LayerGraph, the Plan with its
+actions and decisions, regions, the keys written into ``fx.Node.meta``, batch conventions and
+the errors. The bottom layer: it imports nothing else of vlmcompile."""

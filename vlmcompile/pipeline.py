@@ -1,0 +1,227 @@
+"""What ``compile`` returns: :class:`CompiledPipeline`, and how it builds a rank's runner for a
+plan (its own, or any other plan for the same model).
+
+A runner is made from the codegen pass's stage modules and the facts capture left in the
+graph's ``meta`` (the batch's shape-deciding values, whether the loss splits over
+microbatches); the runtime itself reads no report and runs no pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.graph.loss_split import LossSplit, coupled_loss_error
+from vlmcompile.ir.errors import ArgumentError, PlanError, SampleBatchError
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, SPECIALIZED_META
+from vlmcompile.ir.microbatch import rows_per_sample
+from vlmcompile.pass_runner import RunReport
+from vlmcompile.passes.codegen import CodegenResult, codegen_for
+from vlmcompile.passes.policies import plan_and_simulate
+from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
+from vlmcompile.planning.result import PolicyResult
+from vlmcompile.planning.schedules import Schedule
+from vlmcompile.runtime.executor import PipelineRunner, runnable_degrees
+from vlmcompile.runtime.launch import check_launchable, launch
+from vlmcompile.runtime.training import one_step
+
+if TYPE_CHECKING:
+    from vlmcompile.ir.plan import Parallel, Plan
+
+
+@dataclass(frozen=True, slots=True)
+class CompileReport:
+    passes: dict[str, Any]
+    run: RunReport
+
+    def __str__(self) -> str:
+        parts = [f"== {name} ==\n{report}" for name, report in self.passes.items()]
+        return "\n\n".join([*parts, f"== passes ==\n{self.run}"])
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledPipeline:
+    """What ``compile`` returns: the captured graph, its LayerGraph, the plan with its stage
+    modules, and every pass's report; ``step``/``launch``/``runner`` run a plan on
+    torch.distributed."""
+
+    gm: fx.GraphModule
+    layer_graph: LayerGraph
+    report: CompileReport
+    cluster: Cluster | None = None
+    planned: PolicyResult | None = None
+    """The plan chosen by the plan search and partition passes, simulated, with every baseline
+    at the same degrees (None without a cluster)."""
+    codegen: CodegenResult | None = None
+    """The codegen pass's stage modules for :attr:`plan` (None without a plan, or on meta tensors)."""
+    model: nn.Module | None = None
+    sample_batch: Mapping[str, Any] = field(default_factory=dict)
+    _runners: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.planned.plan if self.planned else None
+
+    def runner(self, plan: Plan | None = None, *, timeout_s: float = 60.0) -> PipelineRunner:
+        """This pipeline's stage modules for ``plan`` (default: ``self.plan``), ready to run on
+        every rank (see :mod:`vlmcompile.runtime.executor`)."""
+        plan = plan or self.plan
+        if plan is None:
+            raise ValueError("no plan: compile with a cluster (e.g. cluster='cpu:2'), or pass plan=...")
+        return make_runner(self, plan, timeout_s=timeout_s)
+
+    def step(self, batch: Mapping[str, Any]) -> Any:
+        """One training step of ``self.plan`` on this rank (under torchrun, every rank calls it
+        with the same global batch); returns the loss. Gradients land in the ``.grad`` of
+        ``self.parameters()``."""
+        return self._default_runner().step(batch)
+
+    def parameters(self) -> list:
+        """This rank's parameters under ``self.plan`` (give them to the optimizer)."""
+        return self._default_runner().parameters()
+
+    def _default_runner(self) -> PipelineRunner:
+        # Built once per process: process groups are set up on the first call.
+        if "default" not in self._runners:
+            self._runners["default"] = self.runner()
+        return self._runners["default"]
+
+    def launch(
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        nprocs: int | None = None,
+        args: Sequence[Any] = (),
+        plan: Plan | None = None,
+        timeout_s: float = 60.0,
+    ) -> list[Any]:
+        """Start the plan's ranks on this machine and run ``fn(runner, *args)`` on each (default:
+        one training step on the sample batch, returning the loss); results in rank order."""
+        runner = self.runner(plan, timeout_s=timeout_s)
+        world = runner.parallel.world_size
+        check_launchable(world, timeout_s)
+        if nprocs is not None and nprocs != world:
+            raise ArgumentError(
+                f"the plan runs on {world} ranks (PP={runner.parallel.pp} x DP={runner.parallel.dp}); "
+                f"nprocs={nprocs} - launch {world} or compile for cluster='cpu:{nprocs}'"
+            )
+        if fn is None:
+            fn, args = one_step, (dict(self.sample_batch),)
+        for value in args:  # a batch the ranks would refuse is refused before any rank starts
+            if isinstance(value, Mapping) and any(isinstance(v, torch.Tensor) for v in value.values()):
+                runner.check_batch(value)
+        return launch(fn, runner, world, args=args, timeout_s=timeout_s)
+
+    def baseline(
+        self,
+        policy: str = "megatron",
+        request: PlanRequest | None = None,
+        *,
+        tp: int | None = None,
+        pp: int | None = None,
+        v: int = 1,
+        global_batch: int | None = None,
+        microbatch_size: int = 1,
+        schedule: Schedule | str | None = None,
+        recompute: GlobalRecompute | Literal["auto"] = "auto",
+        solver: SolverOptions | None = None,
+    ) -> PolicyResult:
+        """Plan with one policy (``megatron``, ``megatron_balanced``, ``omnibal`` or ``vlmcompile``)
+        on the pipeline's cluster and simulate it: for ``request``, or for the degrees given as
+        Megatron-LM's flags (``tp``, ``pp``, ``global_batch``; DP is what the cluster leaves)."""
+        if self.cluster is None:
+            raise ValueError(
+                "compile(..., cluster=...) was given no cluster; pass one (e.g. 'h100x64') to plan"
+            )
+        if request is None:
+            missing = [
+                name
+                for name, value in (("tp", tp), ("pp", pp), ("global_batch", global_batch))
+                if value is None
+            ]
+            if missing:
+                raise ArgumentError(
+                    f"give a PlanRequest, or {', '.join(missing)} (e.g. tp=1, pp=2, global_batch=8)"
+                )
+            request = PlanRequest.on(
+                self.cluster,
+                tp=tp,
+                pp=pp,
+                v=v,
+                global_batch=global_batch,
+                microbatch_size=microbatch_size,
+                schedule=schedule,
+            )
+        return plan_and_simulate(
+            self.layer_graph, self.cluster, policy, request, recompute=recompute, solver=solver
+        )
+
+
+def make_runner(pipe: CompiledPipeline, plan: Plan, *, timeout_s: float = 60.0) -> PipelineRunner:
+    """Check ``plan`` against ``pipe``'s model and cluster, take its stage modules (the codegen
+    pass's for ``pipe.plan``, else codegen's for this plan) and wrap them in a runner."""
+    mine = pipe.layer_graph.fingerprint()
+    if plan.fingerprint and plan.fingerprint != mine:
+        raise PlanError(
+            f"the plan was made for model {plan.model!r} (fingerprint {plan.fingerprint}); this pipeline "
+            f"compiled {pipe.layer_graph.meta.get('model', '?')!r} (fingerprint {mine}). Plan for this model: "
+            "vlmcompile plan ... --json FILE, or pipe.baseline(...)/pipe.plan"
+        )
+    if not plan.fingerprint:
+        warnings.warn(
+            "the plan carries no model fingerprint; it is not checked against the model", stacklevel=3
+        )
+    plan.validate(pipe.layer_graph)
+    parallel = runnable_degrees(plan)
+    cluster = pipe.cluster
+    if cluster is not None and parallel.world_size > cluster.num_gpus:
+        raise PlanError(
+            f"the plan runs on {parallel.world_size} ranks (PP={parallel.pp} x DP={parallel.dp}), more than the "
+            f"{cluster.num_gpus} devices of {cluster.name}, the cluster this pipeline was compiled for"
+        )
+    _check_loss_splits(pipe.gm, parallel, plan)
+    global_batch = parallel.dp * plan.num_microbatches * plan.microbatch_size
+    try:
+        rows = rows_per_sample(pipe.sample_batch)
+    except SampleBatchError:
+        if parallel.dp * plan.num_microbatches > 1:
+            raise
+        rows = dict.fromkeys(pipe.sample_batch, 0)  # one part: the batch is never split
+    tensors = {k: v for k, v in pipe.sample_batch.items() if isinstance(v, torch.Tensor)}
+    shapes = {
+        k: ((global_batch * rows[k], *v.shape[1:]) if rows[k] else tuple(v.shape), v.dtype)
+        for k, v in tensors.items()
+    }
+    made = pipe.codegen if pipe.codegen is not None and plan == pipe.plan else None
+    made = made or codegen_for(pipe.gm, plan, model=pipe.model, sample_batch=pipe.sample_batch)
+    constants = {k: v for k, v in pipe.sample_batch.items() if not isinstance(v, torch.Tensor)}
+    return PipelineRunner(
+        plan,
+        made.stages,
+        batch_shapes=shapes,
+        batch_constants=constants,
+        sample_rows=rows,
+        specialized=made.gm.meta.get(SPECIALIZED_META),
+        timeout_s=timeout_s,
+    )
+
+
+def _check_loss_splits(gm: fx.GraphModule, parallel: Parallel, plan: Plan) -> None:
+    """Refuse to split a batch whose loss couples its samples (graph/loss_split.py)."""
+    check = gm.meta.get(LOSS_SPLIT_META)
+    if check is None or check.verdict is not LossSplit.BATCH_COUPLED:
+        return
+    parts = parallel.dp * plan.num_microbatches
+    if parts > 1:
+        raise PlanError(
+            f"the plan splits each batch into {parts} parts (DP={parallel.dp} x {plan.num_microbatches} "
+            f"microbatches), but {coupled_loss_error(check.detail)}"
+        )

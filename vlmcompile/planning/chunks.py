@@ -1,0 +1,63 @@
+"""Layers into stages: consecutive runs of a layer order, written as counts per stage, as each
+layer's stage, or as the names per stage; and the balanced split of the Optimus appendix B."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from vlmcompile.ir.errors import PlanError
+
+
+def chunks_of(names: Sequence[str], counts: Sequence[int]) -> list[list[str]]:
+    """``names`` cut into consecutive runs of ``counts[k]`` names."""
+    if sum(counts) != len(names):
+        raise PlanError(f"{sum(counts)} layers counted per stage for {len(names)} layers")
+    bounds = np.cumsum([0, *counts])
+    return [list(names[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def stage_of_counts(counts: Sequence[int]) -> tuple[int, ...]:
+    """Each layer's stage, for consecutive runs of ``counts[k]`` layers."""
+    return tuple(k for k, c in enumerate(counts) for _ in range(c))
+
+
+def chunks_by_stage(names: Sequence[str], stage_of: Sequence[int], num_stages: int) -> list[list[str]]:
+    """Names per stage, in order, from each name's stage index."""
+    chunks: list[list[str]] = [[] for _ in range(num_stages)]
+    for name, k in zip(names, stage_of):
+        chunks[k].append(name)
+    return chunks
+
+
+def balanced_split(times: Sequence[float], num_stages: int) -> list[int]:
+    """Layers per stage minimising the largest stage sum; every stage gets at least one layer.
+
+    The dynamic program of the Optimus appendix B (after Alpa): with prefix sums T of the
+    times, F(l, 1) = T(l) and F(l, k) = min_{j < l} max(F(j, k - 1), T(l) - T(j)).
+    """
+    n = len(times)
+    if num_stages > n:
+        raise PlanError(
+            f"{num_stages} virtual stages for {n} layers; every stage needs a layer, so lower pp x v"
+        )
+    prefix = np.concatenate([[0.0], np.cumsum(times)])
+    best = prefix[1:].copy()  # F(l, 1) for l = 1..n, indexed l - 1
+    choice = np.zeros((num_stages, n), dtype=np.int64)
+    for k in range(1, num_stages):
+        new = np.full(n, np.inf)
+        for end in range(k, n):  # layers 0..end in k + 1 stages
+            js = np.arange(k - 1, end)  # the first k stages end at layer j (inclusive)
+            cost = np.maximum(best[js], prefix[end + 1] - prefix[js + 1])
+            at = int(np.argmin(cost))
+            new[end], choice[k, end] = cost[at], js[at]
+        best = new
+    counts = []
+    end = n - 1
+    for k in range(num_stages - 1, 0, -1):
+        j = int(choice[k, end])
+        counts.append(end - j)
+        end = j
+    counts.append(end + 1)
+    return counts[::-1]
