@@ -168,9 +168,8 @@ def omnibal(
     def metric(cuts: tuple[int, ...]) -> float:
         bounds = np.array([0, *cuts, n])
         stage_ms = (prefix[bounds[1:]] - prefix[bounds[:-1]]) * 1e3
-        return float(
-            ((stage_ms - stage_ms.mean()) ** 2).sum() + sum(problem.cut_s[c - 1] for c in cuts) * 1e3
-        )
+        comm = sum(problem.send_fwd_s[k][c - 1] + problem.send_bwd_s[k][c - 1] for k, c in enumerate(cuts))
+        return float(((stage_ms - stage_ms.mean()) ** 2).sum() + comm * 1e3)
 
     ranked = sorted(candidates, key=metric)[:top_k]
     evaluated, best = [], None

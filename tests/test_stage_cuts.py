@@ -15,23 +15,55 @@ from vlmcompile.planning.schedules import make_schedule
 from vlmcompile.planning.stage_cuts import Infeasible, solve
 
 
+def replay_step(problem: PartitionProblem, F, B, send_fwd, send_bwd, R) -> float:
+    """The step of per-stage times, replayed here apart from the library's timeline: sweep the
+    ranks until every action has run, each starting after its rank's previous action and after
+    its producer's end plus the transfer; a rank's DP reduction starts with its last backward."""
+    acts = problem.actions
+    S = problem.num_stages
+    end: dict = {}
+    pos = [0] * len(acts)
+    free = [0.0] * len(acts)
+    last_b = [None] * len(acts)
+    while any(pos[r] < len(acts[r]) for r in range(len(acts))):
+        moved = False
+        for r, mine in enumerate(acts):
+            while pos[r] < len(mine):
+                a = mine[pos[r]]
+                k, i = a.stage, a.microbatch
+                if a.kind.value == "F":
+                    need = [] if k == 0 else [(("F", k - 1, i), send_fwd[k - 1])]
+                else:
+                    need = [(("F", k, i), 0.0)] + ([] if k == S - 1 else [(("B", k + 1, i), send_bwd[k])])
+                if any(key not in end for key, _ in need):
+                    break
+                start = max([free[r], *(end[key] + s for key, s in need)])
+                free[r] = end[(a.kind.value, k, i)] = start + (F[k] if a.kind.value == "F" else B[k])
+                if a.kind.value == "B":
+                    last_b[r] = start
+                pos[r] += 1
+                moved = True
+        assert moved, "the schedule deadlocks"
+    return max([max(end.values()), *(s + R[r] for r, s in enumerate(last_b) if s is not None)])
+
+
 def enumerate_plans(problem: PartitionProblem):
     """Every contiguous cut x every recompute subset: per cut, the stage of each layer, the
-    recompute masks, and per mask the step time of the module docstring (written again here
-    from the formula) and the largest memory of any rank at any step of its action list
-    (replayed here, not taken from ``memory_patterns``)."""
-    L, p, v, m = problem.num_layers, problem.num_ranks, problem.v, problem.num_microbatches
+    recompute masks, and per mask the step time (replayed here by :func:`replay_step`) and the
+    largest memory of any rank at any step of its action list (replayed here, not taken from
+    ``memory_patterns``)."""
+    L, p, v = problem.num_layers, problem.num_ranks, problem.v
     S = p * v
     fwd, bwd, redo = map(np.array, (problem.fwd_s, problem.bwd_s, problem.redo_s))
     act, act_rc, trans = map(
         np.array, (problem.act_bytes, problem.act_bytes_recompute, problem.transient_bytes)
     )
-    state, red, cut = map(np.array, (problem.state_bytes, problem.reduce_s, problem.cut_s))
+    state, red = map(np.array, (problem.state_bytes, problem.reduce_s))
     rec = [i for i in range(L) if problem.recomputable[i]]
     masks = np.zeros((2 ** len(rec), L), dtype=bool)
     for row, bits in enumerate(itertools.product([False, True], repeat=len(rec))):
         masks[row, rec] = bits
-    actions = make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v=v)
+    actions = problem.actions
     for cuts in itertools.combinations(range(1, L), S - 1):
         bounds = (0, *cuts, L)
         stage_of = np.repeat(np.arange(S), np.diff(bounds))
@@ -40,10 +72,10 @@ def enumerate_plans(problem: PartitionProblem):
         B = (member * bwd).sum(1)[None, :] + (masks * redo) @ member.T  # masks x S
         A = (~masks * act + masks * act_rc) @ member.T
         T = np.stack([(masks * trans * member[k]).max(1) for k in range(S)], 1)
-        W = np.stack([sum(F[k] + B[:, k] for k in range(r, S, p)) for r in range(p)], 1)
         R = [sum(red[member[k]].sum() for k in range(r, S, p)) for r in range(p)]
-        tail = np.maximum(0, np.max(np.stack([R[r] - B[:, : r + 1].sum(1) for r in range(p)], 1), 1))
-        step = ((v * m - 1) * W.max(1) + F.sum() + B.sum(1) + sum(cut[c - 1] for c in cuts)) / v + tail
+        send_fwd = [problem.send_fwd_s[k][c - 1] for k, c in enumerate(cuts)]
+        send_bwd = [problem.send_bwd_s[k][c - 1] for k, c in enumerate(cuts)]
+        step = np.array([replay_step(problem, F, B[row], send_fwd, send_bwd, R) for row in range(len(masks))])
         peak = np.zeros(len(masks))
         for r in range(p):
             static = sum(state[member[k]].sum() for k in range(r, S, p))
@@ -91,16 +123,14 @@ def problems(draw):
         transient_bytes=tuple(float(a) for a in act),
         state_bytes=tuple(map(float, state)),
         reduce_s=tuple(float(draw(st.integers(0, 30))) for _ in range(L)),
-        cut_s=tuple(float(draw(st.integers(0, 15))) for _ in range(L)),
+        send_fwd_s=tuple(tuple(float(draw(st.integers(0, 8))) for _ in range(L)) for _ in range(p * v - 1)),
+        send_bwd_s=tuple(tuple(float(draw(st.integers(0, 8))) for _ in range(L)) for _ in range(p * v - 1)),
         recomputable=tuple(recomputable),
         num_ranks=p,
         v=v,
         num_microbatches=m,
-        memory_patterns=memory_patterns(
-            make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v=v), p * v
-        ),
+        actions=make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v=v),
     )
-    # Tight: between the least any plan needs and what a plan without recompute needs.
     # Tight: between the least memory any plan needs and the least without recompute (so that
     # most instances must recompute), sometimes below it (nothing fits).
     draft = PartitionProblem(**problem, mem_cap_bytes=0.0)
@@ -145,12 +175,13 @@ def _large_problem(num_layers: int, p: int, m: int) -> PartitionProblem:
         transient_bytes=tuple(act),
         state_bytes=tuple(rng.uniform(5, 10, num_layers)),
         reduce_s=(0.0,) * num_layers,
-        cut_s=tuple(rng.uniform(0, 0.5, num_layers)),
+        send_fwd_s=(tuple(rng.uniform(0, 0.5, num_layers)),) * (p - 1),
+        send_bwd_s=(tuple(rng.uniform(0, 0.5, num_layers)),) * (p - 1),
         recomputable=(True,) * num_layers,
         num_ranks=p,
         v=1,
         num_microbatches=m,
-        memory_patterns=memory_patterns(make_schedule("1f1b", p, m), p),
+        actions=make_schedule("1f1b", p, m),
     )
     plain = (sum(base["state_bytes"]) + p * sum(act)) / p
     return PartitionProblem(**base, mem_cap_bytes=0.6 * plain)

@@ -12,8 +12,9 @@ and the policies that search cuts (ours, OmniBal) all read these.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import (
@@ -27,11 +28,12 @@ from vlmcompile.cost_models.stage_costs import (
     layer_state_bytes,
     samples_per_microbatch,
 )
-from vlmcompile.ir.actions import ActionKind
+from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Recompute
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import make_schedule
+from vlmcompile.sim.timeline import run_actions, transfer_between_stages
 
 MemoryPattern = tuple[tuple[tuple[int, int], ...], int]
 """((stage, microbatches in flight), ...), and the stage whose backward runs (-1 for none)."""
@@ -55,23 +57,49 @@ class PartitionProblem:
     """Parameters, gradients and optimizer states on one rank."""
     reduce_s: tuple[float, ...]
     """DP gradient reduction of the layer."""
-    cut_s: tuple[float, ...]
-    """Sending activations forward and gradients back for a cut right after the layer."""
+    send_fwd_s: tuple[tuple[float, ...], ...]
+    """[k][layer]: sending the activations of stage k to stage k + 1 when the cut between them is
+    right after the layer (0 when both stages are on one rank)."""
+    send_bwd_s: tuple[tuple[float, ...], ...]
+    """[k][layer]: sending the gradients back across that cut."""
     recomputable: tuple[bool, ...]
     num_ranks: int
     v: int
     num_microbatches: int
-    memory_patterns: tuple[tuple[MemoryPattern, ...], ...]
-    """Per rank, the distinct in-flight patterns of its action list (see :func:`memory_patterns`)."""
+    actions: tuple[tuple[Action, ...], ...]
+    """The schedule's action list per rank."""
     mem_cap_bytes: float
+    memory_patterns: tuple[tuple[MemoryPattern, ...], ...] = field(init=False)
+    """Per rank, the distinct in-flight patterns of its action list (see :func:`memory_patterns`)."""
 
     def __post_init__(self):
         n = len(self.names)
-        for field in ("fwd_s", "bwd_s", "redo_s", "act_bytes", "act_bytes_recompute", "transient_bytes"):
-            if len(getattr(self, field)) != n:
-                raise ValueError(f"{field} has {len(getattr(self, field))} values for {n} layers")
-        if len(self.memory_patterns) != self.num_ranks:
-            raise ValueError(f"{len(self.memory_patterns)} memory pattern lists for {self.num_ranks} ranks")
+        for name in (
+            "fwd_s",
+            "bwd_s",
+            "redo_s",
+            "act_bytes",
+            "act_bytes_recompute",
+            "transient_bytes",
+            "state_bytes",
+            "reduce_s",
+            "recomputable",
+        ):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} values for {n} layers")
+        for name in ("send_fwd_s", "send_bwd_s"):
+            rows = getattr(self, name)
+            if len(rows) != max(0, self.num_stages - 1) or any(len(row) != n for row in rows):
+                raise ValueError(
+                    f"{name} needs {self.num_stages - 1} rows of {n} values (one per cut, per layer)"
+                )
+        if len(self.actions) != self.num_ranks:
+            raise ValueError(f"{len(self.actions)} action lists for {self.num_ranks} ranks")
+        object.__setattr__(self, "memory_patterns", memory_patterns(self.actions, self.num_stages))
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(acts) for acts in self.actions)
 
     @property
     def num_layers(self) -> int:
@@ -80,6 +108,79 @@ class PartitionProblem:
     @property
     def num_stages(self) -> int:
         return self.num_ranks * self.v
+
+
+@dataclass(frozen=True, slots=True)
+class StageFigures:
+    """One cut and recompute choice summed per stage, rank and cut (each layer's figure passed
+    through ``time`` or ``mem`` first: the CP-SAT model's rounding, or none)."""
+
+    fwd: list
+    """Per stage: one forward's time."""
+    bwd: list
+    """Per stage: one backward's time, recompute included."""
+    keep: list
+    """Per stage: bytes kept per microbatch in flight."""
+    transient: list
+    """Per stage: the largest recompute transient of its layers."""
+    static: list
+    """Per rank: model-state bytes."""
+    reduce: list
+    """Per rank: DP gradient reduction time."""
+    send_fwd: list
+    """Per cut k (between stage k and k + 1): activations forward."""
+    send_bwd: list
+    """Per cut k: gradients back."""
+
+
+def stage_figures(
+    problem: PartitionProblem,
+    stage_of: Sequence[int],
+    recompute: Sequence[bool],
+    *,
+    time: Callable[[float], Any] = float,
+    mem: Callable[[float], Any] = float,
+) -> StageFigures:
+    p, S = problem.num_ranks, problem.num_stages
+    zero_t, zero_m = time(0.0), mem(0.0)
+    fig = StageFigures(
+        fwd=[zero_t] * S,
+        bwd=[zero_t] * S,
+        keep=[zero_m] * S,
+        transient=[zero_m] * S,
+        static=[zero_m] * p,
+        reduce=[zero_t] * p,
+        send_fwd=[zero_t] * (S - 1),
+        send_bwd=[zero_t] * (S - 1),
+    )
+    for i, k in enumerate(stage_of):
+        rc = bool(recompute[i])
+        fig.fwd[k] += time(problem.fwd_s[i])
+        fig.bwd[k] += time(problem.bwd_s[i]) + (time(problem.redo_s[i]) if rc else zero_t)
+        fig.keep[k] += mem(problem.act_bytes_recompute[i]) if rc else mem(problem.act_bytes[i])
+        if rc:
+            fig.transient[k] = max(fig.transient[k], mem(problem.transient_bytes[i]))
+        fig.reduce[k % p] += time(problem.reduce_s[i])
+        fig.static[k % p] += mem(problem.state_bytes[i])
+        if k < S - 1 and stage_of[i + 1] != k:  # the cut after stage k is right after layer i
+            fig.send_fwd[k] = time(problem.send_fwd_s[k][i])
+            fig.send_bwd[k] = time(problem.send_bwd_s[k][i])
+    return fig
+
+
+def timeline_step(problem: PartitionProblem, fig: StageFigures) -> Any:
+    """The step of ``fig``'s stages: every action timed as the simulator times it
+    (:func:`~vlmcompile.sim.timeline.run_actions`), and each rank's DP gradient reduction
+    started when its last backward starts."""
+    timed = run_actions(
+        problem.actions,
+        problem.num_stages,
+        duration=lambda a, _: fig.fwd[a.stage] if a.kind is ActionKind.F else fig.bwd[a.stage],
+        transfer=transfer_between_stages(fig.send_fwd, [0, *fig.send_bwd]),
+    )
+    step = max(t.end_s for t in timed)
+    last_bwd = {t.rank: t.start_s for t in timed if t.action.kind is ActionKind.B}
+    return max([step, *(last_bwd[r] + fig.reduce[r] for r in last_bwd)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,30 +194,25 @@ class Evaluation:
 
 
 def evaluate(problem: PartitionProblem, stage_of: Sequence[int], recompute: Sequence[bool]) -> Evaluation:
-    p, v, m = problem.num_ranks, problem.v, problem.num_microbatches
-    S = problem.num_stages
-    F, B, R = [0.0] * S, [0.0] * S, [0.0] * p
-    A, T, static = [0.0] * S, [0.0] * S, [0.0] * p
-    for i, k in enumerate(stage_of):
-        rc = bool(recompute[i])
-        F[k] += problem.fwd_s[i]
-        B[k] += problem.bwd_s[i] + (problem.redo_s[i] if rc else 0.0)
-        A[k] += problem.act_bytes_recompute[i] if rc else problem.act_bytes[i]
-        if rc:
-            T[k] = max(T[k], problem.transient_bytes[i])
-        R[k % p] += problem.reduce_s[i]
-        static[k % p] += problem.state_bytes[i]
-    work = [sum(F[k] + B[k] for k in range(r, S, p)) for r in range(p)]
-    cuts = sum(problem.cut_s[i] for i in range(len(stage_of) - 1) if stage_of[i + 1] != stage_of[i])
-    tail = max(0.0, *(R[r] - sum(B[: r + 1]) for r in range(p)))
-    step = ((v * m - 1) * max(work) + sum(F) + sum(B) + cuts) / v + tail
-    peaks = []
-    for r in range(p):
-        peak = 0.0
-        for live, busy in problem.memory_patterns[r]:
-            peak = max(peak, sum(n * A[k] for k, n in live) + (T[busy] if busy >= 0 else 0.0))
-        peaks.append(static[r] + peak)
-    return Evaluation(step, tuple(peaks), all(x <= problem.mem_cap_bytes for x in peaks))
+    """Step time and per-rank peak memory of one cut (each layer's stage) and recompute choice."""
+    fig = stage_figures(problem, stage_of, recompute)
+    peaks = tuple(
+        fig.static[r] + peak_in_flight(problem.memory_patterns[r], fig.keep, fig.transient)
+        for r in range(problem.num_ranks)
+    )
+    return Evaluation(timeline_step(problem, fig), peaks, all(x <= problem.mem_cap_bytes for x in peaks))
+
+
+def peak_in_flight(patterns: Sequence[MemoryPattern], keep: Sequence, transient: Sequence) -> Any:
+    """The most bytes any pattern of a rank holds: microbatches in flight times what each stage
+    keeps, plus the transient of the stage whose backward runs."""
+    return max(
+        (
+            sum(n * keep[k] for k, n in live) + (transient[busy] if busy >= 0 else 0)
+            for live, busy in patterns
+        ),
+        default=0,
+    )
 
 
 def memory_patterns(actions: Sequence[Sequence], num_stages: int) -> tuple[tuple[MemoryPattern, ...], ...]:
@@ -162,9 +258,8 @@ def partition_problem(layer_graph: LayerGraph, cluster: Cluster, request: PlanRe
     samples = samples_per_microbatch(layer_graph, microbatch_size)
     shard = {"samples": samples, "tp": parallel.tp, "sequence_parallel": parallel.sequence_parallel}
     p, v = parallel.pp, parallel.v
-    # Cuts sit between neighbouring ranks, and with v > 1 also from the last rank back to the first.
-    pairs = [(0, 1)] + ([(p - 1, 0)] if v > 1 and p > 2 else []) if p > 1 else []
     layers = layer_graph.layers
+    sends = _cut_sends(layer_graph, cluster, parallel, samples)
     act = [kept_activation_bytes(x, Recompute.NONE, **shard) for x in layers]
     act_rc = [kept_activation_bytes(x, Recompute.FULL, **shard) for x in layers]
     actions = make_schedule(request.schedule_name, p, request.num_microbatches, v=v)
@@ -178,14 +273,32 @@ def partition_problem(layer_graph: LayerGraph, cluster: Cluster, request: PlanRe
         transient_bytes=tuple(recompute_transient_bytes(x, Recompute.FULL, **shard) for x in layers),
         state_bytes=tuple(layer_state_bytes(c, parallel) for c in plain),
         reduce_s=tuple(c.dp_reduce_s for c in plain),
-        cut_s=tuple(
-            max((sum(cut_transfer_s(x, cluster, parallel, samples, a, b)) for a, b in pairs), default=0.0)
-            for x in layers
-        ),
+        send_fwd_s=tuple(tuple(f for f, _ in row) for row in sends),
+        send_bwd_s=tuple(tuple(b for _, b in row) for row in sends),
         recomputable=tuple(rc < a for a, rc in zip(act, act_rc)),
         num_ranks=p,
         v=v,
         num_microbatches=request.num_microbatches,
-        memory_patterns=memory_patterns(actions, p * v),
+        actions=actions,
         mem_cap_bytes=usable_memory_bytes(cluster.device.mem_bytes),
     )
+
+
+def _cut_sends(
+    layer_graph: LayerGraph, cluster: Cluster, parallel, samples: float
+) -> list[list[tuple[float, float]]]:
+    """Per cut k between stage k and k + 1 (on ranks k mod p and (k + 1) mod p), per layer:
+    (forward, backward) transfer when the cut is right after that layer."""
+    p = parallel.pp
+    by_distance: dict[int, list[tuple[float, float]]] = {}
+    out = []
+    for k in range(p * parallel.v - 1):
+        a, b = k % p, (k + 1) % p
+        distance = abs(a - b)
+        if distance not in by_distance:
+            by_distance[distance] = [
+                cut_transfer_s(x, cluster, parallel, samples, a, b) if distance else (0.0, 0.0)
+                for x in layer_graph.layers
+            ]
+        out.append(by_distance[distance])
+    return out

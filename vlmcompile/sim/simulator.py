@@ -37,10 +37,11 @@ from tabulate import tabulate
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import MEMORY_RESERVE, usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import PlanCosts, StageCost, plan_costs
-from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order
+from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Plan
+from vlmcompile.sim.timeline import Timed, run_actions, transfer_between_stages
 
 CAUSES = ("dp_all_gather", "pp_warmup", "pp_other", "pp_cooldown", "tp_comm", "dp_reduce_scatter")
 
@@ -186,7 +187,6 @@ def simulate(
     costs = costs or plan_costs(plan, layer_graph, cluster)
     stages = costs.stages
     num_ranks = plan.num_ranks
-    split = plan.split_backward()
 
     # DP all-gather: every layer of the rank, in the order of first use, one after another.
     gathered: dict[str, float] = {}
@@ -200,20 +200,23 @@ def simulate(
                         gathered[c.name] = clock = clock + c.dp_all_gather_s
                         dp_events.append((rank, "all_gather", clock - c.dp_all_gather_s, clock))
 
-    order, position = execution_order(plan.actions, plan.num_stages, split)
-    if len(order) < sum(len(a) for a in plan.actions):
-        stuck = [str(acts[position[r]]) for r, acts in enumerate(plan.actions) if position[r] < len(acts)]
-        raise PlanError(f"the action lists deadlock (next actions {stuck}); run plan.validate() for the grid")
-    finish: dict[Action, float] = {}
-    runs: list[ActionRun] = []
-    free = [0.0] * num_ranks
     first_fwd_done: set[int] = set()
-    for rank, step, a in order:
-        deps = dependencies(a, plan.num_stages, split)
-        ready = max([finish[d] + _transfer_s(d, a, stages) for d in deps], default=0.0)
-        run = _run(a, rank, step, max(free[rank], ready), stages[a.stage], gathered, first_fwd_done)
-        runs.append(run)
-        finish[a] = free[rank] = run.end_s
+    waited: dict[Action, float] = {}
+
+    def duration(a: Action, start: float) -> float:
+        stage = stages[a.stage]
+        if a.kind is ActionKind.F and a.stage not in first_fwd_done:
+            first_fwd_done.add(a.stage)
+            waited[a] = _parameter_wait(stage, start, gathered)
+        return stage.action_s(a.kind) + waited.get(a, 0.0)
+
+    timed = run_actions(
+        plan.actions,
+        plan.num_stages,
+        duration=duration,
+        transfer=transfer_between_stages([s.send_fwd_s for s in stages], [s.send_bwd_s for s in stages]),
+    )
+    runs = [_run(t, stages[t.action.stage], waited.get(t.action, 0.0)) for t in timed]
 
     # DP gradient reduction: a layer's gradients are complete after its stage's last backward.
     reduced_end = [0.0] * num_ranks
@@ -253,45 +256,31 @@ def _bwd_of(c, kind: ActionKind) -> float:
     return c.weight_grad_s if kind is ActionKind.W else c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s
 
 
-def _transfer_s(dep: Action, action: Action, stages: tuple[StageCost, ...]) -> float:
-    if dep.stage == action.stage:
-        return 0.0
-    if dep.kind is ActionKind.F:
-        return stages[dep.stage].send_fwd_s
-    return stages[dep.stage].send_bwd_s
+def _parameter_wait(stage: StageCost, start: float, gathered: dict[str, float]) -> float:
+    """A stage's first forward runs layer by layer, each waiting for its parameters' all-gather."""
+    t, waited = start, 0.0
+    for c in stage.layers:
+        ready = gathered.get(c.name, 0.0)
+        if ready > t:
+            waited += ready - t
+            t = ready
+        t += c.f_s
+    return waited
 
 
-def _run(
-    a: Action,
-    rank: int,
-    step: int,
-    start: float,
-    stage: StageCost,
-    gathered: dict[str, float],
-    first: set[int],
-) -> ActionRun:
-    if a.kind is ActionKind.F:
-        compute, tp = stage.fwd_s, stage.fwd_tp_comm_s
-        if a.stage not in first:
-            first.add(a.stage)
-            # Layer by layer, each waiting for its parameters.
-            t, waited = start, 0.0
-            for c in stage.layers:
-                ready = gathered.get(c.name, 0.0)
-                if ready > t:
-                    waited += ready - t
-                    t = ready
-                t += c.fwd_s + c.fwd_tp_comm_s
-            return ActionRun(
-                rank, step, a, start, start + compute + tp + waited, compute, tp, dp_wait_s=waited
-            )
-    elif a.kind is ActionKind.B:
-        compute, tp = stage.input_grad_s + stage.weight_grad_s, stage.bwd_tp_comm_s
-    elif a.kind is ActionKind.I:
-        compute, tp = stage.input_grad_s, stage.bwd_tp_comm_s
-    else:
-        compute, tp = stage.weight_grad_s, 0.0
-    return ActionRun(rank, step, a, start, start + compute + tp, compute, tp)
+def _run(timed: Timed, stage: StageCost, dp_wait_s: float) -> ActionRun:
+    """What the action's time was spent on: compute, TP collectives, waiting for parameters."""
+    kind = timed.action.kind
+    tp = {
+        ActionKind.F: stage.fwd_tp_comm_s,
+        ActionKind.B: stage.bwd_tp_comm_s,
+        ActionKind.I: stage.bwd_tp_comm_s,
+        ActionKind.W: 0.0,
+    }[kind]
+    compute = stage.action_s(kind) - tp
+    return ActionRun(
+        timed.rank, timed.step, timed.action, timed.start_s, timed.end_s, compute, tp, dp_wait_s=dp_wait_s
+    )
 
 
 def _bubbles(runs: list[ActionRun], num_ranks: int, step: float, compute_end: float) -> list[Bubble]:

@@ -1,0 +1,70 @@
+"""When each action of per-rank action lists runs.
+
+An action starts when its rank is free and every action it depends on has ended and sent its
+output over (the producer's end plus the transfer; transfers overlap compute). This is the
+one timing rule of step time: the simulator runs plans with it, and the stage-cut model's
+evaluation (:func:`vlmcompile.planning.problem.evaluate`) runs candidate cuts with it; the
+CP-SAT model states the same rule as constraints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order
+from vlmcompile.ir.errors import PlanError
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    rank: int
+    step: int
+    """Position in the rank's action list."""
+    action: Action
+    start_s: float
+    end_s: float
+
+
+def run_actions(
+    actions: Sequence[Sequence[Action]],
+    num_stages: int,
+    *,
+    duration: Callable[[Action, float], float],
+    transfer: Callable[[Action, Action], float],
+) -> list[Timed]:
+    """Every action with its start and end, in an order in which each starts after its inputs.
+
+    Args:
+        duration: seconds ``action`` takes when it starts at ``start`` (the simulator's first
+            forwards wait for parameters); called in execution order.
+        transfer: seconds from the end of ``dep`` until ``action``, which needs its output, may
+            start (0 on one rank).
+    """
+    split = frozenset(a.stage for acts in actions for a in acts if a.kind is ActionKind.I)
+    order, position = execution_order(actions, num_stages, split)
+    if len(order) < sum(len(a) for a in actions):
+        stuck = [str(acts[position[r]]) for r, acts in enumerate(actions) if position[r] < len(acts)]
+        raise PlanError(f"the action lists deadlock (next actions {stuck}); run plan.validate() for the grid")
+    end: dict[Action, float] = {}
+    free = [0.0] * len(actions)
+    out = []
+    for rank, step, a in order:
+        ready = max((end[d] + transfer(d, a) for d in dependencies(a, num_stages, split)), default=0.0)
+        start = max(free[rank], ready)
+        end[a] = free[rank] = start + duration(a, start)
+        out.append(Timed(rank, step, a, start, end[a]))
+    return out
+
+
+def transfer_between_stages(send_fwd_s: Sequence[float], send_bwd_s: Sequence[float]):
+    """The transfer rule of a stage chain: a forward's activations go from stage k to k + 1 in
+    ``send_fwd_s[k]``, a backward's gradients from stage k back to k - 1 in ``send_bwd_s[k]``;
+    nothing moves within a stage."""
+
+    def transfer(dep: Action, action: Action) -> float:
+        if dep.stage == action.stage:
+            return 0.0
+        return send_fwd_s[dep.stage] if dep.kind is ActionKind.F else send_bwd_s[dep.stage]
+
+    return transfer
