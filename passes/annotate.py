@@ -450,8 +450,61 @@ def _build_layer_graph(
     order: list[str] = gm.meta[LAYER_ORDER_META]
     position = {layer: i for i, layer in enumerate(order)}
     nodes = [n for n in gm.graph.nodes if n.meta.get(LAYER_META)]
+    num_params, param_bytes = _node_costs_and_parameters(gm, nodes, interp, position)
+    crossing = _crossings(nodes, interp, position)
+    per_layer = layer_nodes(gm)
+    blocks = gm.meta.get(BLOCK_LAYERS_META, frozenset())
+    layers = []
+    running_fwd = running_bwd = 0
+    for i, name in enumerate(order):
+        running_fwd += crossing.diff_fwd[i]
+        running_bwd += crossing.diff_bwd[i]
+        members = per_layer[name]
+        costs = [n.meta[NODE_COST_META] for n in members]
+        layers.append(
+            Layer(
+                index=i,
+                name=name,
+                region=members[0].meta[REGION_META],
+                num_nodes=len(members),
+                num_params=num_params[i],
+                param_bytes=param_bytes[i],
+                fwd_flops=sum(c.fwd_flops for c in costs),
+                bwd_flops=sum(c.bwd_flops for c in costs),
+                saved_bytes=sum(c.saved_bytes for c in costs),
+                saved_bytes_recompute=sum(interp.layer_inputs[name].values()),
+                boundary_fwd_bytes=running_fwd if i < len(order) - 1 else 0,
+                boundary_bwd_bytes=running_bwd if i < len(order) - 1 else 0,
+                outputs=tuple(crossing.outputs[name]),
+                fwd_attn_flops=sum(c.fwd_attn_flops for c in costs),
+                bwd_attn_flops=sum(c.bwd_attn_flops for c in costs),
+                fwd_mem_bytes=sum(c.fwd_mem_bytes for c in costs),
+                bwd_mem_bytes=sum(c.bwd_mem_bytes for c in costs),
+                block=name in blocks,
+            )
+        )
+    edges = tuple(
+        (src, dst, b)
+        for (src, dst), b in sorted(
+            crossing.edge_bytes.items(), key=lambda kv: (position[kv[0][0]], position[kv[0][1]])
+        )
+    )
+    meta = {
+        "model": model_name or gm.__class__.__name__,
+        "tensor_mode": tensor_mode,
+        "batch": {k: str(_spec(v)) for k, v in batch.items() if isinstance(v, torch.Tensor)},
+        "batch_size": num_samples(batch),
+        # str, so the LayerGraph's JSON holds it; planning reads it (one microbatch if coupled).
+        "loss_split": str(gm.meta[LOSS_SPLIT_META].verdict) if LOSS_SPLIT_META in gm.meta else "unchecked",
+    }
+    return LayerGraph(layers=tuple(layers), edges=edges, meta=meta)
 
-    # Parameters: each counted once, in the first layer (pipeline order) that reads it.
+
+def _node_costs_and_parameters(
+    gm: fx.GraphModule, nodes: list[fx.Node], interp: _Annotator, position: Mapping[str, int]
+) -> tuple[list[int], list[int]]:
+    """Writes each node's :class:`NodeCost` into its meta; returns parameters and their bytes per
+    layer, each parameter counted once, in the first layer (pipeline order) that reads it."""
     owner: dict[int, tuple[int, nn.Parameter]] = {}
     for n in nodes:
         found = _params_read(gm, n)
@@ -469,15 +522,29 @@ def _build_layer_graph(
         for p in found:
             if p is not None and (id(p) not in owner or position[n.meta[LAYER_META]] < owner[id(p)][0]):
                 owner[id(p)] = (position[n.meta[LAYER_META]], p)
-    num_params = [0] * len(order)
-    param_bytes = [0] * len(order)
+    num_params = [0] * len(position)
+    param_bytes = [0] * len(position)
     for pos, p in owner.values():
         num_params[pos] += p.numel()
         param_bytes[pos] += p.numel() * p.element_size()
+    return num_params, param_bytes
 
-    # Values leaving a layer cross every cut from their layer up to the last layer reading them.
-    diff_fwd = [0] * (len(order) + 1)
-    diff_bwd = [0] * (len(order) + 1)
+
+@dataclass(frozen=True, slots=True)
+class _Crossings:
+    diff_fwd: list[int]
+    """Bytes that start crossing the cut after layer i (positive) or stop (negative)."""
+    diff_bwd: list[int]
+    """The same for their gradients."""
+    edge_bytes: dict[tuple[str, str], int]
+    outputs: dict[str, list[TensorSpec]]
+    """Per layer, the values it hands on (to a later layer or as the graph's output)."""
+
+
+def _crossings(nodes: list[fx.Node], interp: _Annotator, position: Mapping[str, int]) -> _Crossings:
+    """Values leaving a layer cross every cut from their layer up to the last layer reading them."""
+    diff_fwd = [0] * (len(position) + 1)
+    diff_bwd = [0] * (len(position) + 1)
     edge_bytes: dict[tuple[str, str], int] = defaultdict(int)
     outputs: dict[str, list[TensorSpec]] = defaultdict(list)
     for n in nodes:
@@ -500,53 +567,7 @@ def _build_layer_graph(
             diff_fwd[last] -= nbytes
             diff_bwd[position[layer]] += grad_bytes
             diff_bwd[last] -= grad_bytes
-
-    per_layer = layer_nodes(gm)
-    blocks = gm.meta.get(BLOCK_LAYERS_META, frozenset())
-    layers = []
-    running_fwd = running_bwd = 0
-    for i, name in enumerate(order):
-        running_fwd += diff_fwd[i]
-        running_bwd += diff_bwd[i]
-        members = per_layer[name]
-        costs = [n.meta[NODE_COST_META] for n in members]
-        layers.append(
-            Layer(
-                index=i,
-                name=name,
-                region=members[0].meta[REGION_META],
-                num_nodes=len(members),
-                num_params=num_params[i],
-                param_bytes=param_bytes[i],
-                fwd_flops=sum(c.fwd_flops for c in costs),
-                bwd_flops=sum(c.bwd_flops for c in costs),
-                saved_bytes=sum(c.saved_bytes for c in costs),
-                saved_bytes_recompute=sum(interp.layer_inputs[name].values()),
-                boundary_fwd_bytes=running_fwd if i < len(order) - 1 else 0,
-                boundary_bwd_bytes=running_bwd if i < len(order) - 1 else 0,
-                outputs=tuple(outputs[name]),
-                fwd_attn_flops=sum(c.fwd_attn_flops for c in costs),
-                bwd_attn_flops=sum(c.bwd_attn_flops for c in costs),
-                fwd_mem_bytes=sum(c.fwd_mem_bytes for c in costs),
-                bwd_mem_bytes=sum(c.bwd_mem_bytes for c in costs),
-                block=name in blocks,
-            )
-        )
-    edges = tuple(
-        (src, dst, b)
-        for (src, dst), b in sorted(
-            edge_bytes.items(), key=lambda kv: (position[kv[0][0]], position[kv[0][1]])
-        )
-    )
-    meta = {
-        "model": model_name or gm.__class__.__name__,
-        "tensor_mode": tensor_mode,
-        "batch": {k: str(_spec(v)) for k, v in batch.items() if isinstance(v, torch.Tensor)},
-        "batch_size": num_samples(batch),
-        # str, so the LayerGraph's JSON holds it; planning reads it (one microbatch if coupled).
-        "loss_split": str(gm.meta[LOSS_SPLIT_META].verdict) if LOSS_SPLIT_META in gm.meta else "unchecked",
-    }
-    return LayerGraph(layers=tuple(layers), edges=edges, meta=meta)
+    return _Crossings(diff_fwd, diff_bwd, edge_bytes, outputs)
 
 
 def _params_read(gm: fx.GraphModule, n: fx.Node) -> list[nn.Parameter]:

@@ -25,7 +25,7 @@ from torch import nn
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.meta_keys import CAPTURE_OPTIONS_META, LAYER_META, LAYER_ORDER_META, WRAPPER_PREFIX_META
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
-from vlmcompile.ir.plan import Plan, Recompute
+from vlmcompile.ir.plan import Plan, Recompute, Stage
 from vlmcompile.passes.capture import capture
 from vlmcompile.runtime.stage import LayerModule, LayerWiring, StageModule
 
@@ -129,6 +129,17 @@ def codegen(gm: fx.GraphModule, plan: Plan) -> CodegenResult:
         PlanError: the plan names layers the graph does not have, splits layers into sub-layer
             pieces, asks for selective recompute, or cuts where a non-tensor value would cross.
     """
+    _check_plan(gm, plan)
+    split = _Split(gm, plan)
+    stages, summaries = [], []
+    for stage in plan.stages:
+        module, summary = split.stage_module(stage)
+        stages.append(module)
+        summaries.append(summary)
+    return CodegenResult(tuple(stages), CodegenReport(tuple(summaries)), gm)
+
+
+def _check_plan(gm: fx.GraphModule, plan: Plan) -> None:
     order = list(gm.meta[LAYER_ORDER_META])
     if plan.pieces:
         raise PlanError("codegen runs plans cut at layers; this plan splits layers into pieces")
@@ -147,69 +158,72 @@ def codegen(gm: fx.GraphModule, plan: Plan) -> CodegenResult:
             "per-layer recompute (policy vlmcompile or omnibal) or none"
         )
 
-    layer_of = _layers(gm)
-    stage_of_layer = {name: s.index for s in plan.stages for name in s.layers}
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    loss = _loss_node(gm)
-    placeholders = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "placeholder"}
-    prefix = gm.meta.get(WRAPPER_PREFIX_META, "")
-    built = dict(zip(order, layer_modules(gm)))
 
-    def stage_of(n: fx.Node) -> int | None:
-        return None if n.op == "placeholder" else stage_of_layer[layer_of[n]]
+class _Split:
+    """The captured graph read once for a plan: each node's layer and stage, and the last stage
+    that reads each value, from which every stage's inputs and outputs follow."""
 
-    # The last stage at which each computed value is read.
-    last_read: dict[fx.Node, int] = {}
-    for n, name in layer_of.items():
-        for p in n.all_input_nodes:
-            if p.op != "placeholder" and layer_of[p] != name:
-                last_read[p] = max(last_read.get(p, -1), stage_of_layer[name])
+    def __init__(self, gm: fx.GraphModule, plan: Plan):
+        self.plan = plan
+        self.layer_of = _layers(gm)
+        self.stage_of_layer = {name: s.index for s in plan.stages for name in s.layers}
+        self.position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.loss = _loss_node(gm)
+        self.placeholders = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "placeholder"}
+        self.prefix = gm.meta.get(WRAPPER_PREFIX_META, "")
+        self.built = dict(zip(gm.meta[LAYER_ORDER_META], layer_modules(gm)))
+        self.last_read: dict[fx.Node, int] = {}
+        for n, name in self.layer_of.items():
+            for p in n.all_input_nodes:
+                if p.op != "placeholder" and self.layer_of[p] != name:
+                    self.last_read[p] = max(self.last_read.get(p, -1), self.stage_of_layer[name])
 
-    stages = []
-    summaries = []
-    for stage in plan.stages:
+    def stage_of(self, n: fx.Node) -> int | None:
+        return None if n.op == "placeholder" else self.stage_of_layer[self.layer_of[n]]
+
+    def stage_module(self, stage: Stage) -> tuple[StageModule, StageSummary]:
         modules, wiring = [], []
         for name in stage.layers:
-            module, inputs, outputs = built[name]
+            module, inputs, outputs = self.built[name]
             modules.append(module)
-            wiring.append(
-                LayerWiring(name, tuple(inputs), tuple(outputs), plan.recompute_of(name) is Recompute.FULL)
-            )
+            recompute = self.plan.recompute_of(name) is Recompute.FULL
+            wiring.append(LayerWiring(name, tuple(inputs), tuple(outputs), recompute))
+        # A stage receives what an earlier stage made and it or a later one reads; it sends on
+        # what it or an earlier stage made and a later one reads.
         receive = sorted(
-            (p for p, last in last_read.items() if stage_of(p) < stage.index <= last),
-            key=position.__getitem__,
+            (p for p, last in self.last_read.items() if self.stage_of(p) < stage.index <= last),
+            key=self.position.__getitem__,
         )
         send = sorted(
-            (p for p, last in last_read.items() if stage_of(p) <= stage.index < last),
-            key=position.__getitem__,
+            (p for p, last in self.last_read.items() if self.stage_of(p) <= stage.index < last),
+            key=self.position.__getitem__,
         )
-        is_last = stage.index == plan.num_stages - 1
-        read_batch = {p for w in wiring for p in w.inputs if p in placeholders}
+        is_last = stage.index == self.plan.num_stages - 1
+        if is_last and self.stage_of(self.loss) != stage.index:
+            raise PlanError(
+                f"the loss is computed on stage {self.stage_of(self.loss)}, not on the last stage"
+            )
+        read_batch = {p for w in wiring for p in w.inputs if p in self.placeholders}
         module = StageModule(
             stage.index,
             modules,
             wiring,
             receive=tuple(p.name for p in receive),
             send=() if is_last else tuple(p.name for p in send),
-            batch_inputs={p: placeholders[p] for p in sorted(read_batch)},
-            loss=loss.name if is_last else None,
-            prefix=prefix,
+            batch_inputs={p: self.placeholders[p] for p in sorted(read_batch)},
+            loss=self.loss.name if is_last else None,
+            prefix=self.prefix,
         )
-        if is_last and stage_of(loss) != stage.index:
-            raise PlanError(f"the loss is computed on stage {stage_of(loss)}, not on the last stage")
-        stages.append(module)
-        summaries.append(
-            StageSummary(
-                stage.index,
-                stage.rank,
-                len(stage.layers),
-                sum(w.recompute for w in wiring),
-                len(receive),
-                len(send) if not is_last else 0,
-                sum(p.numel() for p in module.parameters()),
-            )
+        summary = StageSummary(
+            stage.index,
+            stage.rank,
+            len(stage.layers),
+            sum(w.recompute for w in wiring),
+            len(receive),
+            0 if is_last else len(send),
+            sum(p.numel() for p in module.parameters()),
         )
-    return CodegenResult(tuple(stages), CodegenReport(tuple(summaries)), gm)
+        return module, summary
 
 
 def graph_for(

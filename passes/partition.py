@@ -182,27 +182,12 @@ def partition(
 
     plan = _plan_from(layer_graph, cluster, request, problem, solution)
     sim = simulate(plan, layer_graph, cluster)
-    solver_sim, warm_s = sim, None
+    warm_s = None
     if warm_start is not None:
         warm_sim = simulate(warm_start, layer_graph, cluster)
         warm_s = warm_sim.step_time_s
         if warm_s < sim.step_time_s and warm_sim.fits:
-            plan = _plan_from(
-                layer_graph,
-                cluster,
-                request,
-                problem,
-                solution,
-                chunks=[list(st.layers) for st in warm_start.stages],
-                recompute=dict(warm_start.recompute),
-                note=Decision(
-                    "stage cuts",
-                    Reason.WARM_START,
-                    f"the warm start ({warm_start.policy}) simulates faster ({warm_s * 1e3:.2f} ms) than the "
-                    f"solver's plan ({solver_sim.step_time_s * 1e3:.2f} ms), so its cuts and recompute are kept",
-                    {"warm_start_s": warm_s, "solver_plan_s": solver_sim.step_time_s},
-                ),
-            )
+            plan = _keep_warm_start(layer_graph, cluster, request, problem, solution, warm_start, warm_s, sim)
             sim = simulate(plan, layer_graph, cluster)
     stage_of = tuple(plan.stage_of()[n] for n in problem.names)
     flags = tuple(plan.recompute_of(n) is not Recompute.NONE for n in problem.names)
@@ -215,6 +200,35 @@ def partition(
         warm_start_step_s=warm_s,
     )
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=f"per layer ({len(plan.recompute)})")
+
+
+def _keep_warm_start(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    request: PlanRequest,
+    problem: PartitionProblem,
+    solution: Solution,
+    warm_start: Plan,
+    warm_s: float,
+    solver_sim: SimResult,
+) -> Plan:
+    """The warm start's cuts and recompute, with the solver's decisions and why they lost."""
+    return _plan_from(
+        layer_graph,
+        cluster,
+        request,
+        problem,
+        solution,
+        chunks=[list(st.layers) for st in warm_start.stages],
+        recompute=dict(warm_start.recompute),
+        note=Decision(
+            "stage cuts",
+            Reason.WARM_START,
+            f"the warm start ({warm_start.policy}) simulates faster ({warm_s * 1e3:.2f} ms) than the "
+            f"solver's plan ({solver_sim.step_time_s * 1e3:.2f} ms), so its cuts and recompute are kept",
+            {"warm_start_s": warm_s, "solver_plan_s": solver_sim.step_time_s},
+        ),
+    )
 
 
 def _hint(problem: PartitionProblem, warm_start: Plan | None) -> tuple[tuple[int, ...], tuple[bool, ...]]:

@@ -17,6 +17,7 @@ and the plan of a solved candidate warm-starts the next one with the same PP x v
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -149,6 +150,49 @@ def plan_search(
     """
     positive_int("global_batch", global_batch, "the samples per training step")
     start = time.perf_counter()
+    todo = _requests(layer_graph, cluster, global_batch, space, include)
+    costs_cache: dict = {}
+    bounds = {r: _bounds(layer_graph, cluster, r, costs_cache) for r in todo}
+    todo.sort(key=lambda r: bounds[r][0])
+    rows: list[CandidateRow] = []
+    best: PolicyResult | None = None
+    best_request: PlanRequest | None = None
+    hints: dict[tuple[int, int], Plan] = {}
+    bar = _progress(len(todo), progress)
+    cap = usable_memory_bytes(cluster.device.mem_bytes)
+    for request in todo:
+        bar.update(1)
+        par = request.parallel
+        warm = (warm_starts or {}).get(request) or hints.get((par.pp, par.v))
+        row, result = _visit(layer_graph, cluster, request, bounds[request], cap, best, solver, warm)
+        rows.append(row)
+        if result is None:
+            continue
+        hints[(par.pp, par.v)] = result.plan
+        if result.fits and (best is None or result.sim.step_time_s < best.sim.step_time_s):
+            best, best_request = result, request
+        bar.set_postfix_str(f"best {best.sim.step_time_s * 1e3:.0f} ms" if best else "none fits yet")
+    bar.close()
+    if best is None:
+        raise PlanError(_no_plan_message(rows, cap, cluster.name, min(b[1] for b in bounds.values())))
+    rows = [
+        dataclasses.replace(r, outcome="chosen", reason="fastest simulated plan that fits")
+        if r.outcome == "planned" and r.request == best_request
+        else r
+        for r in rows
+    ]
+    report = SearchReport(cluster.name, tuple(rows), time.perf_counter() - start, best.plan, best.sim)
+    return dataclasses.replace(best, report=report)
+
+
+def _requests(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    global_batch: int,
+    space: SearchSpace,
+    include: Iterable[PlanRequest],
+) -> list[PlanRequest]:
+    """The candidates: ``include`` and the enumerated ones, each once."""
     todo = list(
         dict.fromkeys([*include, *candidates(layer_graph, cluster, global_batch=global_batch, space=space)])
     )
@@ -158,70 +202,35 @@ def plan_search(
             f"no parallel degrees divide global batch {global_batch} over {cluster.num_gpus} GPUs with microbatch sizes "
             f"{list(space.microbatch_sizes)}{only_dp}; use a global batch that is a multiple of the GPU count"
         )
-    costs_cache: dict = {}
-    bounds = {r: _bounds(layer_graph, cluster, r, costs_cache) for r in todo}
-    todo.sort(key=lambda r: bounds[r][0])
-    rows: list[CandidateRow] = []
-    best: tuple[PolicyResult, PlanRequest] | None = None
-    hints: dict[tuple[int, int], Plan] = {}
-    least_states = min(b[1] for b in bounds.values())
-    bar = _progress(len(todo), progress)
-    cap = usable_memory_bytes(cluster.device.mem_bytes)
-    for request in todo:
-        bar.update(1)
-        lower, states = bounds[request]
-        par = request.parallel
-        if states > cap:
-            rows.append(
-                CandidateRow(
-                    request, "pruned", f"model states alone need {states / 2**30:.1f} GiB per rank", lower
-                )
-            )
-            continue
-        if best is not None and lower >= best[0].sim.step_time_s:
-            rows.append(
-                CandidateRow(
-                    request,
-                    "pruned",
-                    f"lower bound >= best found ({best[0].sim.step_time_s * 1e3:.1f} ms)",
-                    lower,
-                )
-            )
-            continue
-        try:
-            result = partition(
-                layer_graph,
-                cluster,
-                request,
-                solver=solver,
-                warm_start=(warm_starts or {}).get(request) or hints.get((par.pp, par.v)),
-            )
-        except (PlanError, ClusterError) as err:
-            rows.append(CandidateRow(request, "failed", str(err).split(": ", 1)[-1][:120], lower))
-            continue
-        sim = result.sim
-        hints[(par.pp, par.v)] = result.plan
-        peak = max(sim.peak_mem_bytes)
-        rows.append(
-            CandidateRow(request, "planned", result.report.solution.summary(), lower, sim.step_time_s, peak)
-        )
-        if sim.fits and (best is None or sim.step_time_s < best[0].sim.step_time_s):
-            best = (result, request)
-        bar.set_postfix_str(f"best {best[0].sim.step_time_s * 1e3:.0f} ms" if best else "none fits yet")
-    bar.close()
-    if best is None:
-        raise PlanError(_no_plan_message(rows, cap, cluster.name, least_states))
-    chosen, chosen_request = best
-    rows = [
-        CandidateRow(
-            r.request, "chosen", "fastest simulated plan that fits", r.lower_bound_s, r.step_s, r.peak_bytes
-        )
-        if r.request == chosen_request and r.outcome == "planned"
-        else r
-        for r in rows
-    ]
-    report = SearchReport(cluster.name, tuple(rows), time.perf_counter() - start, chosen.plan, chosen.sim)
-    return PolicyResult(plan=chosen.plan, sim=chosen.sim, report=report, recompute=chosen.recompute)
+    return todo
+
+
+def _visit(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    request: PlanRequest,
+    bounds: tuple[float, float],
+    cap: float,
+    best: PolicyResult | None,
+    solver: SolverOptions,
+    warm_start: Plan | None,
+) -> tuple[CandidateRow, PolicyResult | None]:
+    """One candidate: pruned by its bounds, or partitioned; its row, and its plan if it has one."""
+    lower, states = bounds
+    if states > cap:
+        return CandidateRow(
+            request, "pruned", f"model states alone need {states / 2**30:.1f} GiB per rank", lower
+        ), None
+    if best is not None and lower >= best.sim.step_time_s:
+        why = f"lower bound >= best found ({best.sim.step_time_s * 1e3:.1f} ms)"
+        return CandidateRow(request, "pruned", why, lower), None
+    try:
+        result = partition(layer_graph, cluster, request, solver=solver, warm_start=warm_start)
+    except (PlanError, ClusterError) as err:
+        return CandidateRow(request, "failed", str(err).split(": ", 1)[-1][:120], lower), None
+    sim = result.sim
+    summary = result.report.solution.summary()
+    return CandidateRow(request, "planned", summary, lower, sim.step_time_s, max(sim.peak_mem_bytes)), result
 
 
 def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, least_states: float) -> str:

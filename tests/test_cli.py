@@ -3,6 +3,8 @@ trace and PNG; bad input is an error message and exit code 2."""
 
 import json
 
+import pytest
+
 from vlmcompile.cli import main
 from vlmcompile.ir.plan import Plan
 
@@ -80,6 +82,7 @@ def test_vlmcompile_policy_prints_the_comparison_with_every_baseline(tmp_path, c
     assert {r["policy"] for r in data["policies"]} == {"megatron", "megatron_balanced", "omnibal"}
 
 
+@pytest.mark.slow
 def test_omnibal_policy_and_search(capsys):
     assert main([*ARGS, "--policy", "omnibal"]) == 0
     assert "anchor cuts" in capsys.readouterr().out

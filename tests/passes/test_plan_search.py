@@ -27,6 +27,7 @@ def test_candidates_respect_the_cluster_and_the_batch(demo_graph):
         assert d.v == 1 or (r.num_microbatches % d.pp == 0 and d.pp > 1)
 
 
+@pytest.mark.slow
 def test_search_returns_the_fastest_planned_candidate_and_reports_every_one(demo_graph):
     cluster = Cluster.preset("h100x8")
     result = plan_search(

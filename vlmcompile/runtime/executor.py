@@ -26,8 +26,8 @@ from __future__ import annotations
 import ctypes
 import datetime
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -125,6 +125,25 @@ def keep_freed_memory() -> bool:
             (m_top_pad, 256 << 20),  # grow the heap 256 MiB at a time
         )
     )
+
+
+@dataclass(slots=True)
+class _StepState:
+    """What one step's actions hand each other on this rank."""
+
+    microbatches: list[Mapping[str, Any]]
+    """This rank's data-parallel shard, cut into microbatches."""
+    weights: Sequence[float]
+    """Each microbatch's share of the global batch's label tokens."""
+    saved: dict[tuple[int, int], tuple[tuple, Any]] = field(default_factory=dict)
+    """(stage, microbatch) -> the forward's inputs (leaves) and outputs, until its backward."""
+    local_fwd: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    """Activations for a next stage on this same rank."""
+    local_bwd: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    """Gradients for a previous stage on this same rank."""
+    sends: list[tuple[Any, str, int]] = field(default_factory=list)
+    """Posted sends, waited for at the end of the step."""
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 
 
 class PipelineRunner:
@@ -276,90 +295,89 @@ class PipelineRunner:
         and return the global loss (the same on every rank)."""
         self.check_batch(batch)
         self.setup()
-        plan, t = self.plan, self.parallel
-        m, mbs = plan.num_microbatches, plan.microbatch_size
-        shard_rows = m * mbs
-        weights = label_weights(batch, t.dp * m)
-        shard = take(batch, self.dp_rank * shard_rows, shard_rows, self.sample_rows)
-        micro = [take(shard, i * mbs, mbs, self.sample_rows) for i in range(m)]
+        m, mbs = self.plan.num_microbatches, self.plan.microbatch_size
+        shard = take(batch, self.dp_rank * m * mbs, m * mbs, self.sample_rows)
+        weights = label_weights(batch, self.parallel.dp * m)
+        state = _StepState(
+            microbatches=[take(shard, i * mbs, mbs, self.sample_rows) for i in range(m)],
+            weights=weights[self.dp_rank * m : (self.dp_rank + 1) * m],
+        )
         params = self.parameters()
         stash = [p.grad for p in params]
         for p in params:
             p.grad = None
-
-        saved: dict[tuple[int, int], tuple[tuple, Any]] = {}
-        local_fwd: dict[tuple[int, int], tuple] = {}
-        local_bwd: dict[tuple[int, int], tuple] = {}
-        sends: list[tuple[Any, str]] = []
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        last = plan.num_stages - 1
         for action in self.actions:
             if self.on_action is not None:
                 self.on_action(self.rank, action)
-            s, i = action.stage, action.microbatch
-            stage = self.stages[s]
             if action.kind is ActionKind.F:
-                if s == 0:
-                    received: tuple = ()
-                elif self.rank_of_stage[s - 1] == self.pp_rank:
-                    received = local_fwd.pop((s, i))
-                else:
-                    received = self._recv_activations(s, i)
-                leaves = tuple(
-                    x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
-                    for x in received
-                )
-                out = stage(leaves, micro[i])
-                if s == last:
-                    weight = weights[self.dp_rank * m + i]
-                    if weight == 0:
-                        # No label tokens: the batch's loss does not see this microbatch, and its
-                        # own mean over no tokens is NaN (0/0), which a zero weight cannot cancel.
-                        saved[(s, i)] = (leaves, None)
-                        continue
-                    scaled = out * weight
-                    loss_sum += scaled.detach().double()
-                    saved[(s, i)] = (leaves, scaled)
-                    continue
-                saved[(s, i)] = (leaves, out)
-                if self.rank_of_stage[s + 1] == self.pp_rank:
-                    local_fwd[(s + 1, i)] = out
-                else:
-                    sends += self._send_activations(s, i, out)
+                self._forward(action, state)
             elif action.kind is ActionKind.B:
-                leaves, out = saved.pop((s, i))
-                if s == last:
-                    if out is not None:
-                        out.backward()
-                else:
-                    if self.rank_of_stage[s + 1] == self.pp_rank:
-                        grads = local_bwd.pop((s, i))
-                    else:
-                        grads = self._recv_grads(s, i, out)
-                    pairs = [(o, g) for o, g in zip(_floats(out), grads) if o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                if s > 0:
-                    input_grads = tuple(
-                        x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(leaves)
-                    )
-                    if self.rank_of_stage[s - 1] == self.pp_rank:
-                        local_bwd[(s - 1, i)] = input_grads
-                    else:
-                        sends += self._send(
-                            input_grads, self.rank_of_stage[s - 1], s, "B", i, f"{action}'s input gradients"
-                        )
+                self._backward(action, state)
             else:  # runnable_degrees rejects I/W plans
                 raise AssertionError(action)
-        for work, what, peer in sends:
+        for work, what, peer in state.sends:
             self._wait(work, what, peer)
         self._reduce_gradients(params)
         for p, old in zip(params, stash):
             if old is not None:
                 p.grad = old if p.grad is None else p.grad + old
-        loss = loss_sum.clone()
+        loss = state.loss_sum.clone()
         self._wait(dist.all_reduce(loss, async_op=True), "the loss all-reduce")
         return loss.float()
+
+    def _forward(self, action: Action, state: _StepState) -> None:
+        s, i = action.stage, action.microbatch
+        if s == 0:
+            received: tuple = ()
+        elif self.rank_of_stage[s - 1] == self.pp_rank:
+            received = state.local_fwd.pop((s, i))
+        else:
+            received = self._recv_activations(s, i)
+        leaves = tuple(
+            x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+            for x in received
+        )
+        out = self.stages[s](leaves, state.microbatches[i])
+        if s < self.plan.num_stages - 1:
+            state.saved[(s, i)] = (leaves, out)
+            if self.rank_of_stage[s + 1] == self.pp_rank:
+                state.local_fwd[(s + 1, i)] = out
+            else:
+                state.sends += self._send_activations(s, i, out)
+            return
+        weight = state.weights[i]
+        if weight == 0:
+            # No label tokens: the batch's loss does not see this microbatch, and its own mean
+            # over no tokens is NaN (0/0), which a zero weight cannot cancel.
+            state.saved[(s, i)] = (leaves, None)
+            return
+        scaled = out * weight
+        state.loss_sum += scaled.detach().double()
+        state.saved[(s, i)] = (leaves, scaled)
+
+    def _backward(self, action: Action, state: _StepState) -> None:
+        s, i = action.stage, action.microbatch
+        leaves, out = state.saved.pop((s, i))
+        if s == self.plan.num_stages - 1:
+            if out is not None:
+                out.backward()
+        else:
+            if self.rank_of_stage[s + 1] == self.pp_rank:
+                grads = state.local_bwd.pop((s, i))
+            else:
+                grads = self._recv_grads(s, i, out)
+            pairs = [(o, g) for o, g in zip(_floats(out), grads) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if s == 0:
+            return
+        input_grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(leaves))
+        if self.rank_of_stage[s - 1] == self.pp_rank:
+            state.local_bwd[(s - 1, i)] = input_grads
+        else:
+            state.sends += self._send(
+                input_grads, self.rank_of_stage[s - 1], s, "B", i, f"{action}'s input gradients"
+            )
 
     def _check_specialized(self, microbatch: Mapping[str, Any], index: int) -> None:
         for key, expected in self.specialized.items():

@@ -213,6 +213,7 @@ def launch(
     args: Sequence[Any] = (),
     timeout_s: float = 60.0,
     limit_s: float | None = None,
+    grace_s: float = GRACE_S,
 ) -> list[Any]:
     """Run ``fn(payload, *args)`` on ``nprocs`` local ranks with torch.distributed initialised
     (gloo); return each rank's result, in rank order.
@@ -222,12 +223,15 @@ def launch(
         payload: what every rank gets first (e.g. a :class:`~vlmcompile.runtime.executor.PipelineRunner`).
         timeout_s: the timeout of every collective in the ranks.
         limit_s: wall-clock bound on the whole run (None: no bound while every rank is healthy).
+        grace_s: how long ranks still running after the first failure get to report before they
+            are killed.
 
     Raises:
         LaunchError: a rank raised, died or had to be killed.
         Interrupted: SIGINT or SIGTERM arrived; every rank has been stopped.
     """
     check_launchable(nprocs, timeout_s)
+    positive_number("grace_s", grace_s, "the seconds ranks get to report after the first failure")
     ctx = mp.get_context("spawn")
     # The payload and args reach the ranks through a pipe after they start, not as Process
     # arguments: multiprocessing writes those while it still holds the child's end of the pipe, so
@@ -278,7 +282,7 @@ def launch(
                 ) from None
             finally:
                 sender.close()
-        return _watch(procs, reports, limit_s)
+        return _watch(procs, reports, limit_s, grace_s)
     finally:
         with _signals_held():  # a second Ctrl-C must not cut the clean-up short
             _stop(procs)
@@ -331,7 +335,7 @@ def _stop(procs: list[Any]) -> None:
             p.join(5)
 
 
-def _watch(procs, reports, limit_s: float | None) -> list[Any]:
+def _watch(procs, reports, limit_s: float | None, grace_s: float) -> list[Any]:
     nprocs = len(procs)
     start = time.monotonic()
     values: dict[int, Any] = {}
@@ -371,7 +375,7 @@ def _watch(procs, reports, limit_s: float | None) -> list[Any]:
         if first_failure is None and errors:
             first_failure = now  # a report arrives just before its process ends
         over_limit = limit_s is not None and now - start > limit_s
-        given_up = first_failure is not None and now - first_failure > GRACE_S
+        given_up = first_failure is not None and now - first_failure > grace_s
         if over_limit or given_up:
             for rank, p in enumerate(procs):
                 if p.exitcode is None:
@@ -391,7 +395,7 @@ def _watch(procs, reports, limit_s: float | None) -> list[Any]:
     if over_limit and not errors:
         lines.insert(0, f"the ranks ran past the {limit_s:.0f} s limit")
     why_killed = (
-        "at the run's time limit" if over_limit else f"still running {GRACE_S:.0f} s after the first failure"
+        "at the run's time limit" if over_limit else f"still running {grace_s:g} s after the first failure"
     )
     for r in range(nprocs):
         if r in errors:
