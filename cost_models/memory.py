@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from vlmcompile.cost_models.compute import sharded_share
 from vlmcompile.ir.layer_graph import Layer
-from vlmcompile.ir.plan import Recompute, Training
+from vlmcompile.ir.plan import Precision, Recompute
 
 MEMORY_RESERVE = 0.05
 """Share of device memory no plan may use: the CUDA context, NCCL buffers and the caching
@@ -41,12 +41,14 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def model_state_bytes(num_params: float, training: Training, *, dp: int, zero_stage: int) -> ModelStateBytes:
+def model_state_bytes(
+    num_params: float, precision: Precision, *, dp: int, zero_stage: int
+) -> ModelStateBytes:
     """Bytes of ``num_params`` parameters (already divided by TP) on one rank."""
     return ModelStateBytes(
-        params=num_params * training.param_bytes / (dp if zero_stage >= 3 else 1),
-        grads=num_params * training.grad_bytes / (dp if zero_stage >= 2 else 1),
-        optimizer=num_params * training.optimizer_bytes / (dp if zero_stage >= 1 else 1),
+        params=num_params * precision.param_bytes / (dp if zero_stage >= 3 else 1),
+        grads=num_params * precision.grad_bytes / (dp if zero_stage >= 2 else 1),
+        optimizer=num_params * precision.optimizer_bytes / (dp if zero_stage >= 1 else 1),
     )
 
 

@@ -19,7 +19,7 @@ from vlmcompile.cost_models.memory import (
 from vlmcompile.ir.actions import ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import Layer, LayerGraph
-from vlmcompile.ir.plan import Parallel, Plan, Recompute, Training
+from vlmcompile.ir.plan import Parallel, Plan, Precision, Recompute
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +141,10 @@ def layer_cost(
     *,
     samples: float,
     recompute: Recompute = Recompute.NONE,
-    training: Training | None = None,
+    precision: Precision | None = None,
 ) -> LayerCost:
     """One layer on one TP rank for one microbatch of ``samples`` annotated batches."""
-    training = training or Training()
+    precision = precision or Precision()
     device = cluster.device
     tp_bw, tp_lat = cluster.group_link(par.tp, 1)
     dp_bw, dp_lat = cluster.group_link(par.dp, par.tp)
@@ -158,10 +158,10 @@ def layer_cost(
     elif recompute is Recompute.SELECTIVE:
         redo = t.fwd_attention_s
     params = layer.num_params / (par.tp if sharded else 1)
-    grads_wire = params * training.dp_grad_bytes
+    grads_wire = params * precision.dp_grad_bytes
     if par.zero_stage >= 1:
         reduce = comm.reduce_scatter_s(grads_wire, par.dp, dp_bw, dp_lat)
-        gather = comm.all_gather_s(params * training.param_bytes, par.dp, dp_bw, dp_lat)
+        gather = comm.all_gather_s(params * precision.param_bytes, par.dp, dp_bw, dp_lat)
     else:
         reduce, gather = comm.all_reduce_s(grads_wire, par.dp, dp_bw, dp_lat), 0.0
     return LayerCost(
@@ -177,10 +177,10 @@ def layer_cost(
     )
 
 
-def layer_state_bytes(cost: LayerCost, par: Parallel, training: Training | None = None) -> float:
+def layer_state_bytes(cost: LayerCost, par: Parallel, precision: Precision | None = None) -> float:
     """Model states (parameters, gradients, optimizer) of the layer on one rank."""
     return model_state_bytes(
-        cost.num_params, training or Training(), dp=par.dp, zero_stage=par.zero_stage
+        cost.num_params, precision or Precision(), dp=par.dp, zero_stage=par.zero_stage
     ).total
 
 
@@ -206,7 +206,7 @@ def layer_costs(
     *,
     microbatch_size: int,
     recompute: Mapping[str, Recompute] | None = None,
-    training: Training | None = None,
+    precision: Precision | None = None,
 ) -> list[LayerCost]:
     """Every layer's cost under one parallel setting (planning passes compare cuts with these)."""
     cluster.check_tensor_parallel(par.tp)
@@ -220,7 +220,7 @@ def layer_costs(
             par,
             samples=samples,
             recompute=flags.get(layer.name, Recompute.NONE),
-            training=training,
+            precision=precision,
         )
         for layer in layer_graph.layers
     ]
@@ -232,7 +232,7 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
             "sub-layer pieces are not costed yet; plans that split layers come with the scheduler"
         )
     samples = samples_per_microbatch(layer_graph, plan.microbatch_size)
-    training = plan.training
+    precision = plan.precision
     stage_costs = []
     for stage in plan.stages:
         par = plan.parallel[stage.group]
@@ -244,7 +244,9 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
             layer = layer_graph[name]
             rc = plan.recompute_of(name)
             layers.append(
-                layer_cost(layer, layer_graph, cluster, par, samples=samples, recompute=rc, training=training)
+                layer_cost(
+                    layer, layer_graph, cluster, par, samples=samples, recompute=rc, precision=precision
+                )
             )
             act += kept_activation_bytes(layer, rc, **kw)
             transient = max(transient, recompute_transient_bytes(layer, rc, **kw))
@@ -266,7 +268,7 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
 
     static = [0.0] * plan.num_ranks
     for stage, par, layers, _, _ in stage_costs:
-        static[stage.rank] += sum(layer_state_bytes(c, par, training) for c in layers)
+        static[stage.rank] += sum(layer_state_bytes(c, par, precision) for c in layers)
     model_flops = (
         samples
         * plan.num_microbatches

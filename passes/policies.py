@@ -89,23 +89,29 @@ def plan_and_simulate(
         return _ours_with_baselines(layer_graph, cluster, request, solver or SolverOptions())
     if policy == "omnibal":
         return omnibal(layer_graph, cluster, request)
-    split = {"first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
-    options = split if policy == "megatron" else {}
-    if recompute != "auto":
-        return POLICIES[policy](layer_graph, cluster, request, recompute=recompute, **options)
-    return _least_recompute_that_fits(layer_graph, cluster, policy, request, options)
+    if policy == "megatron":
+
+        def run(rung: GlobalRecompute) -> PolicyResult:
+            return megatron(
+                layer_graph,
+                cluster,
+                request,
+                recompute=rung,
+                first_stage_layers=first_stage_layers,
+                last_stage_layers=last_stage_layers,
+            )
+    else:
+
+        def run(rung: GlobalRecompute) -> PolicyResult:
+            return megatron_balanced(layer_graph, cluster, request, recompute=rung)
+
+    return run(recompute) if recompute != "auto" else _least_recompute_that_fits(run)
 
 
-def _least_recompute_that_fits(
-    layer_graph: LayerGraph,
-    cluster: Cluster,
-    policy: str,
-    request: PlanRequest,
-    options: dict[str, int | None],
-) -> PolicyResult:
+def _least_recompute_that_fits(run: Callable[[GlobalRecompute], PolicyResult]) -> PolicyResult:
     tried = []
     for rung in RECOMPUTE_LADDER:
-        result = POLICIES[policy](layer_graph, cluster, request, recompute=rung, **options)
+        result = run(rung)
         tried.append(f"{rung}: {max(result.sim.peak_mem_bytes) / 2**30:.1f} GiB")
         if result.fits:
             break

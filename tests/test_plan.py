@@ -2,6 +2,7 @@
 with the rank and step named."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from tests.sim_helpers import make_plan
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.actions import Action, ActionKind, format_grid
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.ir.plan import Plan, Stage
+from vlmcompile.ir.plan import Plan, Precision, Stage
 from vlmcompile.passes.megatron import megatron
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest
 from vlmcompile.planning.schedules import one_f_one_b
@@ -43,12 +44,22 @@ def test_json_round_trip_is_lossless(plan, tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     assert Plan.load(path) == plan
+    fp32 = dataclasses.replace(plan, precision=Precision(param_bytes=4, optimizer_bytes=8))
+    fp32.save(path)
+    assert Plan.load(path) == fp32
+
+
+def test_a_version_1_plan_has_its_precision_under_the_old_name(plan):
+    data = json.loads(json.dumps(dataclasses.replace(plan, precision=Precision(param_bytes=4)).to_json()))
+    data["version"] = 1
+    data["training"] = data.pop("precision")
+    assert Plan.from_json(data).precision == Precision(param_bytes=4)
 
 
 def test_an_older_plan_schema_is_rejected_with_the_fix(plan):
     data = plan.to_json()
     data["version"] = 0
-    with pytest.raises(PlanError, match="plan JSON version 0 is not 1.*re-plan: `vlmcompile plan"):
+    with pytest.raises(PlanError, match=r"plan JSON version 0 is not one this vlmcompile reads \(1, 2\); re-plan: `vlmcompile plan"):
         Plan.from_json(data)
     with pytest.raises(PlanError, match="not a plan JSON"):
         Plan.from_json({"schema": "vlmcompile.layer_graph"})

@@ -10,7 +10,7 @@ from vlmcompile.cost_models.compute import REPLICATED_SHARE_WITHOUT_SP, is_tenso
 from vlmcompile.cost_models.hardware import Efficiency
 from vlmcompile.cost_models.memory import kept_activation_bytes, model_state_bytes
 from vlmcompile.cost_models.stage_costs import layer_costs
-from vlmcompile.ir.plan import Parallel, Recompute, Training
+from vlmcompile.ir.plan import Parallel, Precision, Recompute
 
 H100 = Cluster.preset("h100x16")
 
@@ -88,7 +88,7 @@ def test_full_recompute_adds_a_forward_to_the_backward(demo_graph):
     ("zero", "expected"), [(0, 2 + 4 + 12), (1, 2 + 4 + 12 / 8), (2, 2 + 4 / 8 + 12 / 8), (3, 18 / 8)]
 )
 def test_model_states_by_zero_stage(zero, expected):
-    assert model_state_bytes(1.0, Training(), dp=8, zero_stage=zero).total == pytest.approx(expected)
+    assert model_state_bytes(1.0, Precision(), dp=8, zero_stage=zero).total == pytest.approx(expected)
 
 
 def test_activations_shrink_with_recompute_and_tp(demo_graph):

@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from vlmcompile.ir.layer_graph import LayerGraph
 
 SCHEMA = "vlmcompile.plan"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: the model states' precision is ``precision`` (version 1, still read, called it ``training``)."""
+READABLE_VERSIONS = (1, 2)
 
 
 class Recompute(str, enum.Enum):
@@ -129,8 +131,8 @@ class Stage:
 
 
 @dataclass(frozen=True, slots=True)
-class Training:
-    """Precision of the model states (Megatron mixed precision with Adam by default)."""
+class Precision:
+    """Bytes per element of the model states (Megatron mixed precision with Adam by default)."""
 
     param_bytes: int = 2
     grad_bytes: int = 4
@@ -156,7 +158,7 @@ class Plan:
     """Layer -> recompute flag; layers not named are not recomputed."""
     pieces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Sub-layer pieces: name -> the FX nodes it runs (empty while plans cut at layers)."""
-    training: Training = field(default_factory=Training)
+    precision: Precision = field(default_factory=Precision)
     cluster: str = ""
     decisions: tuple[Decision, ...] = ()
     fingerprint: str = ""
@@ -222,7 +224,7 @@ class Plan:
             "microbatch_size": self.microbatch_size,
             "num_microbatches": self.num_microbatches,
             "parallel": {k: asdict(v) for k, v in self.parallel.items()},
-            "training": asdict(self.training),
+            "precision": asdict(self.precision),
             "stages": [asdict(s) for s in self.stages],
             "recompute": {k: v.value for k, v in self.recompute.items()},
             "pieces": {k: list(v) for k, v in self.pieces.items()},
@@ -248,10 +250,10 @@ class Plan:
         r = _Reader(data, "plan")
         if data.get("schema") != SCHEMA:
             raise PlanError(f"not a plan JSON (schema {data.get('schema')!r}, expected {SCHEMA!r})")
-        if data.get("version") != SCHEMA_VERSION:
+        if data.get("version") not in READABLE_VERSIONS:
             raise PlanError(
-                f"plan JSON version {data.get('version')!r} is not {SCHEMA_VERSION} (this vlmcompile reads "
-                f"version {SCHEMA_VERSION} only); re-plan: `vlmcompile plan ... --json FILE`, or "
+                f"plan JSON version {data.get('version')!r} is not one this vlmcompile reads "
+                f"({', '.join(map(str, READABLE_VERSIONS))}); re-plan: `vlmcompile plan ... --json FILE`, or "
                 "compile(...).plan.save(FILE)"
             )
         try:
@@ -267,9 +269,7 @@ class Plan:
                     name: Parallel(**_Reader(v, f"parallel.{name}").fields(_PARALLEL_FIELDS))
                     for name, v in r.get("parallel", dict).items()
                 },
-                training=Training(
-                    **_Reader(r.get("training", dict, {}), "training").fields(_TRAINING_FIELDS)
-                ),
+                precision=Precision(**_Reader(*_precision_field(data)).fields(_PRECISION_FIELDS)),
                 stages=tuple(
                     Stage(**_Reader(v, f"stages[{i}]").fields(_STAGE_FIELDS))
                     for i, v in enumerate(r.get("stages", list))
@@ -345,12 +345,20 @@ _PARALLEL_FIELDS = {
     "sequence_parallel": (bool, True),
     "zero_stage": (int, 1),
 }
-_TRAINING_FIELDS = {
+_PRECISION_FIELDS = {
     "param_bytes": (int, 2),
     "grad_bytes": (int, 4),
     "optimizer_bytes": (int, 12),
     "dp_grad_bytes": (int, 4),
 }
+
+
+def _precision_field(data: Mapping[str, Any]) -> tuple[Any, str]:
+    """The model states' precision and where it is: ``training`` in version 1, ``precision`` since."""
+    key = "training" if data.get("version") == 1 else "precision"
+    return data.get(key, {}), key
+
+
 _STAGE_FIELDS = {"index": int, "rank": int, "layers": "strings", "group": (str, "model")}
 _DECISION_FIELDS = {"subject": str, "reason": "reason", "detail": str, "numbers": ("numbers", {})}
 _MISSING = object()
