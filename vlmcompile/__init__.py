@@ -7,22 +7,42 @@
 >>> print(run.sim)             # predicted step time and bubbles
 """
 
-from vlmcompile.compiler import compile
-from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.ir.errors import (
-    CaptureError,
-    ClusterError,
-    ModelError,
-    PassError,
-    PlanError,
-    RegionError,
-    SampleBatchError,
-    VlmCompileError,
-)
-from vlmcompile.ir.layer_graph import Layer, LayerGraph
-from vlmcompile.ir.plan import Plan
-from vlmcompile.ir.regions import Region
-from vlmcompile.pipeline import CompiledPipeline, CompileReport
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "compile": "vlmcompile.compiler",
+    "Cluster": "vlmcompile.cost_models.cluster",
+    "CaptureError": "vlmcompile.ir.errors",
+    "ClusterError": "vlmcompile.ir.errors",
+    "ModelError": "vlmcompile.ir.errors",
+    "PassError": "vlmcompile.ir.errors",
+    "PlanError": "vlmcompile.ir.errors",
+    "RegionError": "vlmcompile.ir.errors",
+    "SampleBatchError": "vlmcompile.ir.errors",
+    "VlmCompileError": "vlmcompile.ir.errors",
+    "Layer": "vlmcompile.ir.layer_graph",
+    "LayerGraph": "vlmcompile.ir.layer_graph",
+    "Plan": "vlmcompile.ir.plan",
+    "Region": "vlmcompile.ir.regions",
+    "CompiledPipeline": "vlmcompile.pipeline",
+    "CompileReport": "vlmcompile.pipeline",
+}
+"""Loaded on first use: a local rank imports ``vlmcompile.runtime.launch`` before anything else
+(it must arm its parent-death signal at once), and that should not import the compiler."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'vlmcompile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __version__ = "0.1.0"
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import multiprocessing
 import os
 import pickle
 import signal
@@ -30,10 +31,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing import connection as mp_connection
 from typing import Any
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int, positive_number
 
@@ -123,13 +120,19 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(70)
 
 
-def _rank_main(rank, nprocs, store_socket, port, parent_pid, fn, work, report, timeout_s) -> None:
+def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeout_s) -> None:
+    # Armed first: a rank's imports (torch alone takes seconds) come after, so a launcher killed
+    # while its ranks start up takes them with it at once. Hence torch is imported here and the
+    # function to run arrives with the work, not as an argument the child unpickles on start.
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         work_bytes = work.recv_bytes()
     except (EOFError, OSError):
         os._exit(1)  # the launcher stopped before it sent the work
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     env = dict(
         MASTER_ADDR="127.0.0.1",
@@ -144,7 +147,7 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, fn, work, report, t
     os.environ.update(env)
     code = 0
     try:
-        payload, args = pickle.loads(work_bytes)
+        fn, payload, args = pickle.loads(work_bytes)
         timeout = datetime.timedelta(seconds=timeout_s)
         if rank == 0:
             store = dist.TCPStore(
@@ -201,7 +204,7 @@ def check_launchable(nprocs: int, timeout_s: float) -> None:
             "run a plan that large with torchrun on its cluster"
         )
     positive_number("timeout_s", timeout_s, "the seconds a rank may wait for another")
-    if getattr(mp.current_process(), "_inheriting", False):
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise RuntimeError(_NO_GUARD)
 
 
@@ -232,12 +235,12 @@ def launch(
     """
     check_launchable(nprocs, timeout_s)
     positive_number("grace_s", grace_s, "the seconds ranks get to report after the first failure")
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     # The payload and args reach the ranks through a pipe after they start, not as Process
     # arguments: multiprocessing writes those while it still holds the child's end of the pipe, so
     # a child that dies before reading them (a script without a main guard) would block that
     # write forever.
-    work = pickle.dumps((payload, tuple(args)))
+    work = pickle.dumps((fn, payload, tuple(args)))
     procs: list[Any] = []
     reports: list[Any] = []
     previous = interrupt_on_stop_signals()
@@ -259,7 +262,6 @@ def launch(
                         store_socket if rank == 0 else None,
                         port,
                         os.getpid(),
-                        fn,
                         work_r,
                         report_w,
                         timeout_s,

@@ -134,7 +134,7 @@ def test_grid_prints_steps_by_rank(plan):
     assert "schedule 1f1b" in str(plan) and "recompute" in str(plan)
 
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def test_a_plan_saved_by_an_earlier_vlmcompile_still_loads_and_splits_the_model():

@@ -111,6 +111,14 @@ def test_a_signal_to_the_cli_stops_every_rank_and_says_so_in_one_line(signum):
     assert "Traceback" not in stderr, stderr
 
 
+def test_a_rank_arms_its_parent_death_signal_before_it_imports_torch():
+    # What a spawned rank imports before _rank_main runs: the launch module alone. torch takes
+    # seconds, during which a killed launcher would leave its ranks running.
+    code = "import sys, vlmcompile.runtime.launch; print(sorted(m for m in ('torch', 'vlmcompile.compiler') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
 @pytest.mark.slow
 def test_ranks_exit_on_their_own_when_the_launcher_is_killed():
     parent = _start_cli_run()
