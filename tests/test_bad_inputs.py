@@ -447,7 +447,10 @@ CASES = {
         "not a plan JSON (schema 'other'",
     ),
     "plan-old-version": Case(
-        "plan file", "another schema version", plan_file(_set("version", 0)), "plan JSON version 0 is not one this vlmcompile reads"
+        "plan file",
+        "another schema version",
+        plan_file(_set("version", 0)),
+        "plan JSON version 0 is not one this vlmcompile reads",
     ),
     "plan-wrong-type": Case(
         "plan file",

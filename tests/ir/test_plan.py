@@ -59,7 +59,10 @@ def test_a_version_1_plan_has_its_precision_under_the_old_name(plan):
 def test_an_older_plan_schema_is_rejected_with_the_fix(plan):
     data = plan.to_json()
     data["version"] = 0
-    with pytest.raises(PlanError, match=r"plan JSON version 0 is not one this vlmcompile reads \(1, 2\); re-plan: `vlmcompile plan"):
+    with pytest.raises(
+        PlanError,
+        match=r"plan JSON version 0 is not one this vlmcompile reads \(1, 2\); re-plan: `vlmcompile plan",
+    ):
         Plan.from_json(data)
     with pytest.raises(PlanError, match="not a plan JSON"):
         Plan.from_json({"schema": "vlmcompile.layer_graph"})
