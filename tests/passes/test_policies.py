@@ -38,7 +38,7 @@ def test_the_solver_alone_beats_or_ties_every_baseline_it_can_express(graph_name
     graph = request.getfixturevalue(graph_name)
     cluster = Cluster.preset(f"h100x{pp}")
     plan_request = PlanRequest.on(cluster, tp=1, pp=pp, v=v, global_batch=8)
-    ours = partition(graph, cluster, plan_request, solver=SolverOptions(time_limit_s=60))
+    ours = partition(graph, cluster, plan_request, solver=SolverOptions(time_limit_s=60, timeline_share=1.0))
     solution = ours.report.solution
     assert solution.status == "OPTIMAL" and solution.objective == "timeline", solution.summary()
     assert solution.objective_s == pytest.approx(ours.sim.step_time_s, rel=1e-4)

@@ -149,11 +149,17 @@ def test_solver_finds_the_brute_force_optimum(problem):
     if reference is None:
         with pytest.raises(Infeasible):
             solve(
-                problem, SolverOptions(time_limit_s=20, workers=1), time_quantum_s=1.0, mem_quantum_bytes=1.0
+                problem,
+                SolverOptions(time_limit_s=20, workers=1, timeline_share=1.0),
+                time_quantum_s=1.0,
+                mem_quantum_bytes=1.0,
             )
         return
     solution = solve(
-        problem, SolverOptions(time_limit_s=20, workers=1), time_quantum_s=1.0, mem_quantum_bytes=1.0
+        problem,
+        SolverOptions(time_limit_s=20, workers=1, timeline_share=1.0),
+        time_quantum_s=1.0,
+        mem_quantum_bytes=1.0,
     )
     assert solution.status == "OPTIMAL"
     assert solution.evaluation.fits

@@ -104,9 +104,15 @@ class SolverOptions:
     """Wall-clock limit; on a timeout the best plan found is returned and the report says so."""
     workers: int | None = None
     """Parallel search workers; None: the machine's cores, at most 8."""
+    timeline_share: float = 0.25
+    """At most this share of the time limit goes to the timeline model after the closed form
+    (:func:`vlmcompile.planning.stage_cuts.solve`); it proves small instances optimal, and on
+    large ones rarely finds better, so a plan search should not spend whole limits on it."""
 
     def __post_init__(self):
         positive_number("time_limit_s", self.time_limit_s, "CP-SAT's seconds")
+        if not 0 <= self.timeline_share <= 1:
+            raise PlanError(f"timeline_share={self.timeline_share!r}; give a share of the time limit, 0 to 1")
         if self.workers is not None:
             positive_int("workers", self.workers, "CP-SAT's parallel workers")
 

@@ -429,8 +429,9 @@ def solve(
     """Solve ``problem`` with CP-SAT; raise :class:`Infeasible` when no assignment fits.
 
     Two models in turn share the time limit: the closed form (quick, and with a good bound)
-    from ``hint``, then, with the time it leaves, the timeline from the closed form's plan (when
-    the action lists have at most :data:`TIMELINE_ACTIONS` actions). The timeline's answer is
+    from ``hint``, then, with the time it leaves (at most ``options.timeline_share`` of the
+    limit), the timeline from the closed form's plan (when the action lists have at most
+    :data:`TIMELINE_ACTIONS` actions). The timeline's answer is
     returned if it is faster or proven optimal, else the closed form's; both phases are in
     ``phases``.
 
@@ -459,6 +460,7 @@ def solve(
     started = time.perf_counter()
     first = _solve_one(problem, "closed form", options.time_limit_s, options, quanta, hint=hint)
     left = options.time_limit_s - (time.perf_counter() - started)
+    left = min(left, options.timeline_share * options.time_limit_s)
     if problem.num_actions > TIMELINE_ACTIONS or left < 0.05 * options.time_limit_s:
         return first
     polished = _solve_one(problem, "timeline", left, options, quanta, hint=(first.stage_of, first.recompute))
