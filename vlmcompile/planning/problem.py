@@ -33,7 +33,7 @@ from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Recompute
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import make_schedule
-from vlmcompile.sim.timeline import run_actions, transfer_between_stages
+from vlmcompile.sim.timeline import Timed, run_actions, transfer_between_stages
 
 MemoryPattern = tuple[tuple[tuple[int, int], ...], int]
 """((stage, microbatches in flight), ...), and the stage whose backward runs (-1 for none)."""
@@ -168,16 +168,20 @@ def stage_figures(
     return fig
 
 
-def timeline_step(problem: PartitionProblem, fig: StageFigures) -> Any:
-    """The step of ``fig``'s stages: every action timed as the simulator times it
-    (:func:`~vlmcompile.sim.timeline.run_actions`), and each rank's DP gradient reduction
-    started when its last backward starts."""
-    timed = run_actions(
+def stage_timeline(problem: PartitionProblem, fig: StageFigures) -> list[Timed]:
+    """Every action of the schedule timed as the simulator times it
+    (:func:`~vlmcompile.sim.timeline.run_actions`), with ``fig``'s stage times and transfers."""
+    return run_actions(
         problem.actions,
         problem.num_stages,
         duration=lambda a, _: fig.fwd[a.stage] if a.kind is ActionKind.F else fig.bwd[a.stage],
         transfer=transfer_between_stages(fig.send_fwd, [0, *fig.send_bwd]),
     )
+
+
+def timeline_step(fig: StageFigures, timed: Sequence[Timed]) -> Any:
+    """The step of a timed schedule: its last action, or a rank's DP gradient reduction started
+    when its last backward starts."""
     step = max(t.end_s for t in timed)
     last_bwd = {t.rank: t.start_s for t in timed if t.action.kind is ActionKind.B}
     return max([step, *(last_bwd[r] + fig.reduce[r] for r in last_bwd)])
@@ -200,7 +204,11 @@ def evaluate(problem: PartitionProblem, stage_of: Sequence[int], recompute: Sequ
         fig.static[r] + peak_in_flight(problem.memory_patterns[r], fig.keep, fig.transient)
         for r in range(problem.num_ranks)
     )
-    return Evaluation(timeline_step(problem, fig), peaks, all(x <= problem.mem_cap_bytes for x in peaks))
+    return Evaluation(
+        timeline_step(fig, stage_timeline(problem, fig)),
+        peaks,
+        all(x <= problem.mem_cap_bytes for x in peaks),
+    )
 
 
 def peak_in_flight(patterns: Sequence[MemoryPattern], keep: Sequence, transient: Sequence) -> Any:

@@ -46,10 +46,10 @@ from vlmcompile.planning.problem import (
     PartitionProblem,
     evaluate,
     stage_figures,
+    stage_timeline,
     timeline_step,
 )
 from vlmcompile.planning.request import SolverOptions
-from vlmcompile.sim.timeline import run_actions, transfer_between_stages
 
 TIMELINE_ACTIONS = 6000
 """Above this many actions in the action lists, the objective is the closed form."""
@@ -383,15 +383,10 @@ class _Model:
         for r in range(p):
             cp.add_hint(self.static[r], fig.static[r])
         if self.objective == "timeline":
-            timed = run_actions(
-                problem.actions,
-                S,
-                duration=lambda a, _: fig.fwd[a.stage] if a.kind is ActionKind.F else fig.bwd[a.stage],
-                transfer=transfer_between_stages(fig.send_fwd, [0, *fig.send_bwd]),
-            )
+            timed = stage_timeline(problem, fig)
             for x in timed:
                 cp.add_hint(self.start[x.action], int(x.start_s))
-            cp.add_hint(self.step, int(timeline_step(problem, fig)))
+            cp.add_hint(self.step, int(timeline_step(fig, timed)))
         elif self.objective == "closed form":
             work = [sum(fig.fwd[k] + fig.bwd[k] for k in range(r, S, p)) for r in range(p)]
             plain = sum(
