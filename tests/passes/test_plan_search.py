@@ -114,3 +114,26 @@ def test_a_warm_started_candidate_is_never_worse_than_its_warm_start(demo_graph)
     ).report
     assert [c.request for c in report.candidates] == [d]
     assert report.sim.step_time_s <= given.sim.step_time_s * (1 + 1e-9)
+
+
+def test_only_the_fastest_closed_form_plans_are_polished_with_the_timeline(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    space = SearchSpace(tp_choices=(1,), pp_choices=(2, 4), microbatch_sizes=(1,), v_choices=(1, 2))
+    solver = SolverOptions(time_limit_s=1.0, workers=1)
+    cap = usable_memory_bytes(cluster.device.mem_bytes)
+
+    def rows(polish):
+        report = plan_search(
+            demo_graph, cluster, global_batch=16, space=space, solver=solver, polish=polish
+        ).report
+        return [c for c in report.candidates if c.outcome in ("planned", "chosen") and c.peak_bytes <= cap]
+
+    unpolished = rows(0)
+    assert len(unpolished) >= 3
+    assert not any("timeline" in c.reason for c in unpolished)
+    polished_rows = rows(2)
+    polished = [c for c in polished_rows if "timeline polish" in c.reason]
+    others = [c for c in polished_rows if "timeline polish" not in c.reason]
+    assert len(polished) == 2
+    # The polish starts from the closed-form plan, so a polished row stays ahead of the rest.
+    assert max(c.step_s for c in polished) <= min(c.step_s for c in others) * (1 + 1e-9)
