@@ -117,11 +117,7 @@ class OmniBalReport:
 def adaptive_recompute(problem: PartitionProblem, stage_of: tuple[int, ...]) -> list[bool] | None:
     """Fewest recomputed layers per rank that bring every rank within memory (None: impossible)."""
     p = problem.num_ranks
-    in_flight = [0] * problem.num_stages
-    for patterns in problem.memory_patterns:
-        for live, _ in patterns:
-            for k, n in live:
-                in_flight[k] = max(in_flight[k], n)
+    in_flight = problem.most_in_flight
     saving = [
         in_flight[k] * (problem.act_bytes[i] - problem.act_bytes_recompute[i])
         if problem.recomputable[i]

@@ -304,11 +304,7 @@ def _stage_rows(
     problem: PartitionProblem, layer_graph: LayerGraph, plan: Plan, sim: SimResult
 ) -> tuple[StageRow, ...]:
     index = {n: i for i, n in enumerate(problem.names)}
-    in_flight = {}
-    for patterns in problem.memory_patterns:
-        for live, _ in patterns:
-            for k, n in live:
-                in_flight[k] = max(in_flight.get(k, 0), n)
+    in_flight = problem.most_in_flight
     rows = []
     for stage in plan.stages:
         ids = [index[n] for n in stage.layers]
@@ -325,7 +321,7 @@ def _stage_rows(
                     (
                         problem.names[i],
                         problem.redo_s[i],
-                        in_flight.get(stage.index, 1)
+                        max(in_flight[stage.index], 1)
                         * (problem.act_bytes[i] - problem.act_bytes_recompute[i]),
                     )
                     for i in flagged

@@ -208,7 +208,7 @@ def test_a_timeout_returns_the_best_plan_and_says_so():
 
 def test_memory_patterns_of_1f1b_hold_min_p_minus_s_m():
     p, m = 4, 6
-    patterns = memory_patterns(make_schedule("1f1b", p, m), p)
+    patterns = memory_patterns(make_schedule("1f1b", p, m))
     for rank, rank_patterns in enumerate(patterns):
         peak = max(dict(live).get(rank, 0) for live, _ in rank_patterns)
         assert peak == min(p - rank, m)

@@ -33,10 +33,8 @@ from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Recompute
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import make_schedule
+from vlmcompile.sim.in_flight import MemoryPattern, in_flight, pattern_bytes
 from vlmcompile.sim.timeline import Timed, run_actions, transfer_between_stages
-
-MemoryPattern = tuple[tuple[tuple[int, int], ...], int]
-"""((stage, microbatches in flight), ...), and the stage whose backward runs (-1 for none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +93,17 @@ class PartitionProblem:
                 )
         if len(self.actions) != self.num_ranks:
             raise ValueError(f"{len(self.actions)} action lists for {self.num_ranks} ranks")
-        object.__setattr__(self, "memory_patterns", memory_patterns(self.actions, self.num_stages))
+        object.__setattr__(self, "memory_patterns", memory_patterns(self.actions))
+
+    @property
+    def most_in_flight(self) -> tuple[int, ...]:
+        """Per stage: the most microbatches it ever holds at once."""
+        most = [0] * self.num_stages
+        for patterns in self.memory_patterns:
+            for live, _ in patterns:
+                for k, n in live:
+                    most[k] = max(most[k], n)
+        return tuple(most)
 
     @property
     def num_actions(self) -> int:
@@ -212,39 +220,14 @@ def evaluate(problem: PartitionProblem, stage_of: Sequence[int], recompute: Sequ
 
 
 def peak_in_flight(patterns: Sequence[MemoryPattern], keep: Sequence, transient: Sequence) -> Any:
-    """The most bytes any pattern of a rank holds: microbatches in flight times what each stage
-    keeps, plus the transient of the stage whose backward runs."""
-    return max(
-        (
-            sum(n * keep[k] for k, n in live) + (transient[busy] if busy >= 0 else 0)
-            for live, busy in patterns
-        ),
-        default=0,
-    )
+    """The most bytes any pattern of a rank holds (:func:`~vlmcompile.sim.in_flight.pattern_bytes`)."""
+    return max((pattern_bytes(x, keep, transient) for x in patterns), default=0)
 
 
-def memory_patterns(actions: Sequence[Sequence], num_stages: int) -> tuple[tuple[MemoryPattern, ...], ...]:
-    """Per rank, every distinct (activations in flight per stage, stage in backward) of its
-    action list, without the ones another pattern dominates. A microbatch is in flight on a
-    stage from its forward until its backward (B, or W when the backward is split)."""
-    split = {a.stage for acts in actions for a in acts if a.kind is ActionKind.W}
-    out = []
-    for acts in actions:
-        live = [0] * num_stages
-        seen: set[MemoryPattern] = set()
-        for a in acts:
-            if a.kind is ActionKind.F:
-                live[a.stage] += 1
-                busy = -1
-            elif a.kind in (ActionKind.B, ActionKind.I):
-                busy = a.stage
-            else:
-                busy = -1
-            seen.add((tuple((k, n) for k, n in enumerate(live) if n), busy))
-            if a.kind is ActionKind.B or (a.kind is ActionKind.W and a.stage in split):
-                live[a.stage] -= 1
-        out.append(tuple(sorted(_undominated(seen))))
-    return tuple(out)
+def memory_patterns(actions: Sequence[Sequence[Action]]) -> tuple[tuple[MemoryPattern, ...], ...]:
+    """Per rank, every distinct in-flight pattern of its action list
+    (:func:`~vlmcompile.sim.in_flight.in_flight`), without the ones another pattern dominates."""
+    return tuple(tuple(sorted(_undominated(set(in_flight(acts))))) for acts in actions)
 
 
 def _undominated(patterns: set[MemoryPattern]) -> list[MemoryPattern]:

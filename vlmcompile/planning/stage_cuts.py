@@ -50,6 +50,7 @@ from vlmcompile.planning.problem import (
     timeline_step,
 )
 from vlmcompile.planning.request import SolverOptions
+from vlmcompile.sim.in_flight import pattern_bytes
 
 TIMELINE_ACTIONS = 6000
 """Above this many actions in the action lists, the objective is the closed form."""
@@ -139,9 +140,9 @@ class _Model:
         self.lo = [max(0, S - L + i) for i in range(L)]
         self.hi = [min(S - 1, i) for i in range(L)]
         self.members = [[i for i in range(L) if self.lo[i] <= k <= self.hi[i]] for k in range(S)]
-        self.horizon = sum(
-            self.t(problem.fwd_s[i]) + self.t(problem.bwd_s[i]) + self.t(problem.redo_s[i]) for i in range(L)
-        )
+        self.plain_work = sum(self.t(problem.fwd_s[i]) + self.t(problem.bwd_s[i]) for i in range(L))
+        """Every layer's forward and backward without recompute, in time units."""
+        self.horizon = self.plain_work + sum(self.t(x) for x in problem.redo_s)
         self.mem_horizon = sum(self.mem(x) for x in problem.act_bytes) + sum(
             self.mem(x) for x in problem.state_bytes
         )
@@ -240,12 +241,8 @@ class _Model:
         self.peak = cp.new_int_var(0, 2**50, "peak") if minimize else None
         cap = math.floor(problem.mem_cap_bytes / self.qm + 1e-9)
         for r in range(problem.num_ranks):
-            for live, busy in problem.memory_patterns[r]:
-                used = (
-                    self.static[r]
-                    + sum(n * self.keep[k] for k, n in live)
-                    + (self.transient[busy] if busy >= 0 else 0)
-                )
+            for pattern in problem.memory_patterns[r]:
+                used = self.static[r] + pattern_bytes(pattern, self.keep, self.transient)
                 cp.add((self.peak if minimize else cap) >= used)
         if minimize:
             cp.minimize(self.peak)
@@ -325,9 +322,7 @@ class _Model:
         problem, cp = self.problem, self.cp
         p, v, m, S = problem.num_ranks, problem.v, problem.num_microbatches, problem.num_stages
         self.slowest = cp.new_int_var(0, self.horizon, "slowest_rank")
-        plain_work = sum(
-            self.t(problem.fwd_s[i]) + self.t(problem.bwd_s[i]) for i in range(problem.num_layers)
-        )
+        plain_work = self.plain_work
         cp.add(self.slowest * p >= plain_work)  # redundant: the mean rank's work, for the bound
         for r in range(p):
             cp.add(self.slowest >= sum(self.fwd[k] + self.bwd[k] for k in range(r, S, p)))
@@ -389,10 +384,7 @@ class _Model:
             cp.add_hint(self.step, int(timeline_step(fig, timed)))
         elif self.objective == "closed form":
             work = [sum(fig.fwd[k] + fig.bwd[k] for k in range(r, S, p)) for r in range(p)]
-            plain = sum(
-                self.t(problem.fwd_s[i]) + self.t(problem.bwd_s[i]) for i in range(problem.num_layers)
-            )
-            cp.add_hint(self.slowest, max(max(work), -(-plain // p)))
+            cp.add_hint(self.slowest, max(max(work), -(-self.plain_work // p)))
             cp.add_hint(self.tail, max(0, *(fig.reduce[r] - sum(fig.bwd[: r + 1]) for r in range(p))))
 
     def fix(self, stage_of: Sequence[int], flags: Sequence[bool]) -> None:

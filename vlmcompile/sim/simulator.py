@@ -41,6 +41,7 @@ from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Plan
+from vlmcompile.sim.in_flight import in_flight, pattern_bytes
 from vlmcompile.sim.timeline import Timed, run_actions, transfer_between_stages
 
 CAUSES = ("dp_all_gather", "pp_warmup", "pp_other", "pp_cooldown", "tp_comm", "dp_reduce_scatter")
@@ -327,24 +328,14 @@ def _rank_stats(
 
 
 def _peak_memory(mine: list[ActionRun], costs: PlanCosts) -> tuple[float, int]:
-    """Activations in flight: a microbatch's bytes are held from its forward until its last
-    backward action (B, or W when the backward is split); a recomputed stage adds its transient
-    while its backward runs."""
-    live = 0.0
-    peak, peak_step = 0.0, mine[0].step if mine else 0
-    split = {r.action.stage for r in mine if r.action.kind is ActionKind.W}
-    for run in sorted(mine, key=lambda r: r.step):
-        stage = costs.stages[run.action.stage]
-        kind = run.action.kind
-        if kind is ActionKind.F:
-            live += stage.act_bytes
-            here = live
-        elif kind in (ActionKind.B, ActionKind.I):
-            here = live + stage.transient_bytes
-        else:
-            here = live
+    """The most activation bytes the rank holds while any of its actions runs
+    (:mod:`vlmcompile.sim.in_flight`), and that action's step."""
+    ordered = sorted(mine, key=lambda r: r.step)
+    keep = [s.act_bytes for s in costs.stages]
+    transient = [s.transient_bytes for s in costs.stages]
+    peak, peak_step = 0.0, ordered[0].step if ordered else 0
+    for run, pattern in zip(ordered, in_flight([r.action for r in ordered])):
+        here = pattern_bytes(pattern, keep, transient)
         if here > peak:
             peak, peak_step = here, run.step
-        if kind is ActionKind.B or (kind is ActionKind.W and run.action.stage in split):
-            live -= stage.act_bytes
     return peak, peak_step

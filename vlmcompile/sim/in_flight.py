@@ -1,0 +1,42 @@
+"""Which activations a rank holds while each of its actions runs.
+
+A microbatch is in flight on a stage from its forward until its last backward action (B, or W
+when the stage's backward is split into I and W); a stage that recomputes adds its transient
+while its backward (B or I) runs. This is the one memory rule: the simulator's peak
+(:mod:`vlmcompile.sim.simulator`) walks it with a plan's stage bytes, and the stage-cut model
+(:func:`vlmcompile.planning.problem.memory_patterns`) keeps its distinct patterns to state the
+same peak as constraints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from vlmcompile.ir.actions import Action, ActionKind
+
+MemoryPattern = tuple[tuple[tuple[int, int], ...], int]
+"""((stage, microbatches in flight), ...), and the stage whose backward runs (-1 for none)."""
+
+
+def in_flight(actions: Sequence[Action]) -> Iterator[MemoryPattern]:
+    """Per action of one rank's list, in order: what is in flight while it runs."""
+    split = {a.stage for a in actions if a.kind is ActionKind.W}
+    live: dict[int, int] = {}
+    for a in actions:
+        busy = -1
+        if a.kind is ActionKind.F:
+            live[a.stage] = live.get(a.stage, 0) + 1
+        elif a.kind in (ActionKind.B, ActionKind.I):
+            busy = a.stage
+        yield tuple(sorted((k, n) for k, n in live.items() if n)), busy
+        if a.kind is ActionKind.B or (a.kind is ActionKind.W and a.stage in split):
+            live[a.stage] -= 1
+
+
+def pattern_bytes(pattern: MemoryPattern, keep: Sequence, transient: Sequence) -> Any:
+    """Bytes a pattern holds: microbatches in flight times what each stage keeps per
+    microbatch, plus the transient of the stage whose backward runs (numbers or CP-SAT
+    expressions)."""
+    live, busy = pattern
+    return sum(n * keep[k] for k, n in live) + (transient[busy] if busy >= 0 else 0)
