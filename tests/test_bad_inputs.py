@@ -428,6 +428,12 @@ CASES = {
         compile_with(tensor_mode="half"),
         "tensor_mode='half'; use 'fake' or 'real'",
     ),
+    "api-solver-number": Case(
+        "API",
+        "solver=3 (seconds, not SolverOptions)",
+        compile_with(solver=3),
+        "solver=3 is a int; pass SolverOptions(time_limit_s=..., workers=...)",
+    ),
     "api-launch-timeout-0": Case(
         "API",
         "launch(timeout_s=0)",

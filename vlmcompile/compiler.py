@@ -32,7 +32,7 @@ from vlmcompile import models
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
-from vlmcompile.ir.errors import ClusterError, VlmCompileError, positive_int, positive_number
+from vlmcompile.ir.errors import ClusterError, VlmCompileError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, OUTPUT_META
 from vlmcompile.ir.plan import Decision, Reason
@@ -171,7 +171,7 @@ def compile(
     disable_passes: Sequence[str] = (),
     model_name: str | None = None,
     global_batch: int | None = None,
-    plan_time_limit_s: float = 3.0,
+    solver: SolverOptions | None = None,
     search_space: SearchSpace | None = None,
     profile: bool = False,
     log: TextIO | None = sys.stderr,
@@ -188,7 +188,7 @@ def compile(
         disable_passes: names of passes to skip.
         model_name: shown in reports (default: the model's class name).
         global_batch: samples per training step to plan for (default: the sample batch's size).
-        plan_time_limit_s: CP-SAT's time limit per candidate of the plan search.
+        solver: CP-SAT's limits per candidate of the plan search (default: 3 s each).
         search_space: the degrees the plan search may choose from, e.g.
             ``SearchSpace(pp_choices=(2,), microbatch_sizes=(1,))`` (default: all the cluster allows).
         profile: time every layer on this machine (real tensors needed) and plan with the
@@ -201,7 +201,7 @@ def compile(
         tensor_mode=tensor_mode,
         disable_passes=disable_passes,
         global_batch=global_batch,
-        plan_time_limit_s=plan_time_limit_s,
+        solver=solver,
     )
     passes = [
         Pass(
@@ -213,7 +213,7 @@ def compile(
             "plan",
             functools.partial(
                 _plan_pass,
-                solver=SolverOptions(time_limit_s=plan_time_limit_s),
+                solver=solver or SolverOptions(time_limit_s=3.0),
                 progress=log is not None,
                 space=search_space or SearchSpace(),
             ),
@@ -260,7 +260,7 @@ def _check_compile_args(
     tensor_mode: Any,
     disable_passes: Sequence[str],
     global_batch: Any,
-    plan_time_limit_s: Any,
+    solver: Any,
 ) -> Cluster | None:
     """Refuse bad arguments before any pass runs; returns the cluster as a :class:`Cluster`."""
     if isinstance(cluster, str):
@@ -286,5 +286,9 @@ def _check_compile_args(
         positive_int(
             "global_batch", global_batch, "the samples per training step, or None for the sample batch's"
         )
-    positive_number("plan_time_limit_s", plan_time_limit_s, "CP-SAT's seconds per candidate")
+    if solver is not None and not isinstance(solver, SolverOptions):
+        raise VlmCompileError(
+            f"solver={solver!r} is a {type(solver).__name__}; pass SolverOptions(time_limit_s=..., workers=...) "
+            "from vlmcompile.planning.request, or None for the defaults"
+        )
     return cluster
