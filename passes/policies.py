@@ -11,13 +11,13 @@ cap: device memory less :data:`~vlmcompile.cost_models.memory.MEMORY_RESERVE`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Decision, Reason
+from vlmcompile.ir.plan import Decision, Plan, Reason
 from vlmcompile.passes.megatron import megatron
 from vlmcompile.passes.megatron_balanced import megatron_balanced
 from vlmcompile.passes.omnibal import omnibal
@@ -167,12 +167,22 @@ def search_and_compare(
     global_batch: int,
     space: SearchSpace = SearchSpace(),
     solver: SolverOptions = SolverOptions(time_limit_s=3.0),
+    include: Iterable[PlanRequest] = (),
+    warm_starts: Mapping[PlanRequest, Plan] | None = None,
     progress: bool = True,
 ) -> PolicyResult:
     """The plan search's best plan (its report the search's), with every baseline planned for the
-    request it chose."""
+    request it chose; ``include`` and ``warm_starts`` as for
+    :func:`~vlmcompile.passes.plan_search.plan_search`."""
     result = plan_search(
-        layer_graph, cluster, global_batch=global_batch, space=space, solver=solver, progress=progress
+        layer_graph,
+        cluster,
+        global_batch=global_batch,
+        space=space,
+        solver=solver,
+        include=include,
+        warm_starts=warm_starts,
+        progress=progress,
     )
     plan = result.plan
     request = PlanRequest(
