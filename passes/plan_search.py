@@ -165,28 +165,13 @@ def plan_search(
     costs_cache: dict = {}
     bounds = {r: _bounds(layer_graph, cluster, r, costs_cache) for r in todo}
     todo.sort(key=lambda r: bounds[r][0])
-    closed_form = dataclasses.replace(solver, timeline_share=0.0)
-    rows: dict[PlanRequest, CandidateRow] = {}
-    results: dict[PlanRequest, PolicyResult] = {}
-    best: PolicyResult | None = None
-    hints: dict[tuple[int, int], Plan] = {}
     bar = _progress(len(todo) + min(polish, len(todo)), progress)
     cap = usable_memory_bytes(cluster.device.mem_bytes)
-    for request in todo:
-        bar.update(1)
-        par = request.parallel
-        warm = (warm_starts or {}).get(request) or hints.get((par.pp, par.v))
-        rows[request], result = _visit(
-            layer_graph, cluster, request, bounds[request], cap, best, closed_form, warm
-        )
-        if result is None:
-            continue
-        results[request] = result
-        hints[(par.pp, par.v)] = result.plan
-        if result.fits and (best is None or result.sim.step_time_s < best.sim.step_time_s):
-            best = result
-        bar.set_postfix_str(f"best {best.sim.step_time_s * 1e3:.0f} ms" if best else "none fits yet")
-    if best is None:
+    with_closed_form = dataclasses.replace(solver, timeline_share=0.0)
+    rows, results = _visit_all(
+        layer_graph, cluster, todo, bounds, cap, with_closed_form, warm_starts or {}, bar
+    )
+    if not any(res.fits for res in results.values()):
         bar.close()
         raise PlanError(
             _no_plan_message(list(rows.values()), cap, cluster.name, min(b[1] for b in bounds.values()))
@@ -206,6 +191,39 @@ def plan_search(
         cluster.name, tuple(rows.values()), time.perf_counter() - start, best.plan, best.sim
     )
     return dataclasses.replace(best, report=report)
+
+
+def _visit_all(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    todo: Sequence[PlanRequest],
+    bounds: Mapping[PlanRequest, tuple[float, float]],
+    cap: float,
+    solver: SolverOptions,
+    warm_starts: Mapping[PlanRequest, Plan],
+    bar,
+) -> tuple[dict[PlanRequest, CandidateRow], dict[PlanRequest, PolicyResult]]:
+    """Every candidate in ``todo``'s order: its row, and its plan where it has one. A solved
+    candidate's plan warm-starts the next one with the same PP x v."""
+    rows: dict[PlanRequest, CandidateRow] = {}
+    results: dict[PlanRequest, PolicyResult] = {}
+    best: PolicyResult | None = None
+    hints: dict[tuple[int, int], Plan] = {}
+    for request in todo:
+        bar.update(1)
+        par = request.parallel
+        warm = warm_starts.get(request) or hints.get((par.pp, par.v))
+        rows[request], result = _visit(
+            layer_graph, cluster, request, bounds[request], cap, best, solver, warm
+        )
+        if result is None:
+            continue
+        results[request] = result
+        hints[(par.pp, par.v)] = result.plan
+        if result.fits and (best is None or result.sim.step_time_s < best.sim.step_time_s):
+            best = result
+        bar.set_postfix_str(f"best {best.sim.step_time_s * 1e3:.0f} ms" if best else "none fits yet")
+    return rows, results
 
 
 def _polish(
