@@ -167,7 +167,7 @@ def test_a_python_level_sigint_handler_survives_a_cp_sat_solve(tmp_path):
     script.write_text(
         textwrap.dedent(
             """
-            import os, signal
+            import signal, threading
             from vlmcompile.cost_models.cluster import Cluster
             from vlmcompile.compiler import zoo_layer_graph
             from vlmcompile.passes.policies import plan_and_simulate
@@ -178,7 +178,9 @@ def test_a_python_level_sigint_handler_survives_a_cp_sat_solve(tmp_path):
             request = PlanRequest.on(cluster, tp=1, pp=2, global_batch=4)
             plan_and_simulate(graph, cluster, "vlmcompile", request, solver=SolverOptions(time_limit_s=1))
             try:
-                os.kill(os.getpid(), signal.SIGINT)
+                # To the main thread: a signal sent to the process may land on one of CP-SAT's
+                # or torch's threads, and the main thread may then end before it runs the handler.
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
                 print("no interrupt")
             except KeyboardInterrupt:
                 print("caught")
