@@ -173,6 +173,9 @@ def test_a_python_level_sigint_handler_survives_a_cp_sat_solve(tmp_path):
             from vlmcompile.passes.policies import plan_and_simulate
             from vlmcompile.planning.request import PlanRequest, SolverOptions
 
+            # Python's handler, even when this process was started with SIGINT ignored (as a
+            # background job of a shell without job control is).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             graph = zoo_layer_graph("demo")
             cluster = Cluster.preset("cpu:2")
             request = PlanRequest.on(cluster, tp=1, pp=2, global_batch=4)
