@@ -11,9 +11,10 @@ m x sum(F + B) / pp - and
 * otherwise partitioned by CP-SAT (:func:`~vlmcompile.passes.partition.partition`) with its
   closed-form model only, and simulated.
 
-The few fastest plans that fit (``polish``) are then partitioned again from their own cuts with
-the timeline model too (``SolverOptions.timeline_share``), which times the schedule action by
-action and costs seconds per candidate; the fastest simulated plan that fits wins.
+The few fastest plans that fit (``polish``) are then solved again with the timeline model only,
+started from their own cuts, for ``SolverOptions.timeline_share`` of the limit each: it times
+the schedule action by action, which the closed form only bounds, and costs seconds per
+candidate. The fastest simulated plan that fits wins.
 
 Work is reused: layer costs per (TP, DP, microbatch size) are computed once for the bounds,
 and the plan of a solved candidate warm-starts the next one with the same PP x v.
@@ -235,13 +236,16 @@ def _polish(
     count: int,
     bar,
 ) -> None:
-    """Solve the ``count`` fastest fitting plans again with the timeline model, each warm-started
-    from its closed-form plan (so none gets slower); updates ``rows`` and ``results`` in place."""
+    """Solve the ``count`` fastest fitting plans again with the timeline model only, each started
+    from its closed-form plan (and kept where no faster); updates ``rows`` and ``results`` in place."""
     fitting = sorted((r for r, res in results.items() if res.fits), key=lambda r: results[r].sim.step_time_s)
+    timeline_only = dataclasses.replace(solver, closed_form=False)
     for request in fitting[:count]:
         bar.update(1)
         try:
-            result = partition(layer_graph, cluster, request, solver=solver, warm_start=results[request].plan)
+            result = partition(
+                layer_graph, cluster, request, solver=timeline_only, warm_start=results[request].plan
+            )
         except (PlanError, ClusterError):
             continue  # the closed-form plan stands; its row already says how it was made
         if result.fits and result.sim.step_time_s <= results[request].sim.step_time_s:

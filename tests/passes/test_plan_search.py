@@ -135,5 +135,12 @@ def test_only_the_fastest_closed_form_plans_are_polished_with_the_timeline(demo_
     polished = [c for c in polished_rows if "timeline polish" in c.reason]
     others = [c for c in polished_rows if "timeline polish" not in c.reason]
     assert len(polished) == 2
+    # The polish solves the timeline alone, from the plan it has; it does not redo the closed form.
+    assert not any("closed form:" in c.reason for c in polished)
     # The polish starts from the closed-form plan, so a polished row stays ahead of the rest.
     assert max(c.step_s for c in polished) <= min(c.step_s for c in others) * (1 + 1e-9)
+
+
+def test_a_negative_polish_is_refused_by_name(demo_graph):
+    with pytest.raises(PlanError, match="polish=-1"):
+        plan_search(demo_graph, Cluster.preset("h100x8"), global_batch=16, polish=-1, progress=False)

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmcompile.planning.problem import PartitionProblem, memory_patterns
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.planning.problem import PartitionProblem, evaluate, memory_patterns
 from vlmcompile.planning.request import SolverOptions
 from vlmcompile.planning.schedules import make_schedule
 from vlmcompile.planning.stage_cuts import Infeasible, solve
@@ -204,6 +205,23 @@ def test_a_timeout_returns_the_best_plan_and_says_so():
     assert solution.bound_s <= solution.objective_s * (1 + 1e-9)
     if solution.timed_out:
         assert solution.gap >= 0
+
+
+def test_without_the_closed_form_only_the_timeline_runs_from_the_hint():
+    problem = _large_problem(24, 4, 8)
+    hint = (tuple(i * 4 // 24 for i in range(24)), (True,) * 24)
+    options = SolverOptions(time_limit_s=4.0, workers=1, timeline_share=0.5, closed_form=False)
+    solution = solve(problem, options, hint=hint)
+    assert len(solution.phases) == 1 and solution.phases[0].startswith("timeline")
+    assert solution.objective == "timeline"
+    assert solution.wall_s <= 0.5 * 4.0 + 0.5  # its share of the limit, not the whole limit
+    assert solution.evaluation.fits
+    assert solution.evaluation.step_s <= evaluate(problem, *hint).step_s * (1 + 1e-9)
+
+
+def test_a_timeline_only_solve_needs_a_timeline_share():
+    with pytest.raises(PlanError, match="timeline_share"):
+        SolverOptions(closed_form=False, timeline_share=0.0)
 
 
 def test_memory_patterns_of_1f1b_hold_min_p_minus_s_m():

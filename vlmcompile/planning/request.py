@@ -108,11 +108,18 @@ class SolverOptions:
     """At most this share of the time limit goes to the timeline model after the closed form
     (:func:`vlmcompile.planning.stage_cuts.solve`); it proves small instances optimal, and on
     large ones rarely finds better, so a plan search should not spend whole limits on it."""
+    closed_form: bool = True
+    """False: skip the closed form and give the timeline model its share of the limit, started
+    from the warm start's plan (a plan search's polish of a plan it already has)."""
 
     def __post_init__(self):
         positive_number("time_limit_s", self.time_limit_s, "CP-SAT's seconds")
         if not 0 <= self.timeline_share <= 1:
             raise PlanError(f"timeline_share={self.timeline_share!r}; give a share of the time limit, 0 to 1")
+        if not self.closed_form and self.timeline_share == 0:
+            raise PlanError(
+                "closed_form=False with timeline_share=0 leaves no model to solve; give timeline_share > 0"
+            )
         if self.workers is not None:
             positive_int("workers", self.workers, "CP-SAT's parallel workers")
 

@@ -427,7 +427,9 @@ def solve(
     up, the cap down, so a solution that fits here fits in bytes). With ``minimize_memory`` the
     cap is dropped and the objective is the largest rank peak instead (for error messages).
     With ``fixed`` (each layer's stage, recompute flags) only that assignment is allowed, and
-    the timeline model gives its own figures for that one plan.
+    the timeline model gives its own figures for that one plan. With ``options.closed_form``
+    False and a ``hint``, only the timeline runs, from the hint, for its share of the limit
+    (the closed form still runs where the timeline model would be too large).
     """
     L, S = problem.num_layers, problem.num_stages
     if S > L:
@@ -444,11 +446,14 @@ def solve(
         return _solve_one(problem, "memory", options.time_limit_s, options, quanta, hint=hint)
     if fixed is not None:
         return _solve_one(problem, "timeline", options.time_limit_s, options, quanta, fixed=fixed)
+    timeline_s = options.timeline_share * options.time_limit_s
+    timeline_fits = problem.num_actions <= TIMELINE_ACTIONS
+    if not options.closed_form and hint is not None and timeline_fits:
+        return _solve_one(problem, "timeline", timeline_s, options, quanta, hint=hint)
     started = time.perf_counter()
     first = _solve_one(problem, "closed form", options.time_limit_s, options, quanta, hint=hint)
-    left = options.time_limit_s - (time.perf_counter() - started)
-    left = min(left, options.timeline_share * options.time_limit_s)
-    if problem.num_actions > TIMELINE_ACTIONS or left < 0.05 * options.time_limit_s:
+    left = min(options.time_limit_s - (time.perf_counter() - started), timeline_s)
+    if not timeline_fits or left < 0.05 * options.time_limit_s:
         return first
     polished = _solve_one(problem, "timeline", left, options, quanta, hint=(first.stage_of, first.recompute))
     both = {"wall_s": first.wall_s + polished.wall_s, "phases": (*first.phases, *polished.phases)}
