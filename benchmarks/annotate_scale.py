@@ -85,6 +85,10 @@ def main() -> int:
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out.exists():  # the transformers rows are another run's; keep them
+        kept = json.loads(args.out.read_text()).get("transformers")
+        if kept is not None:
+            result["transformers"] = kept
     args.out.write_text(json.dumps(result, indent=1))
     print(
         f"{args.model}: {totals['num_params'] / 1e9:.1f} B parameters, {len(pipe.layer_graph)} layers; "
