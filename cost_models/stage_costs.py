@@ -114,6 +114,9 @@ class PlanCosts:
     """Model states per pipeline rank."""
     model_flops: float
     """FLOPs of one step of one pipeline (forward + backward, no recompute), for MFU."""
+    recompute_flops: float
+    """FLOPs of the forwards recomputed in one step of one pipeline (full: the layer's forward;
+    selective: its attention), which Megatron-LM's reported MFU also counts."""
     samples: float
     """Microbatch size over the annotated batch size: the factor every per-sample figure takes."""
 
@@ -269,12 +272,21 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
     static = [0.0] * plan.num_ranks
     for stage, par, layers, _, _ in stage_costs:
         static[stage.rank] += sum(layer_state_bytes(c, par, precision) for c in layers)
-    model_flops = (
-        samples
-        * plan.num_microbatches
-        * sum(layer_graph[n].fwd_flops + layer_graph[n].bwd_flops for s in plan.stages for n in s.layers)
+    per_microbatch = samples * plan.num_microbatches
+    names = [n for s in plan.stages for n in s.layers]
+    model_flops = per_microbatch * sum(layer_graph[n].fwd_flops + layer_graph[n].bwd_flops for n in names)
+    recompute_flops = per_microbatch * sum(
+        _recomputed_flops(layer_graph[n], plan.recompute_of(n)) for n in names
     )
-    return PlanCosts(tuple(result), tuple(static), model_flops, samples)
+    return PlanCosts(tuple(result), tuple(static), model_flops, recompute_flops, samples)
+
+
+def _recomputed_flops(layer: Layer, recompute: Recompute) -> float:
+    if recompute is Recompute.FULL:
+        return layer.fwd_flops
+    if recompute is Recompute.SELECTIVE:
+        return layer.fwd_attn_flops
+    return 0.0
 
 
 def cut_transfer_s(

@@ -1,28 +1,42 @@
-"""Megatron-LM baseline: the plan Megatron-core makes for a LLaVA-style model today.
+"""Megatron-LM baseline: the plans Megatron-LM users get for a VLM today.
 
-* the vision encoder, projector and LLM embedding run on the first (virtual) pipeline stage,
-  with that stage's share of the LLM decoder layers;
-* L decoder layers are split evenly over pp x v virtual stages (L must divide), or with
-  ``first_stage_layers`` / ``last_stage_layers`` on the first and last pipeline stage and the
-  rest evenly over the others (``--decoder-first/last-pipeline-num-layers``);
+Where the encoder goes is a named placement (:class:`EncoderPlacement`), each the way one
+kind of Megatron user builds the pipeline:
+
+* ``llava`` - Megatron-core's LLaVA model: the vision encoder, projector and LLM embedding on
+  the first (virtual) pipeline stage, with that stage's share of the LLM decoder layers; L
+  decoder layers split evenly over pp x v virtual stages (L must divide);
+* ``chain`` - one pipeline over the encoder and decoder layers as a single chain, encoder
+  first, split evenly by layer count over the pp x v virtual stages (where the count does not
+  divide, the first stages take one layer more); the layers between blocks (patch embedding,
+  projector, LLM embedding) go with the next block, the final norm, output layer and loss with
+  the last;
+* ``uneven`` - ``llava`` with ``first_stage_layers`` / ``last_stage_layers`` decoder layers on
+  the first and last pipeline stage and the rest evenly over the others
+  (``--decoder-first/last-pipeline-num-layers``).
+
+:data:`PLACEMENT_SOURCES` cites where each comes from. Everything else is the same for all
+three:
+
 * the final norm, output layer and loss run on the last stage;
 * one recompute setting for every decoder layer (``--recompute-granularity``: none, selective
   or full with ``--recompute-method uniform --recompute-num-layers 1``) and one on/off switch
   for the vision encoder;
-* 1F1B, or interleaved 1F1B when v > 1.
+* 1F1B, or interleaved 1F1B when v > 1, virtual stage k on rank k mod pp.
 
 :func:`megatron_layout` writes a plan's LLM split as ``--pipeline-model-parallel-layout``.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute
-from vlmcompile.ir.regions import Region
+from vlmcompile.ir.regions import ENCODER_REGIONS, LANGUAGE_REGIONS, Region
 from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import chunks_of
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest
@@ -98,6 +112,21 @@ def recompute_decision(parts: ModelParts, recompute: GlobalRecompute) -> Decisio
     )
 
 
+def independent_branches(layer_graph: LayerGraph) -> int:
+    """Encoder entry layers: vision-region layers that read no other layer."""
+    g = layer_graph.graph
+    return sum(1 for layer in layer_graph.in_region(Region.VISION) if g.in_degree(layer.name) == 0)
+
+
+def linearised_decision(branches: int, what: str) -> Decision:
+    return Decision(
+        "layer order",
+        Reason.LINEARISED_BRANCHES,
+        f"{branches} encoder branches do not depend on each other; {what} assumes one chain, so they are "
+        "taken in their captured order",
+    )
+
+
 def megatron_result(
     layer_graph: LayerGraph,
     cluster: Cluster,
@@ -122,19 +151,105 @@ def megatron_result(
     )
 
 
+class EncoderPlacement(str, enum.Enum):
+    """Where Megatron-LM puts a VLM's encoder layers (see the module docstring)."""
+
+    LLAVA = "llava"
+    CHAIN = "chain"
+    UNEVEN = "uneven"
+
+    @classmethod
+    def parse(cls, value: EncoderPlacement | str) -> EncoderPlacement:
+        try:
+            return cls(value)
+        except ValueError:
+            raise PlanError(
+                f"placement={value!r} is not a Megatron encoder placement; choose one of "
+                f"{', '.join(p.value for p in cls)}"
+            ) from None
+
+
+PLACEMENT_SOURCES = {
+    EncoderPlacement.LLAVA: (
+        "Megatron-LM megatron/core/models/multimodal/llava_model.py: the vision model and projector are "
+        "built only where add_encoder is set, the first pipeline stage; the language model's layers are "
+        "split evenly (megatron/core/transformer/transformer_block.py, get_num_layers_to_build)"
+    ),
+    EncoderPlacement.CHAIN: (
+        "one Megatron pipeline over the whole VLM: encoder and decoder layers in one chain, as a "
+        "--pipeline-model-parallel-layout of equal stages (megatron/core/transformer/"
+        "pipeline_parallel_layer_layout.py) or a model whose encoder blocks are transformer layers; "
+        "the Optimus appendix B balances exactly this chain"
+    ),
+    EncoderPlacement.UNEVEN: (
+        "Megatron-LM --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
+        "(megatron/core/transformer/transformer_config.py; get_num_layers_to_build)"
+    ),
+}
+"""Where each placement comes from, for reports and the setups."""
+
+
 def megatron(
     layer_graph: LayerGraph,
     cluster: Cluster,
     request: PlanRequest,
     *,
+    placement: EncoderPlacement | str | None = None,
     recompute: GlobalRecompute = GlobalRecompute(),
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
 ) -> PolicyResult:
-    """Megatron-LM's plan for ``request`` (see the module docstring)."""
-    pp, v = request.parallel.pp, request.parallel.v
+    """Megatron-LM's plan for ``request`` with the encoder placed by ``placement`` (see the
+    module docstring; None: ``uneven`` when first/last stage counts are given, else ``llava``);
+    ``first_stage_layers`` / ``last_stage_layers`` are the ``uneven`` placement's and only its."""
+    uneven_counts = first_stage_layers is not None or last_stage_layers is not None
+    if placement is None:
+        placement = EncoderPlacement.UNEVEN if uneven_counts else EncoderPlacement.LLAVA
+    placement = EncoderPlacement.parse(placement)
+    if placement is EncoderPlacement.UNEVEN and not uneven_counts:
+        raise PlanError(
+            "placement 'uneven' needs first_stage_layers and/or last_stage_layers (the decoder layers of the "
+            "first and last pipeline stage); without them use placement 'llava'"
+        )
+    if placement is not EncoderPlacement.UNEVEN and uneven_counts:
+        raise PlanError(
+            f"first_stage_layers / last_stage_layers are the 'uneven' placement's; placement "
+            f"{placement.value!r} splits evenly, so give placement='uneven' or drop them"
+        )
     parts = model_parts(layer_graph)
-    counts, decisions = _decoder_split(len(parts.decoder), pp, v, first_stage_layers, last_stage_layers)
+    if placement is EncoderPlacement.CHAIN:
+        chunks, decisions = _chain_chunks(layer_graph, request.parallel.pp, request.parallel.v)
+    else:
+        chunks, decisions = _llava_chunks(
+            layer_graph, parts, request.parallel.pp, request.parallel.v, first_stage_layers, last_stage_layers
+        )
+    decisions.append(
+        Decision(
+            f"stage {len(chunks) - 1}",
+            Reason.HEAD_ON_LAST_STAGE,
+            f"{', '.join(parts.post)} on the last stage",
+        )
+    )
+    branches = independent_branches(layer_graph)
+    if branches > 1 and placement is EncoderPlacement.CHAIN:
+        decisions.append(linearised_decision(branches, "the chain"))
+    decisions.append(recompute_decision(parts, recompute))
+    return megatron_result(
+        layer_graph,
+        cluster,
+        request,
+        policy="megatron",
+        chunks=chunks,
+        recompute=recompute,
+        flags=recompute_flags(layer_graph, parts, recompute),
+        decisions=decisions,
+    )
+
+
+def _llava_chunks(
+    layer_graph: LayerGraph, parts: ModelParts, pp: int, v: int, first: int | None, last: int | None
+) -> tuple[list[list[str]], list[Decision]]:
+    counts, decisions = _decoder_split(len(parts.decoder), pp, v, first, last)
     chunks = chunks_of(parts.decoder, counts)
     chunks[0] = list(parts.pre) + chunks[0]
     chunks[-1] = chunks[-1] + list(parts.post)
@@ -153,24 +268,46 @@ def megatron(
             {"encoder_layers": len(encoder), "decoder_layers": counts[0]},
         ),
     )
-    decisions.append(
-        Decision(
-            f"stage {len(chunks) - 1}",
-            Reason.HEAD_ON_LAST_STAGE,
-            f"{', '.join(parts.post)} on the last stage",
+    return chunks, decisions
+
+
+def _chain_chunks(layer_graph: LayerGraph, pp: int, v: int) -> tuple[list[list[str]], list[Decision]]:
+    """Encoder and decoder transformer layers in captured order, split evenly by count over
+    pp x v virtual stages; every other layer (projectors too: Megatron counts transformer
+    layers) joins the stage of the next transformer layer, or the last stage after the last."""
+    names = [layer.name for layer in layer_graph.layers]
+    chained = ENCODER_REGIONS | LANGUAGE_REGIONS
+    blocks = [layer.index for layer in layer_graph.layers if layer.block and layer.region in chained]
+    stages = pp * v
+    if stages > len(blocks):
+        raise PlanError(
+            f"placement 'chain' splits {len(blocks)} encoder and decoder layers over pp x v = {pp} x {v} = "
+            f"{stages} virtual stages; every stage needs a layer, so lower pp x v to at most {len(blocks)}, "
+            "or use placement 'llava'"
         )
+    base, extra = divmod(len(blocks), stages)
+    block_counts = [base + (k < extra) for k in range(stages)]
+    stage_of_block = [k for k, c in enumerate(block_counts) for _ in range(c)]
+    chunks: list[list[str]] = [[] for _ in range(stages)]
+    b = 0
+    for i, name in enumerate(names):
+        while b < len(blocks) and blocks[b] < i:
+            b += 1
+        chunks[stage_of_block[b] if b < len(blocks) else stages - 1].append(name)
+    per = (
+        f"{base} each"
+        if not extra
+        else f"{base + 1} on the first {extra} and {base} on the other {stages - extra}"
     )
-    decisions.append(recompute_decision(parts, recompute))
-    return megatron_result(
-        layer_graph,
-        cluster,
-        request,
-        policy="megatron",
-        chunks=chunks,
-        recompute=recompute,
-        flags=recompute_flags(layer_graph, parts, recompute),
-        decisions=decisions,
-    )
+    return chunks, [
+        Decision(
+            "layer split",
+            Reason.CHAIN_SPLIT,
+            f"{len(blocks)} encoder and decoder layers in one chain over {stages} virtual stages, {per}; "
+            "embeddings and projectors join the stage of the next layer",
+            {"layers": len(blocks), "stages": stages},
+        )
+    ]
 
 
 def _decoder_split(

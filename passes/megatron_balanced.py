@@ -22,8 +22,9 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import layer_costs
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Reason
-from vlmcompile.ir.regions import Region
 from vlmcompile.passes.megatron import (
+    independent_branches,
+    linearised_decision,
     megatron_result,
     model_parts,
     recompute_decision,
@@ -63,16 +64,9 @@ def megatron_balanced(
         ),
         recompute_decision(parts, recompute),
     ]
-    branches = _independent_branches(layer_graph)
+    branches = independent_branches(layer_graph)
     if branches > 1:
-        decisions.append(
-            Decision(
-                "layer order",
-                Reason.LINEARISED_BRANCHES,
-                f"{branches} encoder branches do not depend on each other; the dynamic program assumes a chain, "
-                "so they are taken in their captured order",
-            )
-        )
+        decisions.append(linearised_decision(branches, "the dynamic program"))
     return megatron_result(
         layer_graph,
         cluster,
@@ -87,9 +81,3 @@ def megatron_balanced(
 
 def _starts(counts: list[int]) -> list[int]:
     return [sum(counts[:k]) for k in range(len(counts))]
-
-
-def _independent_branches(layer_graph: LayerGraph) -> int:
-    """Encoder entry layers: vision-region layers that read no other layer."""
-    g = layer_graph.graph
-    return sum(1 for layer in layer_graph.in_region(Region.VISION) if g.in_degree(layer.name) == 0)

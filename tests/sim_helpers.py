@@ -46,4 +46,6 @@ def synthetic_costs(
         stages.append(
             StageCost(k, s.rank, (layer,), send[k] if nxt else 0.0, send[k] if prv else 0.0, act_bytes, 0.0)
         )
-    return PlanCosts(tuple(stages), (0.0,) * plan.num_ranks, model_flops=0.0, samples=1.0)
+    return PlanCosts(
+        tuple(stages), (0.0,) * plan.num_ranks, model_flops=0.0, recompute_flops=0.0, samples=1.0
+    )

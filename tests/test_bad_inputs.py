@@ -279,6 +279,24 @@ CASES = {
         cli(*PLAN, "--search", "--policy", "megatron"),
         "--search plans with the vlmcompile policy; drop --policy megatron",
     ),
+    "cli-placement-unknown": Case(
+        "CLI",
+        "unknown --placement",
+        cli(*PLAN, "--policy", "megatron", "--placement", "ring"),
+        "argument --placement: invalid choice: 'ring' (choose from 'llava', 'chain', 'uneven')",
+    ),
+    "cli-placement-chain-too-many-stages": Case(
+        "CLI",
+        "--placement chain with more virtual stages than layers",
+        cli(*PLAN[:8], "4", *PLAN[9:], "--v", "4", "--policy", "megatron", "--placement", "chain"),
+        "placement 'chain' splits 12 encoder and decoder layers over pp x v = 4 x 4 = 16 virtual stages",
+    ),
+    "cli-placement-uneven-without-counts": Case(
+        "CLI",
+        "--placement uneven without stage counts",
+        cli(*PLAN, "--policy", "megatron", "--placement", "uneven"),
+        "placement 'uneven' needs first_stage_layers and/or last_stage_layers",
+    ),
     "cli-unknown-setup": Case(
         "CLI", "unknown --setup", cli("plan", "--setup", "optimus-weak-Z"), "unknown setup 'optimus-weak-Z'"
     ),

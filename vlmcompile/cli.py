@@ -129,8 +129,9 @@ def _fill_plan_args(args: argparse.Namespace) -> None:
         args.pp = args.pp or s.parallel.pp
         args.global_batch = args.global_batch or s.global_batch
         args.microbatch_size = args.microbatch_size or s.microbatch_size
-        if args.v is None:
-            args.v = s.v_balanced if args.policy in ("megatron_balanced", "vlmcompile") else 1
+        args.v = args.v or s.parallel.v
+        if args.policy == "megatron" and args.placement is None and not _uneven_counts(args):
+            args.placement = s.placement
     required = (
         ("model", "cluster", "global_batch")
         if args.search
@@ -171,6 +172,7 @@ def _plan_run(args: argparse.Namespace, graph, cluster):
         args.policy,
         request,
         recompute=recompute,
+        placement=args.placement if megatron else None,
         first_stage_layers=args.first_stage_layers if megatron else None,
         last_stage_layers=args.last_stage_layers if megatron else None,
         solver=solver if args.policy == "vlmcompile" else None,
@@ -202,9 +204,22 @@ def _write_plan_outputs(args: argparse.Namespace, run, graph) -> None:
             print(f"timeline written to {args.png}", file=sys.stderr)
 
 
-_SEARCHED = ("tp", "pp", "v", "microbatch_size", "schedule", "first_stage_layers", "last_stage_layers")
+_SEARCHED = (
+    "tp",
+    "pp",
+    "v",
+    "microbatch_size",
+    "schedule",
+    "placement",
+    "first_stage_layers",
+    "last_stage_layers",
+)
 """Flags of ``plan`` that ``--search`` chooses itself."""
-_MEGATRON_ONLY = ("first_stage_layers", "last_stage_layers")
+_MEGATRON_ONLY = ("placement", "first_stage_layers", "last_stage_layers")
+
+
+def _uneven_counts(args: argparse.Namespace) -> bool:
+    return args.first_stage_layers is not None or args.last_stage_layers is not None
 
 
 def _warn_ignored_flags(args: argparse.Namespace) -> None:
@@ -279,6 +294,12 @@ def _setup_names() -> list[str]:
     return list(SETUPS)
 
 
+def _placement_names() -> list[str]:
+    from vlmcompile.passes.megatron import EncoderPlacement
+
+    return [p.value for p in EncoderPlacement]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlmcompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -332,8 +353,21 @@ def main(argv: list[str] | None = None) -> int:
         help="global recompute of the LLM decoder layers (Megatron policies); auto: the least that fits in memory",
     )
     q.add_argument("--recompute-vision", action="store_true", help="also recompute the vision encoder")
-    q.add_argument("--first-stage-layers", type=int, help="decoder layers on the first stage (megatron)")
-    q.add_argument("--last-stage-layers", type=int, help="decoder layers on the last stage (megatron)")
+    q.add_argument(
+        "--placement",
+        choices=_placement_names(),
+        help="where megatron puts the encoder: llava (first stage, decoder split evenly), chain (encoder and "
+        "decoder layers in one chain split evenly), uneven (llava with --first/--last-stage-layers); default "
+        "the setup's, else llava (uneven when those counts are given)",
+    )
+    q.add_argument(
+        "--first-stage-layers",
+        type=int,
+        help="decoder layers on the first stage (megatron, placement uneven)",
+    )
+    q.add_argument(
+        "--last-stage-layers", type=int, help="decoder layers on the last stage (megatron, placement uneven)"
+    )
     q.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
     q.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     q.add_argument("--json", metavar="FILE", help="write the plan and the simulation as JSON")

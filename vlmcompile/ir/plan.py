@@ -48,6 +48,8 @@ class Reason(str, enum.Enum):
 
     ENCODER_ON_FIRST_STAGE = "encoder_on_first_stage"
     EVEN_SPLIT = "even_split"
+    CHAIN_SPLIT = "chain_split"
+    """Encoder and decoder layers as one chain, split evenly by layer count (Megatron placement b)."""
     FIRST_STAGE_LAYERS = "first_stage_layers"
     LAST_STAGE_LAYERS = "last_stage_layers"
     HEAD_ON_LAST_STAGE = "head_on_last_stage"

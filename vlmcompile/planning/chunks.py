@@ -32,10 +32,16 @@ def chunks_by_stage(names: Sequence[str], stage_of: Sequence[int], num_stages: i
 
 
 def balanced_split(times: Sequence[float], num_stages: int) -> list[int]:
-    """Layers per stage minimising the largest stage sum; every stage gets at least one layer.
+    """Layers per stage minimising the largest stage sum, and among the splits that do, the most
+    even one (least sum of squared stage sums); every stage gets at least one layer.
 
     The dynamic program of the Optimus appendix B (after Alpa): with prefix sums T of the
-    times, F(l, 1) = T(l) and F(l, k) = min_{j < l} max(F(j, k - 1), T(l) - T(j)).
+    times, F(l, 1) = T(l) and F(l, k) = min_{j < l} max(F(j, k - 1), T(l) - T(j)). Its optimum
+    is often shared by many splits (a ViT-22B + GPT-175B chain on 96 virtual stages: every
+    optimum has two GPT-175B layers on its slowest stage), and the paper does not say which it
+    takes. Whichever argmin a program records can leave the other stages, and with them the
+    pipeline ranks' sums, far apart; a second program over the splits whose stages all fit
+    under that optimum, G(l, k) = min_j G(j, k - 1) + (T(l) - T(j))^2, takes the most even.
     """
     n = len(times)
     if num_stages > n:
@@ -44,20 +50,35 @@ def balanced_split(times: Sequence[float], num_stages: int) -> list[int]:
         )
     prefix = np.concatenate([[0.0], np.cumsum(times)])
     best = prefix[1:].copy()  # F(l, 1) for l = 1..n, indexed l - 1
-    choice = np.zeros((num_stages, n), dtype=np.int64)
     for k in range(1, num_stages):
         new = np.full(n, np.inf)
         for end in range(k, n):  # layers 0..end in k + 1 stages
             js = np.arange(k - 1, end)  # the first k stages end at layer j (inclusive)
-            cost = np.maximum(best[js], prefix[end + 1] - prefix[js + 1])
-            at = int(np.argmin(cost))
-            new[end], choice[k, end] = cost[at], js[at]
+            new[end] = np.min(np.maximum(best[js], prefix[end + 1] - prefix[js + 1]))
         best = new
+    # Relative slack: stage sums are float sums whose order of addition differs between splits.
+    limit = best[n - 1] * (1 + 1e-9)
+    return _most_even_split(prefix, num_stages, limit)
+
+
+def _most_even_split(prefix: np.ndarray, num_stages: int, limit: float) -> list[int]:
+    """Stage counts with every stage sum <= ``limit`` and the least sum of squared stage sums;
+    ``prefix`` is the layers' prefix sums (layer l ends at prefix[l + 1])."""
+    n = len(prefix) - 1
+    cost = np.full((num_stages + 1, n + 1), np.inf)
+    cost[0, 0] = 0.0
+    choice = np.zeros((num_stages + 1, n + 1), dtype=np.int64)
+    for k in range(1, num_stages + 1):
+        for end in range(k, n - (num_stages - k) + 1):  # the first end layers in k stages
+            js = np.arange(k - 1, end)
+            stage = prefix[end] - prefix[js]
+            total = np.where(stage <= limit, cost[k - 1, js] + stage**2, np.inf)
+            at = int(np.argmin(total))
+            cost[k, end], choice[k, end] = total[at], js[at]
     counts = []
-    end = n - 1
-    for k in range(num_stages - 1, 0, -1):
+    end = n
+    for k in range(num_stages, 0, -1):
         j = int(choice[k, end])
         counts.append(end - j)
         end = j
-    counts.append(end + 1)
     return counts[::-1]

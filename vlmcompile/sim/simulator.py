@@ -88,6 +88,11 @@ class SimResult:
     runs: tuple[ActionRun, ...]
     ranks: tuple[RankStats, ...]
     mfu: float
+    """MFU (model FLOPs): forward and backward FLOPs of the model per second, over the peak of
+    the pipeline's GPUs; recomputation does not count."""
+    hfu: float
+    """HFU, the MFU as Megatron-LM reports it: the recomputed forwards count too (the formula of
+    Narayanan et al. 2021, eq. 3, whose factor 96 = 72 + 24 for the recomputed forward)."""
     dp_collectives: tuple[tuple[int, str, float, float], ...] = field(default=())
     """(rank, "all_gather" | "reduce_scatter", start, end) per layer bucket."""
     bubbles: tuple[Bubble, ...] = field(default=())
@@ -140,6 +145,7 @@ class SimResult:
             "cluster": self.cluster.name,
             "step_time_s": self.step_time_s,
             "mfu": self.mfu,
+            "hfu_megatron_mfu": self.hfu,
             "bubble_share": self.bubble_share,
             "bubble_share_by_cause": self.idle_share(),
             "ranks": [
@@ -170,7 +176,8 @@ class SimResult:
         share = self.idle_share()
         lines = [
             f"simulated step: {self.step_time_s * 1e3:.1f} ms on {self.cluster.name} "
-            f"(prediction of the cost model), MFU {100 * self.mfu:.1f} %, "
+            f"(prediction of the cost model), MFU (model FLOPs) {100 * self.mfu:.1f} %, "
+            f"HFU / MFU as Megatron reports it {100 * self.hfu:.1f} %, "
             f"bubbles {100 * self.bubble_share:.1f} % of rank time",
             "bubbles by cause: " + ", ".join(f"{c} {100 * share[c]:.1f} %" for c in CAUSES),
             f"peak memory: {max(self.peak_mem_bytes) / 2**30:.2f} GiB of {self.cluster.device.mem_bytes / 2**30:.1f} "
@@ -249,8 +256,10 @@ def simulate(
     ranks = _rank_stats(plan, runs, bubbles, costs)
     peak = cluster.device.peak_flops_per_s
     group_gpus = num_ranks * max(p.tp for p in plan.parallel.values())
-    mfu = costs.model_flops / (step * group_gpus * peak) if step > 0 else 0.0
-    return SimResult(plan, cluster, step, tuple(runs), ranks, mfu, tuple(dp_events), tuple(bubbles))
+    capacity = step * group_gpus * peak
+    mfu = costs.model_flops / capacity if step > 0 else 0.0
+    hfu = (costs.model_flops + costs.recompute_flops) / capacity if step > 0 else 0.0
+    return SimResult(plan, cluster, step, tuple(runs), ranks, mfu, hfu, tuple(dp_events), tuple(bubbles))
 
 
 def _bwd_of(c, kind: ActionKind) -> float:
