@@ -8,7 +8,7 @@ profile, the plan it leads to and the machine's speed all vary), so the goals ar
 the median over the repeats:
 
 * measured speedup (median over repeats) at least 1.25x;
-* prediction error |predicted - measured| / measured at most 15 % for both plans, every repeat.
+* prediction error |predicted - measured| / measured at most 10 % for both plans, every repeat.
 
     python benchmarks/demo_speedup.py [--repeats 5] [--global-batch 32] [--steps 6] [--readme] [--no-run]
 
@@ -33,7 +33,7 @@ from vlmcompile.demo import run_demo
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "demo_speedup.json"
 SPEEDUP_GOAL = 1.25
-ERROR_GOAL = 0.15
+ERROR_GOAL = 0.10
 
 
 def _table(runs: list[dict]) -> str:

@@ -1,8 +1,9 @@
 """The planning policies by name, and how to run one, compare them, or search the degrees.
 
-For the Megatron policies ``recompute="auto"`` does what a Megatron-LM user does - the least
-global recompute whose plan fits in memory (none, then selective, then full, then full with the
-vision encoder too). ``omnibal`` and ``vlmcompile`` choose per-layer recompute themselves.
+For the policies with one recompute setting for the whole model (Megatron's, torchtitan's, MIMO's)
+``recompute="auto"`` does what their users do - the least global recompute whose plan fits in
+memory (none, then selective, then full, then full with the vision encoder too). ``omnibal``
+and ``vlmcompile`` choose per-layer recompute themselves.
 ``vlmcompile`` first plans every baseline for the same request: the fastest that fits is its
 warm start, and all of them are rows of its report. Every policy is held to the same memory
 cap: device memory less :data:`~vlmcompile.cost_models.memory.MEMORY_RESERVE`.
@@ -20,9 +21,11 @@ from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason
 from vlmcompile.passes.megatron import EncoderPlacement, megatron
 from vlmcompile.passes.megatron_balanced import megatron_balanced
+from vlmcompile.passes.mimo_colocated import mimo_colocated
 from vlmcompile.passes.omnibal import omnibal
 from vlmcompile.passes.partition import partition
 from vlmcompile.passes.plan_search import plan_search
+from vlmcompile.passes.torchtitan_vlm import torchtitan_vlm
 from vlmcompile.planning.request import (
     RECOMPUTE_LADDER,
     GlobalRecompute,
@@ -36,11 +39,13 @@ POLICIES: dict[str, Callable[..., PolicyResult]] = {
     "megatron": megatron,
     "megatron_balanced": megatron_balanced,
     "omnibal": omnibal,
+    "torchtitan_vlm": torchtitan_vlm,
+    "mimo_colocated": mimo_colocated,
     "vlmcompile": partition,
 }
 """Every policy is ``policy(layer_graph, cluster, request, **its_own_options) -> PolicyResult``."""
-BASELINES = ("megatron", "megatron_balanced", "omnibal")
-GLOBAL_RECOMPUTE_POLICIES = ("megatron", "megatron_balanced")
+BASELINES = ("megatron", "megatron_balanced", "omnibal", "torchtitan_vlm", "mimo_colocated")
+GLOBAL_RECOMPUTE_POLICIES = ("megatron", "megatron_balanced", "torchtitan_vlm", "mimo_colocated")
 
 
 def plan_and_simulate(
@@ -80,6 +85,8 @@ def plan_and_simulate(
     takes = {
         "megatron": ("recompute", "placement", "first_stage_layers", "last_stage_layers"),
         "megatron_balanced": ("recompute",),
+        "torchtitan_vlm": ("recompute",),
+        "mimo_colocated": ("recompute",),
         "omnibal": (),
         "vlmcompile": ("solver",),
     }[policy]
@@ -108,7 +115,7 @@ def plan_and_simulate(
     else:
 
         def run(rung: GlobalRecompute) -> PolicyResult:
-            return megatron_balanced(layer_graph, cluster, request, recompute=rung)
+            return POLICIES[policy](layer_graph, cluster, request, recompute=rung)
 
     return run(recompute) if recompute != "auto" else _least_recompute_that_fits(run)
 

@@ -297,6 +297,18 @@ CASES = {
         cli(*PLAN, "--policy", "megatron", "--placement", "uneven"),
         "placement 'uneven' needs first_stage_layers and/or last_stage_layers",
     ),
+    "cli-mimo-with-pipeline": Case(
+        "CLI",
+        "--policy mimo_colocated with --pp 2",
+        cli(*PLAN, "--policy", "mimo_colocated"),
+        "mimo_colocated runs every module on every rank without a pipeline",
+    ),
+    "cli-torchtitan-knob-out-of-range": Case(
+        "CLI",
+        "torchtitan's split over more stages than layers",
+        cli(*PLAN[:8], "8", *PLAN[9:], "--v", "2", "--policy", "torchtitan_vlm"),
+        "torchtitan splits 8 layers + 0 + 1 (embedding, output) over 16 stages",
+    ),
     "cli-unknown-setup": Case(
         "CLI", "unknown --setup", cli("plan", "--setup", "optimus-weak-Z"), "unknown setup 'optimus-weak-Z'"
     ),

@@ -7,6 +7,7 @@ import pytest
 
 from vlmcompile.cli import main
 from vlmcompile.ir.plan import Plan
+from vlmcompile.passes.policies import BASELINES
 
 ARGS = ["plan", "--model", "demo", "--cluster", "h100x16", "--tp", "2", "--pp", "4", "--global-batch", "16"]
 
@@ -75,11 +76,11 @@ def test_vlmcompile_policy_prints_the_comparison_with_every_baseline(tmp_path, c
     assert main([*ARGS, "--policy", "vlmcompile", "--time-limit", "5", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "CP-SAT" in printed and "policies at the same degrees" in printed
-    for policy in ("megatron", "megatron_balanced", "omnibal"):
+    for policy in BASELINES:
         assert policy in printed
     data = json.loads(out.read_text())
     assert Plan.from_json(data["plan"]).policy == "vlmcompile"
-    assert {r["policy"] for r in data["policies"]} == {"megatron", "megatron_balanced", "omnibal"}
+    assert {r["policy"] for r in data["policies"]} == set(BASELINES)
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Command line.
 
 ``vlmcompile annotate --model NAME [--json FILE]``: capture and annotate a zoo model.
-``vlmcompile plan --model NAME --cluster PRESET --policy megatron|megatron_balanced|omnibal|vlmcompile``:
+``vlmcompile plan --model NAME --cluster PRESET --policy megatron|megatron_balanced|omnibal|torchtitan_vlm|mimo_colocated|vlmcompile``:
 plan, simulate and print the step and its bubbles (``--setup NAME`` fills in a paper's
 configuration; ``--search`` lets the plan search choose the degrees).
 ``vlmcompile demo [--json FILE]``: the demo VLM on 2 local CPU ranks, our plan against Megatron-LM's,
@@ -294,6 +294,12 @@ def _setup_names() -> list[str]:
     return list(SETUPS)
 
 
+def _policy_names() -> list[str]:
+    from vlmcompile.passes.policies import POLICIES
+
+    return list(POLICIES)
+
+
 def _placement_names() -> list[str]:
     from vlmcompile.passes.megatron import EncoderPlacement
 
@@ -331,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--cluster", help="preset: h100x512, a100x32, v100x64, cpu:2, ...")
     q.add_argument(
         "--policy",
-        choices=["megatron", "megatron_balanced", "omnibal", "vlmcompile"],
+        choices=_policy_names(),
         help="default megatron (vlmcompile with --search); vlmcompile: CP-SAT cuts and per-layer recompute, "
         "compared with every baseline",
     )
@@ -392,9 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="compile a zoo model for N local CPU ranks and train a few steps on them")
     r.add_argument("--model", default="demo", help="zoo name (default demo)")
     r.add_argument("--nprocs", type=_positive_int, default=2, help="local ranks, one thread each (default 2)")
-    r.add_argument(
-        "--policy", choices=["vlmcompile", "megatron", "megatron_balanced", "omnibal"], default="vlmcompile"
-    )
+    r.add_argument("--policy", choices=_policy_names(), default="vlmcompile")
     r.add_argument(
         "--pp", type=_positive_int, default=2, help="pipeline size for the baseline policies (default 2)"
     )

@@ -132,11 +132,13 @@ class CompiledPipeline:
         microbatch_size: int = 1,
         schedule: Schedule | str | None = None,
         recompute: GlobalRecompute | Literal["auto"] = "auto",
+        placement: str | None = None,
         solver: SolverOptions | None = None,
     ) -> PolicyResult:
-        """Plan with one policy (``megatron``, ``megatron_balanced``, ``omnibal`` or ``vlmcompile``)
+        """Plan with one policy (a name in :data:`~vlmcompile.passes.policies.POLICIES`)
         on the pipeline's cluster and simulate it: for ``request``, or for the degrees given as
-        Megatron-LM's flags (``tp``, ``pp``, ``global_batch``; DP is what the cluster leaves)."""
+        Megatron-LM's flags (``tp``, ``pp``, ``global_batch``; DP is what the cluster leaves);
+        ``placement`` is ``megatron``'s encoder placement."""
         if self.cluster is None:
             raise ValueError(
                 "compile(..., cluster=...) was given no cluster; pass one (e.g. 'h100x64') to plan"
@@ -161,7 +163,13 @@ class CompiledPipeline:
                 schedule=schedule,
             )
         return plan_and_simulate(
-            self.layer_graph, self.cluster, policy, request, recompute=recompute, solver=solver
+            self.layer_graph,
+            self.cluster,
+            policy,
+            request,
+            recompute=recompute,
+            placement=placement,
+            solver=solver,
         )
 
 

@@ -47,6 +47,15 @@ def test_one_step_equals_eager(case):
     check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
 
 
+@pytest.mark.parametrize(("policy", "pp"), [("torchtitan_vlm", 2), ("mimo_colocated", 1)])
+def test_other_systems_plans_train_like_eager(policy, pp):
+    model, batch = build("tiny", batch_size=4)
+    pipe = compile(model, batch, cluster="cpu:2", log=None)
+    plan = pipe.baseline(policy, tp=1, pp=pp, global_batch=4).plan
+    assert plan.policy == policy
+    check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+
+
 def test_encoder_stage_on_another_rank_than_the_first_llm_stage():
     model, batch, pipe = _pipe("tiny")
     plan = encoder_on_rank_1(pipe.layer_graph, global_batch=4)

@@ -71,7 +71,9 @@ def interleaved_one_f_one_b(p: int, m: int, v: int) -> RankActions:
 
     ranks = []
     for r in range(p):
-        warmup = total if m == p else min((p - r - 1) * 2 + (v - 1) * p, total)
+        # megatron-core 0.16's get_pp_rank_microbatches (older Megatron-LM ran every microbatch
+        # in warm-up when m == p; 0.16 does not, and tests/planning checks we match it).
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
 
         def fwd(k: int, r: int = r) -> Action:
             return Action(chunk(k, True) * p + r, F, microbatch(k))
