@@ -116,7 +116,8 @@ class PlanCosts:
     """FLOPs of one step of one pipeline (forward + backward, no recompute), for MFU."""
     recompute_flops: float
     """FLOPs of the forwards recomputed in one step of one pipeline (full: the layer's forward;
-    selective: its attention), which Megatron-LM's reported MFU also counts."""
+    selective: its attention), which HFU counts (Narayanan et al. 2021's formula, the MFU the
+    Optimus paper quotes); Megatron-LM's own throughput formula does not."""
     samples: float
     """Microbatch size over the annotated batch size: the factor every per-sample figure takes."""
 

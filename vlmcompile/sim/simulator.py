@@ -89,10 +89,12 @@ class SimResult:
     ranks: tuple[RankStats, ...]
     mfu: float
     """MFU (model FLOPs): forward and backward FLOPs of the model per second, over the peak of
-    the pipeline's GPUs; recomputation does not count."""
+    the pipeline's GPUs; recomputation does not count. Megatron-LM's own throughput log counts
+    the same (``num_floating_point_operations`` in megatron/training/training.py: 3 GEMMs per
+    weight, no recompute term)."""
     hfu: float
-    """HFU, the MFU as Megatron-LM reports it: the recomputed forwards count too (the formula of
-    Narayanan et al. 2021, eq. 3, whose factor 96 = 72 + 24 for the recomputed forward)."""
+    """HFU: the recomputed forwards count too (Narayanan et al. 2021, eq. 3, whose factor
+    96 = 72 + 24 for the recomputed forward); what the Optimus paper's MFU column matches."""
     dp_collectives: tuple[tuple[int, str, float, float], ...] = field(default=())
     """(rank, "all_gather" | "reduce_scatter", start, end) per layer bucket."""
     bubbles: tuple[Bubble, ...] = field(default=())
@@ -145,7 +147,7 @@ class SimResult:
             "cluster": self.cluster.name,
             "step_time_s": self.step_time_s,
             "mfu": self.mfu,
-            "hfu_megatron_mfu": self.hfu,
+            "hfu": self.hfu,
             "bubble_share": self.bubble_share,
             "bubble_share_by_cause": self.idle_share(),
             "ranks": [
@@ -177,7 +179,7 @@ class SimResult:
         lines = [
             f"simulated step: {self.step_time_s * 1e3:.1f} ms on {self.cluster.name} "
             f"(prediction of the cost model), MFU (model FLOPs) {100 * self.mfu:.1f} %, "
-            f"HFU / MFU as Megatron reports it {100 * self.hfu:.1f} %, "
+            f"HFU (recompute counted) {100 * self.hfu:.1f} %, "
             f"bubbles {100 * self.bubble_share:.1f} % of rank time",
             "bubbles by cause: " + ", ".join(f"{c} {100 * share[c]:.1f} %" for c in CAUSES),
             f"peak memory: {max(self.peak_mem_bytes) / 2**30:.2f} GiB of {self.cluster.device.mem_bytes / 2**30:.1f} "
