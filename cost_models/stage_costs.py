@@ -19,7 +19,7 @@ from vlmcompile.cost_models.memory import (
 from vlmcompile.ir.actions import ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import Layer, LayerGraph
-from vlmcompile.ir.plan import Parallel, Plan, Precision, Recompute
+from vlmcompile.ir.plan import Parallel, Plan, Precision, Recompute, Stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +230,13 @@ def layer_costs(
     ]
 
 
+def group_samples(plan: Plan, group: str, samples: float) -> float:
+    """Samples one GPU's TP group of ``group`` takes per microbatch. An encoder group with a
+    smaller TP than the pipeline's splits each pipeline rank's GPUs into pipeline-TP / group-TP
+    replicas, each encoding its share of the microbatch (Optimus's TP_enc, a divisor of TP_llm)."""
+    return samples * plan.parallel[group].tp / plan.pipeline_parallel.tp
+
+
 def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCosts:
     if plan.pieces:
         raise PlanError(
@@ -241,38 +248,40 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
     for stage in plan.stages:
         par = plan.parallel[stage.group]
         cluster.check_tensor_parallel(par.tp)
+        share = group_samples(plan, stage.group, samples)
         layers = []
         act = transient = 0.0
-        kw = {"samples": samples, "tp": par.tp, "sequence_parallel": par.sequence_parallel}
+        kw = {"samples": share, "tp": par.tp, "sequence_parallel": par.sequence_parallel}
         for name in stage.layers:
             layer = layer_graph[name]
             rc = plan.recompute_of(name)
             layers.append(
-                layer_cost(
-                    layer, layer_graph, cluster, par, samples=samples, recompute=rc, precision=precision
-                )
+                layer_cost(layer, layer_graph, cluster, par, samples=share, recompute=rc, precision=precision)
             )
             act += kept_activation_bytes(layer, rc, **kw)
             transient = max(transient, recompute_transient_bytes(layer, rc, **kw))
-        stage_costs.append((stage, par, layers, act, transient))
+        stage_costs.append((stage, par, share, layers, act, transient))
 
     result = []
-    for i, (stage, par, layers, act, transient) in enumerate(stage_costs):
+    for i, (stage, par, share, layers, act, transient) in enumerate(stage_costs):
         last = layer_graph[stage.layers[-1]]
         first = layer_graph[stage.layers[0]]
         send_fwd = send_bwd = 0.0
-        if i + 1 < len(stage_costs) and stage_costs[i + 1][0].rank != stage.rank:
-            send_fwd, _ = cut_transfer_s(last, cluster, par, samples, stage.rank, stage_costs[i + 1][0].rank)
-        if i > 0 and stage_costs[i - 1][0].rank != stage.rank:
+        # A transfer is costed whenever the neighbour may run elsewhere; the timeline charges it
+        # only when the two actions do run on different ranks (a replicated stage's holders).
+        if i + 1 < len(stage_costs) and _may_differ(stage, stage_costs[i + 1][0]):
+            nxt = stage_costs[i + 1][0]
+            send_fwd, _ = cut_transfer_s(last, cluster, par, share, stage.rank, _other(nxt, stage.rank))
+        if i > 0 and _may_differ(stage, stage_costs[i - 1][0]):
             prev_last = layer_graph.layers[first.index - 1]
-            _, send_bwd = cut_transfer_s(
-                prev_last, cluster, par, samples, stage.rank, stage_costs[i - 1][0].rank
-            )
+            prev = stage_costs[i - 1][0]
+            _, send_bwd = cut_transfer_s(prev_last, cluster, par, share, stage.rank, _other(prev, stage.rank))
         result.append(StageCost(stage.index, stage.rank, tuple(layers), send_fwd, send_bwd, act, transient))
 
     static = [0.0] * plan.num_ranks
-    for stage, par, layers, _, _ in stage_costs:
-        static[stage.rank] += sum(layer_state_bytes(c, par, precision) for c in layers)
+    for stage, par, _, layers, _, _ in stage_costs:
+        for rank in stage.ranks:
+            static[rank] += sum(layer_state_bytes(c, par, precision) for c in layers)
     per_microbatch = samples * plan.num_microbatches
     names = [n for s in plan.stages for n in s.layers]
     model_flops = per_microbatch * sum(layer_graph[n].fwd_flops + layer_graph[n].bwd_flops for n in names)
@@ -280,6 +289,16 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
         _recomputed_flops(layer_graph[n], plan.recompute_of(n)) for n in names
     )
     return PlanCosts(tuple(result), tuple(static), model_flops, recompute_flops, samples)
+
+
+def _may_differ(a: Stage, b: Stage) -> bool:
+    return a.ranks != b.ranks or len(a.ranks) > 1
+
+
+def _other(stage: Stage, rank: int) -> int:
+    """The nearest holder of ``stage`` other than ``rank`` (``rank`` itself if it is the only one)."""
+    others = [r for r in stage.ranks if r != rank]
+    return min(others, key=lambda r: abs(r - rank)) if others else rank
 
 
 def _recomputed_flops(layer: Layer, recompute: Recompute) -> float:

@@ -9,7 +9,8 @@ import torch
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.plan import Plan, Recompute
 from vlmcompile.ir.regions import Region
-from vlmcompile.planning.build import build_plan
+from vlmcompile.planning import encoder_plans as ep
+from vlmcompile.planning.build import build_plan, build_separate_plan
 from vlmcompile.planning.request import PlanRequest
 
 
@@ -62,6 +63,42 @@ def encoder_on_rank_1(layer_graph, *, global_batch: int) -> Plan:
     out = dataclasses.replace(plan, stages=stages, actions=(plan.actions[1], plan.actions[0]))
     out.validate(layer_graph)
     return out
+
+
+def separate_plan(
+    layer_graph,
+    *,
+    pp: int,
+    encoder_pp: int,
+    dp: int = 1,
+    chunks: int = 1,
+    global_batch: int,
+    assignment: tuple[int, ...] | None = None,
+    recompute: tuple[int, ...] = (),
+) -> Plan:
+    """The encoders with a plan of their own (PP ``encoder_pp``, replicated over the rest) beside
+    the LLM on ``pp`` ranks in even 1F1B stages; encoder work in phases before and after the LLM's."""
+    count = ep.encoder_layer_count(layer_graph)
+    names = [layer.name for layer in layer_graph.layers]
+    llm_names = names[count:]
+    bounds = [i * len(llm_names) // pp for i in range(pp + 1)]
+    cluster = Cluster.preset(f"cpu:{pp * dp}")
+    request = PlanRequest.on(
+        cluster, tp=1, pp=pp, global_batch=global_batch, sequence_parallel=False, zero_stage=0
+    )
+    encoder = ep.EncoderPlan(pp=encoder_pp, tp=1, chunks=chunks)
+    return build_separate_plan(
+        layer_graph,
+        cluster,
+        request,
+        encoder,
+        policy="test",
+        encoder_pieces=ep.encoder_chunks(layer_graph, encoder, [1.0] * count),
+        llm_chunks=[llm_names[a:b] for a, b in zip(bounds, bounds[1:])],
+        recompute={names[i]: Recompute.FULL for i in recompute},
+        decisions=[],
+        assignment=assignment,
+    )
 
 
 def eager_step(model, batch):

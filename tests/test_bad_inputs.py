@@ -530,7 +530,7 @@ CASES = {
     "plan-cli-json": Case(
         "plan file",
         "`vlmcompile plan --json` output with a broken plan",
-        plan_file(text='{"plan": {"schema": "vlmcompile.plan", "version": 1}, "simulation": {}}'),
+        plan_file(text='{"plan": {"schema": "vlmcompile.plan", "version": 3}, "simulation": {}}'),
         "plan lacks the field 'model'",
     ),
     # ---- batches ---------------------------------------------------------------------------------

@@ -2,18 +2,15 @@
 with the rank and step named."""
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 
-import vlmcompile
-from tests.models import build
 from tests.sim_helpers import make_plan
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.actions import Action, ActionKind, format_grid
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.ir.plan import Plan, Precision, Stage
+from vlmcompile.ir.plan import Parallel, Plan, Precision, Stage
 from vlmcompile.passes.megatron import megatron
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest
 from vlmcompile.planning.schedules import one_f_one_b
@@ -49,20 +46,18 @@ def test_json_round_trip_is_lossless(plan, tmp_path):
     assert Plan.load(path) == fp32
 
 
-def test_a_version_1_plan_has_its_precision_under_the_old_name(plan):
-    data = json.loads(json.dumps(dataclasses.replace(plan, precision=Precision(param_bytes=4)).to_json()))
-    data["version"] = 1
-    data["training"] = data.pop("precision")
-    assert Plan.from_json(data).precision == Precision(param_bytes=4)
-
-
 def test_an_older_plan_schema_is_rejected_with_the_fix(plan):
     data = plan.to_json()
-    data["version"] = 0
-    with pytest.raises(
-        PlanError,
-        match=r"plan JSON version 0 is not one this vlmcompile reads \(1, 2\); re-plan: `vlmcompile plan",
-    ):
+    for version in (0, 1, 2):
+        data["version"] = version
+        with pytest.raises(
+            PlanError,
+            match=rf"plan JSON version {version} is not one this vlmcompile reads \(3\); it was written before "
+            r"plans could hold encoder plans of their own; re-plan: `vlmcompile plan",
+        ):
+            Plan.from_json(data)
+    data["version"] = 9
+    with pytest.raises(PlanError, match=r"version 9 is not one this vlmcompile reads \(3\); re-plan"):
         Plan.from_json(data)
     with pytest.raises(PlanError, match="not a plan JSON"):
         Plan.from_json({"schema": "vlmcompile.layer_graph"})
@@ -140,12 +135,79 @@ def test_grid_prints_steps_by_rank(plan):
 DATA = Path(__file__).parents[1] / "data"
 
 
-def test_a_plan_saved_by_an_earlier_vlmcompile_still_loads_and_splits_the_model():
-    """Saved by 0.1.0 before the planning core moved (``vlmcompile plan --json``): the format
-    and the model's fingerprint are unchanged, so it runs as it did."""
-    plan = Plan.load(DATA / "plan_v1_tiny_megatron.json")
-    model, batch = build("tiny", batch_size=4)
-    pipe = vlmcompile.compile(model, batch, log=None)
-    runner = pipe.runner(plan)
-    assert plan.fingerprint == pipe.layer_graph.fingerprint()
-    assert [len(s.wiring) for s in runner.stages_all] == [len(s.layers) for s in plan.stages]
+def test_a_plan_saved_by_an_earlier_vlmcompile_is_refused_with_the_fix():
+    """Saved by 0.1.0 (schema 1): plans now hold encoder plans of their own, and an old file is
+    refused with a message that says how to re-plan rather than read under new rules."""
+    with pytest.raises(PlanError, match=r"plan_v1_tiny_megatron.json': plan JSON version 1 .* re-plan"):
+        Plan.load(DATA / "plan_v1_tiny_megatron.json")
+
+
+def _acts(text: str) -> tuple[Action, ...]:
+    return tuple(Action.from_str(a) for a in text.split())
+
+
+def _encoder_replicated_plan(**changes) -> Plan:
+    """Two pipeline ranks; the encoder (stage 0) is data-parallel over both, the LLM pipelined:
+    microbatch 0's encoder work runs on rank 1, microbatch 1's on rank 0."""
+    fields = dict(
+        model="synthetic",
+        policy="test",
+        stages=(
+            Stage(0, 0, ("encoder",), group="encoder", replicas=(1,)),
+            Stage(1, 0, ("llm0",), group="llm"),
+            Stage(2, 1, ("llm1",), group="llm"),
+        ),
+        parallel={"encoder": Parallel(dp=2, tp=1, pp=1), "llm": Parallel(dp=1, tp=1, pp=2)},
+        microbatch_size=1,
+        num_microbatches=2,
+        actions=(_acts("0F1 1F0 1F1 1B0 1B1 0B1"), _acts("0F0 2F0 2B0 2F1 2B1 0B0")),
+        schedule="test",
+    )
+    fields.update(changes)
+    return Plan(**fields)
+
+
+def test_a_replicated_encoder_stage_validates_and_round_trips(tmp_path):
+    plan = _encoder_replicated_plan()
+    plan.validate()
+    assert plan.stages[0].ranks == (0, 1)
+    assert [s.index for s in plan.stages_on(1)] == [0, 2]
+    assert plan.pipeline_parallel == Parallel(dp=1, tp=1, pp=2)
+    assert plan.rank_of_action()[Action.from_str("0F0")] == 1
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+
+
+def test_a_backward_away_from_its_forward_is_named():
+    plan = _encoder_replicated_plan(
+        actions=(_acts("0F1 1F0 1F1 1B0 1B1 0B0"), _acts("0F0 2F0 2B0 2F1 2B1 0B1"))
+    )
+    with pytest.raises(
+        PlanError, match=r"rank 0 step 5: 0B0 runs on another rank than its forward 0F0 \(rank 1 step 0\)"
+    ):
+        plan.validate()
+
+
+def test_encoder_work_on_a_rank_that_does_not_hold_the_stage_is_named():
+    stages = list(_encoder_replicated_plan().stages)
+    stages[0] = dataclasses.replace(stages[0], replicas=())
+    plan = _encoder_replicated_plan(
+        stages=tuple(stages),
+        parallel={"encoder": Parallel(dp=1, tp=1, pp=2), "llm": Parallel(dp=1, tp=1, pp=2)},
+    )
+    with pytest.raises(PlanError, match=r"rank 1 step 0: 0F0 belongs to stage 0, which is placed on rank 0"):
+        plan.validate()
+
+
+def test_an_encoder_group_that_does_not_cover_the_gpus_is_named():
+    wrong = {"encoder": Parallel(dp=1, tp=1, pp=1), "llm": Parallel(dp=1, tp=1, pp=2)}
+    with pytest.raises(PlanError, match=r"parallel group 'encoder' .* DP x TP x PP equal 2"):
+        _encoder_replicated_plan(parallel=wrong).validate()
+    stages = list(_encoder_replicated_plan().stages)
+    stages[0] = dataclasses.replace(stages[0], replicas=())
+    with pytest.raises(
+        PlanError,
+        match=r"stage 0 \(group 'encoder', PP=1 over 2 pipeline ranks\) is held by ranks \[0\]; "
+        r"it must be held by 2 rank\(s\)",
+    ):
+        _encoder_replicated_plan(stages=tuple(stages)).validate()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.models import build, needs_transformers
-from tests.pipeline_helpers import check_equal_to_eager, encoder_on_rank_1, even_plan
+from tests.pipeline_helpers import check_equal_to_eager, encoder_on_rank_1, even_plan, separate_plan
 from vlmcompile import compile
 from vlmcompile.demo import eager_losses
 from vlmcompile.ir.errors import PlanError
@@ -286,3 +286,31 @@ def test_a_runner_built_by_hand_validates_its_plan():
     broken = dataclasses.replace(plan, actions=(plan.actions[0][1:], plan.actions[1]))
     with pytest.raises(PlanError, match="rank 0 is missing 0F0"):
         PipelineRunner(broken, (), batch_shapes={})
+
+
+SEPARATE = {
+    "encoder dp over pp=2": ("tiny", dict(pp=2, encoder_pp=1, global_batch=4)),
+    "encoder pipelined over pp=2": ("tiny", dict(pp=2, encoder_pp=2, global_batch=4, recompute=(1,))),
+    "dp2 x pp2, encoder dp": ("tiny", dict(pp=2, dp=2, encoder_pp=1, global_batch=8, chunks=2)),
+    "two encoders": ("tiny-two-encoder", dict(pp=2, encoder_pp=1, global_batch=4, chunks=3)),
+}
+
+
+@pytest.mark.parametrize("case", list(SEPARATE))
+def test_encoders_with_a_plan_of_their_own_train_like_eager(case):
+    """Encoder stages replicated over the LLM's pipeline ranks: each microbatch's encoder work on
+    one holder, its output sent to the first LLM stage's rank, its gradients back, and the
+    holders' gradients summed."""
+    name, options = SEPARATE[case]
+    model, batch, pipe = _pipe(name, batch_size=options["global_batch"])
+    plan = separate_plan(pipe.layer_graph, **options)
+    assert any(s.replicas for s in plan.stages) == (options["encoder_pp"] < options["pp"])
+    check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+
+
+def test_microbatches_given_unevenly_to_encoder_pipelines_train_like_eager():
+    model, batch, pipe = _pipe("tiny", batch_size=4)
+    plan = separate_plan(pipe.layer_graph, pp=2, encoder_pp=1, global_batch=4, assignment=(1, 1, 1, 0))
+    ranks = {a.microbatch: r for r, acts in enumerate(plan.actions) for a in acts if a.stage == 0}
+    assert ranks == {0: 1, 1: 1, 2: 1, 3: 0}
+    check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))

@@ -1,9 +1,11 @@
 """Plan: everything the simulator and the runtime need to run one training step.
 
 A plan is a chain of stages (virtual stages when a rank holds several), each a run of
-consecutive pieces of the model placed on one pipeline rank; per-layer recompute flags;
-parallel degrees per stage group; microbatch size and count; and one action list per
-pipeline rank. A piece is a layer of the LayerGraph, or a named group of FX nodes inside one
+consecutive pieces of the model placed on one pipeline rank, or replicated on several (an
+encoder stage data-parallel over the LLM's pipeline ranks: each microbatch's work runs on one
+of them, and their gradients are summed); per-layer recompute flags; parallel degrees per
+stage group (the LLM's and each encoder's: Optimus's separate plans over the same GPUs);
+microbatch size and count; and one action list per pipeline rank. A piece is a layer of the LayerGraph, or a named group of FX nodes inside one
 (``pieces``), so encoder work split below layer granularity and placed on any rank is a
 plan of this same format. Every choice a planning pass made is kept as a :class:`Decision`.
 
@@ -30,9 +32,10 @@ if TYPE_CHECKING:
     from vlmcompile.ir.layer_graph import LayerGraph
 
 SCHEMA = "vlmcompile.plan"
-SCHEMA_VERSION = 2
-"""2: the model states' precision is ``precision`` (version 1, still read, called it ``training``)."""
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+"""3: stages may be replicated over pipeline ranks (``replicas``) and groups may have their own
+degrees (an encoder's plan beside the LLM's). Versions 1 and 2 are refused: re-plan."""
+READABLE_VERSIONS = (3,)
 
 
 class Recompute(str, enum.Enum):
@@ -71,6 +74,10 @@ class Reason(str, enum.Enum):
     JITTERED_CUTS = "jittered_cuts"
     ADAPTIVE_RECOMPUTE = "adaptive_recompute"
     PLAN_SEARCH = "plan_search"
+    SEPARATE_ENCODER_PLAN = "separate_encoder_plan"
+    """The encoders' own degrees beside the LLM's (Optimus's model planner)."""
+    BUBBLE_SCHEDULE = "bubble_schedule"
+    """Encoder work placed into the LLM pipeline's idle time."""
     LOSS_COUPLED = "loss_coupled"
     """The loss couples the samples of a batch: one microbatch on one data-parallel rank."""
 
@@ -129,11 +136,20 @@ class Stage:
     index: int
     """Position in the stage chain: activations flow from stage i to stage i + 1."""
     rank: int
-    """Pipeline rank that runs it."""
+    """Pipeline rank that runs it (the first of its holders when it is replicated)."""
     layers: tuple[str, ...]
     """Pieces in order: LayerGraph layer names, or names in ``Plan.pieces``."""
     group: str = "model"
     """Key into ``Plan.parallel``."""
+    replicas: tuple[int, ...] = ()
+    """Other pipeline ranks holding a copy of the stage: a microbatch's forward and backward run
+    on one holder, and the holders' gradients are summed (the group's data parallelism inside
+    one LLM pipeline)."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every pipeline rank holding the stage."""
+        return (self.rank, *self.replicas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +199,18 @@ class Plan:
         return {name: s.index for s in self.stages for name in s.layers}
 
     def stages_on(self, rank: int) -> list[Stage]:
-        return [s for s in self.stages if s.rank == rank]
+        """The stages ``rank`` holds (replicated ones included)."""
+        return [s for s in self.stages if rank in s.ranks]
+
+    @property
+    def pipeline_parallel(self) -> Parallel:
+        """The degrees that lay out the ranks: the group of the last stage (the LLM's head).
+        Other groups (encoders) spread their own degrees over the same GPUs."""
+        return self.parallel[self.stages[-1].group]
+
+    def rank_of_action(self) -> dict[Action, int]:
+        """The pipeline rank that runs each action (a replicated stage's work runs on one holder)."""
+        return {a: rank for rank, acts in enumerate(self.actions) for a in acts}
 
     def split_backward(self) -> frozenset[int]:
         """Stages whose backward runs as separate I and W actions."""
@@ -198,15 +225,19 @@ class Plan:
         return format_grid(self.actions, steps=steps)
 
     def stage_table(self) -> str:
+        grouped = len(self.parallel) > 1
         rows = []
         for s in self.stages:
             rc = Counter(self.recompute_of(name).value for name in s.layers)
             names = list(s.layers)
             shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
             rows.append(
-                [s.index, s.rank, len(names), shown, ", ".join(f"{k} {v}" for k, v in sorted(rc.items()))]
+                [s.index, ", ".join(map(str, s.ranks))]
+                + ([s.group] if grouped else [])
+                + [len(names), shown, ", ".join(f"{k} {v}" for k, v in sorted(rc.items()))]
             )
-        return tabulate(rows, headers=["stage", "rank", "layers", "from .. to", "recompute"])
+        headers = ["stage", "rank"] + (["group"] if grouped else []) + ["layers", "from .. to", "recompute"]
+        return tabulate(rows, headers=headers, disable_numparse=True)
 
     def __str__(self) -> str:
         par = "; ".join(f"{k}: {v}" for k, v in self.parallel.items())
@@ -257,9 +288,12 @@ class Plan:
         if data.get("schema") != SCHEMA:
             raise PlanError(f"not a plan JSON (schema {data.get('schema')!r}, expected {SCHEMA!r})")
         if data.get("version") not in READABLE_VERSIONS:
+            older = isinstance(data.get("version"), int) and data["version"] < SCHEMA_VERSION
             raise PlanError(
                 f"plan JSON version {data.get('version')!r} is not one this vlmcompile reads "
-                f"({', '.join(map(str, READABLE_VERSIONS))}); re-plan: `vlmcompile plan ... --json FILE`, or "
+                f"({', '.join(map(str, READABLE_VERSIONS))})"
+                + ("; it was written before plans could hold encoder plans of their own" if older else "")
+                + "; re-plan: `vlmcompile plan ... --json FILE`, or "
                 "compile(...).plan.save(FILE)"
             )
         try:
@@ -275,7 +309,9 @@ class Plan:
                     name: Parallel(**_Reader(v, f"parallel.{name}").fields(_PARALLEL_FIELDS))
                     for name, v in r.get("parallel", dict).items()
                 },
-                precision=Precision(**_Reader(*_precision_field(data)).fields(_PRECISION_FIELDS)),
+                precision=Precision(
+                    **_Reader(r.get("precision", dict, {}), "plan.precision").fields(_PRECISION_FIELDS)
+                ),
                 stages=tuple(
                     Stage(**_Reader(v, f"stages[{i}]").fields(_STAGE_FIELDS))
                     for i, v in enumerate(r.get("stages", list))
@@ -359,13 +395,13 @@ _PRECISION_FIELDS = {
 }
 
 
-def _precision_field(data: Mapping[str, Any]) -> tuple[Any, str]:
-    """The model states' precision and where it is: ``training`` in version 1, ``precision`` since."""
-    key = "training" if data.get("version") == 1 else "precision"
-    return data.get(key, {}), key
-
-
-_STAGE_FIELDS = {"index": int, "rank": int, "layers": "strings", "group": (str, "model")}
+_STAGE_FIELDS = {
+    "index": int,
+    "rank": int,
+    "layers": "strings",
+    "group": (str, "model"),
+    "replicas": ("ints", ()),
+}
 _DECISION_FIELDS = {"subject": str, "reason": "reason", "detail": str, "numbers": ("numbers", {})}
 _MISSING = object()
 
@@ -394,6 +430,9 @@ class _Reader:
             kind, default = kind if isinstance(kind, tuple) else (kind, _MISSING)
             if kind == "strings":
                 out[key] = self.strings(self.get(key, list, default), f"{self.where}.{key}")
+            elif kind == "ints":
+                values = self.get(key, list, default)
+                out[key] = tuple(self.typed(v, int, f"{self.where}.{key}[{i}]") for i, v in enumerate(values))
             elif kind == "reason":
                 value = self.get(key, str, default)
                 try:
@@ -455,20 +494,21 @@ def _check_structure(plan: Plan) -> None:
             raise PlanError(
                 f"stage at position {i} has index {stage.index}; stages must be listed 0, 1, 2, ..."
             )
-        if not 0 <= stage.rank < plan.num_ranks:
+        bad = [r for r in stage.ranks if not 0 <= r < plan.num_ranks]
+        if bad:
             raise PlanError(
-                f"stage {i} is placed on rank {stage.rank}, but the plan has {plan.num_ranks} pipeline ranks "
+                f"stage {i} is placed on rank {bad[0]}, but the plan has {plan.num_ranks} pipeline ranks "
                 f"(action lists); use a rank in 0..{plan.num_ranks - 1}"
+            )
+        if len(set(stage.ranks)) != len(stage.ranks):
+            raise PlanError(
+                f"stage {i} names rank(s) {list(stage.ranks)} more than once; list each holder once"
             )
         if stage.group not in plan.parallel:
             raise PlanError(f"stage {i} names parallel group {stage.group!r}, not in {sorted(plan.parallel)}")
         if not stage.layers:
             raise PlanError(f"stage {i} (rank {stage.rank}) holds no layers")
-    for name, par in plan.parallel.items():
-        if par.pp != plan.num_ranks:
-            raise PlanError(
-                f"parallel group {name!r} says PP={par.pp}, but the plan has {plan.num_ranks} pipeline ranks"
-            )
+    _check_groups(plan)
     placed = Counter(n for s in plan.stages for n in s.layers)
     twice = sorted(n for n, c in placed.items() if c > 1)
     if twice:
@@ -478,6 +518,37 @@ def _check_structure(plan: Plan) -> None:
     unknown_rc = sorted(set(plan.recompute) - set(placed))
     if unknown_rc:
         raise PlanError(f"recompute flags for layers in no stage: {unknown_rc[:5]}")
+
+
+def _check_groups(plan: Plan) -> None:
+    """The pipeline's group (the last stage's) lays out the ranks: its PP is the number of action
+    lists. Another group (an encoder's own plan) spreads the same GPUs its own way: PP a divisor
+    of the pipeline's, TP a divisor of its TP, the same number of GPUs; each of its stages is held
+    by PP_pipeline / PP_group ranks."""
+    pipe_name = plan.stages[-1].group
+    pipe = plan.parallel[pipe_name]
+    if pipe.pp != plan.num_ranks:
+        raise PlanError(
+            f"parallel group {pipe_name!r} says PP={pipe.pp}, but the plan has {plan.num_ranks} pipeline ranks"
+        )
+    for name, par in plan.parallel.items():
+        if name == pipe_name:
+            continue
+        if plan.num_ranks % par.pp or pipe.tp % par.tp or par.world_size != pipe.world_size:
+            raise PlanError(
+                f"parallel group {name!r} ({par}) does not spread over the pipeline's GPUs ({pipe_name!r}: {pipe}): "
+                f"its PP must divide {plan.num_ranks}, its TP divide {pipe.tp}, and DP x TP x PP equal "
+                f"{pipe.world_size}"
+            )
+    for stage in plan.stages:
+        par = plan.parallel[stage.group]
+        holders = plan.num_ranks // par.pp
+        if len(stage.ranks) != holders:
+            raise PlanError(
+                f"stage {stage.index} (group {stage.group!r}, PP={par.pp} over {plan.num_ranks} pipeline ranks) is "
+                f"held by ranks {list(stage.ranks)}; it must be held by {holders} rank(s)"
+                + ("" if holders == 1 else " (rank and replicas)")
+            )
 
 
 def _check_layers(plan: Plan, layer_graph: LayerGraph) -> None:
@@ -508,19 +579,24 @@ def _layers_of(plan: Plan, piece: str) -> list[str]:
 
 
 def _check_actions(plan: Plan) -> None:
-    rank_of = {s.index: s.rank for s in plan.stages}
+    holders = {s.index: s.ranks for s in plan.stages}
     seen: dict[Action, tuple[int, int]] = {}
     for rank, acts in enumerate(plan.actions):
         for step, a in enumerate(acts):
-            if a.stage not in rank_of:
+            if a.stage not in holders:
                 raise PlanError(
                     f"rank {rank} step {step}: {a} names stage {a.stage}, but the plan has stages "
                     f"0..{plan.num_stages - 1}\n" + plan.grid_around(rank, step, "<- unknown stage")
                 )
-            if rank_of[a.stage] != rank:
+            if rank not in holders[a.stage]:
+                where = (
+                    f"placed on rank {holders[a.stage][0]}"
+                    if len(holders[a.stage]) == 1
+                    else f"held by ranks {list(holders[a.stage])}"
+                )
                 raise PlanError(
-                    f"rank {rank} step {step}: {a} belongs to stage {a.stage}, which is placed on rank "
-                    f"{rank_of[a.stage]}\n" + plan.grid_around(rank, step, "<- wrong rank")
+                    f"rank {rank} step {step}: {a} belongs to stage {a.stage}, which is {where}\n"
+                    + plan.grid_around(rank, step, "<- wrong rank")
                 )
             if a.microbatch >= plan.num_microbatches:
                 raise PlanError(
@@ -533,6 +609,18 @@ def _check_actions(plan: Plan) -> None:
                     + plan.grid_around(rank, step, "<- again")
                 )
             seen[a] = (rank, step)
+    # A backward needs what its forward saved: on a replicated stage both run on one holder.
+    for a, (rank, step) in seen.items():
+        if a.kind is ActionKind.F:
+            continue
+        fwd = seen.get(Action(a.stage, ActionKind.F, a.microbatch))
+        if fwd is not None and fwd[0] != rank:
+            raise PlanError(
+                f"rank {rank} step {step}: {a} runs on another rank than its forward "
+                f"{Action(a.stage, ActionKind.F, a.microbatch)} (rank {fwd[0]} step {fwd[1]}); a microbatch's "
+                "backward runs where its forward kept the activations\n"
+                + plan.grid_around(rank, step, "<- forward elsewhere")
+            )
     kinds: dict[tuple[int, int], set[ActionKind]] = defaultdict(set)
     for a in seen:
         kinds[(a.stage, a.microbatch)].add(a.kind)
@@ -542,7 +630,7 @@ def _check_actions(plan: Plan) -> None:
             if ActionKind.B in have and (ActionKind.I in have or ActionKind.W in have):
                 raise PlanError(
                     f"stage {stage.index} microbatch {m} has both a full backward (B) and split (I/W) actions "
-                    f"on rank {stage.rank}; use B, or I and W"
+                    f"on {_holders_text(stage)}; use B, or I and W"
                 )
             split = ActionKind.I in have or ActionKind.W in have
             need = (ActionKind.F, ActionKind.I, ActionKind.W) if split else (ActionKind.F, ActionKind.B)
@@ -550,9 +638,13 @@ def _check_actions(plan: Plan) -> None:
             if absent:
                 missing = ", ".join(str(Action(stage.index, k, m)) for k in absent)
                 raise PlanError(
-                    f"rank {stage.rank} is missing {missing} (stage {stage.index}, microbatch {m}); every stage "
+                    f"{_holders_text(stage)} is missing {missing} (stage {stage.index}, microbatch {m}); every stage "
                     f"runs F and B (or I and W) once per microbatch\n" + plan.grid()
                 )
+
+
+def _holders_text(stage: Stage) -> str:
+    return f"rank {stage.rank}" if not stage.replicas else f"ranks {list(stage.ranks)}"
 
 
 def _check_deadlock(plan: Plan) -> None:

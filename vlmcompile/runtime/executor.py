@@ -66,15 +66,15 @@ RUNTIME = RuntimeCapabilities(tensor_parallel=False, split_backward=False)
 
 
 def runnable_degrees(plan: Plan) -> Parallel:
-    """The plan's degrees, if the runtime can run them; else a :class:`PlanError` saying why."""
-    groups = set(plan.parallel.values())
-    if len(groups) != 1:
-        raise PlanError("the runtime runs plans with one parallel group for the whole model")
-    par = next(iter(groups))
-    if par.tp != 1 and not RUNTIME.tensor_parallel:
-        raise PlanError(
-            f"the runtime has no tensor parallelism yet; this plan has TP={par.tp} (plan with tp=1)"
-        )
+    """The degrees the plan's ranks are laid out by (its pipeline's), if the runtime can run the
+    plan; else a :class:`PlanError` saying why. An encoder group with degrees of its own runs as
+    stages replicated over the pipeline's ranks."""
+    for name, par in plan.parallel.items():
+        if par.tp != 1 and not RUNTIME.tensor_parallel:
+            raise PlanError(
+                f"the runtime has no tensor parallelism yet; this plan's group {name!r} has TP={par.tp} "
+                "(plan with tp=1)"
+            )
     if not RUNTIME.split_backward and any(
         a.kind in (ActionKind.I, ActionKind.W) for acts in plan.actions for a in acts
     ):
@@ -82,7 +82,7 @@ def runnable_degrees(plan: Plan) -> Parallel:
             "the runtime runs full backward actions (B); this plan splits backwards into I and W "
             "(zero_bubble) - plan with 1f1b or interleaved_1f1b"
         )
-    return par
+    return plan.pipeline_parallel
 
 
 _HEADER = 1000
@@ -197,8 +197,8 @@ class PipelineRunner:
             keep_freed_memory()
         self.rank = dist.get_rank()
         self.pp_rank, self.dp_rank, _ = self.parallel.coords(self.rank)
-        self.rank_of_stage = {s.index: s.rank for s in self.plan.stages}
-        self.stages = {s.index: self.stages_all[s.index] for s in self.plan.stages if s.rank == self.pp_rank}
+        self.rank_of_action = self.plan.rank_of_action()
+        self.stages = {s.index: self.stages_all[s.index] for s in self.plan.stages_on(self.pp_rank)}
         self.actions = self.plan.actions[self.pp_rank]
         t = self.parallel
         self.dp_group = None
@@ -208,18 +208,23 @@ class PipelineRunner:
             if pp_rank == self.pp_rank:
                 self.dp_group, self.dp_ranks = group, ranks
         self.tied = self._tied_groups()
-        self._meta: dict[int, list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
-        """Per sending stage: (shape, dtype, is a Python number) of each value it sends."""
+        self._meta: dict[tuple[int, int], list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
+        """Per (sending stage, peer pipeline rank): (shape, dtype, is a Python number) of each value
+        it sends (a replicated stage sends to, and receives from, several ranks)."""
         self._ready = True
 
     def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
-        """Parameters shared by stages on different pipeline ranks: one group per set of ranks."""
+        """Parameters held on several pipeline ranks, one group per set of ranks: tied across
+        stages (an LLM's embedding and output layer) or in a stage replicated over ranks (an
+        encoder data-parallel inside the pipeline). Either way each holder's gradient is a part of
+        the whole, and the parts are summed."""
         holders: dict[int, set[int]] = {}
         by_id: dict[int, dict[int, torch.nn.Parameter]] = {}
         for s in self.plan.stages:
             for p in self.stages_all[s.index].parameters():
-                holders.setdefault(id(p), set()).add(s.rank)
-                by_id.setdefault(id(p), {})[s.rank] = p
+                holders.setdefault(id(p), set()).update(s.ranks)
+                for r in s.ranks:
+                    by_id.setdefault(id(p), {})[r] = p
         out = []
         t = self.parallel
         sets = sorted({tuple(sorted(r)) for r in holders.values() if len(r) > 1})
@@ -329,7 +334,7 @@ class PipelineRunner:
         s, i = action.stage, action.microbatch
         if s == 0:
             received: tuple = ()
-        elif self.rank_of_stage[s - 1] == self.pp_rank:
+        elif self._rank_running(s - 1, ActionKind.F, i) == self.pp_rank:
             received = state.local_fwd.pop((s, i))
         else:
             received = self._recv_activations(s, i)
@@ -340,7 +345,7 @@ class PipelineRunner:
         out = self.stages[s](leaves, state.microbatches[i])
         if s < self.plan.num_stages - 1:
             state.saved[(s, i)] = (leaves, out)
-            if self.rank_of_stage[s + 1] == self.pp_rank:
+            if self._rank_running(s + 1, ActionKind.F, i) == self.pp_rank:
                 state.local_fwd[(s + 1, i)] = out
             else:
                 state.sends += self._send_activations(s, i, out)
@@ -362,7 +367,7 @@ class PipelineRunner:
             if out is not None:
                 out.backward()
         else:
-            if self.rank_of_stage[s + 1] == self.pp_rank:
+            if self._rank_running(s + 1, ActionKind.B, i) == self.pp_rank:
                 grads = state.local_bwd.pop((s, i))
             else:
                 grads = self._recv_grads(s, i, out)
@@ -372,12 +377,11 @@ class PipelineRunner:
         if s == 0:
             return
         input_grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(leaves))
-        if self.rank_of_stage[s - 1] == self.pp_rank:
+        prev = self._rank_running(s - 1, ActionKind.B, i)
+        if prev == self.pp_rank:
             state.local_bwd[(s - 1, i)] = input_grads
         else:
-            state.sends += self._send(
-                input_grads, self.rank_of_stage[s - 1], s, "B", i, f"{action}'s input gradients"
-            )
+            state.sends += self._send(input_grads, prev, s, "B", i, f"{action}'s input gradients")
 
     def _check_specialized(self, microbatch: Mapping[str, Any], index: int) -> None:
         for key, expected in self.specialized.items():
@@ -390,6 +394,11 @@ class PipelineRunner:
                 )
 
     # ---- communication ---------------------------------------------------------------------
+    def _rank_running(self, stage: int, kind: ActionKind, microbatch: int) -> int:
+        """The pipeline rank that runs an action (a replicated stage runs each microbatch on one
+        of its holders; ``Plan.validate`` checked that every action runs somewhere)."""
+        return self.rank_of_action[Action(stage, kind, microbatch)]
+
     def _peer(self, pp_rank: int) -> int:
         return self.parallel.global_rank(pp_rank, self.dp_rank)
 
@@ -435,9 +444,9 @@ class PipelineRunner:
         # Python numbers (sizes computed from shapes) travel as 0-d tensors.
         out = tuple(torch.tensor(x) if flag else x for x, flag in zip(out, scalar))
         works = []
-        peer_pp = self.rank_of_stage[s + 1]
-        if s not in self._meta:
-            self._meta[s] = [(tuple(x.shape), x.dtype, flag) for x, flag in zip(out, scalar)]
+        peer_pp = self._rank_running(s + 1, ActionKind.F, i)
+        if (s, peer_pp) not in self._meta:
+            self._meta[(s, peer_pp)] = [(tuple(x.shape), x.dtype, flag) for x, flag in zip(out, scalar)]
             header = torch.tensor(
                 [len(out)]
                 + [
@@ -468,30 +477,30 @@ class PipelineRunner:
 
     def _recv_activations(self, s: int, i: int) -> tuple:
         prev = s - 1
-        if prev not in self._meta:
+        sender = self._rank_running(prev, ActionKind.F, i)
+        if (prev, sender) not in self._meta:
             size = torch.zeros(1, dtype=torch.int64)
             what = f"stage {prev}'s activation shapes"
-            self._recv((size,), self.rank_of_stage[prev], prev, "F", 0, what, _HEADER)
+            self._recv((size,), sender, prev, "F", 0, what, _HEADER)
             header = torch.zeros(int(size), dtype=torch.int64)
-            self._recv((header,), self.rank_of_stage[prev], prev, "F", 0, what, _HEADER + 1)
+            self._recv((header,), sender, prev, "F", 0, what, _HEADER + 1)
             values = header.tolist()
             meta, pos = [], 1
             for _ in range(values[0]):
                 flag, dtype, ndim = values[pos], _DTYPES[values[pos + 1]], values[pos + 2]
                 meta.append((tuple(values[pos + 3 : pos + 3 + ndim]), dtype, bool(flag)))
                 pos += 3 + ndim
-            self._meta[prev] = meta
-        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype, _ in self._meta[prev]]
-        self._recv(
-            buffers, self.rank_of_stage[prev], prev, "F", i, f"{Action(prev, ActionKind.F, i)}'s activations"
-        )
-        return tuple(b.item() if flag else b for b, (_, _, flag) in zip(buffers, self._meta[prev]))
+            self._meta[(prev, sender)] = meta
+        meta = self._meta[(prev, sender)]
+        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype, _ in meta]
+        self._recv(buffers, sender, prev, "F", i, f"{Action(prev, ActionKind.F, i)}'s activations")
+        return tuple(b.item() if flag else b for b, (_, _, flag) in zip(buffers, meta))
 
     def _recv_grads(self, s: int, i: int, out: tuple) -> tuple:
         buffers = [torch.empty(o.shape, dtype=o.dtype) for o in _floats(out)]
         self._recv(
             buffers,
-            self.rank_of_stage[s + 1],
+            self._rank_running(s + 1, ActionKind.B, i),
             s + 1,
             "B",
             i,

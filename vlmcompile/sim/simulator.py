@@ -198,26 +198,29 @@ def simulate(
     stages = costs.stages
     num_ranks = plan.num_ranks
 
-    # DP all-gather: every layer of the rank, in the order of first use, one after another.
-    gathered: dict[str, float] = {}
+    # DP all-gather: every layer of the rank, in the order of first use, one after another (a
+    # replicated stage's holders each gather their own copy).
+    gathered: dict[tuple[int, str], float] = {}
     dp_events: list[tuple[int, str, float, float]] = []
     for rank, acts in enumerate(plan.actions):
         clock = 0.0
         for a in acts:
             if a.kind is ActionKind.F:
                 for c in stages[a.stage].layers:
-                    if c.name not in gathered:
-                        gathered[c.name] = clock = clock + c.dp_all_gather_s
+                    if (rank, c.name) not in gathered:
+                        gathered[(rank, c.name)] = clock = clock + c.dp_all_gather_s
                         dp_events.append((rank, "all_gather", clock - c.dp_all_gather_s, clock))
 
-    first_fwd_done: set[int] = set()
+    rank_of = plan.rank_of_action()
+    first_fwd_done: set[tuple[int, int]] = set()
     waited: dict[Action, float] = {}
 
     def duration(a: Action, start: float) -> float:
         stage = stages[a.stage]
-        if a.kind is ActionKind.F and a.stage not in first_fwd_done:
-            first_fwd_done.add(a.stage)
-            waited[a] = _parameter_wait(stage, start, gathered)
+        rank = rank_of[a]
+        if a.kind is ActionKind.F and (rank, a.stage) not in first_fwd_done:
+            first_fwd_done.add((rank, a.stage))
+            waited[a] = _parameter_wait(stage, start, {n: t for (r, n), t in gathered.items() if r == rank})
         return stage.action_s(a.kind) + waited.get(a, 0.0)
 
     timed = run_actions(
@@ -228,23 +231,25 @@ def simulate(
     )
     runs = [_run(t, stages[t.action.stage], waited.get(t.action, 0.0)) for t in timed]
 
-    # DP gradient reduction: a layer's gradients are complete after its stage's last backward.
+    # DP gradient reduction: a layer's gradients on a rank are complete after the last backward
+    # of its stage there.
     reduced_end = [0.0] * num_ranks
-    last_bwd: dict[int, ActionRun] = {}
+    last_bwd: dict[tuple[int, int], ActionRun] = {}
     for run in runs:
         if run.action.kind in (ActionKind.B, ActionKind.W):
-            prev = last_bwd.get(run.action.stage)
+            key = (run.action.stage, run.rank)
+            prev = last_bwd.get(key)
             if prev is None or run.end_s > prev.end_s:
-                last_bwd[run.action.stage] = run
+                last_bwd[key] = run
     ready_layers = []
-    for stage_index, run in last_bwd.items():
+    for (stage_index, rank), run in last_bwd.items():
         stage = stages[stage_index]
         # Backward walks the layers in reverse: the last layer's gradients are ready first.
         t = run.start_s
         scale = (run.end_s - run.start_s) / max(sum(_bwd_of(c, run.action.kind) for c in stage.layers), 1e-30)
         for c in reversed(stage.layers):
             t = min(t + _bwd_of(c, run.action.kind) * scale, run.end_s)  # no rounding past the end
-            ready_layers.append((t, stage.rank, c))
+            ready_layers.append((t, rank, c))
     stream = [0.0] * num_ranks
     for t, rank, c in sorted(ready_layers, key=lambda x: x[0]):
         begin = max(stream[rank], t)

@@ -1,7 +1,8 @@
 """When each action of per-rank action lists runs.
 
 An action starts when its rank is free and every action it depends on has ended and sent its
-output over (the producer's end plus the transfer; transfers overlap compute). This is the
+output over (the producer's end plus the transfer, none when the producer ran on the same rank;
+transfers overlap compute). This is the
 one timing rule of step time: the simulator runs plans with it, and the stage-cut model's
 evaluation (:func:`vlmcompile.planning.problem.evaluate`) runs candidate cuts with it; the
 CP-SAT model states the same rule as constraints.
@@ -39,7 +40,8 @@ def run_actions(
         duration: seconds ``action`` takes when it starts at ``start`` (the simulator's first
             forwards wait for parameters); called in execution order.
         transfer: seconds from the end of ``dep`` until ``action``, which needs its output, may
-            start (0 on one rank).
+            start when the two run on different ranks (on one rank nothing moves: a replicated
+            stage's holders make this a property of the run, not of the stages).
     """
     split = frozenset(a.stage for acts in actions for a in acts if a.kind is ActionKind.I)
     order, position = execution_order(actions, num_stages, split)
@@ -47,10 +49,18 @@ def run_actions(
         stuck = [str(acts[position[r]]) for r, acts in enumerate(actions) if position[r] < len(acts)]
         raise PlanError(f"the action lists deadlock (next actions {stuck}); run plan.validate() for the grid")
     end: dict[Action, float] = {}
+    ran_on: dict[Action, int] = {}
     free = [0.0] * len(actions)
     out = []
     for rank, step, a in order:
-        ready = max((end[d] + transfer(d, a) for d in dependencies(a, num_stages, split)), default=0.0)
+        ready = max(
+            (
+                end[d] + (transfer(d, a) if ran_on[d] != rank else 0.0)
+                for d in dependencies(a, num_stages, split)
+            ),
+            default=0.0,
+        )
+        ran_on[a] = rank
         start = max(free[rank], ready)
         end[a] = free[rank] = start + duration(a, start)
         out.append(Timed(rank, step, a, start, end[a]))

@@ -1,0 +1,422 @@
+"""The encoder-in-bubbles pass (Optimus secs. 3-4): the encoders get a parallel plan of their
+own over the LLM's GPUs, and their work is scheduled into the LLM pipeline's idle time.
+
+For a request (the LLM's DP/TP/PP, v, microbatches and schedule) the pass
+
+1. enumerates the encoder plans (Optimus's model planner, sec. 4.1): PP_enc a divisor of
+   PP_llm, TP_enc a divisor of TP_llm whose replicas share a microbatch evenly, and the
+   granularity (encoder layers per scheduled action: ``chunks`` per encoder stage);
+2. cuts the LLM's layers into PP x v virtual stages balanced by time (Optimus appendix B's
+   program on the LLM alone) and each encoder plan's layers into PP_enc stages the same way;
+3. prunes the encoder plans whose model states leave no room in memory;
+4. schedules each with the list scheduler (:func:`~vlmcompile.planning.bubble_schedule.greedy`,
+   several settings) and simulates it; the fastest few go to the CP-SAT model
+   (:func:`~vlmcompile.planning.bubble_schedule.solve`), whose schedules are simulated again;
+5. keeps the fastest simulated plan that fits, with the least global recompute that lets any
+   plan fit (none, selective, full, full + vision: :data:`RECOMPUTE_LADDER`).
+
+The LLM's actions keep the request's schedule order on every rank; the encoder's are placed
+around them. The report lists every encoder plan tried and why it lost, the bubbles of each
+rank by cause before (the phased schedule: all encoder forwards first, all backwards last) and
+after, the share of the encoder's work hidden in the LLM's bubbles, the solver's status,
+objective, bound and gap, and the wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from tabulate import tabulate
+
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.cost_models.stage_costs import PlanCosts, layer_costs, plan_costs
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.plan import Decision, Plan, Reason
+from vlmcompile.passes.megatron import model_parts, recompute_flags
+from vlmcompile.planning import bubble_schedule as bs
+from vlmcompile.planning import encoder_plans as ep
+from vlmcompile.planning.build import build_separate_plan
+from vlmcompile.planning.chunks import balanced_split, chunks_of
+from vlmcompile.planning.request import RECOMPUTE_LADDER, GlobalRecompute, PlanRequest, SolverOptions
+from vlmcompile.planning.result import PolicyResult
+from vlmcompile.sim.simulator import CAUSES, SimResult, simulate
+
+GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False))
+"""(lookahead, fill_only) settings of the list scheduler tried per encoder plan."""
+SOLVED_PLANS = 2
+"""Encoder plans (the fastest after the list scheduler) that CP-SAT then schedules."""
+MAX_ENCODER_ACTIONS = 600
+"""Encoder actions per step above which a finer granularity is not tried (CP-SAT's size)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderPlanRow:
+    """One encoder plan the pass tried."""
+
+    encoder: ep.EncoderPlan
+    degrees: str
+    """DP/TP/PP of the encoder group."""
+    greedy_step_s: float | None
+    """Simulated step with the list scheduler's schedule (None: pruned)."""
+    solved_step_s: float | None = None
+    """Simulated step with CP-SAT's schedule (None: not solved)."""
+    peak_gib: float | None = None
+    fits: bool = False
+    verdict: str = ""
+
+    @property
+    def step_s(self) -> float | None:
+        steps = [s for s in (self.greedy_step_s, self.solved_step_s) if s is not None]
+        return min(steps) if steps else None
+
+
+@dataclass(frozen=True, slots=True)
+class BubbleReport:
+    plan: Plan
+    request: PlanRequest
+    recompute: str
+    rows: tuple[EncoderPlanRow, ...]
+    chosen: ep.EncoderPlan
+    phased_step_s: float
+    """The chosen plan with every encoder forward before the LLM's work and every backward after."""
+    step_s: float
+    llm_alone_step_s: float
+    """The same LLM stages and schedule without the encoders (the bound this pass aims at)."""
+    encoder_work_s: float
+    """Encoder compute of one step, summed over the ranks of one LLM pipeline."""
+    bubbles_before: tuple[dict[str, float], ...]
+    bubbles_after: tuple[dict[str, float], ...]
+    solver_status: str
+    objective_s: float | None
+    bound_s: float | None
+    gap: float | None
+    wall_s: float
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def hidden_share(self) -> float:
+        """The share of the encoder's work hidden in the LLM's bubbles, layer level: 1 - (step -
+        LLM-alone step) x ranks / encoder work, clipped to [0, 1] (1: the encoders cost no step
+        time; 0: every encoder second added one to the step on its rank)."""
+        if self.encoder_work_s <= 0:
+            return 1.0
+        ranks = self.plan.num_ranks
+        extra = max(0.0, self.step_s - self.llm_alone_step_s) * ranks
+        return min(1.0, max(0.0, 1 - extra / self.encoder_work_s))
+
+    kernel_hidden_share: float = 0.0
+    """Kernel level (encoder compute in the LLM's TP/DP communication gaps): not modelled yet."""
+
+    @property
+    def encoder_overhead(self) -> float:
+        """Our step over the LLM-alone step at the same degrees (1.0: the encoders are free)."""
+        return self.step_s / self.llm_alone_step_s if self.llm_alone_step_s > 0 else float("inf")
+
+    def rows_table(self) -> str:
+        lines = [
+            [
+                str(r.encoder),
+                r.degrees,
+                _ms(r.greedy_step_s),
+                _ms(r.solved_step_s),
+                f"{r.peak_gib:.1f}" if r.peak_gib is not None else "-",
+                "yes" if r.fits else "no",
+                r.verdict,
+            ]
+            for r in self.rows
+        ]
+        return tabulate(
+            lines,
+            headers=[
+                "encoder plan",
+                "DP/TP/PP",
+                "list sched. ms",
+                "CP-SAT ms",
+                "peak GiB",
+                "fits",
+                "verdict",
+            ],
+            disable_numparse=True,
+        )
+
+    def bubbles_table(self) -> str:
+        lines = []
+        for rank, (before, after) in enumerate(zip(self.bubbles_before, self.bubbles_after)):
+            lines.append([rank] + [f"{before[c] * 1e3:.1f} -> {after[c] * 1e3:.1f}" for c in CAUSES])
+        return tabulate(lines, headers=["rank", *[f"{c} ms" for c in CAUSES]], disable_numparse=True)
+
+    def __str__(self) -> str:
+        gap = f", gap {100 * self.gap:.2f} %" if self.gap is not None else ""
+        objective = (
+            f"objective {self.objective_s * 1e3:.1f} ms, bound {self.bound_s * 1e3:.1f} ms{gap}"
+            if self.objective_s is not None and self.bound_s is not None
+            else "no objective"
+        )
+        head = [
+            f"encoder work in the LLM's bubbles for {self.request}: {self.chosen} "
+            f"({self.plan.parallel[ep.ENCODER_GROUP]}), recompute {self.recompute}",
+            f"simulated step {self.step_s * 1e3:.1f} ms; phased (encoder forwards first, backwards last) "
+            f"{self.phased_step_s * 1e3:.1f} ms; the LLM alone {self.llm_alone_step_s * 1e3:.1f} ms "
+            f"(encoder overhead {self.encoder_overhead:.3f}x)",
+            f"encoder work hidden in bubbles: layer level {100 * self.hidden_share:.0f} % of "
+            f"{self.encoder_work_s * 1e3:.1f} ms; kernel level not modelled yet",
+            f"CP-SAT {self.solver_status}: {objective}; pass wall time {self.wall_s:.1f} s",
+            *self.notes,
+            "",
+            "encoder plans tried (simulated):",
+            self.rows_table(),
+            "",
+            "idle per rank by cause, phased -> scheduled (simulated):",
+            self.bubbles_table(),
+            "",
+            str(self.plan),
+        ]
+        return "\n".join(head)
+
+
+def _ms(value: float | None) -> str:
+    return f"{value * 1e3:.1f}" if value is not None else "-"
+
+
+def candidate_encoder_plans(layer_graph: LayerGraph, request: PlanRequest) -> list[ep.EncoderPlan]:
+    """Every encoder plan Optimus's planner enumerates for the request, at granularities from one
+    action per encoder stage to about one per encoder layer (bounded by CP-SAT's size)."""
+    llm, m = request.parallel, request.num_microbatches
+    layers = ep.encoder_layer_count(layer_graph)
+    out = []
+    for pp in _divisors(llm.pp):
+        for tp in _divisors(llm.tp):
+            if request.microbatch_size % (llm.tp // tp):
+                continue
+            chunks = 1
+            while pp * chunks <= layers:
+                if chunks > 1 and 2 * chunks * pp * m > MAX_ENCODER_ACTIONS:
+                    break
+                out.append(ep.EncoderPlan(pp=pp, tp=tp, chunks=chunks))
+                chunks *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def llm_alone(plan: Plan) -> Plan:
+    """The plan's LLM stages and actions without the encoder's (the bound of this pass)."""
+    first = next(s.index for s in plan.stages if s.group == ep.LLM_GROUP)
+    stages = tuple(dataclasses.replace(s, index=s.index - first) for s in plan.stages[first:])
+    actions = tuple(
+        tuple(dataclasses.replace(a, stage=a.stage - first) for a in acts if a.stage >= first)
+        for acts in plan.actions
+    )
+    return dataclasses.replace(
+        plan,
+        stages=stages,
+        actions=actions,
+        parallel={ep.LLM_GROUP: plan.parallel[ep.LLM_GROUP]},
+        recompute={k: v for k, v in plan.recompute.items() if any(k in s.layers for s in stages)},
+    )
+
+
+def bubbles(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    request: PlanRequest,
+    *,
+    solver: SolverOptions = SolverOptions(),
+    encoder_plans: list[ep.EncoderPlan] | None = None,
+    recompute: GlobalRecompute | None = None,
+) -> PolicyResult:
+    """The fastest simulated plan with the encoders on a plan of their own and their work in the
+    LLM's bubbles (see the module docstring). Raises :class:`PlanError` for a model without an
+    encoder (plan the LLM alone with the other policies) or when no encoder plan fits."""
+    started = time.perf_counter()
+    request.check_on(cluster)
+    count = ep.encoder_layer_count(layer_graph)
+    if count == 0:
+        raise PlanError(
+            "the model has no encoder layers before its LLM; there is no encoder work to place in bubbles - "
+            "the LLM is planned alone by the other policies"
+        )
+    parts = model_parts(layer_graph)
+    names = [layer.name for layer in layer_graph.layers]
+    llm = request.parallel
+    candidates = encoder_plans or candidate_encoder_plans(layer_graph, request)
+    ladder = (recompute,) if recompute is not None else RECOMPUTE_LADDER
+    last_error = None
+    for rung in ladder:
+        flags = recompute_flags(layer_graph, parts, rung)
+        try:
+            return _plan_at(
+                layer_graph, cluster, request, candidates, rung, flags, names, count, solver, started
+            )
+        except _NoneFits as err:
+            last_error = err
+    raise PlanError(f"no encoder plan fits at {llm}, even with recompute {ladder[-1]}: {last_error}")
+
+
+class _NoneFits(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class _Candidate:
+    """An encoder plan with its phased plan, costs and problem, and its best schedule so far."""
+
+    encoder: ep.EncoderPlan
+    phased: Plan
+    costs: PlanCosts
+    problem: bs.BubbleProblem
+    plan: Plan
+    sim: SimResult
+    solution: bs.BubbleSolution | None = None
+
+
+def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, count, solver, started):
+    llm = request.parallel
+    llm_costs = layer_costs(
+        layer_graph, cluster, llm, microbatch_size=request.microbatch_size, recompute=flags
+    )
+    llm_chunks = chunks_of(
+        names[count:], balanced_split([c.f_s + c.b_s for c in llm_costs[count:]], llm.pp * llm.v)
+    )
+    cap = usable_memory_bytes(cluster.device.mem_bytes)
+    rows: dict[ep.EncoderPlan, EncoderPlanRow] = {}
+    scored: list[_Candidate] = []
+    for encoder in candidates:
+        enc_par = encoder.parallel(llm)
+        degrees = f"{enc_par.dp}/{enc_par.tp}/{enc_par.pp}"
+        try:
+            encoder.check_against(llm, request.microbatch_size)
+            enc_costs = layer_costs(
+                layer_graph, cluster, enc_par, microbatch_size=request.microbatch_size, recompute=flags
+            )
+            pieces = ep.encoder_chunks(layer_graph, encoder, [c.f_s + c.b_s for c in enc_costs[:count]])
+            phased = build_separate_plan(
+                layer_graph,
+                cluster,
+                request,
+                encoder,
+                policy="vlmcompile",
+                encoder_pieces=pieces,
+                llm_chunks=llm_chunks,
+                recompute=flags,
+                decisions=[],
+            )
+        except PlanError as err:
+            rows[encoder] = EncoderPlanRow(encoder, degrees, None, verdict=f"cannot: {err}")
+            continue
+        costs = plan_costs(phased, layer_graph, cluster)
+        states = max(costs.static_bytes)
+        if states > cap:
+            rows[encoder] = EncoderPlanRow(
+                encoder,
+                degrees,
+                None,
+                peak_gib=states / 2**30,
+                verdict=f"pruned: model states {states / 2**30:.1f} GiB over the {cap / 2**30:.1f} GiB cap",
+            )
+            continue
+        problem = bs.problem_from(phased, costs, cap)
+        best: _Candidate | None = None
+        for lookahead, fill_only in GREEDY_SETTINGS:
+            plan = dataclasses.replace(
+                phased, actions=bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
+            )
+            sim = simulate(plan, layer_graph, cluster, costs=costs)
+            if best is None or (not sim.fits, sim.step_time_s) < (not best.sim.fits, best.sim.step_time_s):
+                best = _Candidate(encoder, phased, costs, problem, plan, sim)
+        scored.append(best)
+        rows[encoder] = EncoderPlanRow(
+            encoder,
+            degrees,
+            best.sim.step_time_s,
+            peak_gib=max(best.sim.peak_mem_bytes) / 2**30,
+            fits=best.sim.fits,
+        )
+    fitting = sorted((c for c in scored if c.sim.fits), key=lambda c: c.sim.step_time_s)
+    if not fitting:
+        raise _NoneFits(
+            "; ".join(f"{r.encoder}: {r.verdict or 'over the memory cap'}" for r in rows.values())
+        )
+    for cand in fitting[:SOLVED_PLANS]:
+        solution = bs.solve(
+            cand.problem,
+            time_limit_s=solver.time_limit_s / SOLVED_PLANS,
+            num_workers=solver.num_workers,
+            hint=cand.plan.actions,
+        )
+        plan = dataclasses.replace(cand.phased, actions=solution.actions)
+        plan.validate(layer_graph)
+        sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
+        rows[cand.encoder] = dataclasses.replace(rows[cand.encoder], solved_step_s=sim.step_time_s)
+        if sim.fits and sim.step_time_s < cand.sim.step_time_s:
+            cand.plan, cand.sim = plan, sim
+        cand.solution = solution
+    chosen = min(fitting, key=lambda c: c.sim.step_time_s)
+    table = tuple(dataclasses.replace(r, verdict=r.verdict or _verdict(r, chosen)) for r in rows.values())
+    return _result(layer_graph, cluster, request, rung, chosen, table, started)
+
+
+def _result(layer_graph, cluster, request, rung, chosen: _Candidate, rows, started) -> PolicyResult:
+    plan, sim, solution = chosen.plan, chosen.sim, chosen.solution
+    phased_sim = simulate(chosen.phased, layer_graph, cluster, costs=chosen.costs)
+    alone_sim = simulate(llm_alone(plan), layer_graph, cluster)
+    encoder_work = plan.num_microbatches * sum(
+        c.action_s(kind)
+        for c in chosen.costs.stages[: chosen.problem.encoder_stages]
+        for kind in (bs.F, bs.B)
+    )
+    used = "CP-SAT" if solution is not None and plan.actions == solution.actions else "the list scheduler"
+    decisions = [
+        Decision(
+            "encoder plan",
+            Reason.SEPARATE_ENCODER_PLAN,
+            f"{chosen.encoder} ({plan.parallel[ep.ENCODER_GROUP]}) beside the LLM's {request.parallel}: the "
+            f"fastest of {len(rows)} encoder plans tried (simulated {sim.step_time_s * 1e3:.1f} ms)",
+            {"step_s": sim.step_time_s},
+        ),
+        Decision(
+            "schedule",
+            Reason.BUBBLE_SCHEDULE,
+            f"{used}: encoder work placed around the LLM's {request.schedule_name.value} order "
+            f"(phased {phased_sim.step_time_s * 1e3:.1f} ms -> {sim.step_time_s * 1e3:.1f} ms simulated)",
+            {"phased_step_s": phased_sim.step_time_s, "step_s": sim.step_time_s},
+        ),
+    ]
+    plan = dataclasses.replace(plan, decisions=(*plan.decisions, *decisions))
+    sim = dataclasses.replace(sim, plan=plan)
+    unit = chosen.problem.unit_s
+    report = BubbleReport(
+        plan=plan,
+        request=request,
+        recompute=str(rung),
+        rows=rows,
+        chosen=chosen.encoder,
+        phased_step_s=phased_sim.step_time_s,
+        step_s=sim.step_time_s,
+        llm_alone_step_s=alone_sim.step_time_s,
+        encoder_work_s=encoder_work,
+        bubbles_before=tuple(dict(r.idle_s) for r in phased_sim.ranks),
+        bubbles_after=tuple(dict(r.idle_s) for r in sim.ranks),
+        solver_status=solution.status if solution is not None else "not run",
+        objective_s=solution.objective * unit if solution is not None else None,
+        bound_s=solution.bound * unit if solution is not None else None,
+        gap=solution.gap if solution is not None else None,
+        wall_s=time.perf_counter() - started,
+        notes=(f"schedule used: {used}",),
+    )
+    return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung))
+
+
+def _verdict(row: EncoderPlanRow, chosen: _Candidate) -> str:
+    if row.encoder == chosen.encoder:
+        return "chosen"
+    if not row.fits:
+        return "does not fit in memory"
+    step = row.step_s
+    return f"slower: +{(step - chosen.sim.step_time_s) * 1e3:.1f} ms" if step is not None else "-"

@@ -1,0 +1,497 @@
+"""Encoder work in the LLM's bubbles: the scheduling problem and its two solvers.
+
+The numbers are a :class:`BubbleProblem`: a plan whose encoders have a plan of their own
+(:mod:`vlmcompile.planning.encoder_plans`), its stages' action times, transfers and activation
+bytes in integer units, the LLM's action lists, and each rank's memory left for activations.
+The LLM's actions keep their order on every rank (the schedule the request names: 1F1B or
+interleaved 1F1B); the encoder's actions are placed around them. The constraints (Optimus
+sec. 2.3, challenge 2):
+
+* iteration: every encoder action of the step runs in the step;
+* encoder-internal: microbatch j's forward of encoder stage i after stage i - 1's, its backward
+  before stage i - 1's (the chain's dependencies), all on the encoder pipeline j is given to;
+* encoder-LLM: j's encoder forward ends before the first LLM stage's forward of j starts (plus
+  the transfer when they run on different ranks); its encoder backward starts after the first
+  LLM stage's backward of j (plus the transfer back);
+* one action at a time per rank, and per rank the activations in flight plus the recompute
+  transient of a running backward within the rank's memory at every step (the simulator's rule,
+  :mod:`vlmcompile.sim.in_flight`).
+
+These are the timing rules of :func:`vlmcompile.sim.timeline.run_actions`: the step of a
+schedule here is the simulator's, less the DP collectives it models per layer.
+
+:func:`greedy` is a list scheduler (each rank runs its next LLM action when it can, and ready
+encoder work when it would otherwise wait); :func:`solve` is the CP-SAT model (interval
+variables per rank, one optional set per encoder pipeline for each microbatch), warm-started
+from the greedy schedule. :func:`evaluate` times any schedule of the problem.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from vlmcompile.cost_models.stage_costs import PlanCosts
+from vlmcompile.ir.actions import Action, ActionKind, dependencies
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.plan import Plan
+from vlmcompile.sim.in_flight import in_flight, pattern_bytes
+from vlmcompile.sim.timeline import run_actions
+
+F, B = ActionKind.F, ActionKind.B
+RankActions = tuple[tuple[Action, ...], ...]
+
+UNITS_PER_STEP = 1_000_000
+"""Time resolution: about this many units in the slowest rank's work (a millionth of a step)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageFigures:
+    """One stage of the chain in integer units (times) and bytes (memory)."""
+
+    ranks: tuple[int, ...]
+    """Its holders; for an encoder stage, holder k belongs to encoder pipeline k."""
+    fwd: int
+    bwd: int
+    send_fwd: int
+    """To the next stage, when it runs on another rank."""
+    send_bwd: int
+    """To the previous stage, when it runs on another rank."""
+    keep: int
+    """Activation bytes kept per microbatch from its forward to its backward."""
+    transient: int
+    """Extra bytes while its backward runs (recompute)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BubbleProblem:
+    stages: tuple[StageFigures, ...]
+    encoder_stages: int
+    """The chain's first ``encoder_stages`` stages are the encoder's."""
+    num_microbatches: int
+    llm_actions: RankActions
+    """Per pipeline rank, its LLM actions in the order they keep."""
+    mem_limit: tuple[int, ...]
+    """Per rank, the bytes its activations may take (the cap less its model states)."""
+    unit_s: float
+    """Seconds per time unit."""
+
+    def __post_init__(self):
+        if not 0 < self.encoder_stages < len(self.stages):
+            raise PlanError(
+                f"a bubble schedule needs encoder stages and LLM stages; got {self.encoder_stages} encoder "
+                f"stages of {len(self.stages)}"
+            )
+        counts = {len(self.stages[s].ranks) for s in range(self.encoder_stages)}
+        if len(counts) != 1:
+            raise PlanError(f"encoder stages held by different numbers of ranks {sorted(counts)}")
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.llm_actions)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def pipelines(self) -> int:
+        return len(self.stages[0].ranks)
+
+    @property
+    def first_llm_stage(self) -> int:
+        return self.encoder_stages
+
+    def duration(self, a: Action) -> int:
+        s = self.stages[a.stage]
+        return s.fwd if a.kind is F else s.bwd
+
+    def transfer(self, dep: Action, action: Action) -> int:
+        """Units from ``dep``'s end until ``action`` may start, when they run on different ranks."""
+        if dep.stage == action.stage:
+            return 0
+        s = self.stages[dep.stage]
+        return s.send_fwd if dep.kind is F else s.send_bwd
+
+    def encoder_actions(self, microbatch: int) -> list[Action]:
+        """Microbatch ``microbatch``'s encoder actions in dependency order."""
+        fwd = [Action(s, F, microbatch) for s in range(self.encoder_stages)]
+        return fwd + [Action(s, B, microbatch) for s in reversed(range(self.encoder_stages))]
+
+    def rank_of(self, a: Action, pipeline: int) -> int:
+        """The rank that runs encoder action ``a`` when its microbatch is on encoder ``pipeline``."""
+        return self.stages[a.stage].ranks[pipeline]
+
+    def work_per_rank(self) -> list[int]:
+        """Each rank's LLM work plus an even share of the encoder's (a lower bound's ingredients)."""
+        enc = sum(s.fwd + s.bwd for s in self.stages[: self.encoder_stages]) * self.num_microbatches
+        llm = [sum(self.duration(a) for a in acts) for acts in self.llm_actions]
+        return [w + enc // self.num_ranks for w in llm]
+
+
+def problem_from(
+    plan: Plan, costs: PlanCosts, mem_cap_bytes: float, *, unit_s: float | None = None
+) -> BubbleProblem:
+    """The scheduling problem of a plan with a separate encoder group (its stages' costs from
+    :func:`~vlmcompile.cost_models.stage_costs.plan_costs`; ``mem_cap_bytes`` per rank)."""
+    groups = [s.group for s in plan.stages]
+    first_llm = groups.index(plan.stages[-1].group)
+    if first_llm == 0 or any(g == plan.stages[-1].group for g in groups[:first_llm]):
+        raise PlanError("the plan has no encoder stages before its LLM stages to schedule")
+    if any(g == groups[0] for g in groups[first_llm:]):
+        raise PlanError(
+            "the plan's encoder and LLM stages interleave in its chain; encoder stages must come first"
+        )
+    stage_costs = costs.stages
+    if unit_s is None:
+        heaviest = max(sum(stage_costs[a.stage].action_s(a.kind) for a in acts) for acts in plan.actions)
+        unit_s = max(heaviest, 1e-12) / UNITS_PER_STEP
+
+    def units(seconds: float, minimum: int = 0) -> int:
+        return max(minimum, round(seconds / unit_s))
+
+    figures = tuple(
+        StageFigures(
+            ranks=stage.ranks,
+            fwd=units(c.action_s(F), 1),
+            bwd=units(c.action_s(B), 1),
+            send_fwd=units(c.send_fwd_s),
+            send_bwd=units(c.send_bwd_s),
+            keep=math.ceil(c.act_bytes),
+            transient=math.ceil(c.transient_bytes),
+        )
+        for stage, c in zip(plan.stages, stage_costs)
+    )
+    llm_actions = tuple(tuple(a for a in acts if a.stage >= first_llm) for acts in plan.actions)
+    limits = tuple(max(0, math.floor(mem_cap_bytes - static)) for static in costs.static_bytes)
+    return BubbleProblem(figures, first_llm, plan.num_microbatches, llm_actions, limits, unit_s)
+
+
+# ---- timing any schedule ---------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    step: int
+    """Units until the last action ends."""
+    peak_bytes: tuple[int, ...]
+    fits: bool
+
+    def step_s(self, problem: BubbleProblem) -> float:
+        return self.step * problem.unit_s
+
+
+def evaluate(problem: BubbleProblem, actions: RankActions) -> Evaluation:
+    """The step of per-rank action lists under the problem's rules, and each rank's peak bytes."""
+    timed = run_actions(
+        actions,
+        problem.num_stages,
+        duration=lambda a, _start: problem.duration(a),
+        transfer=problem.transfer,
+    )
+    step = max((t.end_s for t in timed), default=0)
+    peaks = tuple(rank_peak(problem, acts) for acts in actions)
+    return Evaluation(int(step), peaks, all(p <= lim for p, lim in zip(peaks, problem.mem_limit)))
+
+
+def rank_peak(problem: BubbleProblem, acts: Sequence[Action]) -> int:
+    keep = [s.keep for s in problem.stages]
+    transient = [s.transient for s in problem.stages]
+    return max((pattern_bytes(p, keep, transient) for p in in_flight(acts)), default=0)
+
+
+# ---- the list scheduler ----------------------------------------------------------------------
+def greedy(problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = False) -> RankActions:
+    """A schedule made one action at a time, the earliest-starting first: a rank runs its next
+    LLM action when it can, and while it would wait, ready encoder work (forwards of the
+    microbatches the first LLM stage needs next, at most ``lookahead`` ahead of it; backwards
+    once their gradients are back). With ``fill_only`` encoder work goes only into gaps it fits
+    (it never delays a ready LLM action), except the forward the first LLM stage waits for.
+    A microbatch goes to the encoder pipeline whose first rank takes its first encoder forward."""
+    m = problem.num_microbatches
+    ends: dict[Action, tuple[int, int]] = {}  # action -> (end, rank)
+    free = [0] * problem.num_ranks
+    position = [0] * problem.num_ranks
+    out: list[list[Action]] = [[] for _ in range(problem.num_ranks)]
+    pipeline_of: dict[int, int] = {}
+    live = [0] * problem.num_ranks
+    keep = [s.keep for s in problem.stages]
+    first = problem.first_llm_stage
+    pending_enc = {a for j in range(m) for a in problem.encoder_actions(j)}
+
+    def ready_at(a: Action, rank: int) -> int | None:
+        t = 0
+        for d in dependencies(a, problem.num_stages):
+            if d not in ends:
+                return None
+            end, where = ends[d]
+            t = max(t, end + (problem.transfer(d, a) if where != rank else 0))
+        return t
+
+    def next_needed() -> int:
+        return next((j for j in range(m) if Action(first, F, j) not in ends), m)
+
+    total = sum(len(a) for a in problem.llm_actions) + len(pending_enc)
+    while len(ends) < total:
+        best: tuple[int, int, int, Action] | None = None  # (start, priority, rank, action)
+        need = next_needed()
+        for rank in range(problem.num_ranks):
+            llm_next = (
+                problem.llm_actions[rank][position[rank]]
+                if position[rank] < len(problem.llm_actions[rank])
+                else None
+            )
+            llm_start = None
+            if llm_next is not None:
+                r = ready_at(llm_next, rank)
+                llm_start = None if r is None else max(free[rank], r)
+            choice: tuple[int, int, Action] | None = None
+            if llm_start is not None:
+                choice = (llm_start, 0, llm_next)
+            for a in _encoder_candidates(problem, rank, pending_enc, pipeline_of, need, lookahead):
+                r = ready_at(a, rank)
+                if r is None:
+                    continue
+                start = max(free[rank], r)
+                urgent = a.kind is F and a.microbatch == need
+                if not urgent and a.kind is F and live[rank] + keep[a.stage] > problem.mem_limit[rank]:
+                    continue  # the one the LLM waits for runs anyway: the evaluation says if it fits
+                if llm_start is not None and not urgent:
+                    if start + problem.duration(a) > llm_start if fill_only else start >= llm_start:
+                        continue
+                priority = (0 if urgent else 1 if a.kind is B else 2) * (m + 1) + a.microbatch + 1
+                if choice is None or (start, priority) < choice[:2]:
+                    choice = (start, priority, a)
+            if choice is not None and (best is None or (choice[0], choice[1], rank) < best[:3]):
+                best = (choice[0], choice[1], rank, choice[2])
+        if best is None:
+            raise PlanError("the greedy bubble schedule is stuck: no rank can run its next action")
+        start, _, rank, a = best
+        ends[a] = (start + problem.duration(a), rank)
+        free[rank] = ends[a][0]
+        out[rank].append(a)
+        if a.stage >= first:
+            position[rank] += 1
+        else:
+            pending_enc.discard(a)
+            pipeline_of.setdefault(a.microbatch, problem.stages[a.stage].ranks.index(rank))
+        if a.kind is F:
+            live[rank] += keep[a.stage]
+        else:
+            live[rank] -= keep[a.stage]
+    return tuple(tuple(acts) for acts in out)
+
+
+def _encoder_candidates(
+    problem: BubbleProblem,
+    rank: int,
+    pending: set[Action],
+    pipeline_of: dict[int, int],
+    need: int,
+    lookahead: int,
+) -> list[Action]:
+    """Encoder actions ``rank`` may run next: each microbatch's next pending one, on the rank its
+    pipeline puts it (a microbatch not yet given to a pipeline: its first forward, on any first
+    rank); forwards at most ``lookahead`` microbatches ahead of the one the LLM needs next."""
+    out = []
+    for j in range(problem.num_microbatches):
+        acts = [a for a in problem.encoder_actions(j) if a in pending]
+        if not acts:
+            continue
+        a = acts[0]
+        if a.kind is F and j >= need + lookahead:
+            continue
+        k = pipeline_of.get(j)
+        if k is None:
+            if rank in problem.stages[a.stage].ranks:
+                out.append(a)
+        elif problem.rank_of(a, k) == rank:
+            out.append(a)
+    return out
+
+
+# ---- the CP-SAT model ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class BubbleSolution:
+    actions: RankActions
+    step: int
+    """The schedule's step in units (:func:`evaluate`'s)."""
+    status: str
+    """CP-SAT's status: OPTIMAL, FEASIBLE (stopped at the time limit), or how it fell back."""
+    objective: int
+    bound: int
+    wall_s: float
+
+    @property
+    def gap(self) -> float:
+        return (self.objective - self.bound) / self.objective if self.objective > 0 else 0.0
+
+    @property
+    def timed_out(self) -> bool:
+        return self.status != "OPTIMAL"
+
+
+def solve(
+    problem: BubbleProblem,
+    *,
+    time_limit_s: float = 10.0,
+    num_workers: int = 2,
+    hint: RankActions | None = None,
+    memory: bool = True,
+) -> BubbleSolution:
+    """The schedule with the shortest step (CP-SAT), within ``time_limit_s``; ``hint`` warm-starts
+    it (default: the greedy schedule). A timeout returns the best schedule found and says so."""
+    started = time.perf_counter()
+    hint = hint if hint is not None else greedy(problem)
+    model = _Model(problem, memory=memory)
+    model.add_hint(hint)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = num_workers
+    solver.parameters.catch_sigint_signal = False
+    status = solver.solve(model.cp)
+    wall = time.perf_counter() - started
+    name = solver.status_name(status)
+    hinted = evaluate(problem, hint)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status == cp_model.INFEASIBLE:
+            raise PlanError(
+                "no schedule of the encoder work keeps every rank within memory; recompute more, use a "
+                "larger encoder PP, or fewer microbatches"
+            )
+        bound = int(solver.best_objective_bound) if status == cp_model.UNKNOWN else 0
+        return BubbleSolution(
+            hint, hinted.step, f"{name} (the warm start returned)", hinted.step, bound, wall
+        )
+    actions = model.read(solver)
+    found = evaluate(problem, actions)
+    if hinted.step < found.step and (hinted.fits or not memory):  # never worse than its start
+        actions, found = hint, hinted
+    objective = int(round(solver.objective_value))
+    return BubbleSolution(
+        actions, found.step, name, objective, min(int(solver.best_objective_bound), objective), wall
+    )
+
+
+class _Model:
+    """Interval variables per action; an encoder action has one optional copy per encoder
+    pipeline, present when its microbatch is on that pipeline."""
+
+    def __init__(self, problem: BubbleProblem, *, memory: bool):
+        self.p = problem
+        cp = self.cp = cp_model.CpModel()
+        horizon = (
+            sum(s.fwd + s.bwd + s.send_fwd + s.send_bwd for s in problem.stages) * problem.num_microbatches
+        )
+        self.horizon = horizon
+        m, pipes = problem.num_microbatches, problem.pipelines
+        self.on: dict[tuple[int, int], cp_model.IntVar] = {}
+        for j in range(m):
+            lits = [cp.new_bool_var(f"mb{j}_on{k}") for k in range(pipes)]
+            cp.add_exactly_one(lits)
+            for k, lit in enumerate(lits):
+                self.on[(j, k)] = lit
+        # (action, pipeline or -1) -> (start, end, rank, presence literal or None)
+        self.vars: dict[tuple[Action, int], tuple] = {}
+        per_rank: dict[int, list] = {r: [] for r in range(problem.num_ranks)}
+        for rank, acts in enumerate(problem.llm_actions):
+            prev_end = None
+            for a in acts:
+                start = cp.new_int_var(0, horizon, f"s{a}")
+                end = cp.new_int_var(0, horizon, f"e{a}")
+                per_rank[rank].append(cp.new_interval_var(start, problem.duration(a), end, f"i{a}"))
+                self.vars[(a, -1)] = (start, end, rank, None)
+                if prev_end is not None:
+                    cp.add(start >= prev_end)
+                prev_end = end
+        for j in range(m):
+            for a in problem.encoder_actions(j):
+                for k in range(pipes):
+                    rank = problem.rank_of(a, k)
+                    lit = self.on[(j, k)]
+                    start = cp.new_int_var(0, horizon, f"s{a}p{k}")
+                    end = cp.new_int_var(0, horizon, f"e{a}p{k}")
+                    per_rank[rank].append(
+                        cp.new_optional_interval_var(start, problem.duration(a), end, lit, f"i{a}p{k}")
+                    )
+                    self.vars[(a, k)] = (start, end, rank, lit)
+        for intervals in per_rank.values():
+            cp.add_no_overlap(intervals)
+        self._dependencies()
+        self.step = cp.new_int_var(0, horizon, "step")
+        for _start, end, _, lit in self.vars.values():
+            c = cp.add(self.step >= end)
+            if lit is not None:
+                c.only_enforce_if(lit)
+        if memory:
+            self._memory(per_rank)
+        cp.minimize(self.step)
+
+    def _copies(self, a: Action) -> list[tuple]:
+        if a.stage >= self.p.encoder_stages:
+            return [self.vars[(a, -1)]]
+        return [self.vars[(a, k)] for k in range(self.p.pipelines)]
+
+    def _dependencies(self) -> None:
+        p, cp = self.p, self.cp
+        every = [a for (a, k) in self.vars if k <= 0]
+        for a in every:
+            for d in dependencies(a, p.num_stages):
+                for start, _, rank, lit in self._copies(a):
+                    for _, d_end, d_rank, d_lit in self._copies(d):
+                        gap = p.transfer(d, a) if d_rank != rank else 0
+                        if lit is not None and d_lit is not None and lit is not d_lit:
+                            continue  # encoder copies on different pipelines never both exist
+                        c = cp.add(start >= d_end + gap)
+                        lits = [x for x in (lit, d_lit) if x is not None]
+                        if lits:
+                            c.only_enforce_if(lits[0] if len(set(map(id, lits))) == 1 else lits)
+
+    def _memory(self, per_rank: dict[int, list]) -> None:
+        """Per rank: a forward adds its stage's bytes when it starts, its backward frees them when it
+        ends; a backward adds its transient while it runs."""
+        p, cp = self.p, self.cp
+        events: dict[int, list[tuple]] = {r: [] for r in range(p.num_ranks)}
+        for (a, _k), (start, end, rank, lit) in self.vars.items():
+            fig = p.stages[a.stage]
+            active = lit if lit is not None else True
+            if a.kind is F:
+                if fig.keep:
+                    events[rank].append((start, fig.keep, active))
+            else:
+                if fig.keep:
+                    events[rank].append((end, -fig.keep, active))
+                if fig.transient:
+                    events[rank].append((start, fig.transient, active))
+                    events[rank].append((end, -fig.transient, active))
+        for rank, evs in events.items():
+            if not evs:
+                continue
+            times = [t for t, _, _ in evs]
+            changes = [c for _, c, _ in evs]
+            actives = [x if x is not True else self.cp.new_constant(1) for _, _, x in evs]
+            cp.add_reservoir_constraint_with_active(times, changes, actives, 0, p.mem_limit[rank])
+
+    def add_hint(self, actions: RankActions) -> None:
+        p = self.p
+        timed = run_actions(actions, p.num_stages, duration=lambda a, _s: p.duration(a), transfer=p.transfer)
+        where = {t.action: (t.rank, int(t.start_s), int(t.end_s)) for t in timed}
+        for j in range(p.num_microbatches):
+            first = Action(0, F, j)
+            k = p.stages[0].ranks.index(where[first][0]) if first in where else 0
+            for kk in range(p.pipelines):
+                self.cp.add_hint(self.on[(j, kk)], kk == k)
+        for (a, k), (start, end, _rank, lit) in self.vars.items():
+            if a in where and (lit is None or p.rank_of(a, k) == where[a][0]):
+                self.cp.add_hint(start, where[a][1])
+                self.cp.add_hint(end, where[a][2])
+
+    def read(self, solver: cp_model.CpSolver) -> RankActions:
+        placed: list[list[tuple[int, int, Action]]] = [[] for _ in range(self.p.num_ranks)]
+        for (a, _k), (start, _end, rank, lit) in self.vars.items():
+            if lit is None or solver.boolean_value(lit):
+                # LLM actions keep their order: ties go by position (the order constraint holds them).
+                placed[rank].append((solver.value(start), 0 if lit is None else 1, a))
+        return tuple(tuple(a for _, _, a in sorted(acts, key=lambda x: (x[0], x[1]))) for acts in placed)
