@@ -121,7 +121,7 @@ def transformers_rows(repeats: int, out: Path) -> int:
             runs.append({"build_s": built - start, "total_s": done - start, **passes})
             print(f"{name} run {i + 1}/{repeats}: {done - start:.1f} s {passes}", file=sys.stderr)
             del model, batch
-        par = pipe.plan.parallel["model"]
+        par = pipe.plan.pipeline_parallel
         rows.append(
             {
                 "model": name,

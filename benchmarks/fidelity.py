@@ -85,7 +85,7 @@ def _policy_row(measured_s: float, measured_mfu: float, run) -> dict:
         "recompute": run.recompute,
         "fits": run.fits,
         "bubble_share_by_cause": sim.idle_share(),
-        "parallel": str(run.plan.parallel["model"]),
+        "parallel": str(run.plan.pipeline_parallel),
         "microbatches": run.plan.num_microbatches,
     }
 

@@ -130,8 +130,8 @@ def _megatron_setup(runner, microbatch0):
 
     runner.setup()
     plan = runner.plan
-    pp = plan.parallel["model"].pp
-    if plan.parallel["model"].v != 1 or plan.num_stages != pp:
+    pp = plan.pipeline_parallel.pp
+    if plan.pipeline_parallel.v != 1 or plan.num_stages != pp:
         raise ValueError("this benchmark drives Megatron's 1F1B without interleaving: give a v = 1 plan")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, distributed_timeout_minutes=2
@@ -142,7 +142,7 @@ def _megatron_setup(runner, microbatch0):
     if index == 0:
         with torch.no_grad():
             box[0] = _layout(stage((), microbatch0))
-    dist.broadcast_object_list(box, src=plan.parallel["model"].global_rank(0, runner.dp_rank))
+    dist.broadcast_object_list(box, src=plan.pipeline_parallel.global_rank(0, runner.dp_rank))
     layout = box[0]
     elements = sum(int(torch.tensor(shape).prod()) for shape, _, _ in layout)
     config = ModelParallelConfig(

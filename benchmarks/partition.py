@@ -90,7 +90,7 @@ def setup_rows(name: str, graphs: dict) -> list[dict]:
     rows = []
 
     def row(policy, run, extra=""):
-        par = run.plan.parallel["model"]
+        par = run.plan.pipeline_parallel
         rows.append(
             {
                 "setup": name,

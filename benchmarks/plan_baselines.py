@@ -48,7 +48,7 @@ def _graph(model: str, cache: dict):
 def _row(setup, policy, run, sim_s):
     sim = run.sim
     share = sim.idle_share()
-    par = run.plan.parallel["model"]
+    par = run.plan.pipeline_parallel
     return {
         "setup": setup.name,
         "model": setup.model,

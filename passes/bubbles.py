@@ -288,10 +288,14 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
     rows: dict[ep.EncoderPlan, EncoderPlanRow] = {}
     scored: list[_Candidate] = []
     for encoder in candidates:
+        try:
+            encoder.check_against(llm, request.microbatch_size)
+        except PlanError as err:
+            rows[encoder] = EncoderPlanRow(encoder, "-", None, verdict=f"cannot: {err}")
+            continue
         enc_par = encoder.parallel(llm)
         degrees = f"{enc_par.dp}/{enc_par.tp}/{enc_par.pp}"
         try:
-            encoder.check_against(llm, request.microbatch_size)
             enc_costs = layer_costs(
                 layer_graph, cluster, enc_par, microbatch_size=request.microbatch_size, recompute=flags
             )
@@ -371,7 +375,8 @@ def _result(layer_graph, cluster, request, rung, chosen: _Candidate, rows, start
         for c in chosen.costs.stages[: chosen.problem.encoder_stages]
         for kind in (bs.F, bs.B)
     )
-    used = "CP-SAT" if solution is not None and plan.actions == solution.actions else "the list scheduler"
+    solved = solution is not None and solution.status.split()[0] in ("OPTIMAL", "FEASIBLE")
+    used = "CP-SAT" if solved and plan.actions == solution.actions else "the list scheduler"
     decisions = [
         Decision(
             "encoder plan",

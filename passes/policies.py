@@ -19,6 +19,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason
+from vlmcompile.passes.bubbles import bubbles
 from vlmcompile.passes.megatron import EncoderPlacement, megatron
 from vlmcompile.passes.megatron_balanced import megatron_balanced
 from vlmcompile.passes.mimo_colocated import mimo_colocated
@@ -33,7 +34,7 @@ from vlmcompile.planning.request import (
     SearchSpace,
     SolverOptions,
 )
-from vlmcompile.planning.result import PolicyResult, PolicyRow
+from vlmcompile.planning.result import PolicyResult, PolicyRow, Reports
 
 POLICIES: dict[str, Callable[..., PolicyResult]] = {
     "megatron": megatron,
@@ -153,7 +154,51 @@ def _ours_with_baselines(
     fitting = [r for r in runs if r.fits and r.plan.num_stages == stages]
     warm = min(fitting, key=lambda r: r.sim.step_time_s).plan if fitting else None
     result = partition(layer_graph, cluster, request, solver=solver, warm_start=warm)
-    return dataclasses.replace(result, baselines=rows)
+    return dataclasses.replace(
+        with_encoder_in_bubbles(result, layer_graph, cluster, request, solver), baselines=rows
+    )
+
+
+def with_encoder_in_bubbles(
+    result: PolicyResult,
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    request: PlanRequest,
+    solver: SolverOptions,
+) -> PolicyResult:
+    """The faster of ``result`` (one chain of stage cuts) and the encoder-in-bubbles plan for the
+    same request (:func:`~vlmcompile.passes.bubbles.bubbles`), the other's step in a decision."""
+    try:
+        other = bubbles(layer_graph, cluster, request, solver=solver)
+    except PlanError as err:
+        said = Decision("encoder plan", Reason.SEPARATE_ENCODER_PLAN, f"no encoder-in-bubbles plan: {err}")
+        return _with_decision(result, said)
+    ours, theirs = result.sim.step_time_s, other.sim.step_time_s
+    if other.fits and (not result.fits or theirs < ours):
+        said = Decision(
+            "plan",
+            Reason.SEPARATE_ENCODER_PLAN,
+            f"the encoder-in-bubbles plan ({theirs * 1e3:.1f} ms simulated) beats the best single chain of stage "
+            f"cuts ({ours * 1e3:.1f} ms)",
+            {"chain_step_s": ours, "step_s": theirs},
+        )
+        return _with_decision(other, said, Reports((result.report, other.report)))
+    said = Decision(
+        "plan",
+        Reason.SEPARATE_ENCODER_PLAN,
+        f"the encoder-in-bubbles plan ({theirs * 1e3:.1f} ms simulated"
+        + ("" if other.fits else ", over the memory cap")
+        + f") does not beat this chain of stage cuts ({ours * 1e3:.1f} ms)",
+        {"bubbles_step_s": theirs, "step_s": ours},
+    )
+    return _with_decision(result, said)
+
+
+def _with_decision(result: PolicyResult, said: Decision, report=None) -> PolicyResult:
+    plan = dataclasses.replace(result.plan, decisions=(*result.plan.decisions, said))
+    return dataclasses.replace(
+        result, plan=plan, sim=dataclasses.replace(result.sim, plan=plan), report=report or result.report
+    )
 
 
 def compare_baselines(
@@ -208,20 +253,25 @@ def search_and_compare(
     )
     plan = result.plan
     request = PlanRequest(
-        parallel=plan.parallel["model"], global_batch=global_batch, microbatch_size=plan.microbatch_size
+        parallel=plan.pipeline_parallel, global_batch=global_batch, microbatch_size=plan.microbatch_size
     )
     _, rows = compare_baselines(layer_graph, cluster, request)
+    searched = result.report
+    result = with_encoder_in_bubbles(result, layer_graph, cluster, request, solver)
+    plan = result.plan
     said = Decision(
         "parallel degrees",
         Reason.PLAN_SEARCH,
-        f"{plan.parallel['model']}, microbatch {plan.microbatch_size}: fastest simulated of "
-        f"{len(result.report.candidates)} candidates",
+        f"{plan.pipeline_parallel}, microbatch {plan.microbatch_size}: fastest simulated of "
+        f"{len(searched.candidates)} candidates",
     )
     plan = dataclasses.replace(plan, decisions=(*plan.decisions, said))
+    searched = dataclasses.replace(searched, chosen=plan)
+    report = Reports((searched, *result.report.parts[1:])) if isinstance(result.report, Reports) else searched
     return dataclasses.replace(
         result,
         plan=plan,
         sim=dataclasses.replace(result.sim, plan=plan),
-        report=dataclasses.replace(result.report, chosen=plan),
+        report=report,
         baselines=rows,
     )

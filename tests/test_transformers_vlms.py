@@ -81,7 +81,7 @@ def test_compiles_for_cpu_ranks_with_its_regions(compiled, name, record_property
     assert {lr.region for lr in layers} == EXPECTED_REGIONS[name], [
         (lr.layer, lr.region.value) for lr in layers
     ]
-    assert pipe.plan is not None and pipe.plan.parallel["model"].tp == 1
+    assert pipe.plan is not None and pipe.plan.pipeline_parallel.tp == 1
     assert pipe.planned.fits
 
 

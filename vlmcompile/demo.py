@@ -144,7 +144,7 @@ def megatron_like_ours(pipe, global_batch: int):
     """Megatron-LM's plan at our plan's degrees, v and microbatches (so the two differ only in
     where the layers go and what is recomputed): the faster of its even placements, llava and
     chain, as its user would pick."""
-    v = pipe.plan.parallel["model"].v
+    v = pipe.plan.pipeline_parallel.v
     tried = []
     for placement in ("llava", "chain"):
         try:

@@ -61,7 +61,7 @@ def test_the_runtime_refuses_a_plan_that_splits_a_coupled_batch():
 def test_compile_plans_a_coupled_loss_as_one_microbatch_that_trains_like_eager():
     model, batch = build("tiny-contrastive", batch_size=4)
     pipe = compile(model, batch, "cpu:2", log=None)
-    assert pipe.plan.num_microbatches == 1 and pipe.plan.parallel["model"].dp == 1
+    assert pipe.plan.num_microbatches == 1 and pipe.plan.pipeline_parallel.dp == 1
     check_equal_to_eager(model, batch, pipe.launch(timeout_s=30))
 
 

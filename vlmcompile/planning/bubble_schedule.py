@@ -140,6 +140,13 @@ def problem_from(
     :func:`~vlmcompile.cost_models.stage_costs.plan_costs`; ``mem_cap_bytes`` per rank)."""
     groups = [s.group for s in plan.stages]
     first_llm = groups.index(plan.stages[-1].group)
+    encoder_groups = sorted(set(groups[:first_llm]))
+    if len(encoder_groups) > 1:
+        raise PlanError(
+            f"the encoders have different plans ({', '.join(f'{g}: {plan.parallel[g]}' for g in encoder_groups)}); "
+            "the scheduler places one encoder plan, as Optimus schedules several encoders as one (sec. 4.4) - "
+            "give every encoder the same degrees"
+        )
     if first_llm == 0 or any(g == plan.stages[-1].group for g in groups[:first_llm]):
         raise PlanError("the plan has no encoder stages before its LLM stages to schedule")
     if any(g == groups[0] for g in groups[first_llm:]):
@@ -395,13 +402,16 @@ class _Model:
                 self.on[(j, k)] = lit
         # (action, pipeline or -1) -> (start, end, rank, presence literal or None)
         self.vars: dict[tuple[Action, int], tuple] = {}
+        self.intervals: dict[tuple[Action, int], cp_model.IntervalVar] = {}
+        self.hold_sizes: dict[tuple[Action, int], cp_model.IntVar] = {}
         per_rank: dict[int, list] = {r: [] for r in range(problem.num_ranks)}
         for rank, acts in enumerate(problem.llm_actions):
             prev_end = None
             for a in acts:
                 start = cp.new_int_var(0, horizon, f"s{a}")
                 end = cp.new_int_var(0, horizon, f"e{a}")
-                per_rank[rank].append(cp.new_interval_var(start, problem.duration(a), end, f"i{a}"))
+                self.intervals[(a, -1)] = cp.new_interval_var(start, problem.duration(a), end, f"i{a}")
+                per_rank[rank].append(self.intervals[(a, -1)])
                 self.vars[(a, -1)] = (start, end, rank, None)
                 if prev_end is not None:
                     cp.add(start >= prev_end)
@@ -413,9 +423,10 @@ class _Model:
                     lit = self.on[(j, k)]
                     start = cp.new_int_var(0, horizon, f"s{a}p{k}")
                     end = cp.new_int_var(0, horizon, f"e{a}p{k}")
-                    per_rank[rank].append(
-                        cp.new_optional_interval_var(start, problem.duration(a), end, lit, f"i{a}p{k}")
+                    self.intervals[(a, k)] = cp.new_optional_interval_var(
+                        start, problem.duration(a), end, lit, f"i{a}p{k}"
                     )
+                    per_rank[rank].append(self.intervals[(a, k)])
                     self.vars[(a, k)] = (start, end, rank, lit)
         for intervals in per_rank.values():
             cp.add_no_overlap(intervals)
@@ -425,8 +436,15 @@ class _Model:
             c = cp.add(self.step >= end)
             if lit is not None:
                 c.only_enforce_if(lit)
+        # Each rank's load bounds the step (redundant with the intervals, but it gives the solver
+        # the bound it otherwise proves slowly): its LLM work plus the encoder work put on it.
+        load: dict[int, list] = {r: [] for r in range(problem.num_ranks)}
+        for (a, _k), (_start, _end, rank, lit) in self.vars.items():
+            load[rank].append(problem.duration(a) if lit is None else problem.duration(a) * lit)
+        for terms in load.values():
+            cp.add(self.step >= sum(terms))
         if memory:
-            self._memory(per_rank)
+            self._memory()
         cp.minimize(self.step)
 
     def _copies(self, a: Action) -> list[tuple]:
@@ -449,30 +467,31 @@ class _Model:
                         if lits:
                             c.only_enforce_if(lits[0] if len(set(map(id, lits))) == 1 else lits)
 
-    def _memory(self, per_rank: dict[int, list]) -> None:
-        """Per rank: a forward adds its stage's bytes when it starts, its backward frees them when it
-        ends; a backward adds its transient while it runs."""
+    def _memory(self) -> None:
+        """Per rank: a microbatch's activations of a stage are held from its forward's start to its
+        backward's end, and a backward holds its recompute transient while it runs (the rule of
+        :mod:`vlmcompile.sim.in_flight`); their sum stays within the rank's memory (a cumulative
+        constraint over these hold intervals)."""
         p, cp = self.p, self.cp
-        events: dict[int, list[tuple]] = {r: [] for r in range(p.num_ranks)}
-        for (a, _k), (start, end, rank, lit) in self.vars.items():
-            fig = p.stages[a.stage]
-            active = lit if lit is not None else True
-            if a.kind is F:
-                if fig.keep:
-                    events[rank].append((start, fig.keep, active))
-            else:
-                if fig.keep:
-                    events[rank].append((end, -fig.keep, active))
-                if fig.transient:
-                    events[rank].append((start, fig.transient, active))
-                    events[rank].append((end, -fig.transient, active))
-        for rank, evs in events.items():
-            if not evs:
+        held: dict[int, list[tuple]] = {r: [] for r in range(p.num_ranks)}
+        for (a, k), (start, _end, rank, lit) in self.vars.items():
+            if a.kind is not F:
                 continue
-            times = [t for t, _, _ in evs]
-            changes = [c for _, c, _ in evs]
-            actives = [x if x is not True else self.cp.new_constant(1) for _, _, x in evs]
-            cp.add_reservoir_constraint_with_active(times, changes, actives, 0, p.mem_limit[rank])
+            fig = p.stages[a.stage]
+            _b_start, b_end, _, _ = self.vars[(Action(a.stage, B, a.microbatch), k)]
+            if fig.keep:
+                size = self.hold_sizes[(a, k)] = cp.new_int_var(0, self.horizon, f"hold{a}p{k}")
+                interval = (
+                    cp.new_interval_var(start, size, b_end, f"h{a}")
+                    if lit is None
+                    else cp.new_optional_interval_var(start, size, b_end, lit, f"h{a}p{k}")
+                )
+                held[rank].append((interval, fig.keep))
+            if fig.transient:
+                held[rank].append((self.intervals[(Action(a.stage, B, a.microbatch), k)], fig.transient))
+        for rank, items in held.items():
+            if items:
+                cp.add_cumulative([i for i, _ in items], [d for _, d in items], p.mem_limit[rank])
 
     def add_hint(self, actions: RankActions) -> None:
         p = self.p
@@ -487,6 +506,14 @@ class _Model:
             if a in where and (lit is None or p.rank_of(a, k) == where[a][0]):
                 self.cp.add_hint(start, where[a][1])
                 self.cp.add_hint(end, where[a][2])
+            else:  # an absent copy: any value, but a complete hint is one CP-SAT can take at once
+                self.cp.add_hint(start, 0)
+                self.cp.add_hint(end, p.duration(a))
+        self.cp.add_hint(self.step, max((t[2] for t in where.values()), default=0))
+        for (a, k), size in self.hold_sizes.items():
+            back = Action(a.stage, B, a.microbatch)
+            present = a in where and (k < 0 or p.rank_of(a, k) == where[a][0])
+            self.cp.add_hint(size, where[back][2] - where[a][1] if present else p.duration(back))
 
     def read(self, solver: cp_model.CpSolver) -> RankActions:
         placed: list[list[tuple[int, int, Action]]] = [[] for _ in range(self.p.num_ranks)]

@@ -24,6 +24,17 @@ class PolicyRow:
     note: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Reports:
+    """Several passes' reports behind one plan (the stage-cut search, then the encoder-in-bubbles
+    pass that beat it), printed in order."""
+
+    parts: tuple[Any, ...]
+
+    def __str__(self) -> str:
+        return "\n\n".join(str(p) for p in self.parts)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PolicyResult:
     """A policy's plan for one request, simulated."""

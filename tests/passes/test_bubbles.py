@@ -1,0 +1,139 @@
+"""The encoder-in-bubbles pass: its plan is valid, no slower than the phased schedule and no
+faster than the bound, its report names every encoder plan tried, and bad input is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.ir.actions import Action
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.plan import Plan, Reason
+from vlmcompile.ir.regions import Region
+from vlmcompile.passes.bubbles import bubbles, candidate_encoder_plans, llm_alone
+from vlmcompile.planning import bubble_schedule as bs
+from vlmcompile.planning import encoder_plans as ep
+from vlmcompile.planning.request import PlanRequest, SolverOptions
+from vlmcompile.sim.simulator import simulate
+
+CLUSTER = Cluster.preset("cpu:2")
+FAST = SolverOptions(time_limit_s=4, workers=2)
+
+
+@pytest.fixture(scope="module")
+def demo_bubbles(demo_graph):
+    request = PlanRequest.on(CLUSTER, tp=1, pp=2, global_batch=4, sequence_parallel=False, zero_stage=0)
+    return request, bubbles(demo_graph, CLUSTER, request, solver=FAST)
+
+
+def test_the_plan_hides_encoder_work_between_the_phased_schedule_and_the_bound(demo_bubbles, demo_graph):
+    request, result = demo_bubbles
+    plan, report = result.plan, result.report
+    plan.validate(demo_graph)
+    assert result.fits
+    assert plan.parallel[ep.ENCODER_GROUP].dp * plan.parallel[ep.ENCODER_GROUP].pp == 2
+    # Each rank runs encoder and LLM work.
+    for acts in plan.actions:
+        groups = {plan.stages[a.stage].group for a in acts}
+        assert groups == {ep.ENCODER_GROUP, ep.LLM_GROUP}
+    assert report.step_s == pytest.approx(simulate(plan, demo_graph, CLUSTER).step_time_s)
+    assert report.step_s < report.phased_step_s
+    # No schedule beats every rank busy all the time.
+    busy = sum(r.busy_s for r in result.sim.ranks) / plan.num_ranks
+    assert report.step_s >= busy
+    assert report.llm_alone_step_s < report.step_s
+    assert 0 < report.hidden_share <= 1
+    assert {d.reason for d in plan.decisions} >= {Reason.SEPARATE_ENCODER_PLAN, Reason.BUBBLE_SCHEDULE}
+
+
+def test_the_report_names_every_encoder_plan_tried_and_the_solver(demo_bubbles, demo_graph):
+    request, result = demo_bubbles
+    report = result.report
+    tried = {r.encoder for r in report.rows}
+    assert tried == set(candidate_encoder_plans(demo_graph, request))
+    assert [r.verdict for r in report.rows].count("chosen") == 1
+    assert all(
+        r.verdict == "chosen" or r.verdict.startswith(("slower", "does not fit", "pruned", "cannot"))
+        for r in report.rows
+    )
+    text = str(report)
+    for needle in ("encoder plans tried", "phased -> scheduled", "CP-SAT", "hidden in bubbles", "wall time"):
+        assert needle in text
+    assert report.solver_status.split()[0] in ("OPTIMAL", "FEASIBLE", "UNKNOWN", "not")
+    assert len(report.bubbles_before) == len(report.bubbles_after) == 2
+
+
+def test_the_llm_alone_keeps_the_llm_stages_and_order(demo_bubbles):
+    _, result = demo_bubbles
+    alone = llm_alone(result.plan)
+    alone.validate()
+    first = next(s.index for s in result.plan.stages if s.group == ep.LLM_GROUP)
+    assert [s.layers for s in alone.stages] == [s.layers for s in result.plan.stages[first:]]
+    assert alone.actions == tuple(
+        tuple(Action(a.stage - first, a.kind, a.microbatch) for a in acts if a.stage >= first)
+        for acts in result.plan.actions
+    )
+
+
+def test_a_model_without_an_encoder_is_refused_and_planned_alone(demo_graph):
+    llm_only = dataclasses.replace(
+        demo_graph,
+        layers=tuple(
+            dataclasses.replace(layer, region=Region.LLM)
+            if layer.region in (Region.VISION, Region.PROJECTOR)
+            else layer
+            for layer in demo_graph.layers
+        ),
+    )
+    request = PlanRequest.on(CLUSTER, tp=1, pp=2, global_batch=4, sequence_parallel=False, zero_stage=0)
+    with pytest.raises(
+        PlanError, match="no encoder layers .* the LLM is planned alone by the other policies"
+    ):
+        bubbles(llm_only, CLUSTER, request, solver=FAST)
+
+
+def test_encoder_plans_that_cannot_spread_over_the_gpus_are_refused_by_name(demo_graph):
+    request = PlanRequest.on(CLUSTER, tp=1, pp=2, global_batch=4, sequence_parallel=False, zero_stage=0)
+    with pytest.raises(PlanError, match=r"encoder PP=3 does not divide the LLM's PP=2"):
+        bubbles(demo_graph, CLUSTER, request, solver=FAST, encoder_plans=[ep.EncoderPlan(pp=3, tp=1)])
+
+
+def test_a_plan_whose_encoder_work_breaks_a_dependency_is_refused(demo_bubbles, tmp_path):
+    _, result = demo_bubbles
+    plan = result.plan
+    # Move rank 0's first encoder forward behind everything else it runs: the first LLM stage
+    # (on rank 0) then waits for an encoder output rank 0 has not made.
+    acts = list(plan.actions[0])
+    j = next(a for a in acts if plan.stages[a.stage].group == ep.ENCODER_GROUP).microbatch
+    moved = [
+        a
+        for a in acts
+        if plan.stages[a.stage].group == ep.ENCODER_GROUP and a.microbatch == j and a.kind.value == "F"
+    ]
+    broken = [a for a in acts if a not in moved] + moved
+    bad = dataclasses.replace(plan, actions=(tuple(broken), *plan.actions[1:]))
+    bad.save(tmp_path / "plan.json")
+    with pytest.raises(PlanError, match="deadlock|runs on another rank than its forward"):
+        Plan.load(tmp_path / "plan.json").validate()
+
+
+def test_encoders_with_different_plans_are_refused_by_the_scheduler(demo_bubbles, demo_graph):
+    """Optimus schedules several encoders as one (sec. 4.4): one encoder plan for all of them."""
+    _, result = demo_bubbles
+    plan = result.plan
+    stages = list(plan.stages)
+    stages[0] = dataclasses.replace(stages[0], group="encoder.b", replicas=())
+    two = dataclasses.replace(
+        plan,
+        stages=tuple(stages),
+        parallel={
+            **plan.parallel,
+            "encoder.b": dataclasses.replace(plan.parallel[ep.ENCODER_GROUP], dp=1, pp=2),
+        },
+    )
+    from vlmcompile.cost_models.stage_costs import plan_costs
+
+    with pytest.raises(PlanError, match="encoders have different plans"):
+        bs.problem_from(two, plan_costs(two, demo_graph, CLUSTER), 1e12)
