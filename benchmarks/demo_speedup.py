@@ -1,14 +1,18 @@
 """Run ``vlmcompile demo`` several times and report the median measured speedup of our plan over
-Megatron-LM's on 2 local CPU ranks, and the prediction error of both plans.
+the baselines on 2 local CPU ranks, and the prediction error of every plan.
 
 One demo run compiles the ``demo`` VLM (profiling its layers on this CPU), then runs our plan and
-Megatron's interleaved step by step in one launch; its speedup is the ratio of the two median
-step times. Runs of the same command on a shared machine spread by several percent (the
-profile, the plan it leads to and the machine's speed all vary), so the goals are checked on
-the median over the repeats:
+every baseline's interleaved step by step in one launch (``megatron`` and ``megatron_balanced`` at
+our degrees, PP = 2; ``mimo_colocated`` at its only degrees, PP = 1 and the ranks data-parallel);
+a speedup is the ratio of two median step times. Runs of the same command on a shared machine
+spread by several percent (the profile, the plan it leads to and the machine's speed all vary),
+so the goals are checked on the median over the repeats:
 
-* measured speedup (median over repeats) at least 1.25x;
-* prediction error |predicted - measured| / measured at most 10 % for both plans, every repeat.
+* measured speedup over the fastest baseline at our degrees (median over repeats): at least
+  1.08x with 4 microbatches (a large pipeline bubble for the encoder work to fill), and not
+  slower (1.00x) at any other global batch;
+* prediction error |predicted - measured| / measured at most 10 % for every plan, every repeat;
+* every plan's losses equal eager training.
 
     python benchmarks/demo_speedup.py [--repeats 5] [--global-batch 32] [--steps 6] [--readme] [--no-run]
 
@@ -32,54 +36,69 @@ from vlmcompile.demo import run_demo
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "demo_speedup.json"
-SPEEDUP_GOAL = 1.25
+BUBBLE_BATCH = 4
+"""4 microbatches of one sample on PP = 2: the pipeline bubble is large."""
+SPEEDUP_GOALS = {BUBBLE_BATCH: 1.08}
+"""Measured speedup over the fastest baseline at our degrees, per global batch (default 1.00)."""
 ERROR_GOAL = 0.10
 
 
+def speedup_goal(global_batch: int) -> float:
+    return SPEEDUP_GOALS.get(global_batch, 1.0)
+
+
 def _table(runs: list[dict]) -> str:
-    lines = [
-        "| run | ours: layers per stage | ours: predicted / measured s | error | megatron: predicted / measured s | error | measured speedup | predicted speedup |",
-        "|---|---|---|---|---|---|---|---|",
+    policies = [p["policy"] for p in runs[0]["runs"]]
+    head = ["run", "ours: degrees, layers per stage"] + [
+        f"{p}: predicted / measured s (error)" for p in policies
     ]
+    head += ["speedup over the fastest at our degrees (predicted)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k, r in enumerate(runs, 1):
-        ours, meg = r["runs"]
-        stages = ours["stages"].replace("|", "\\|")  # a pipe would end the Markdown cell
-        lines.append(
-            f"| {k} | {stages} | {ours['predicted_s']:.3f} / {ours['measured_s']:.3f} | "
-            f"{100 * ours['error']:+.1f} % | {meg['predicted_s']:.3f} / {meg['measured_s']:.3f} | "
-            f"{100 * meg['error']:+.1f} % | {r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x |"
-        )
+        ours = r["runs"][0]
+        stages = f"{ours['degrees']}: {ours['stages']}".replace("|", "\\|")  # a pipe ends a Markdown cell
+        cells = [str(k), stages]
+        for p in r["runs"]:
+            at = "" if p["degrees"].startswith("PP=2") else f" at {p['degrees']}"
+            cells.append(f"{p['predicted_s']:.3f} / {p['measured_s']:.3f} ({100 * p['error']:+.1f} %){at}")
+        cells.append(f"{r['speedup']:.2f}x over {r['best_baseline']} ({r['predicted_speedup']:.2f}x)")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def report(runs: list[dict], summary: dict, command: str) -> str:
     """The per-run table and the summary line, in Markdown."""
+    errors = ", ".join(f"{100 * e:.1f} % ({p})" for p, e in summary["max_abs_error"].items())
+    over = ", ".join(f"{p} {v:.2f}x" for p, v in summary["median_speedup_over"].items())
     return (
-        f"{_table(runs)}\n\nMedian measured speedup {summary['median_speedup']:.2f}x over {len(runs)} runs "
-        f"(from {summary['min_speedup']:.2f}x to {summary['max_speedup']:.2f}x; predicted "
-        f"{summary['median_predicted_speedup']:.2f}x); largest prediction error "
-        f"{100 * summary['max_abs_error']['vlmcompile']:.1f} % (ours), "
-        f"{100 * summary['max_abs_error']['megatron']:.1f} % (megatron). Command: `{command}`."
+        f"{_table(runs)}\n\nMedian measured speedup over the fastest baseline at our degrees "
+        f"{summary['median_speedup']:.2f}x over {len(runs)} runs (from {summary['min_speedup']:.2f}x to "
+        f"{summary['max_speedup']:.2f}x; predicted {summary['median_predicted_speedup']:.2f}x); median over each "
+        f"baseline: {over}. Largest prediction error: {errors}. Command: `{command}`."
     )
 
 
 def summarize(runs: list[dict]) -> dict:
     speedups = [r["speedup"] for r in runs]
-    errors = {p: [r["runs"][j]["error"] for r in runs] for j, p in enumerate(("vlmcompile", "megatron"))}
+    policies = [p["policy"] for p in runs[0]["runs"]]
     return {
         "median_speedup": statistics.median(speedups),
         "min_speedup": min(speedups),
         "max_speedup": max(speedups),
         "median_predicted_speedup": statistics.median(r["predicted_speedup"] for r in runs),
-        "max_abs_error": {p: max(abs(e) for e in errs) for p, errs in errors.items()},
+        "median_speedup_over": {
+            p: statistics.median(r[f"speedup_over_{p}"] for r in runs) for p in policies[1:]
+        },
+        "max_abs_error": {p: max(abs(r["runs"][j]["error"]) for r in runs) for j, p in enumerate(policies)},
         "all_equal_to_eager": all(p["equal_to_eager"] for r in runs for p in r["runs"]),
     }
 
 
-def goals_missed(summary: dict) -> list[str]:
+def goals_missed(summary: dict, global_batch: int) -> list[str]:
     missed = []
-    if summary["median_speedup"] < SPEEDUP_GOAL:
-        missed.append(f"median measured speedup {summary['median_speedup']:.2f}x < {SPEEDUP_GOAL}x")
+    goal = speedup_goal(global_batch)
+    if summary["median_speedup"] < goal:
+        missed.append(f"median measured speedup {summary['median_speedup']:.2f}x < {goal}x")
     for policy, err in summary["max_abs_error"].items():
         if err > ERROR_GOAL:
             missed.append(f"{policy}: prediction error up to {100 * err:.1f} % > {100 * ERROR_GOAL:.0f} %")
@@ -111,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         if args.readme:
             write_readme_section(f"demo_speedup_{args.global_batch}", text)
-        return 1 if goals_missed(entry["summary"]) else 0
+        return 1 if goals_missed(entry["summary"], args.global_batch) else 0
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: run the demo at least once")
     runs = []
@@ -120,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         _, result = run_demo(global_batch=args.global_batch, num_steps=args.steps, log=None)
         runs.append(result.to_json())
         print(
-            f"run {k + 1}/{args.repeats}: speedup {result.speedup:.2f}x (predicted "
-            f"{result.predicted_speedup:.2f}x), {time.perf_counter() - start:.0f} s so far",
+            f"run {k + 1}/{args.repeats}: speedup {result.speedup:.2f}x over {result.best_baseline.policy} "
+            f"(predicted {result.predicted_speedup:.2f}x), {time.perf_counter() - start:.0f} s so far",
             file=sys.stderr,
             flush=True,
         )
@@ -142,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.readme:
         write_readme_section(f"demo_speedup_{args.global_batch}", text)
-    missed = goals_missed(summary)
+    missed = goals_missed(summary, args.global_batch)
     for line in missed:
         print(f"goal missed: {line}", file=sys.stderr)
     return 1 if missed else 0

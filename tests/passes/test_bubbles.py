@@ -137,3 +137,12 @@ def test_encoders_with_different_plans_are_refused_by_the_scheduler(demo_bubbles
 
     with pytest.raises(PlanError, match="encoders have different plans"):
         bs.problem_from(two, plan_costs(two, demo_graph, CLUSTER), 1e12)
+
+
+def test_the_plan_saves_and_loads_with_its_encoder_plan(demo_bubbles, tmp_path):
+    _, result = demo_bubbles
+    result.plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded == result.plan
+    assert loaded.parallel[ep.ENCODER_GROUP] == result.plan.parallel[ep.ENCODER_GROUP]
+    assert any(s.replicas for s in loaded.stages)

@@ -526,17 +526,18 @@ class PipelineRunner:
 
     def _reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         for group, tied in self.tied:
-            for p in tied:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                self._wait(
-                    dist.all_reduce(p.grad, group=group, async_op=True),
-                    "the tied-parameter gradient all-reduce",
-                )
+            self._all_reduce_flat(tied, group, "the gradient all-reduce of parameters held on several ranks")
         if self.dp_group is None:
             return
-        # Every replica reduces the same list: a parameter without a gradient here (its stage
-        # saw only microbatches without label tokens) may have one on another replica.
+        self._all_reduce_flat(
+            params, self.dp_group, f"the data-parallel gradient all-reduce over ranks {self.dp_ranks}"
+        )
+
+    def _all_reduce_flat(self, params: Sequence[torch.nn.Parameter], group: Any, what: str) -> None:
+        """Sum the gradients of ``params`` over ``group`` in one collective (one per tensor would
+        pay the collective's latency per tensor). Every member reduces the same list: a parameter
+        without a gradient here (its stage ran no microbatch, or only ones without label tokens)
+        may have one on another member, so it takes zeros."""
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -544,10 +545,7 @@ class PipelineRunner:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._wait(
-            dist.all_reduce(flat, group=self.dp_group, async_op=True),
-            f"the data-parallel gradient all-reduce over ranks {self.dp_ranks}",
-        )
+        self._wait(dist.all_reduce(flat, group=group, async_op=True), what)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -6,7 +6,8 @@ finish plus the point-to-point transfer, which overlaps compute). Data-parallel 
 are analytic, per layer, on one DP stream per rank: at the start of the step every layer's
 parameters are all-gathered (distributed optimizer) in the order the rank first runs them, and
 a layer's first forward waits for its bucket; a layer's gradients are reduce-scattered when
-its last backward has produced them. TP collectives are inside each action and block compute
+its last backward has produced them (on local CPU ranks, when the rank's last action ends: that
+is when our runtime reduces them). TP collectives are inside each action and block compute
 (Megatron runs them on the critical path: the TP bubbles of Optimus sec. 2.2).
 
 Idle time on each rank is attributed to one cause:
@@ -250,6 +251,11 @@ def simulate(
         for c in reversed(stage.layers):
             t = min(t + _bwd_of(c, run.action.kind) * scale, run.end_s)  # no rounding past the end
             ready_layers.append((t, rank, c))
+    if cluster.ranks_on_this_machine:
+        # Our runtime (what a plan for local ranks runs on) reduces the gradients after the rank's
+        # last action, in one collective per group; Megatron-LM overlaps them bucket by bucket.
+        last_end = [max((r.end_s for r in runs if r.rank == k), default=0.0) for k in range(num_ranks)]
+        ready_layers = [(last_end[rank], rank, c) for _, rank, c in ready_layers]
     stream = [0.0] * num_ranks
     for t, rank, c in sorted(ready_layers, key=lambda x: x[0]):
         begin = max(stream[rank], t)
