@@ -9,8 +9,9 @@ For a request (the LLM's DP/TP/PP, v, microbatches and schedule) the pass
 2. cuts the LLM's layers into PP x v virtual stages balanced by time (Optimus appendix B's
    program on the LLM alone) and each encoder plan's layers into PP_enc stages the same way;
 3. prunes the encoder plans whose model states leave no room in memory;
-4. schedules each with the list scheduler (:func:`~vlmcompile.planning.bubble_schedule.greedy`,
-   several settings) and simulates it; the fastest few go to the CP-SAT model
+4. schedules each: the phased schedule and the list scheduler's
+   (:func:`~vlmcompile.planning.bubble_schedule.greedy`, several settings), each simulated; the
+   fastest few encoder plans go to the CP-SAT model
    (:func:`~vlmcompile.planning.bubble_schedule.solve`), whose schedules are simulated again;
 5. keeps the fastest simulated plan that fits, with the least global recompute that lets any
    plan fit (none, selective, full, full + vision: :data:`RECOMPUTE_LADDER`).
@@ -61,7 +62,7 @@ class EncoderPlanRow:
     degrees: str
     """DP/TP/PP of the encoder group."""
     greedy_step_s: float | None
-    """Simulated step with the list scheduler's schedule (None: pruned)."""
+    """Simulated step of the better of the phased schedule and the list scheduler's (None: pruned)."""
     solved_step_s: float | None = None
     """Simulated step with CP-SAT's schedule (None: not solved)."""
     peak_gib: float | None = None
@@ -134,7 +135,7 @@ class BubbleReport:
             headers=[
                 "encoder plan",
                 "DP/TP/PP",
-                "list sched. ms",
+                "phased or list ms",
                 "CP-SAT ms",
                 "peak GiB",
                 "fits",
@@ -287,7 +288,14 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     rows: dict[ep.EncoderPlan, EncoderPlanRow] = {}
     scored: list[_Candidate] = []
+    finest: dict[tuple[int, int], tuple[int, float]] = {}  # (pp, tp) -> (chunks, step) of the last tried
     for encoder in candidates:
+        last = finest.get((encoder.pp, encoder.tp))
+        if last is not None and last[0] < encoder.chunks and last[1] == float("inf"):
+            rows[encoder] = EncoderPlanRow(
+                encoder, "-", None, verdict=f"skipped: {last[0]} chunks per stage were no faster than fewer"
+            )
+            continue
         try:
             encoder.check_against(llm, request.microbatch_size)
         except PlanError as err:
@@ -327,14 +335,26 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
             continue
         problem = bs.problem_from(phased, costs, cap)
         best: _Candidate | None = None
-        for lookahead, fill_only in GREEDY_SETTINGS:
-            plan = dataclasses.replace(
-                phased, actions=bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
-            )
+        # The phased schedule (Optimus's initial one) is a candidate too: the list scheduler's
+        # choices can lose to it where the encoder work is large against the bubbles.
+        schedules = [phased.actions] + [
+            bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
+            for lookahead, fill_only in GREEDY_SETTINGS
+        ]
+        for actions in schedules:
+            plan = dataclasses.replace(phased, actions=actions)
             sim = simulate(plan, layer_graph, cluster, costs=costs)
             if best is None or (not sim.fits, sim.step_time_s) < (not best.sim.fits, best.sim.step_time_s):
                 best = _Candidate(encoder, phased, costs, problem, plan, sim)
         scored.append(best)
+        # Finer granularity is tried while it keeps helping: a step no faster than the coarser
+        # plan's stops the (pp, tp) pair's refinement (marked by an infinite step).
+        before = finest.get((encoder.pp, encoder.tp))
+        step = best.sim.step_time_s if best.sim.fits else float("inf")
+        finest[(encoder.pp, encoder.tp)] = (
+            encoder.chunks,
+            float("inf") if before is not None and step >= before[1] else step,
+        )
         rows[encoder] = EncoderPlanRow(
             encoder,
             degrees,
@@ -376,7 +396,13 @@ def _result(layer_graph, cluster, request, rung, chosen: _Candidate, rows, start
         for kind in (bs.F, bs.B)
     )
     solved = solution is not None and solution.status.split()[0] in ("OPTIMAL", "FEASIBLE")
-    used = "CP-SAT" if solved and plan.actions == solution.actions else "the list scheduler"
+    used = (
+        "the phased schedule"
+        if plan.actions == chosen.phased.actions
+        else "CP-SAT"
+        if solved and plan.actions == solution.actions
+        else "the list scheduler"
+    )
     decisions = [
         Decision(
             "encoder plan",

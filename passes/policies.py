@@ -165,14 +165,24 @@ def with_encoder_in_bubbles(
     cluster: Cluster,
     request: PlanRequest,
     solver: SolverOptions,
+    *,
+    also: Iterable[PlanRequest] = (),
 ) -> PolicyResult:
     """The faster of ``result`` (one chain of stage cuts) and the encoder-in-bubbles plan for the
-    same request (:func:`~vlmcompile.passes.bubbles.bubbles`), the other's step in a decision."""
-    try:
-        other = bubbles(layer_graph, cluster, request, solver=solver)
-    except PlanError as err:
-        said = Decision("encoder plan", Reason.SEPARATE_ENCODER_PLAN, f"no encoder-in-bubbles plan: {err}")
+    same request (:func:`~vlmcompile.passes.bubbles.bubbles`), the other's step in a decision;
+    ``also``: other requests the encoder-in-bubbles pass may take instead (another v)."""
+    tried, errors = [], []
+    for req in (request, *also):
+        try:
+            tried.append(bubbles(layer_graph, cluster, req, solver=solver))
+        except PlanError as err:
+            errors.append(f"{req}: {err}")
+    if not tried:
+        said = Decision(
+            "encoder plan", Reason.SEPARATE_ENCODER_PLAN, f"no encoder-in-bubbles plan: {'; '.join(errors)}"
+        )
         return _with_decision(result, said)
+    other = min(tried, key=lambda r: (not r.fits, r.sim.step_time_s))
     ours, theirs = result.sim.step_time_s, other.sim.step_time_s
     if other.fits and (not result.fits or theirs < ours):
         said = Decision(
@@ -255,10 +265,15 @@ def search_and_compare(
     request = PlanRequest(
         parallel=plan.pipeline_parallel, global_batch=global_batch, microbatch_size=plan.microbatch_size
     )
-    _, rows = compare_baselines(layer_graph, cluster, request)
     searched = result.report
-    result = with_encoder_in_bubbles(result, layer_graph, cluster, request, solver)
+    # The bubbles fill best where the pipeline leaves the most: v = 1 is tried beside the v chosen.
+    others = [request.with_degrees(v=1)] if request.parallel.v > 1 else []
+    result = with_encoder_in_bubbles(result, layer_graph, cluster, request, solver, also=others)
     plan = result.plan
+    request = PlanRequest(
+        parallel=plan.pipeline_parallel, global_batch=global_batch, microbatch_size=plan.microbatch_size
+    )
+    _, rows = compare_baselines(layer_graph, cluster, request)
     said = Decision(
         "parallel degrees",
         Reason.PLAN_SEARCH,

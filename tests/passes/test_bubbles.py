@@ -55,7 +55,8 @@ def test_the_report_names_every_encoder_plan_tried_and_the_solver(demo_bubbles, 
     assert tried == set(candidate_encoder_plans(demo_graph, request))
     assert [r.verdict for r in report.rows].count("chosen") == 1
     assert all(
-        r.verdict == "chosen" or r.verdict.startswith(("slower", "does not fit", "pruned", "cannot"))
+        r.verdict == "chosen"
+        or r.verdict.startswith(("slower", "does not fit", "pruned", "cannot", "skipped"))
         for r in report.rows
     )
     text = str(report)

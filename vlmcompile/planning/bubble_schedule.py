@@ -226,7 +226,8 @@ def greedy(problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = Fals
     live = [0] * problem.num_ranks
     keep = [s.keep for s in problem.stages]
     first = problem.first_llm_stage
-    pending_enc = {a for j in range(m) for a in problem.encoder_actions(j)}
+    sequences = [problem.encoder_actions(j) for j in range(m)]
+    done_enc = [0] * m
 
     def ready_at(a: Action, rank: int) -> int | None:
         t = 0
@@ -237,13 +238,12 @@ def greedy(problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = Fals
             t = max(t, end + (problem.transfer(d, a) if where != rank else 0))
         return t
 
-    def next_needed() -> int:
-        return next((j for j in range(m) if Action(first, F, j) not in ends), m)
-
-    total = sum(len(a) for a in problem.llm_actions) + len(pending_enc)
+    need = 0  # the microbatch the first LLM stage needs next
+    total = sum(len(a) for a in problem.llm_actions) + sum(len(seq) for seq in sequences)
     while len(ends) < total:
         best: tuple[int, int, int, Action] | None = None  # (start, priority, rank, action)
-        need = next_needed()
+        while need < m and Action(first, F, need) in ends:
+            need += 1
         for rank in range(problem.num_ranks):
             llm_next = (
                 problem.llm_actions[rank][position[rank]]
@@ -257,7 +257,7 @@ def greedy(problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = Fals
             choice: tuple[int, int, Action] | None = None
             if llm_start is not None:
                 choice = (llm_start, 0, llm_next)
-            for a in _encoder_candidates(problem, rank, pending_enc, pipeline_of, need, lookahead):
+            for a in _encoder_candidates(problem, rank, sequences, done_enc, pipeline_of, need, lookahead):
                 r = ready_at(a, rank)
                 if r is None:
                     continue
@@ -282,7 +282,7 @@ def greedy(problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = Fals
         if a.stage >= first:
             position[rank] += 1
         else:
-            pending_enc.discard(a)
+            done_enc[a.microbatch] += 1
             pipeline_of.setdefault(a.microbatch, problem.stages[a.stage].ranks.index(rank))
         if a.kind is F:
             live[rank] += keep[a.stage]
@@ -294,20 +294,21 @@ def greedy(problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = Fals
 def _encoder_candidates(
     problem: BubbleProblem,
     rank: int,
-    pending: set[Action],
+    sequences: list[list[Action]],
+    done: list[int],
     pipeline_of: dict[int, int],
     need: int,
     lookahead: int,
 ) -> list[Action]:
-    """Encoder actions ``rank`` may run next: each microbatch's next pending one, on the rank its
-    pipeline puts it (a microbatch not yet given to a pipeline: its first forward, on any first
-    rank); forwards at most ``lookahead`` microbatches ahead of the one the LLM needs next."""
+    """Encoder actions ``rank`` may run next: each microbatch's next one (its encoder actions run
+    in dependency order), on the rank its pipeline puts it (a microbatch not yet given to a
+    pipeline: its first forward, on any first rank); forwards at most ``lookahead`` microbatches
+    ahead of the one the LLM needs next."""
     out = []
-    for j in range(problem.num_microbatches):
-        acts = [a for a in problem.encoder_actions(j) if a in pending]
-        if not acts:
+    for j, seq in enumerate(sequences):
+        if done[j] == len(seq):
             continue
-        a = acts[0]
+        a = seq[done[j]]
         if a.kind is F and j >= need + lookahead:
             continue
         k = pipeline_of.get(j)
