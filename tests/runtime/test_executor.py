@@ -314,3 +314,24 @@ def test_microbatches_given_unevenly_to_encoder_pipelines_train_like_eager():
     ranks = {a.microbatch: r for r, acts in enumerate(plan.actions) for a in acts if a.stage == 0}
     assert ranks == {0: 1, 1: 1, 2: 1, 3: 0}
     check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+
+
+def test_kernel_level_encoder_work_runs_before_its_host_and_trains_like_eager():
+    """The runtime runs a kernel-level encoder action just before the LLM action it rides on (on
+    one CPU rank the two kernels streams are one): numerics are those of eager training."""
+    model, batch, pipe = _pipe("tiny", batch_size=4)
+    plan = separate_plan(pipe.layer_graph, pp=2, encoder_pp=1, global_batch=4)
+    llm = plan.stages[-1].group
+    acts = list(plan.actions[1])
+    rider = next(a for a in acts if plan.stages[a.stage].group != llm)
+    rest = [a for a in acts if a != rider]
+    host = next(a for a in rest if plan.stages[a.stage].group == llm)
+    at = rest.index(host)
+    fused = dataclasses.replace(
+        plan,
+        actions=(plan.actions[0], tuple(rest[:at] + [rider] + rest[at:])),
+        kernel_level=frozenset({rider}),
+    )
+    fused.validate(pipe.layer_graph)
+    assert fused.host_of() == {rider: host}
+    check_equal_to_eager(model, batch, pipe.launch(plan=fused, timeout_s=30))

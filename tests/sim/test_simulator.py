@@ -1,6 +1,7 @@
 """The simulator against an independent reference (longest paths in the action DAG), its
 bubble accounting, and the trace and PNG it exports."""
 
+import dataclasses
 import json
 
 import networkx as nx
@@ -10,7 +11,9 @@ from hypothesis import strategies as st
 
 from tests.sim_helpers import make_plan, synthetic_costs
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.ir.actions import Action, ActionKind
+from vlmcompile.ir.errors import PlanError
 from vlmcompile.passes.megatron import megatron
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
@@ -166,3 +169,90 @@ def test_png_timeline_is_written(demo_run, tmp_path):
     write_png(demo_run, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
+
+
+# ---- kernel level: encoder actions inside an LLM action's TP gaps -------------------------------
+def _bubble_plan_with_tp(demo_graph):
+    from vlmcompile.passes.bubbles import bubbles
+    from vlmcompile.planning.request import PlanRequest, SolverOptions
+
+    cluster = Cluster.preset("h100x4")
+    request = PlanRequest.on(cluster, tp=2, pp=2, global_batch=4)
+    return cluster, bubbles(
+        demo_graph, cluster, request, solver=SolverOptions(time_limit_s=2, workers=2)
+    ).plan
+
+
+def _rider_and_host(plan):
+    """An encoder action on rank 1 moved right before an LLM action there that it does not feed."""
+    from vlmcompile.ir.actions import dependencies
+
+    acts = list(plan.actions[1])
+    llm = plan.stages[-1].group
+    for e in acts:
+        if plan.stages[e.stage].group == llm:
+            continue
+        for host in acts:
+            if plan.stages[host.stage].group != llm:
+                continue
+            if e in dependencies(host, plan.num_stages) or host in dependencies(e, plan.num_stages):
+                continue
+            rest = [a for a in acts if a != e]
+            at = rest.index(host)
+            moved = rest[:at] + [e] + rest[at:]
+            candidate = dataclasses.replace(
+                plan, actions=(plan.actions[0], tuple(moved)), kernel_level=frozenset({e})
+            )
+            try:
+                candidate.validate()
+            except PlanError:
+                continue
+            return candidate, e, host
+    raise AssertionError("no encoder action could ride an LLM action on rank 1")
+
+
+def test_a_kernel_level_encoder_action_shares_its_hosts_interval(demo_graph):
+    cluster, plan = _bubble_plan_with_tp(demo_graph)
+    fused, rider, host = _rider_and_host(plan)
+    assert fused.host_of() == {rider: host}
+    costs = plan_costs(fused, demo_graph, cluster)
+    sim = simulate(fused, demo_graph, cluster, costs=costs)
+    runs = {r.action: r for r in sim.runs}
+    r, h = runs[rider], runs[host]
+    assert (r.start_s, r.end_s) == (h.start_s, h.end_s) and r.inside == host
+    host_cost, rider_cost = costs.stages[host.stage], costs.stages[rider.stage]
+    tp_comm = {ActionKind.F: "fwd_tp_comm_s", ActionKind.B: "bwd_tp_comm_s"}
+    g_host = getattr(host_cost, tp_comm[host.kind])
+    g_rider = getattr(rider_cost, tp_comm[rider.kind])
+    c_rider = rider_cost.action_s(rider.kind) - g_rider
+    own = host_cost.action_s(host.kind) + h.dp_wait_s
+    assert g_host > 0  # TP = 2: the host has communication gaps
+    expected = max(own + max(0.0, c_rider - g_host), g_host + g_rider)
+    assert h.end_s - h.start_s == pytest.approx(expected)
+    # The riders' compute counts as busy; busy and idle still add up to the step on every rank.
+    for stats in sim.ranks:
+        assert stats.busy_s + sum(stats.idle_s.values()) == pytest.approx(sim.step_time_s)
+
+
+def test_kernel_level_marks_that_cannot_run_are_refused(demo_graph):
+    _, plan = _bubble_plan_with_tp(demo_graph)
+    fused, rider, host = _rider_and_host(plan)
+    with pytest.raises(PlanError, match="is marked kernel-level, but it is the pipeline's own work"):
+        dataclasses.replace(fused, kernel_level=frozenset({host})).validate()
+    last = plan.actions[1][-1]
+    if plan.stages[last.stage].group != plan.stages[-1].group:
+        with pytest.raises(PlanError, match="has no LLM action after it"):
+            dataclasses.replace(plan, kernel_level=frozenset({last})).validate()
+    with pytest.raises(PlanError, match="kernel-level action 0F99 is in no rank's action list"):
+        dataclasses.replace(fused, kernel_level=frozenset({Action.from_str("0F99")})).validate()
+
+
+def test_the_trace_shows_kernel_level_encoder_work_apart(demo_graph, tmp_path):
+    cluster, plan = _bubble_plan_with_tp(demo_graph)
+    fused, rider, _ = _rider_and_host(plan)
+    sim = simulate(fused, demo_graph, cluster)
+    events = chrome_trace(sim)["traceEvents"]
+    inside = [e for e in events if e.get("cat") == "kernel-level encoder"]
+    assert [e["name"] for e in inside] == [str(rider)]
+    write_png(sim, tmp_path / "trace.png")
+    assert (tmp_path / "trace.png").stat().st_size > 10_000

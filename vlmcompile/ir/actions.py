@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -73,11 +73,17 @@ def dependencies(
 
 
 def execution_order(
-    rank_actions: Sequence[Sequence[Action]], num_stages: int, split_backward: frozenset[int] = frozenset()
+    rank_actions: Sequence[Sequence[Action]],
+    num_stages: int,
+    split_backward: frozenset[int] = frozenset(),
+    hosts: Mapping[Action, Action] | None = None,
 ) -> tuple[list[tuple[int, int, Action]], list[int]]:
     """Run the lists with every action taking no time. Returns (rank, step, action) in an order
     where each action follows its rank's earlier actions and its dependencies, and where each
-    rank stopped: ``len`` of its list when it finished, else the step it is stuck at (deadlock)."""
+    rank stopped: ``len`` of its list when it finished, else the step it is stuck at (deadlock).
+    ``hosts`` maps kernel-level actions to the action they run inside: their output is ready
+    when their host is done."""
+    hosts = hosts or {}
     done: set[Action] = set()
     order: list[tuple[int, int, Action]] = []
     position = [0] * len(rank_actions)
@@ -87,7 +93,9 @@ def execution_order(
         for rank, acts in enumerate(rank_actions):
             while position[rank] < len(acts):
                 a = acts[position[rank]]
-                if not all(d in done for d in dependencies(a, num_stages, split_backward)):
+                if not all(
+                    d in done and hosts.get(d, d) in done for d in dependencies(a, num_stages, split_backward)
+                ):
                     break
                 done.add(a)
                 order.append((rank, position[rank], a))

@@ -180,6 +180,11 @@ class Plan:
     """Layer -> recompute flag; layers not named are not recomputed."""
     pieces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Sub-layer pieces: name -> the FX nodes it runs (empty while plans cut at layers)."""
+    kernel_level: frozenset[Action] = frozenset()
+    """Encoder actions that run at kernel level inside the LLM action after them on their rank
+    (their host): the encoder's compute kernels in the host's TP communication gaps, its TP
+    collectives during the host's compute (Optimus design decision 3). Several in a row share
+    the host that follows them. The runtime runs them before their host, one after the other."""
     precision: Precision = field(default_factory=Precision)
     cluster: str = ""
     decisions: tuple[Decision, ...] = ()
@@ -211,6 +216,21 @@ class Plan:
     def rank_of_action(self) -> dict[Action, int]:
         """The pipeline rank that runs each action (a replicated stage's work runs on one holder)."""
         return {a: rank for rank, acts in enumerate(self.actions) for a in acts}
+
+    def host_of(self) -> dict[Action, Action]:
+        """Each kernel-level action's host: the first action after it on its rank that is not
+        kernel-level itself."""
+        hosts: dict[Action, Action] = {}
+        for acts in self.actions:
+            riders: list[Action] = []
+            for a in acts:
+                if a in self.kernel_level:
+                    riders.append(a)
+                    continue
+                for rider in riders:
+                    hosts[rider] = a
+                riders = []
+        return hosts
 
     def split_backward(self) -> frozenset[int]:
         """Stages whose backward runs as separate I and W actions."""
@@ -265,6 +285,7 @@ class Plan:
             "stages": [asdict(s) for s in self.stages],
             "recompute": {k: v.value for k, v in self.recompute.items()},
             "pieces": {k: list(v) for k, v in self.pieces.items()},
+            "kernel_level": sorted(str(a) for a in self.kernel_level),
             "actions": [[str(a) for a in acts] for acts in self.actions],
             "decisions": [
                 {
@@ -323,6 +344,10 @@ class Plan:
                 pieces={
                     k: _Reader.strings(v, f"pieces[{k!r}]") for k, v in r.get("pieces", dict, {}).items()
                 },
+                kernel_level=frozenset(
+                    Action.from_str(a)
+                    for a in _Reader.strings(r.get("kernel_level", list, []), "kernel_level")
+                ),
                 actions=tuple(
                     tuple(
                         Action.from_str(_Reader.typed(a, str, f"actions[{rank}][{step}]"))
@@ -369,6 +394,7 @@ class Plan:
         if layer_graph is not None:
             _check_layers(self, layer_graph)
         _check_actions(self)
+        _check_kernel_level(self)
         _check_deadlock(self)
 
     def grid_around(self, rank: int, step: int, note: str) -> str:
@@ -643,6 +669,38 @@ def _check_actions(plan: Plan) -> None:
                 )
 
 
+def _check_kernel_level(plan: Plan) -> None:
+    """A kernel-level action is an encoder action (not of the pipeline's group) with a host: an
+    action of the pipeline's group after it on its rank, which neither needs its output nor
+    feeds it (the two run at once)."""
+    where = {a: (rank, step) for rank, acts in enumerate(plan.actions) for step, a in enumerate(acts)}
+    pipeline_group = plan.stages[-1].group
+    hosts = plan.host_of()
+    split = plan.split_backward()
+    for a in sorted(plan.kernel_level):
+        if a not in where:
+            raise PlanError(f"kernel-level action {a} is in no rank's action list")
+        rank, step = where[a]
+        if plan.stages[a.stage].group == pipeline_group:
+            raise PlanError(
+                f"rank {rank} step {step}: {a} is marked kernel-level, but it is the pipeline's own work "
+                f"(group {pipeline_group!r}); only encoder actions run inside another action\n"
+                + plan.grid_around(rank, step, "<- not an encoder action")
+            )
+        host = hosts.get(a)
+        if host is None or plan.stages[host.stage].group != pipeline_group:
+            raise PlanError(
+                f"rank {rank} step {step}: kernel-level {a} has no LLM action after it on rank {rank} to run "
+                "inside; put it before one, or run it at layer level\n"
+                + plan.grid_around(rank, step, "<- no host")
+            )
+        if a in dependencies(host, plan.num_stages, split) or host in dependencies(a, plan.num_stages, split):
+            raise PlanError(
+                f"rank {rank} step {step}: kernel-level {a} and its host {host} depend on each other; they "
+                "cannot run at once\n" + plan.grid_around(rank, step, "<- depends on its host")
+            )
+
+
 def _holders_text(stage: Stage) -> str:
     return f"rank {stage.rank}" if not stage.replicas else f"ranks {list(stage.ranks)}"
 
@@ -651,7 +709,7 @@ def _check_deadlock(plan: Plan) -> None:
     """Run the action lists with every action taking no time: a deadlock is a state where no
     rank's next action has its inputs."""
     split = plan.split_backward()
-    order, position = execution_order(plan.actions, plan.num_stages, split)
+    order, position = execution_order(plan.actions, plan.num_stages, split, plan.host_of())
     done = {a for _, _, a in order}
     stuck = [r for r in range(plan.num_ranks) if position[r] < len(plan.actions[r])]
     if not stuck:

@@ -31,7 +31,7 @@ Busy time plus the idle causes equals the step time on every rank (the tests che
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tabulate import tabulate
 
@@ -61,6 +61,8 @@ class ActionRun:
     tp_comm_s: float
     dp_wait_s: float = 0.0
     """Waiting inside a first forward for a later layer's parameters."""
+    inside: Action | None = None
+    """For a kernel-level encoder action: the LLM action it ran inside."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,13 +226,29 @@ def simulate(
             waited[a] = _parameter_wait(stage, start, {n: t for (r, n), t in gathered.items() if r == rank})
         return stage.action_s(a.kind) + waited.get(a, 0.0)
 
+    hosts = plan.host_of()
+
+    def fused(host: Action, riders, start: float) -> float:
+        own = duration(host, start)  # its compute, TP collectives and any wait for parameters
+        host_tp = _tp_comm_s(stages[host.stage], host.kind)
+        rider_compute = sum(_compute_s(stages[r.stage], r.kind) for r in riders)
+        rider_tp = sum(_tp_comm_s(stages[r.stage], r.kind) for r in riders)
+        # The riders' compute kernels go into the host's TP gaps and their collectives into its
+        # compute: the pair takes the longer of the compute stream (host and riders' compute,
+        # and the host's own collectives between its kernels) and the communication stream.
+        return max(own + max(0.0, rider_compute - host_tp), host_tp + rider_tp)
+
     timed = run_actions(
         plan.actions,
         plan.num_stages,
         duration=duration,
         transfer=transfer_between_stages([s.send_fwd_s for s in stages], [s.send_bwd_s for s in stages]),
+        hosts=hosts,
+        fused_duration=fused,
     )
     runs = [_run(t, stages[t.action.stage], waited.get(t.action, 0.0)) for t in timed]
+    if hosts:
+        runs = _kernel_level_runs(runs, hosts, stages)
 
     # DP gradient reduction: a layer's gradients on a rank are complete after the last backward
     # of its stage there.
@@ -291,19 +309,55 @@ def _parameter_wait(stage: StageCost, start: float, gathered: dict[str, float]) 
     return waited
 
 
-def _run(timed: Timed, stage: StageCost, dp_wait_s: float) -> ActionRun:
-    """What the action's time was spent on: compute, TP collectives, waiting for parameters."""
-    kind = timed.action.kind
-    tp = {
+def _tp_comm_s(stage: StageCost, kind: ActionKind) -> float:
+    return {
         ActionKind.F: stage.fwd_tp_comm_s,
         ActionKind.B: stage.bwd_tp_comm_s,
         ActionKind.I: stage.bwd_tp_comm_s,
         ActionKind.W: 0.0,
     }[kind]
-    compute = stage.action_s(kind) - tp
+
+
+def _compute_s(stage: StageCost, kind: ActionKind) -> float:
+    return stage.action_s(kind) - _tp_comm_s(stage, kind)
+
+
+def _run(timed: Timed, stage: StageCost, dp_wait_s: float) -> ActionRun:
+    """What the action's time was spent on: compute, TP collectives, waiting for parameters."""
+    kind = timed.action.kind
     return ActionRun(
-        timed.rank, timed.step, timed.action, timed.start_s, timed.end_s, compute, tp, dp_wait_s=dp_wait_s
+        timed.rank,
+        timed.step,
+        timed.action,
+        timed.start_s,
+        timed.end_s,
+        _compute_s(stage, kind),
+        _tp_comm_s(stage, kind),
+        dp_wait_s=dp_wait_s,
     )
+
+
+def _kernel_level_runs(
+    runs: list[ActionRun], hosts: dict[Action, Action], stages: tuple[StageCost, ...]
+) -> list[ActionRun]:
+    """A host and its kernel-level riders share one interval: the compute stream runs the host's
+    and the riders' compute, and idles for the rest of it (counted as the host's TP collectives),
+    so busy time plus idle causes still add up to the step on every rank."""
+    riders_of: dict[Action, list[ActionRun]] = defaultdict(list)
+    for run in runs:
+        if run.action in hosts:
+            riders_of[hosts[run.action]].append(run)
+    out = []
+    for run in runs:
+        if run.action in hosts:
+            out.append(replace(run, tp_comm_s=0.0, inside=hosts[run.action]))
+        elif run.action in riders_of:
+            riders = sum(r.compute_s for r in riders_of[run.action])
+            idle = (run.end_s - run.start_s) - run.compute_s - riders - run.dp_wait_s
+            out.append(replace(run, tp_comm_s=max(0.0, idle)))
+        else:
+            out.append(run)
+    return out
 
 
 def _bubbles(runs: list[ActionRun], num_ranks: int, step: float, compute_end: float) -> list[Bubble]:

@@ -10,7 +10,7 @@ CP-SAT model states the same rule as constraints.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order
@@ -33,6 +33,8 @@ def run_actions(
     *,
     duration: Callable[[Action, float], float],
     transfer: Callable[[Action, Action], float],
+    hosts: Mapping[Action, Action] | None = None,
+    fused_duration: Callable[[Action, Sequence[Action], float], float] | None = None,
 ) -> list[Timed]:
     """Every action with its start and end, in an order in which each starts after its inputs.
 
@@ -42,28 +44,51 @@ def run_actions(
         transfer: seconds from the end of ``dep`` until ``action``, which needs its output, may
             start when the two run on different ranks (on one rank nothing moves: a replicated
             stage's holders make this a property of the run, not of the stages).
+        hosts: kernel-level actions -> the action they run inside (``Plan.host_of``): a host
+            and its riders start together, when all their inputs are there, and end together,
+            after ``fused_duration(host, riders, start)``.
     """
+    hosts = hosts or {}
+    riders: dict[Action, list[Action]] = {}
+    for rider, host in hosts.items():
+        riders.setdefault(host, []).append(rider)
     split = frozenset(a.stage for acts in actions for a in acts if a.kind is ActionKind.I)
-    order, position = execution_order(actions, num_stages, split)
+    order, position = execution_order(actions, num_stages, split, hosts)
     if len(order) < sum(len(a) for a in actions):
         stuck = [str(acts[position[r]]) for r, acts in enumerate(actions) if position[r] < len(acts)]
         raise PlanError(f"the action lists deadlock (next actions {stuck}); run plan.validate() for the grid")
     end: dict[Action, float] = {}
     ran_on: dict[Action, int] = {}
     free = [0.0] * len(actions)
+    steps: dict[Action, int] = {}
     out = []
-    for rank, step, a in order:
-        ready = max(
+
+    def ready_at(a: Action, rank: int) -> float:
+        return max(
             (
                 end[d] + (transfer(d, a) if ran_on[d] != rank else 0.0)
                 for d in dependencies(a, num_stages, split)
             ),
             default=0.0,
         )
+
+    for rank, step, a in order:
         ran_on[a] = rank
-        start = max(free[rank], ready)
-        end[a] = free[rank] = start + duration(a, start)
-        out.append(Timed(rank, step, a, start, end[a]))
+        steps[a] = step
+        if a in hosts:
+            continue  # timed with its host, which comes later on this rank
+        group = sorted(riders.get(a, []), key=lambda r: steps[r])
+        start = max(free[rank], ready_at(a, rank), *(ready_at(r, rank) for r in group))
+        if group:
+            if fused_duration is None:
+                raise PlanError("the plan runs actions at kernel level; give run_actions a fused_duration")
+            finish = start + fused_duration(a, group, start)
+        else:
+            finish = start + duration(a, start)
+        for b in (*group, a):
+            end[b] = finish
+            out.append(Timed(rank, steps[b], b, start, finish))
+        free[rank] = finish
     return out
 
 

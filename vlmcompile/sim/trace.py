@@ -16,13 +16,27 @@ from typing import Any
 from vlmcompile.ir.actions import ActionKind
 from vlmcompile.sim.simulator import SimResult
 
-_COMPUTE, _DP, _BUBBLE = 0, 1, 2
+_COMPUTE, _DP, _BUBBLE, _KERNELS = 0, 1, 2, 3
 _COLOURS = {  # one colour per action kind, darker for later virtual stages
     ActionKind.F: "#4C72B0",
     ActionKind.B: "#55A868",
     ActionKind.I: "#55A868",
     ActionKind.W: "#8172B2",
 }
+_ENCODER_COLOURS = {  # encoder work of a plan whose encoders have their own group
+    ActionKind.F: "#DD8452",
+    ActionKind.B: "#C44E52",
+    ActionKind.I: "#C44E52",
+    ActionKind.W: "#937860",
+}
+_KERNEL_LEVEL = "#E6B800"
+"""Encoder kernels run inside an LLM action's communication gaps."""
+
+
+def _colour(result: SimResult, stage: int, kind: ActionKind) -> str:
+    plan = result.plan
+    encoder = plan.stages[stage].group != plan.stages[-1].group
+    return (_ENCODER_COLOURS if encoder else _COLOURS)[kind]
 
 
 def chrome_trace(result: SimResult) -> dict[str, Any]:
@@ -34,17 +48,22 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
         events.append(
             {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}}
         )
-        for tid, name in ((_COMPUTE, "compute"), (_DP, "DP collectives"), (_BUBBLE, "bubbles")):
+        for tid, name in (
+            (_COMPUTE, "compute"),
+            (_DP, "DP collectives"),
+            (_BUBBLE, "bubbles"),
+            (_KERNELS, "encoder kernels in LLM gaps"),
+        ):
             events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
     for run in result.runs:
         a = run.action
         events.append(
             {
                 "name": str(a),
-                "cat": a.kind.value,
+                "cat": a.kind.value if run.inside is None else "kernel-level encoder",
                 "ph": "X",
                 "pid": run.rank,
-                "tid": _COMPUTE,
+                "tid": _COMPUTE if run.inside is None else _KERNELS,
                 "ts": run.start_s * 1e6,
                 "dur": (run.end_s - run.start_s) * 1e6,
                 "args": {
@@ -134,6 +153,17 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
             continue
         a = run.action
         start, width = run.start_s * 1e3, (run.end_s - run.start_s) * 1e3
+        if run.inside is not None:
+            # Inside its host's bar: a thin strip as long as its compute, in its own colour.
+            ax.barh(
+                run.rank + 0.28,
+                run.compute_s * 1e3,
+                left=start,
+                height=0.22,
+                color=_KERNEL_LEVEL,
+                edgecolor="none",
+            )
+            continue
         chunk = a.stage // result.plan.num_ranks
         alpha = 1.0 - 0.45 * chunk / max(1, num_stages // result.plan.num_ranks - 1)
         ax.barh(
@@ -141,7 +171,7 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
             width,
             left=start,
             height=0.8,
-            color=_COLOURS[a.kind],
+            color=_colour(result, a.stage, a.kind),
             alpha=alpha,
             edgecolor="white",
             linewidth=0.3,
@@ -189,7 +219,14 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
         Patch(facecolor="white", hatch="///", edgecolor="#333333", label="TP collectives"),
         Patch(color="#DDDDDD", label="bubble"),
     ]
-    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    if len(result.plan.parallel) > 1:
+        legend[2:2] = [
+            Patch(color=_ENCODER_COLOURS[ActionKind.F], label="encoder forward"),
+            Patch(color=_ENCODER_COLOURS[ActionKind.B], label="encoder backward"),
+        ]
+    if result.plan.kernel_level:
+        legend.append(Patch(color=_KERNEL_LEVEL, label="encoder kernels in LLM gaps"))
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
     if len(result.ranks) > num_ranks:
         ax.text(
             1.0,
