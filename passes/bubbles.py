@@ -48,6 +48,8 @@ from vlmcompile.sim.simulator import CAUSES, SimResult, simulate
 
 GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False))
 """(lookahead, fill_only) settings of the list scheduler tried per encoder plan."""
+KERNEL_SETTINGS = ((2, False), (4, False), (8, False))
+"""Settings of the list scheduler run again with encoder work inside the LLM's TP gaps."""
 SOLVED_PLANS = 2
 """Encoder plans (the fastest after the list scheduler) that CP-SAT then schedules."""
 MAX_ENCODER_ACTIONS = 600
@@ -98,19 +100,26 @@ class BubbleReport:
     wall_s: float
     notes: tuple[str, ...] = field(default=())
 
+    kernel_hidden_share: float = 0.0
+    """The share of the encoder's compute run at kernel level, inside the LLM's TP gaps."""
+    layer_level_step_s: float | None = None
+    """The step before encoder work moved into the TP gaps (None: the same as ``step_s``)."""
+
     @property
     def hidden_share(self) -> float:
-        """The share of the encoder's work hidden in the LLM's bubbles, layer level: 1 - (step -
-        LLM-alone step) x ranks / encoder work, clipped to [0, 1] (1: the encoders cost no step
-        time; 0: every encoder second added one to the step on its rank)."""
+        """The share of the encoder's work hidden in the LLM's bubbles, layer and kernel level
+        together: 1 - (step - LLM-alone step) x ranks / encoder work, clipped to [0, 1] (1: the
+        encoders cost no step time; 0: every encoder second added one to the step on its rank)."""
         if self.encoder_work_s <= 0:
             return 1.0
         ranks = self.plan.num_ranks
         extra = max(0.0, self.step_s - self.llm_alone_step_s) * ranks
         return min(1.0, max(0.0, 1 - extra / self.encoder_work_s))
 
-    kernel_hidden_share: float = 0.0
-    """Kernel level (encoder compute in the LLM's TP/DP communication gaps): not modelled yet."""
+    @property
+    def layer_hidden_share(self) -> float:
+        """What the layer-level placement hid: the total less the kernel level's share."""
+        return max(0.0, self.hidden_share - self.kernel_hidden_share)
 
     @property
     def encoder_overhead(self) -> float:
@@ -163,8 +172,14 @@ class BubbleReport:
             f"simulated step {self.step_s * 1e3:.1f} ms; phased (encoder forwards first, backwards last) "
             f"{self.phased_step_s * 1e3:.1f} ms; the LLM alone {self.llm_alone_step_s * 1e3:.1f} ms "
             f"(encoder overhead {self.encoder_overhead:.3f}x)",
-            f"encoder work hidden in bubbles: layer level {100 * self.hidden_share:.0f} % of "
-            f"{self.encoder_work_s * 1e3:.1f} ms; kernel level not modelled yet",
+            f"encoder work hidden in bubbles: {100 * self.hidden_share:.0f} % of {self.encoder_work_s * 1e3:.1f} ms "
+            f"(layer level {100 * self.layer_hidden_share:.0f} %, kernel level {100 * self.kernel_hidden_share:.0f} %"
+            + (
+                f": {self.layer_level_step_s * 1e3:.1f} -> {self.step_s * 1e3:.1f} ms"
+                if self.layer_level_step_s is not None
+                else ""
+            )
+            + ")",
             f"CP-SAT {self.solver_status}: {objective}; pass wall time {self.wall_s:.1f} s",
             *self.notes,
             "",
@@ -219,6 +234,7 @@ def llm_alone(plan: Plan) -> Plan:
         stages=stages,
         actions=actions,
         parallel={ep.LLM_GROUP: plan.parallel[ep.LLM_GROUP]},
+        kernel_level=frozenset(),
         recompute={k: v for k, v in plan.recompute.items() if any(k in s.layers for s in stages)},
     )
 
@@ -275,6 +291,8 @@ class _Candidate:
     plan: Plan
     sim: SimResult
     solution: bs.BubbleSolution | None = None
+    layer_level_s: float = 0.0
+    """The fastest layer-level schedule's step (the kernel level's starting point)."""
 
 
 def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, count, solver, started):
@@ -337,15 +355,24 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         best: _Candidate | None = None
         # The phased schedule (Optimus's initial one) is a candidate too: the list scheduler's
         # choices can lose to it where the encoder work is large against the bubbles.
-        schedules = [phased.actions] + [
-            bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
+        schedules = [(phased.actions, frozenset())] + [
+            (bs.greedy(problem, lookahead=lookahead, fill_only=fill_only), frozenset())
             for lookahead, fill_only in GREEDY_SETTINGS
         ]
-        for actions in schedules:
-            plan = dataclasses.replace(phased, actions=actions)
+        if llm.tp > 1:  # TP collectives leave gaps for encoder kernels (Optimus design decision 3)
+            for lookahead, fill_only in KERNEL_SETTINGS:
+                riders: set = set()
+                actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only, riders=riders)
+                schedules.append((actions, frozenset(riders)))
+        layer_level = None
+        for actions, kernel_level in schedules:
+            plan = dataclasses.replace(phased, actions=actions, kernel_level=kernel_level)
             sim = simulate(plan, layer_graph, cluster, costs=costs)
+            if not kernel_level and sim.fits:
+                layer_level = min(layer_level or sim.step_time_s, sim.step_time_s)
             if best is None or (not sim.fits, sim.step_time_s) < (not best.sim.fits, best.sim.step_time_s):
                 best = _Candidate(encoder, phased, costs, problem, plan, sim)
+        best.layer_level_s = layer_level if layer_level is not None else best.sim.step_time_s
         scored.append(best)
         # Finer granularity is tried while it keeps helping: a step no faster than the coarser
         # plan's stops the (pp, tp) pair's refinement (marked by an infinite step).
@@ -378,18 +405,38 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         plan.validate(layer_graph)
         sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
         rows[cand.encoder] = dataclasses.replace(rows[cand.encoder], solved_step_s=sim.step_time_s)
+        if sim.fits:
+            cand.layer_level_s = min(cand.layer_level_s, sim.step_time_s)
         if sim.fits and sim.step_time_s < cand.sim.step_time_s:
             cand.plan, cand.sim = plan, sim
         cand.solution = solution
     chosen = min(fitting, key=lambda c: c.sim.step_time_s)
+    layer_level = chosen.layer_level_s
     table = tuple(dataclasses.replace(r, verdict=r.verdict or _verdict(r, chosen)) for r in rows.values())
-    return _result(layer_graph, cluster, request, rung, chosen, table, started)
+    return _result(layer_graph, cluster, request, rung, chosen, table, started, layer_level)
 
 
-def _result(layer_graph, cluster, request, rung, chosen: _Candidate, rows, started) -> PolicyResult:
+def _result(
+    layer_graph, cluster, request, rung, chosen: _Candidate, rows, started, layer_level_s
+) -> PolicyResult:
     plan, sim, solution = chosen.plan, chosen.sim, chosen.solution
     phased_sim = simulate(chosen.phased, layer_graph, cluster, costs=chosen.costs)
     alone_sim = simulate(llm_alone(plan), layer_graph, cluster)
+    encoder_stages = chosen.costs.stages[: chosen.problem.encoder_stages]
+    encoder_compute = plan.num_microbatches * sum(
+        c.action_s(kind) - (c.fwd_tp_comm_s if kind is bs.F else c.bwd_tp_comm_s)
+        for c in encoder_stages
+        for kind in (bs.F, bs.B)
+    )
+    kernel_compute = sum(
+        chosen.costs.stages[a.stage].action_s(a.kind)
+        - (
+            chosen.costs.stages[a.stage].fwd_tp_comm_s
+            if a.kind is bs.F
+            else chosen.costs.stages[a.stage].bwd_tp_comm_s
+        )
+        for a in plan.kernel_level
+    )
     encoder_work = plan.num_microbatches * sum(
         c.action_s(kind)
         for c in chosen.costs.stages[: chosen.problem.encoder_stages]
@@ -419,6 +466,16 @@ def _result(layer_graph, cluster, request, rung, chosen: _Candidate, rows, start
             {"phased_step_s": phased_sim.step_time_s, "step_s": sim.step_time_s},
         ),
     ]
+    if plan.kernel_level:
+        decisions.append(
+            Decision(
+                "kernel level",
+                Reason.BUBBLE_SCHEDULE,
+                f"{len(plan.kernel_level)} encoder actions run inside LLM actions' TP gaps "
+                f"({layer_level_s * 1e3:.1f} -> {sim.step_time_s * 1e3:.1f} ms simulated)",
+                {"layer_level_step_s": layer_level_s, "step_s": sim.step_time_s},
+            )
+        )
     plan = dataclasses.replace(plan, decisions=(*plan.decisions, *decisions))
     sim = dataclasses.replace(sim, plan=plan)
     unit = chosen.problem.unit_s
@@ -440,6 +497,8 @@ def _result(layer_graph, cluster, request, rung, chosen: _Candidate, rows, start
         gap=solution.gap if solution is not None else None,
         wall_s=time.perf_counter() - started,
         notes=(f"schedule used: {used}",),
+        kernel_hidden_share=min(1.0, kernel_compute / encoder_compute) if encoder_compute > 0 else 0.0,
+        layer_level_step_s=layer_level_s if plan.kernel_level else None,
     )
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung))
 

@@ -147,3 +147,22 @@ def test_the_plan_saves_and_loads_with_its_encoder_plan(demo_bubbles, tmp_path):
     assert loaded == result.plan
     assert loaded.parallel[ep.ENCODER_GROUP] == result.plan.parallel[ep.ENCODER_GROUP]
     assert any(s.replicas for s in loaded.stages)
+
+
+def test_encoder_kernels_fill_the_llms_tp_gaps_where_it_has_them(demo_graph):
+    """TP = 2: the LLM's actions leave their compute stream idle during TP collectives, and the
+    list scheduler puts encoder actions inside them (the kernel level, Optimus design decision 3)."""
+    cluster = Cluster.preset("h100x4")
+    request = PlanRequest.on(cluster, tp=2, pp=2, global_batch=8)
+    result = bubbles(demo_graph, cluster, request, solver=FAST)
+    plan, report = result.plan, result.report
+    plan.validate(demo_graph)
+    assert plan.kernel_level, "expected encoder work inside the LLM's TP gaps"
+    assert all(plan.stages[a.stage].group == ep.ENCODER_GROUP for a in plan.kernel_level)
+    assert report.layer_level_step_s is not None and report.step_s < report.layer_level_step_s
+    assert 0 < report.kernel_hidden_share <= 1
+    assert "kernel level" in str(report)
+    # Every rider shares its host's interval in the simulation.
+    runs = {r.action: r for r in result.sim.runs}
+    for rider, host in plan.host_of().items():
+        assert (runs[rider].start_s, runs[rider].end_s) == (runs[host].start_s, runs[host].end_s)

@@ -93,8 +93,11 @@ def execution_order(
         for rank, acts in enumerate(rank_actions):
             while position[rank] < len(acts):
                 a = acts[position[rank]]
+                # A rider's output is ready with its host, except to a rider of the same host
+                # (the two run in one interval, one after the other).
                 if not all(
-                    d in done and hosts.get(d, d) in done for d in dependencies(a, num_stages, split_backward)
+                    d in done and (hosts.get(d, d) in done or hosts.get(d) == hosts.get(a, a))
+                    for d in dependencies(a, num_stages, split_backward)
                 ):
                     break
                 done.add(a)

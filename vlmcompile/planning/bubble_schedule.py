@@ -65,6 +65,9 @@ class StageFigures:
     """Activation bytes kept per microbatch from its forward to its backward."""
     transient: int
     """Extra bytes while its backward runs (recompute)."""
+    fwd_tp: int = 0
+    """The part of ``fwd`` spent in TP collectives (the compute stream's gaps)."""
+    bwd_tp: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +173,8 @@ def problem_from(
             send_bwd=units(c.send_bwd_s),
             keep=math.ceil(c.act_bytes),
             transient=math.ceil(c.transient_bytes),
+            fwd_tp=units(c.fwd_tp_comm_s),
+            bwd_tp=units(c.bwd_tp_comm_s),
         )
         for stage, c in zip(plan.stages, stage_costs)
     )
@@ -210,13 +215,20 @@ def rank_peak(problem: BubbleProblem, acts: Sequence[Action]) -> int:
 
 
 # ---- the list scheduler ----------------------------------------------------------------------
-def greedy(problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = False) -> RankActions:
+def greedy(
+    problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = False, riders: set[Action] | None = None
+) -> RankActions:
     """A schedule made one action at a time, the earliest-starting first: a rank runs its next
     LLM action when it can, and while it would wait, ready encoder work (forwards of the
     microbatches the first LLM stage needs next, at most ``lookahead`` ahead of it; backwards
     once their gradients are back). With ``fill_only`` encoder work goes only into gaps it fits
     (it never delays a ready LLM action), except the forward the first LLM stage waits for.
-    A microbatch goes to the encoder pipeline whose first rank takes its first encoder forward."""
+    A microbatch goes to the encoder pipeline whose first rank takes its first encoder forward.
+
+    With ``riders`` (a set the schedule's kernel-level actions are added to), each LLM action
+    with TP collectives also takes ready encoder actions inside it while their compute fits in
+    its TP gaps and their collectives in its compute (Optimus's ``AssignKernels``); they are
+    listed before it and end with it."""
     m = problem.num_microbatches
     ends: dict[Action, tuple[int, int]] = {}  # action -> (end, rank)
     free = [0] * problem.num_ranks
@@ -237,6 +249,19 @@ def greedy(problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = Fals
             end, where = ends[d]
             t = max(t, end + (problem.transfer(d, a) if where != rank else 0))
         return t
+
+    def _commit_counts(a: Action, rank: int) -> None:
+        if a.stage >= first:
+            position[rank] += 1
+        else:
+            done_enc[a.microbatch] += 1
+            pipeline_of.setdefault(a.microbatch, problem.stages[a.stage].ranks.index(rank))
+        live[rank] += keep[a.stage] if a.kind is F else -keep[a.stage]
+
+    def _commit(e: Action, end: int, rank: int) -> None:
+        """An encoder action run inside an LLM action: done when its host is."""
+        ends[e] = (end, rank)
+        _commit_counts(e, rank)
 
     need = 0  # the microbatch the first LLM stage needs next
     total = sum(len(a) for a in problem.llm_actions) + sum(len(seq) for seq in sequences)
@@ -276,19 +301,56 @@ def greedy(problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = Fals
         if best is None:
             raise PlanError("the greedy bubble schedule is stuck: no rank can run its next action")
         start, _, rank, a = best
-        ends[a] = (start + problem.duration(a), rank)
-        free[rank] = ends[a][0]
+        end = start + problem.duration(a)
+        inside: list[Action] = []
+        if riders is not None and a.stage >= first:
+            gap, busy = _split(problem, a)
+            gap_left, compute_left = gap, busy
+            while gap_left > 0:
+                fits = None
+                for e in _encoder_candidates(
+                    problem, rank, sequences, done_enc, pipeline_of, need, lookahead
+                ):
+                    # Its inputs are there when the host starts, or come from riders before it.
+                    outside = [d for d in dependencies(e, problem.num_stages) if d not in inside]
+                    if any(d not in ends for d in outside):
+                        continue
+                    r = max(
+                        (ends[d][0] + (problem.transfer(d, e) if ends[d][1] != rank else 0) for d in outside),
+                        default=0,
+                    )
+                    if r > start:
+                        continue
+                    e_gap, e_busy = _split(problem, e)
+                    if (
+                        e_busy <= gap_left
+                        and e_gap <= compute_left
+                        and (e.kind is not F or live[rank] + keep[e.stage] <= problem.mem_limit[rank])
+                    ):
+                        fits = e
+                        break
+                if fits is None:
+                    break
+                e_gap, e_busy = _split(problem, fits)
+                gap_left -= e_busy
+                compute_left -= e_gap
+                inside.append(fits)
+                _commit(fits, end, rank)
+        ends[a] = (end, rank)
+        free[rank] = end
+        out[rank].extend(inside)
         out[rank].append(a)
-        if a.stage >= first:
-            position[rank] += 1
-        else:
-            done_enc[a.microbatch] += 1
-            pipeline_of.setdefault(a.microbatch, problem.stages[a.stage].ranks.index(rank))
-        if a.kind is F:
-            live[rank] += keep[a.stage]
-        else:
-            live[rank] -= keep[a.stage]
+        if riders is not None:
+            riders.update(inside)
+        _commit_counts(a, rank)
     return tuple(tuple(acts) for acts in out)
+
+
+def _split(problem: BubbleProblem, a: Action) -> tuple[int, int]:
+    """(TP collectives, compute) of an action, in units."""
+    fig = problem.stages[a.stage]
+    total, tp = (fig.fwd, fig.fwd_tp) if a.kind is F else (fig.bwd, fig.bwd_tp)
+    return tp, total - tp
 
 
 def _encoder_candidates(

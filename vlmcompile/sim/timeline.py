@@ -63,11 +63,12 @@ def run_actions(
     steps: dict[Action, int] = {}
     out = []
 
-    def ready_at(a: Action, rank: int) -> float:
+    def ready_at(a: Action, rank: int, group: Sequence[Action] = ()) -> float:
         return max(
             (
                 end[d] + (transfer(d, a) if ran_on[d] != rank else 0.0)
                 for d in dependencies(a, num_stages, split)
+                if d not in group  # a rider of the same host runs before it in the same interval
             ),
             default=0.0,
         )
@@ -78,7 +79,7 @@ def run_actions(
         if a in hosts:
             continue  # timed with its host, which comes later on this rank
         group = sorted(riders.get(a, []), key=lambda r: steps[r])
-        start = max(free[rank], ready_at(a, rank), *(ready_at(r, rank) for r in group))
+        start = max(free[rank], ready_at(a, rank), *(ready_at(r, rank, group) for r in group))
         if group:
             if fused_duration is None:
                 raise PlanError("the plan runs actions at kernel level; give run_actions a fused_duration")
