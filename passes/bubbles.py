@@ -355,10 +355,15 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         best: _Candidate | None = None
         # The phased schedule (Optimus's initial one) is a candidate too: the list scheduler's
         # choices can lose to it where the encoder work is large against the bubbles.
-        schedules = [(phased.actions, frozenset())] + [
-            (bs.greedy(problem, lookahead=lookahead, fill_only=fill_only), frozenset())
+        layer_schedules = [phased.actions] + [
+            bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
             for lookahead, fill_only in GREEDY_SETTINGS
         ]
+        # The layer-level schedules are ranked by the problem's own timeline (the simulator's
+        # rules less the DP collectives) and only the best is simulated: simulating every one
+        # costs most of the pass's time at paper scale.
+        ranked = min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate(problem, acts)))
+        schedules = [(ranked, frozenset())]
         if llm.tp > 1:  # TP collectives leave gaps for encoder kernels (Optimus design decision 3)
             for lookahead, fill_only in KERNEL_SETTINGS:
                 riders: set = set()
@@ -501,6 +506,10 @@ def _result(
         layer_level_step_s=layer_level_s if plan.kernel_level else None,
     )
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung))
+
+
+def _rank_key(evaluation: bs.Evaluation) -> tuple[bool, int]:
+    return (not evaluation.fits, evaluation.step)
 
 
 def _verdict(row: EncoderPlanRow, chosen: _Candidate) -> str:

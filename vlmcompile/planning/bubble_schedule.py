@@ -241,13 +241,22 @@ def greedy(
     sequences = [problem.encoder_actions(j) for j in range(m)]
     done_enc = [0] * m
 
+    deps = {}
+    ready: dict[tuple[Action, int], int] = {}  # once every input is committed, it stays put
+
     def ready_at(a: Action, rank: int) -> int | None:
+        key = (a, rank)
+        if key in ready:
+            return ready[key]
+        if a not in deps:
+            deps[a] = dependencies(a, problem.num_stages)
         t = 0
-        for d in dependencies(a, problem.num_stages):
+        for d in deps[a]:
             if d not in ends:
                 return None
             end, where = ends[d]
             t = max(t, end + (problem.transfer(d, a) if where != rank else 0))
+        ready[key] = t
         return t
 
     def _commit_counts(a: Action, rank: int) -> None:
