@@ -59,6 +59,10 @@ def setup_row(name: str, graphs: dict) -> dict:
         "model": setup.model,
         "cluster": setup.cluster,
         "request": str(request),
+        "degrees": (
+            f"{request.parallel.dp}/{request.parallel.tp}/{request.parallel.pp}/{request.parallel.v} "
+            f"mb={request.microbatch_size}x{request.num_microbatches}"
+        ),
         "baselines": steps,
         "frugal_baseline_gib": min((max(r.sim.peak_mem_bytes) for r in fitting), default=None),
     }
@@ -103,10 +107,7 @@ def markdown_table(rows: list[dict]) -> str:
     head += ["encoder work hidden", "peak vs most frugal", "pass wall s", "encoder overhead (goal <= 1.10)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [
-            r["setup"],
-            r["request"].replace("DP=", "").replace(" TP=", "/").replace(" PP=", "/").replace(" V=", "/"),
-        ]
+        cells = [r["setup"], r["degrees"]]
         cells += [f"{r['baselines'][p]:.2f}" if r["baselines"].get(p) is not None else "-" for p in BASELINES]
         ours = r.get("ours")
         best = best_baseline(r)

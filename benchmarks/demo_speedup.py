@@ -59,7 +59,8 @@ def _table(runs: list[dict]) -> str:
         stages = f"{ours['degrees']}: {ours['stages']}".replace("|", "\\|")  # a pipe ends a Markdown cell
         cells = [str(k), stages]
         for p in r["runs"]:
-            at = "" if p["degrees"].startswith("PP=2") else f" at {p['degrees']}"
+            same = p["degrees"].split()[0] == ours["degrees"].split()[0]
+            at = "" if same else f" at {p['degrees']}"
             cells.append(f"{p['predicted_s']:.3f} / {p['measured_s']:.3f} ({100 * p['error']:+.1f} %){at}")
         cells.append(f"{r['speedup']:.2f}x over {r['best_baseline']} ({r['predicted_speedup']:.2f}x)")
         lines.append("| " + " | ".join(cells) + " |")
@@ -126,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         if str(args.global_batch) not in saved:
             parser.error(f"{RESULTS} has no runs at --global-batch {args.global_batch}; run without --no-run")
         entry = saved[str(args.global_batch)]
+        if any("best_baseline" not in r for r in entry["runs"]):
+            parser.error(
+                f"the saved runs at --global-batch {args.global_batch} predate the demo's comparison with every "
+                "baseline; run without --no-run"
+            )
         text = report(entry["runs"], entry["summary"], entry["command"])
         print(text)
         if args.readme:

@@ -90,7 +90,8 @@ class DemoResult:
 
     @property
     def same_degrees(self) -> tuple[PlanRun, ...]:
-        return tuple(r for r in self.runs[1:] if r.degrees.startswith("PP=2"))
+        pp = self.ours.degrees.split()[0]  # "PP=2"
+        return tuple(r for r in self.runs[1:] if r.degrees.split()[0] == pp)
 
     @property
     def speedup(self) -> float:

@@ -203,15 +203,15 @@ def simulate(
 
     # DP all-gather: every layer of the rank, in the order of first use, one after another (a
     # replicated stage's holders each gather their own copy).
-    gathered: dict[tuple[int, str], float] = {}
+    gathered: list[dict[str, float]] = [{} for _ in plan.actions]
     dp_events: list[tuple[int, str, float, float]] = []
     for rank, acts in enumerate(plan.actions):
         clock = 0.0
         for a in acts:
             if a.kind is ActionKind.F:
                 for c in stages[a.stage].layers:
-                    if (rank, c.name) not in gathered:
-                        gathered[(rank, c.name)] = clock = clock + c.dp_all_gather_s
+                    if c.name not in gathered[rank]:
+                        gathered[rank][c.name] = clock = clock + c.dp_all_gather_s
                         dp_events.append((rank, "all_gather", clock - c.dp_all_gather_s, clock))
 
     rank_of = plan.rank_of_action()
@@ -223,7 +223,7 @@ def simulate(
         rank = rank_of[a]
         if a.kind is ActionKind.F and (rank, a.stage) not in first_fwd_done:
             first_fwd_done.add((rank, a.stage))
-            waited[a] = _parameter_wait(stage, start, {n: t for (r, n), t in gathered.items() if r == rank})
+            waited[a] = _parameter_wait(stage, start, gathered[rank])
         return stage.action_s(a.kind) + waited.get(a, 0.0)
 
     hosts = plan.host_of()
