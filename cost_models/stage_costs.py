@@ -106,6 +106,19 @@ class StageCost:
         """Duration of one action of this stage, TP collectives included."""
         return sum(c.action_s(kind) for c in self.layers)
 
+    def tp_comm_s(self, kind: ActionKind) -> float:
+        """The TP collectives of one action (the compute stream's gaps; a weight gradient has none)."""
+        return {
+            ActionKind.F: self.fwd_tp_comm_s,
+            ActionKind.B: self.bwd_tp_comm_s,
+            ActionKind.I: self.bwd_tp_comm_s,
+            ActionKind.W: 0.0,
+        }[kind]
+
+    def compute_s(self, kind: ActionKind) -> float:
+        """One action's time less its TP collectives."""
+        return self.action_s(kind) - self.tp_comm_s(kind)
+
 
 @dataclass(frozen=True, slots=True)
 class PlanCosts:

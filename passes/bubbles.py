@@ -234,7 +234,7 @@ def llm_alone(plan: Plan) -> Plan:
         stages=stages,
         actions=actions,
         parallel={ep.LLM_GROUP: plan.parallel[ep.LLM_GROUP]},
-        kernel_level=frozenset(),
+        kernel_level={},
         recompute={k: v for k, v in plan.recompute.items() if any(k in s.layers for s in stages)},
     )
 
@@ -363,12 +363,12 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         # rules less the DP collectives) and only the best is simulated: simulating every one
         # costs most of the pass's time at paper scale.
         ranked = min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate(problem, acts)))
-        schedules = [(ranked, frozenset())]
+        schedules = [(ranked, {})]
         if llm.tp > 1:  # TP collectives leave gaps for encoder kernels (Optimus design decision 3)
             for lookahead, fill_only in KERNEL_SETTINGS:
-                riders: set = set()
+                riders: dict = {}
                 actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only, riders=riders)
-                schedules.append((actions, frozenset(riders)))
+                schedules.append((actions, riders))
         layer_level = None
         for actions, kernel_level in schedules:
             plan = dataclasses.replace(phased, actions=actions, kernel_level=kernel_level)
@@ -429,18 +429,13 @@ def _result(
     alone_sim = simulate(llm_alone(plan), layer_graph, cluster)
     encoder_stages = chosen.costs.stages[: chosen.problem.encoder_stages]
     encoder_compute = plan.num_microbatches * sum(
-        c.action_s(kind) - (c.fwd_tp_comm_s if kind is bs.F else c.bwd_tp_comm_s)
-        for c in encoder_stages
-        for kind in (bs.F, bs.B)
+        c.action_s(kind) - c.tp_comm_s(kind) for c in encoder_stages for kind in (bs.F, bs.B)
     )
+    # Rider compute inside the hosts' TP gaps (what lengthened a host is not hidden).
     kernel_compute = sum(
-        chosen.costs.stages[a.stage].action_s(a.kind)
-        - (
-            chosen.costs.stages[a.stage].fwd_tp_comm_s
-            if a.kind is bs.F
-            else chosen.costs.stages[a.stage].bwd_tp_comm_s
-        )
-        for a in plan.kernel_level
+        min(r.rider_compute_s, chosen.costs.stages[r.action.stage].tp_comm_s(r.action.kind))
+        for r in sim.runs
+        if r.rider_compute_s
     )
     encoder_work = plan.num_microbatches * sum(
         c.action_s(kind)

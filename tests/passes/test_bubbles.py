@@ -4,6 +4,7 @@ faster than the bound, its report names every encoder plan tried, and bad input 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -162,7 +163,8 @@ def test_encoder_kernels_fill_the_llms_tp_gaps_where_it_has_them(demo_graph):
     assert report.layer_level_step_s is not None and report.step_s < report.layer_level_step_s
     assert 0 < report.kernel_hidden_share <= 1
     assert "kernel level" in str(report)
-    # Every rider shares its host's interval in the simulation.
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan  # the riders' spans too
+    # Every rider runs from its first host's start to its last host's end in the simulation.
     runs = {r.action: r for r in result.sim.runs}
-    for rider, host in plan.host_of().items():
-        assert (runs[rider].start_s, runs[rider].end_s) == (runs[host].start_s, runs[host].end_s)
+    for rider, hosts in plan.hosts_of().items():
+        assert (runs[rider].start_s, runs[rider].end_s) == (runs[hosts[0]].start_s, runs[hosts[-1]].end_s)

@@ -330,8 +330,8 @@ def test_kernel_level_encoder_work_runs_before_its_host_and_trains_like_eager():
     fused = dataclasses.replace(
         plan,
         actions=(plan.actions[0], tuple(rest[:at] + [rider] + rest[at:])),
-        kernel_level=frozenset({rider}),
+        kernel_level={rider: 1},
     )
     fused.validate(pipe.layer_graph)
-    assert fused.host_of() == {rider: host}
+    assert fused.hosts_of() == {rider: (host,)}
     check_equal_to_eager(model, batch, pipe.launch(plan=fused, timeout_s=30))

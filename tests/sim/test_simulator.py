@@ -201,7 +201,7 @@ def _rider_and_host(plan):
             at = rest.index(host)
             moved = rest[:at] + [e] + rest[at:]
             candidate = dataclasses.replace(
-                plan, actions=(plan.actions[0], tuple(moved)), kernel_level=frozenset({e})
+                plan, actions=(plan.actions[0], tuple(moved)), kernel_level={e: 1}
             )
             try:
                 candidate.validate()
@@ -214,17 +214,15 @@ def _rider_and_host(plan):
 def test_a_kernel_level_encoder_action_shares_its_hosts_interval(demo_graph):
     cluster, plan = _bubble_plan_with_tp(demo_graph)
     fused, rider, host = _rider_and_host(plan)
-    assert fused.host_of() == {rider: host}
+    assert fused.hosts_of() == {rider: (host,)}
     costs = plan_costs(fused, demo_graph, cluster)
     sim = simulate(fused, demo_graph, cluster, costs=costs)
     runs = {r.action: r for r in sim.runs}
     r, h = runs[rider], runs[host]
     assert (r.start_s, r.end_s) == (h.start_s, h.end_s) and r.inside == host
     host_cost, rider_cost = costs.stages[host.stage], costs.stages[rider.stage]
-    tp_comm = {ActionKind.F: "fwd_tp_comm_s", ActionKind.B: "bwd_tp_comm_s"}
-    g_host = getattr(host_cost, tp_comm[host.kind])
-    g_rider = getattr(rider_cost, tp_comm[rider.kind])
-    c_rider = rider_cost.action_s(rider.kind) - g_rider
+    g_host, g_rider = host_cost.tp_comm_s(host.kind), rider_cost.tp_comm_s(rider.kind)
+    c_rider = rider_cost.compute_s(rider.kind)
     own = host_cost.action_s(host.kind) + h.dp_wait_s
     assert g_host > 0  # TP = 2: the host has communication gaps
     expected = max(own + max(0.0, c_rider - g_host), g_host + g_rider)
@@ -234,17 +232,44 @@ def test_a_kernel_level_encoder_action_shares_its_hosts_interval(demo_graph):
         assert stats.busy_s + sum(stats.idle_s.values()) == pytest.approx(sim.step_time_s)
 
 
+def test_a_rider_spanning_two_hosts_runs_from_the_first_ones_start_to_the_seconds_end(demo_graph):
+    cluster, plan = _bubble_plan_with_tp(demo_graph)
+    fused, rider, host = _rider_and_host(plan)
+    wide = dataclasses.replace(fused, kernel_level={rider: 2})
+    wide.validate()
+    first, second = wide.hosts_of()[rider]
+    assert first == host
+    costs = plan_costs(wide, demo_graph, cluster)
+    sim = simulate(wide, demo_graph, cluster, costs=costs)
+    runs = {r.action: r for r in sim.runs}
+    assert (runs[rider].start_s, runs[rider].end_s) == (runs[first].start_s, runs[second].end_s)
+    # The first host gives the rider what its gap holds for its compute and its compute for the
+    # rider's collectives; the second runs the rest.
+    rider_cost, first_cost = costs.stages[rider.stage], costs.stages[first.stage]
+    c_rider, g_rider = rider_cost.compute_s(rider.kind), rider_cost.tp_comm_s(rider.kind)
+    share = min(1.0, first_cost.tp_comm_s(first.kind) / c_rider, first_cost.compute_s(first.kind) / g_rider)
+    assert share < 1  # the case this test is about
+    assert runs[first].rider_compute_s == pytest.approx(share * c_rider, rel=1e-6)
+    assert runs[first].rider_compute_s + runs[second].rider_compute_s == pytest.approx(c_rider)
+    for stats in sim.ranks:
+        assert stats.busy_s + sum(stats.idle_s.values()) == pytest.approx(sim.step_time_s)
+
+
 def test_kernel_level_marks_that_cannot_run_are_refused(demo_graph):
     _, plan = _bubble_plan_with_tp(demo_graph)
     fused, rider, host = _rider_and_host(plan)
     with pytest.raises(PlanError, match="is marked kernel-level, but it is the pipeline's own work"):
-        dataclasses.replace(fused, kernel_level=frozenset({host})).validate()
+        dataclasses.replace(fused, kernel_level={host: 1}).validate()
     last = plan.actions[1][-1]
     if plan.stages[last.stage].group != plan.stages[-1].group:
-        with pytest.raises(PlanError, match="has no LLM action after it"):
-            dataclasses.replace(plan, kernel_level=frozenset({last})).validate()
+        with pytest.raises(PlanError, match="spans 1 LLM action.s., but rank 1 has 0 after it"):
+            dataclasses.replace(plan, kernel_level={last: 1}).validate()
+    with pytest.raises(PlanError, match="too few hosts"):
+        dataclasses.replace(fused, kernel_level={rider: 10_000}).validate()
+    with pytest.raises(PlanError, match="spans 0 LLM action"):
+        dataclasses.replace(fused, kernel_level={rider: 0}).validate()
     with pytest.raises(PlanError, match="kernel-level action 0F99 is in no rank's action list"):
-        dataclasses.replace(fused, kernel_level=frozenset({Action.from_str("0F99")})).validate()
+        dataclasses.replace(fused, kernel_level={Action.from_str("0F99"): 1}).validate()
 
 
 def test_the_trace_shows_kernel_level_encoder_work_apart(demo_graph, tmp_path):

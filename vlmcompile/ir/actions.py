@@ -76,29 +76,35 @@ def execution_order(
     rank_actions: Sequence[Sequence[Action]],
     num_stages: int,
     split_backward: frozenset[int] = frozenset(),
-    hosts: Mapping[Action, Action] | None = None,
+    hosts: Mapping[Action, Sequence[Action]] | None = None,
 ) -> tuple[list[tuple[int, int, Action]], list[int]]:
     """Run the lists with every action taking no time. Returns (rank, step, action) in an order
     where each action follows its rank's earlier actions and its dependencies, and where each
     rank stopped: ``len`` of its list when it finished, else the step it is stuck at (deadlock).
-    ``hosts`` maps kernel-level actions to the action they run inside: their output is ready
-    when their host is done."""
+    ``hosts`` maps kernel-level actions to the actions they run inside (``Plan.hosts_of``): their
+    output is ready when their last host is done."""
     hosts = hosts or {}
     done: set[Action] = set()
     order: list[tuple[int, int, Action]] = []
     position = [0] * len(rank_actions)
+
+    def ready(d: Action, a: Action) -> bool:
+        if d not in done:
+            return False
+        if d not in hosts:
+            return True
+        # A rider's output is ready with its last host, and to a rider that starts in that same
+        # host too (a rank's riders run one after the other).
+        last = hosts[d][-1]
+        return last in done or (a in hosts and hosts[a][:1] == (last,))
+
     progress = True
     while progress:
         progress = False
         for rank, acts in enumerate(rank_actions):
             while position[rank] < len(acts):
                 a = acts[position[rank]]
-                # A rider's output is ready with its host, except to a rider of the same host
-                # (the two run in one interval, one after the other).
-                if not all(
-                    d in done and (hosts.get(d, d) in done or hosts.get(d) == hosts.get(a, a))
-                    for d in dependencies(a, num_stages, split_backward)
-                ):
+                if not all(ready(d, a) for d in dependencies(a, num_stages, split_backward)):
                     break
                 done.add(a)
                 order.append((rank, position[rank], a))

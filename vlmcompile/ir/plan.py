@@ -180,11 +180,14 @@ class Plan:
     """Layer -> recompute flag; layers not named are not recomputed."""
     pieces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Sub-layer pieces: name -> the FX nodes it runs (empty while plans cut at layers)."""
-    kernel_level: frozenset[Action] = frozenset()
-    """Encoder actions that run at kernel level inside the LLM action after them on their rank
-    (their host): the encoder's compute kernels in the host's TP communication gaps, its TP
-    collectives during the host's compute (Optimus design decision 3). Several in a row share
-    the host that follows them. The runtime runs them before their host, one after the other."""
+    kernel_level: Mapping[Action, int] = field(default_factory=dict)
+    """Encoder actions that run at kernel level -> how many LLM actions they span: their kernels
+    run inside the next that many LLM actions of the pipeline's group on their rank (their
+    hosts), the compute kernels in the hosts' TP communication gaps and the TP collectives
+    during the hosts' compute (Optimus design decision 3). Its inputs must be there when its
+    first host starts; its outputs are ready when its last host ends. How the work spreads over
+    the hosts is the simulator's (:mod:`vlmcompile.sim.kernel_stream`). The runtime runs them
+    before their first host, one after the other."""
     precision: Precision = field(default_factory=Precision)
     cluster: str = ""
     decisions: tuple[Decision, ...] = ()
@@ -217,19 +220,19 @@ class Plan:
         """The pipeline rank that runs each action (a replicated stage's work runs on one holder)."""
         return {a: rank for rank, acts in enumerate(self.actions) for a in acts}
 
-    def host_of(self) -> dict[Action, Action]:
-        """Each kernel-level action's host: the first action after it on its rank that is not
-        kernel-level itself."""
-        hosts: dict[Action, Action] = {}
+    def hosts_of(self) -> dict[Action, tuple[Action, ...]]:
+        """Each kernel-level action's hosts: the ``kernel_level[a]`` actions of the pipeline's
+        group after it on its rank (fewer where the list ends first: ``validate`` refuses that)."""
+        pipeline_group = self.stages[-1].group
+        hosts: dict[Action, tuple[Action, ...]] = {}
         for acts in self.actions:
-            riders: list[Action] = []
+            llm = [a for a in acts if self.stages[a.stage].group == pipeline_group]
+            seen = 0  # the rank's LLM actions before the current one
             for a in acts:
                 if a in self.kernel_level:
-                    riders.append(a)
-                    continue
-                for rider in riders:
-                    hosts[rider] = a
-                riders = []
+                    hosts[a] = tuple(llm[seen : seen + self.kernel_level[a]])
+                elif self.stages[a.stage].group == pipeline_group:
+                    seen += 1
         return hosts
 
     def split_backward(self) -> frozenset[int]:
@@ -285,7 +288,7 @@ class Plan:
             "stages": [asdict(s) for s in self.stages],
             "recompute": {k: v.value for k, v in self.recompute.items()},
             "pieces": {k: list(v) for k, v in self.pieces.items()},
-            "kernel_level": sorted(str(a) for a in self.kernel_level),
+            "kernel_level": {str(a): span for a, span in sorted(self.kernel_level.items())},
             "actions": [[str(a) for a in acts] for acts in self.actions],
             "decisions": [
                 {
@@ -344,10 +347,10 @@ class Plan:
                 pieces={
                     k: _Reader.strings(v, f"pieces[{k!r}]") for k, v in r.get("pieces", dict, {}).items()
                 },
-                kernel_level=frozenset(
-                    Action.from_str(a)
-                    for a in _Reader.strings(r.get("kernel_level", list, []), "kernel_level")
-                ),
+                kernel_level={
+                    Action.from_str(a): _Reader.typed(span, int, f"kernel_level[{a!r}]")
+                    for a, span in r.get("kernel_level", dict, {}).items()
+                },
                 actions=tuple(
                     tuple(
                         Action.from_str(_Reader.typed(a, str, f"actions[{rank}][{step}]"))
@@ -670,14 +673,14 @@ def _check_actions(plan: Plan) -> None:
 
 
 def _check_kernel_level(plan: Plan) -> None:
-    """A kernel-level action is an encoder action (not of the pipeline's group) with a host: an
-    action of the pipeline's group after it on its rank, which neither needs its output nor
-    feeds it (the two run at once)."""
+    """A kernel-level action is an encoder action (not of the pipeline's group) spanning at least
+    one LLM action after it on its rank (its hosts), none of which needs its output or feeds it
+    (they run at once)."""
     where = {a: (rank, step) for rank, acts in enumerate(plan.actions) for step, a in enumerate(acts)}
     pipeline_group = plan.stages[-1].group
-    hosts = plan.host_of()
+    hosts = plan.hosts_of()
     split = plan.split_backward()
-    for a in sorted(plan.kernel_level):
+    for a, span in sorted(plan.kernel_level.items()):
         if a not in where:
             raise PlanError(f"kernel-level action {a} is in no rank's action list")
         rank, step = where[a]
@@ -687,18 +690,20 @@ def _check_kernel_level(plan: Plan) -> None:
                 f"(group {pipeline_group!r}); only encoder actions run inside another action\n"
                 + plan.grid_around(rank, step, "<- not an encoder action")
             )
-        host = hosts.get(a)
-        if host is None or plan.stages[host.stage].group != pipeline_group:
+        if span < 1 or len(hosts[a]) < span:
             raise PlanError(
-                f"rank {rank} step {step}: kernel-level {a} has no LLM action after it on rank {rank} to run "
-                "inside; put it before one, or run it at layer level\n"
-                + plan.grid_around(rank, step, "<- no host")
+                f"rank {rank} step {step}: kernel-level {a} spans {span} LLM action(s), but rank {rank} has "
+                f"{len(hosts[a])} after it to run inside; put it before enough of them, or run it at layer level\n"
+                + plan.grid_around(rank, step, "<- too few hosts")
             )
-        if a in dependencies(host, plan.num_stages, split) or host in dependencies(a, plan.num_stages, split):
-            raise PlanError(
-                f"rank {rank} step {step}: kernel-level {a} and its host {host} depend on each other; they "
-                "cannot run at once\n" + plan.grid_around(rank, step, "<- depends on its host")
-            )
+        for host in hosts[a]:
+            if a in dependencies(host, plan.num_stages, split) or host in dependencies(
+                a, plan.num_stages, split
+            ):
+                raise PlanError(
+                    f"rank {rank} step {step}: kernel-level {a} and its host {host} depend on each other; they "
+                    "cannot run at once\n" + plan.grid_around(rank, step, "<- depends on its host")
+                )
 
 
 def _holders_text(stage: Stage) -> str:
@@ -709,7 +714,7 @@ def _check_deadlock(plan: Plan) -> None:
     """Run the action lists with every action taking no time: a deadlock is a state where no
     rank's next action has its inputs."""
     split = plan.split_backward()
-    order, position = execution_order(plan.actions, plan.num_stages, split, plan.host_of())
+    order, position = execution_order(plan.actions, plan.num_stages, split, plan.hosts_of())
     done = {a for _, _, a in order}
     stuck = [r for r in range(plan.num_ranks) if position[r] < len(plan.actions[r])]
     if not stuck:

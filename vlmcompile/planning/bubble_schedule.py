@@ -40,6 +40,7 @@ from vlmcompile.ir.actions import Action, ActionKind, dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Plan
 from vlmcompile.sim.in_flight import in_flight, pattern_bytes
+from vlmcompile.sim.kernel_stream import HostFill, KernelStream
 from vlmcompile.sim.timeline import run_actions
 
 F, B = ActionKind.F, ActionKind.B
@@ -216,7 +217,11 @@ def rank_peak(problem: BubbleProblem, acts: Sequence[Action]) -> int:
 
 # ---- the list scheduler ----------------------------------------------------------------------
 def greedy(
-    problem: BubbleProblem, *, lookahead: int = 1, fill_only: bool = False, riders: set[Action] | None = None
+    problem: BubbleProblem,
+    *,
+    lookahead: int = 1,
+    fill_only: bool = False,
+    riders: dict[Action, int] | None = None,
 ) -> RankActions:
     """A schedule made one action at a time, the earliest-starting first: a rank runs its next
     LLM action when it can, and while it would wait, ready encoder work (forwards of the
@@ -225,10 +230,13 @@ def greedy(
     (it never delays a ready LLM action), except the forward the first LLM stage waits for.
     A microbatch goes to the encoder pipeline whose first rank takes its first encoder forward.
 
-    With ``riders`` (a set the schedule's kernel-level actions are added to), each LLM action
-    with TP collectives also takes ready encoder actions inside it while their compute fits in
-    its TP gaps and their collectives in its compute (Optimus's ``AssignKernels``); they are
-    listed before it and end with it."""
+    With ``riders`` (a dict the schedule's kernel-level actions and their spans are written to),
+    each LLM action with TP collectives also runs encoder work inside it (Optimus's
+    ``AssignKernels``, by the rule of :mod:`vlmcompile.sim.kernel_stream`): the rank's open
+    riders first, then ready encoder actions while its TP gaps have room. A rider stays open
+    over the rank's next LLM actions until its work is done, and closes early (its rest
+    lengthening the host) where the rank's next LLM action would wait for it, directly or
+    through the pipeline."""
     m = problem.num_microbatches
     ends: dict[Action, tuple[int, int]] = {}  # action -> (end, rank)
     free = [0] * problem.num_ranks
@@ -240,6 +248,7 @@ def greedy(
     first = problem.first_llm_stage
     sequences = [problem.encoder_actions(j) for j in range(m)]
     done_enc = [0] * m
+    kernels = _Kernels(problem) if riders is not None else None
 
     deps = {}
     ready: dict[tuple[Action, int], int] = {}  # once every input is committed, it stays put
@@ -259,18 +268,20 @@ def greedy(
         ready[key] = t
         return t
 
-    def _commit_counts(a: Action, rank: int) -> None:
+    def start_encoder(a: Action, rank: int) -> None:
+        pipeline_of.setdefault(a.microbatch, problem.stages[a.stage].ranks.index(rank))
+        if a.kind is F:
+            live[rank] += keep[a.stage]
+
+    def finish(a: Action, end: int, rank: int) -> None:
+        ends[a] = (end, rank)
         if a.stage >= first:
             position[rank] += 1
+            live[rank] += keep[a.stage] if a.kind is F else -keep[a.stage]
         else:
             done_enc[a.microbatch] += 1
-            pipeline_of.setdefault(a.microbatch, problem.stages[a.stage].ranks.index(rank))
-        live[rank] += keep[a.stage] if a.kind is F else -keep[a.stage]
-
-    def _commit(e: Action, end: int, rank: int) -> None:
-        """An encoder action run inside an LLM action: done when its host is."""
-        ends[e] = (end, rank)
-        _commit_counts(e, rank)
+            if a.kind is B:
+                live[rank] -= keep[a.stage]
 
     need = 0  # the microbatch the first LLM stage needs next
     total = sum(len(a) for a in problem.llm_actions) + sum(len(seq) for seq in sequences)
@@ -291,7 +302,9 @@ def greedy(
             choice: tuple[int, int, Action] | None = None
             if llm_start is not None:
                 choice = (llm_start, 0, llm_next)
-            for a in _encoder_candidates(problem, rank, sequences, done_enc, pipeline_of, need, lookahead):
+            for a in _encoder_candidates(
+                problem, rank, sequences, done_enc, pipeline_of, need, lookahead, kernels
+            ):
                 r = ready_at(a, rank)
                 if r is None:
                     continue
@@ -310,49 +323,110 @@ def greedy(
         if best is None:
             raise PlanError("the greedy bubble schedule is stuck: no rank can run its next action")
         start, _, rank, a = best
-        end = start + problem.duration(a)
-        inside: list[Action] = []
-        if riders is not None and a.stage >= first:
-            gap, busy = _split(problem, a)
-            gap_left, compute_left = gap, busy
-            while gap_left > 0:
-                fits = None
+        duration = problem.duration(a)
+        opened: list[Action] = []
+        closed: list[Action] = []
+        if kernels is not None and a.stage >= first:
+            candidates = (
+                e
                 for e in _encoder_candidates(
-                    problem, rank, sequences, done_enc, pipeline_of, need, lookahead
-                ):
-                    # Its inputs are there when the host starts, or come from riders before it.
-                    outside = [d for d in dependencies(e, problem.num_stages) if d not in inside]
-                    if any(d not in ends for d in outside):
-                        continue
-                    r = max(
-                        (ends[d][0] + (problem.transfer(d, e) if ends[d][1] != rank else 0) for d in outside),
-                        default=0,
-                    )
-                    if r > start:
-                        continue
-                    e_gap, e_busy = _split(problem, e)
-                    if (
-                        e_busy <= gap_left
-                        and e_gap <= compute_left
-                        and (e.kind is not F or live[rank] + keep[e.stage] <= problem.mem_limit[rank])
-                    ):
-                        fits = e
-                        break
-                if fits is None:
-                    break
-                e_gap, e_busy = _split(problem, fits)
-                gap_left -= e_busy
-                compute_left -= e_gap
-                inside.append(fits)
-                _commit(fits, end, rank)
-        ends[a] = (end, rank)
+                    problem, rank, sequences, done_enc, pipeline_of, need, lookahead, kernels
+                )
+                if e not in dependencies(a, problem.num_stages)
+                and (r := ready_at(e, rank)) is not None
+                and r <= start
+                and (
+                    e.kind is not F
+                    or (e.microbatch > need and live[rank] + keep[e.stage] <= problem.mem_limit[rank])
+                )
+            )
+            duration, opened, closed = kernels.host(a, rank, position[rank], need, candidates, start_encoder)
+        elif a.stage < first:
+            start_encoder(a, rank)
+        end = start + duration
         free[rank] = end
-        out[rank].extend(inside)
+        out[rank].extend(opened)
         out[rank].append(a)
-        if riders is not None:
-            riders.update(inside)
-        _commit_counts(a, rank)
+        if kernels is not None and a.stage >= first:
+            for e in closed:
+                finish(e, end, rank)
+        finish(a, end, rank)
+    if riders is not None:
+        riders.update(kernels.spans)
     return tuple(tuple(acts) for acts in out)
+
+
+class _Kernels:
+    """The list scheduler's kernel level: per rank, the open riders (:class:`KernelStream`) and
+    how many LLM actions each has spanned so far."""
+
+    def __init__(self, problem: BubbleProblem):
+        self.p = problem
+        self.streams = [KernelStream(lambda a: _split(problem, a)[::-1]) for _ in range(problem.num_ranks)]
+        self.spans: dict[Action, int] = {}
+        self.open: set[Action] = set()
+        self.needs = _forward_needs(problem)
+
+    def host(self, a: Action, rank: int, index: int, need: int, candidates, start_encoder):
+        """Run the rank's open riders and new ones inside LLM action ``a`` (its ``index``-th);
+        returns (its duration with them, the riders opened here, the riders finished here)."""
+        p, stream = self.p, self.streams[rank]
+        llm = p.llm_actions[rank]
+        after = llm[index + 1] if index + 1 < len(llm) else None
+        waited = self.needs[after] if after is not None else -1
+        # Close here what the rank's next LLM action would wait for, what the first LLM stage
+        # needs now, and everything at the rank's last LLM action.
+        closing = {
+            e
+            for e in stream.remaining
+            if after is None or (e.kind is F and (waited >> e.microbatch & 1 or e.microbatch <= need))
+        }
+        gap, busy = _split(p, a)
+        fill = HostFill(gap, busy)
+        spanning = list(stream.remaining)
+        finished = stream.fill(fill, closing)
+        opened = []
+        for e in candidates:
+            if fill.gap_left <= 0 or fill.compute_left <= 0:
+                break
+            if e.kind is F and waited >> e.microbatch & 1:
+                continue  # the next LLM action needs it: it would close at once, beyond the gap
+            stream.open(e)
+            start_encoder(e, rank)
+            self.open.add(e)
+            opened.append(e)
+            finished += stream.fill(fill, closing | ({e} if after is None else set()))
+        for e in spanning + opened:
+            self.spans[e] = self.spans.get(e, 0) + 1
+        for e in finished:
+            self.open.discard(e)
+        return fill.duration(p.duration(a)), opened, finished
+
+
+def _forward_needs(problem: BubbleProblem) -> dict[Action, int]:
+    """Per LLM action, the microbatches whose encoder forward it waits for, directly or through
+    the LLM's other actions (their rank order and stage dependencies), as a bit mask."""
+    first = problem.first_llm_stage
+    needs: dict[Action, int] = {}
+    position = [0] * problem.num_ranks
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in enumerate(problem.llm_actions):
+            while position[rank] < len(acts):
+                a = acts[position[rank]]
+                inputs = [d for d in dependencies(a, problem.num_stages) if d.stage >= first]
+                if any(d not in needs for d in inputs):
+                    break
+                mask = needs[acts[position[rank] - 1]] if position[rank] else 0
+                for d in inputs:
+                    mask |= needs[d]
+                if a.stage == first and a.kind is F:
+                    mask |= 1 << a.microbatch
+                needs[a] = mask
+                position[rank] += 1
+                progress = True
+    return needs
 
 
 def _split(problem: BubbleProblem, a: Action) -> tuple[int, int]:
@@ -370,6 +444,7 @@ def _encoder_candidates(
     pipeline_of: dict[int, int],
     need: int,
     lookahead: int,
+    kernels: _Kernels | None = None,
 ) -> list[Action]:
     """Encoder actions ``rank`` may run next: each microbatch's next one (its encoder actions run
     in dependency order), on the rank its pipeline puts it (a microbatch not yet given to a
@@ -380,6 +455,8 @@ def _encoder_candidates(
         if done[j] == len(seq):
             continue
         a = seq[done[j]]
+        if kernels is not None and a in kernels.open:
+            continue  # running at kernel level: its microbatch's next action waits for it
         if a.kind is F and j >= need + lookahead:
             continue
         k = pipeline_of.get(j)

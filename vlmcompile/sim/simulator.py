@@ -43,6 +43,7 @@ from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Plan
 from vlmcompile.sim.in_flight import in_flight, pattern_bytes
+from vlmcompile.sim.kernel_stream import HostFill, host_fills
 from vlmcompile.sim.timeline import Timed, run_actions, transfer_between_stages
 
 CAUSES = ("dp_all_gather", "pp_warmup", "pp_other", "pp_cooldown", "tp_comm", "dp_reduce_scatter")
@@ -62,7 +63,10 @@ class ActionRun:
     dp_wait_s: float = 0.0
     """Waiting inside a first forward for a later layer's parameters."""
     inside: Action | None = None
-    """For a kernel-level encoder action: the LLM action it ran inside."""
+    """For a kernel-level encoder action: the first LLM action it ran inside (it ends with the
+    last)."""
+    rider_compute_s: float = 0.0
+    """For an LLM action that hosts kernel-level encoder work: the riders' compute run in it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,17 +230,17 @@ def simulate(
             waited[a] = _parameter_wait(stage, start, gathered[rank])
         return stage.action_s(a.kind) + waited.get(a, 0.0)
 
-    hosts = plan.host_of()
+    hosts = plan.hosts_of()
+    fills = host_fills(
+        hosts,
+        plan.actions,
+        work=lambda a: (stages[a.stage].compute_s(a.kind), stages[a.stage].tp_comm_s(a.kind)),
+        capacity=lambda a: (stages[a.stage].tp_comm_s(a.kind), stages[a.stage].compute_s(a.kind)),
+    )
 
-    def fused(host: Action, riders, start: float) -> float:
-        own = duration(host, start)  # its compute, TP collectives and any wait for parameters
-        host_tp = _tp_comm_s(stages[host.stage], host.kind)
-        rider_compute = sum(_compute_s(stages[r.stage], r.kind) for r in riders)
-        rider_tp = sum(_tp_comm_s(stages[r.stage], r.kind) for r in riders)
-        # The riders' compute kernels go into the host's TP gaps and their collectives into its
-        # compute: the pair takes the longer of the compute stream (host and riders' compute,
-        # and the host's own collectives between its kernels) and the communication stream.
-        return max(own + max(0.0, rider_compute - host_tp), host_tp + rider_tp)
+    def fused(host: Action, start: float) -> float:
+        # its compute, TP collectives and any wait for parameters, with the riders' kernels
+        return fills[host].duration(duration(host, start))
 
     timed = run_actions(
         plan.actions,
@@ -248,7 +252,7 @@ def simulate(
     )
     runs = [_run(t, stages[t.action.stage], waited.get(t.action, 0.0)) for t in timed]
     if hosts:
-        runs = _kernel_level_runs(runs, hosts, stages)
+        runs = _kernel_level_runs(runs, hosts, fills)
 
     # DP gradient reduction: a layer's gradients on a rank are complete after the last backward
     # of its stage there.
@@ -309,19 +313,6 @@ def _parameter_wait(stage: StageCost, start: float, gathered: dict[str, float]) 
     return waited
 
 
-def _tp_comm_s(stage: StageCost, kind: ActionKind) -> float:
-    return {
-        ActionKind.F: stage.fwd_tp_comm_s,
-        ActionKind.B: stage.bwd_tp_comm_s,
-        ActionKind.I: stage.bwd_tp_comm_s,
-        ActionKind.W: 0.0,
-    }[kind]
-
-
-def _compute_s(stage: StageCost, kind: ActionKind) -> float:
-    return stage.action_s(kind) - _tp_comm_s(stage, kind)
-
-
 def _run(timed: Timed, stage: StageCost, dp_wait_s: float) -> ActionRun:
     """What the action's time was spent on: compute, TP collectives, waiting for parameters."""
     kind = timed.action.kind
@@ -331,30 +322,26 @@ def _run(timed: Timed, stage: StageCost, dp_wait_s: float) -> ActionRun:
         timed.action,
         timed.start_s,
         timed.end_s,
-        _compute_s(stage, kind),
-        _tp_comm_s(stage, kind),
+        stage.compute_s(kind),
+        stage.tp_comm_s(kind),
         dp_wait_s=dp_wait_s,
     )
 
 
 def _kernel_level_runs(
-    runs: list[ActionRun], hosts: dict[Action, Action], stages: tuple[StageCost, ...]
+    runs: list[ActionRun], hosts: dict[Action, tuple[Action, ...]], fills: dict[Action, HostFill]
 ) -> list[ActionRun]:
-    """A host and its kernel-level riders share one interval: the compute stream runs the host's
-    and the riders' compute, and idles for the rest of it (counted as the host's TP collectives),
+    """Riders run inside their hosts' intervals: a host's compute stream runs its own compute
+    and the riders' share, and idles for the rest of it (counted as the host's TP collectives),
     so busy time plus idle causes still add up to the step on every rank."""
-    riders_of: dict[Action, list[ActionRun]] = defaultdict(list)
-    for run in runs:
-        if run.action in hosts:
-            riders_of[hosts[run.action]].append(run)
     out = []
     for run in runs:
         if run.action in hosts:
-            out.append(replace(run, tp_comm_s=0.0, inside=hosts[run.action]))
-        elif run.action in riders_of:
-            riders = sum(r.compute_s for r in riders_of[run.action])
+            out.append(replace(run, tp_comm_s=0.0, inside=hosts[run.action][0]))
+        elif run.action in fills:
+            riders = fills[run.action].rider_compute
             idle = (run.end_s - run.start_s) - run.compute_s - riders - run.dp_wait_s
-            out.append(replace(run, tp_comm_s=max(0.0, idle)))
+            out.append(replace(run, tp_comm_s=max(0.0, idle), rider_compute_s=riders))
         else:
             out.append(run)
     return out
@@ -364,7 +351,8 @@ def _bubbles(runs: list[ActionRun], num_ranks: int, step: float, compute_end: fl
     """Idle intervals between actions, each with its cause (see the module docstring)."""
     by_rank: dict[int, list[ActionRun]] = defaultdict(list)
     for run in runs:
-        by_rank[run.rank].append(run)
+        if run.inside is None:  # a rider runs within its hosts' intervals
+            by_rank[run.rank].append(run)
     first_start = min(r.start_s for r in runs)
     out = []
     for rank in range(num_ranks):

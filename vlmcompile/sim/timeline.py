@@ -33,8 +33,8 @@ def run_actions(
     *,
     duration: Callable[[Action, float], float],
     transfer: Callable[[Action, Action], float],
-    hosts: Mapping[Action, Action] | None = None,
-    fused_duration: Callable[[Action, Sequence[Action], float], float] | None = None,
+    hosts: Mapping[Action, Sequence[Action]] | None = None,
+    fused_duration: Callable[[Action, float], float] | None = None,
 ) -> list[Timed]:
     """Every action with its start and end, in an order in which each starts after its inputs.
 
@@ -44,14 +44,17 @@ def run_actions(
         transfer: seconds from the end of ``dep`` until ``action``, which needs its output, may
             start when the two run on different ranks (on one rank nothing moves: a replicated
             stage's holders make this a property of the run, not of the stages).
-        hosts: kernel-level actions -> the action they run inside (``Plan.host_of``): a host
-            and its riders start together, when all their inputs are there, and end together,
-            after ``fused_duration(host, riders, start)``.
+        hosts: kernel-level actions -> the actions they run inside (``Plan.hosts_of``). A rider
+            runs from its first host's start, which waits for the rider's inputs, to its last
+            host's end; a host with riders takes ``fused_duration(host, start)``.
     """
     hosts = hosts or {}
-    riders: dict[Action, list[Action]] = {}
-    for rider, host in hosts.items():
-        riders.setdefault(host, []).append(rider)
+    first_of: dict[Action, list[Action]] = {}
+    last_of: dict[Action, list[Action]] = {}
+    for rider, span in hosts.items():
+        first_of.setdefault(span[0], []).append(rider)
+        last_of.setdefault(span[-1], []).append(rider)
+    spanned = {host for span in hosts.values() for host in span}
     split = frozenset(a.stage for acts in actions for a in acts if a.kind is ActionKind.I)
     order, position = execution_order(actions, num_stages, split, hosts)
     if len(order) < sum(len(a) for a in actions):
@@ -61,14 +64,15 @@ def run_actions(
     ran_on: dict[Action, int] = {}
     free = [0.0] * len(actions)
     steps: dict[Action, int] = {}
+    rider_start: dict[Action, float] = {}
     out = []
 
-    def ready_at(a: Action, rank: int, group: Sequence[Action] = ()) -> float:
+    def ready_at(a: Action, rank: int, ending: Sequence[Action] = ()) -> float:
         return max(
             (
                 end[d] + (transfer(d, a) if ran_on[d] != rank else 0.0)
                 for d in dependencies(a, num_stages, split)
-                if d not in group  # a rider of the same host runs before it in the same interval
+                if d not in ending  # a rider ending in this host runs before it, in the same host
             ),
             default=0.0,
         )
@@ -77,18 +81,23 @@ def run_actions(
         ran_on[a] = rank
         steps[a] = step
         if a in hosts:
-            continue  # timed with its host, which comes later on this rank
-        group = sorted(riders.get(a, []), key=lambda r: steps[r])
-        start = max(free[rank], ready_at(a, rank), *(ready_at(r, rank, group) for r in group))
-        if group:
+            continue  # timed with its hosts, which come later on this rank
+        opening = first_of.get(a, ())
+        ending = last_of.get(a, ())
+        start = max(free[rank], ready_at(a, rank), *(ready_at(r, rank, ending) for r in opening))
+        if a in spanned:
             if fused_duration is None:
                 raise PlanError("the plan runs actions at kernel level; give run_actions a fused_duration")
-            finish = start + fused_duration(a, group, start)
+            finish = start + fused_duration(a, start)
         else:
             finish = start + duration(a, start)
-        for b in (*group, a):
-            end[b] = finish
-            out.append(Timed(rank, steps[b], b, start, finish))
+        for r in opening:
+            rider_start[r] = start
+        end[a] = finish
+        for r in sorted(ending, key=steps.__getitem__):
+            end[r] = finish
+            out.append(Timed(rank, steps[r], r, rider_start[r], finish))
+        out.append(Timed(rank, step, a, start, finish))
         free[rank] = finish
     return out
 

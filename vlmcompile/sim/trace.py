@@ -154,16 +154,19 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
         a = run.action
         start, width = run.start_s * 1e3, (run.end_s - run.start_s) * 1e3
         if run.inside is not None:
-            # Inside its host's bar: a thin strip as long as its compute, in its own colour.
+            continue  # drawn as strips inside its hosts' bars
+        if run.rider_compute_s > 0:
+            # The encoder kernels this LLM action hosts: a thin strip inside its bar, in their
+            # own colour, as long as their compute.
             ax.barh(
                 run.rank + 0.28,
-                run.compute_s * 1e3,
-                left=start,
+                min(run.rider_compute_s * 1e3, width),
+                left=start + width - min(run.rider_compute_s * 1e3, width),
                 height=0.22,
                 color=_KERNEL_LEVEL,
                 edgecolor="none",
+                zorder=3,
             )
-            continue
         chunk = a.stage // result.plan.num_ranks
         alpha = 1.0 - 0.45 * chunk / max(1, num_stages // result.plan.num_ranks - 1)
         ax.barh(
