@@ -34,6 +34,7 @@ from tabulate import tabulate
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import PlanCosts, layer_costs, plan_costs
+from vlmcompile.ir.actions import dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason
@@ -46,10 +47,14 @@ from vlmcompile.planning.request import RECOMPUTE_LADDER, GlobalRecompute, PlanR
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import CAUSES, SimResult, simulate
 
-GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False))
-"""(lookahead, fill_only) settings of the list scheduler tried per encoder plan."""
-KERNEL_SETTINGS = ((2, False), (4, False), (8, False))
+GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False), (8, False))
+"""(lookahead, fill_only) settings of the list scheduler tried on the fastest encoder plans."""
+KERNEL_SETTINGS = ((2, False), (4, False), (8, False), (16, True))
 """Settings of the list scheduler run again with encoder work inside the LLM's TP gaps."""
+SCREEN_SETTINGS = ((8, False),)
+"""The one setting of each kind every encoder plan is screened with."""
+REFINED_PLANS = 3
+"""Encoder plans (the fastest after the screen) the list scheduler tries every setting on."""
 SOLVED_PLANS = 2
 """Encoder plans (the fastest after the list scheduler) that CP-SAT then schedules."""
 MAX_ENCODER_ACTIONS = 600
@@ -89,8 +94,9 @@ class BubbleReport:
     step_s: float
     llm_alone_step_s: float
     """The same LLM stages and schedule without the encoders (the bound this pass aims at)."""
-    encoder_work_s: float
-    """Encoder compute of one step, summed over the ranks of one LLM pipeline."""
+    encoder_compute_s: float
+    """Encoder compute of one step (TP collectives left out), summed over the ranks of one LLM
+    pipeline."""
     bubbles_before: tuple[dict[str, float], ...]
     bubbles_after: tuple[dict[str, float], ...]
     solver_status: str
@@ -100,26 +106,19 @@ class BubbleReport:
     wall_s: float
     notes: tuple[str, ...] = field(default=())
 
+    layer_hidden_share: float = 0.0
+    """The share of the encoder's compute run at layer level while its rank's next LLM action
+    could not start yet (its inputs were not there): inside a pipeline bubble."""
     kernel_hidden_share: float = 0.0
-    """The share of the encoder's compute run at kernel level, inside the LLM's TP gaps."""
+    """The share of the encoder's compute run at kernel level inside the LLM's TP gaps (what
+    lengthened a host is not counted)."""
     layer_level_step_s: float | None = None
     """The step before encoder work moved into the TP gaps (None: the same as ``step_s``)."""
 
     @property
     def hidden_share(self) -> float:
-        """The share of the encoder's work hidden in the LLM's bubbles, layer and kernel level
-        together: 1 - (step - LLM-alone step) x ranks / encoder work, clipped to [0, 1] (1: the
-        encoders cost no step time; 0: every encoder second added one to the step on its rank)."""
-        if self.encoder_work_s <= 0:
-            return 1.0
-        ranks = self.plan.num_ranks
-        extra = max(0.0, self.step_s - self.llm_alone_step_s) * ranks
-        return min(1.0, max(0.0, 1 - extra / self.encoder_work_s))
-
-    @property
-    def layer_hidden_share(self) -> float:
-        """What the layer-level placement hid: the total less the kernel level's share."""
-        return max(0.0, self.hidden_share - self.kernel_hidden_share)
+        """The share of the encoder's compute hidden in the LLM's bubbles, layer and kernel level."""
+        return self.layer_hidden_share + self.kernel_hidden_share
 
     @property
     def encoder_overhead(self) -> float:
@@ -172,7 +171,7 @@ class BubbleReport:
             f"simulated step {self.step_s * 1e3:.1f} ms; phased (encoder forwards first, backwards last) "
             f"{self.phased_step_s * 1e3:.1f} ms; the LLM alone {self.llm_alone_step_s * 1e3:.1f} ms "
             f"(encoder overhead {self.encoder_overhead:.3f}x)",
-            f"encoder work hidden in bubbles: {100 * self.hidden_share:.0f} % of {self.encoder_work_s * 1e3:.1f} ms "
+            f"encoder compute hidden in bubbles: {100 * self.hidden_share:.0f} % of {self.encoder_compute_s * 1e3:.1f} ms "
             f"(layer level {100 * self.layer_hidden_share:.0f} %, kernel level {100 * self.kernel_hidden_share:.0f} %"
             + (
                 f": {self.layer_level_step_s * 1e3:.1f} -> {self.step_s * 1e3:.1f} ms"
@@ -291,7 +290,7 @@ class _Candidate:
     plan: Plan
     sim: SimResult
     solution: bs.BubbleSolution | None = None
-    layer_level_s: float = 0.0
+    layer_level_s: float | None = None
     """The fastest layer-level schedule's step (the kernel level's starting point)."""
 
 
@@ -352,32 +351,12 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
             )
             continue
         problem = bs.problem_from(phased, costs, cap)
-        best: _Candidate | None = None
         # The phased schedule (Optimus's initial one) is a candidate too: the list scheduler's
         # choices can lose to it where the encoder work is large against the bubbles.
-        layer_schedules = [phased.actions] + [
-            bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
-            for lookahead, fill_only in GREEDY_SETTINGS
-        ]
-        # The layer-level schedules are ranked by the problem's own timeline (the simulator's
-        # rules less the DP collectives) and only the best is simulated: simulating every one
-        # costs most of the pass's time at paper scale.
-        ranked = min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate(problem, acts)))
-        schedules = [(ranked, {})]
-        if llm.tp > 1:  # TP collectives leave gaps for encoder kernels (Optimus design decision 3)
-            for lookahead, fill_only in KERNEL_SETTINGS:
-                riders: dict = {}
-                actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only, riders=riders)
-                schedules.append((actions, riders))
-        layer_level = None
-        for actions, kernel_level in schedules:
-            plan = dataclasses.replace(phased, actions=actions, kernel_level=kernel_level)
-            sim = simulate(plan, layer_graph, cluster, costs=costs)
-            if not kernel_level and sim.fits:
-                layer_level = min(layer_level or sim.step_time_s, sim.step_time_s)
-            if best is None or (not sim.fits, sim.step_time_s) < (not best.sim.fits, best.sim.step_time_s):
-                best = _Candidate(encoder, phased, costs, problem, plan, sim)
-        best.layer_level_s = layer_level if layer_level is not None else best.sim.step_time_s
+        phased_sim = simulate(phased, layer_graph, cluster, costs=costs)
+        best = _Candidate(encoder, phased, costs, problem, phased, phased_sim)
+        best.layer_level_s = phased_sim.step_time_s if phased_sim.fits else None
+        _improve(best, layer_graph, cluster, SCREEN_SETTINGS, SCREEN_SETTINGS if llm.tp > 1 else ())
         scored.append(best)
         # Finer granularity is tried while it keeps helping: a step no faster than the coarser
         # plan's stops the (pp, tp) pair's refinement (marked by an infinite step).
@@ -399,6 +378,15 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         raise _NoneFits(
             "; ".join(f"{r.encoder}: {r.verdict or 'over the memory cap'}" for r in rows.values())
         )
+    # The screen ran one setting of each kind per encoder plan; the fastest few get every one.
+    for cand in fitting[:REFINED_PLANS]:
+        _improve(cand, layer_graph, cluster, GREEDY_SETTINGS, KERNEL_SETTINGS if llm.tp > 1 else ())
+        rows[cand.encoder] = dataclasses.replace(
+            rows[cand.encoder],
+            greedy_step_s=cand.sim.step_time_s,
+            peak_gib=max(cand.sim.peak_mem_bytes) / 2**30,
+        )
+    fitting.sort(key=lambda c: c.sim.step_time_s)
     for cand in fitting[:SOLVED_PLANS]:
         solution = bs.solve(
             cand.problem,
@@ -411,12 +399,12 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
         rows[cand.encoder] = dataclasses.replace(rows[cand.encoder], solved_step_s=sim.step_time_s)
         if sim.fits:
-            cand.layer_level_s = min(cand.layer_level_s, sim.step_time_s)
+            cand.layer_level_s = min(cand.layer_level_s or sim.step_time_s, sim.step_time_s)
         if sim.fits and sim.step_time_s < cand.sim.step_time_s:
             cand.plan, cand.sim = plan, sim
         cand.solution = solution
     chosen = min(fitting, key=lambda c: c.sim.step_time_s)
-    layer_level = chosen.layer_level_s
+    layer_level = chosen.layer_level_s if chosen.layer_level_s is not None else chosen.sim.step_time_s
     table = tuple(dataclasses.replace(r, verdict=r.verdict or _verdict(r, chosen)) for r in rows.values())
     return _result(layer_graph, cluster, request, rung, chosen, table, started, layer_level)
 
@@ -436,11 +424,6 @@ def _result(
         min(r.rider_compute_s, chosen.costs.stages[r.action.stage].tp_comm_s(r.action.kind))
         for r in sim.runs
         if r.rider_compute_s
-    )
-    encoder_work = plan.num_microbatches * sum(
-        c.action_s(kind)
-        for c in chosen.costs.stages[: chosen.problem.encoder_stages]
-        for kind in (bs.F, bs.B)
     )
     solved = solution is not None and solution.status.split()[0] in ("OPTIMAL", "FEASIBLE")
     used = (
@@ -488,7 +471,7 @@ def _result(
         phased_step_s=phased_sim.step_time_s,
         step_s=sim.step_time_s,
         llm_alone_step_s=alone_sim.step_time_s,
-        encoder_work_s=encoder_work,
+        encoder_compute_s=encoder_compute,
         bubbles_before=tuple(dict(r.idle_s) for r in phased_sim.ranks),
         bubbles_after=tuple(dict(r.idle_s) for r in sim.ranks),
         solver_status=solution.status if solution is not None else "not run",
@@ -497,10 +480,83 @@ def _result(
         gap=solution.gap if solution is not None else None,
         wall_s=time.perf_counter() - started,
         notes=(f"schedule used: {used}",),
-        kernel_hidden_share=min(1.0, kernel_compute / encoder_compute) if encoder_compute > 0 else 0.0,
+        layer_hidden_share=_share(_layer_level_hidden_s(sim, chosen.costs), encoder_compute),
+        kernel_hidden_share=_share(kernel_compute, encoder_compute),
         layer_level_step_s=layer_level_s if plan.kernel_level else None,
     )
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung))
+
+
+def _improve(cand: _Candidate, layer_graph, cluster, layer_settings, kernel_settings) -> None:
+    """Keep in ``cand`` the fastest of its schedule and the list scheduler's with these settings:
+    the layer-level ones ranked by the problem's own timeline (the simulator's rules less the DP
+    collectives) and only the best simulated, as simulating every one costs most of the pass's
+    time at paper scale; the kernel-level ones (encoder work in the LLM's TP gaps, Optimus design
+    decision 3) simulated each."""
+    problem = cand.problem
+    layer_schedules = [
+        bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
+        for lookahead, fill_only in layer_settings
+    ]
+    schedules = []
+    if layer_schedules:
+        schedules.append((min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate(problem, acts))), {}))
+    for lookahead, fill_only in kernel_settings:
+        riders: dict = {}
+        actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only, riders=riders)
+        schedules.append((actions, riders))
+    for actions, kernel_level in schedules:
+        plan = dataclasses.replace(cand.phased, actions=actions, kernel_level=kernel_level)
+        sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
+        if not kernel_level and sim.fits:
+            cand.layer_level_s = min(cand.layer_level_s or sim.step_time_s, sim.step_time_s)
+        if (not sim.fits, sim.step_time_s) < (not cand.sim.fits, cand.sim.step_time_s):
+            cand.plan, cand.sim = plan, sim
+
+
+def _layer_level_hidden_s(sim: SimResult, costs: PlanCosts) -> float:
+    """Encoder compute run at layer level while its rank's next LLM action could not start yet for
+    want of the LLM's own inputs (another LLM stage's output), or after the rank's last LLM action
+    while another rank still ran the LLM: the part of the encoder's work that sat in pipeline
+    bubbles. What the LLM waited for from the encoder does not count as hidden."""
+    plan = sim.plan
+    llm = plan.stages[-1].group
+    end = {r.action: (r.end_s, r.rank) for r in sim.runs}
+    runs_of: dict[int, list] = {}
+    for run in sim.runs:
+        if run.inside is None:
+            runs_of.setdefault(run.rank, []).append(run)
+    llm_end = max(r.end_s for r in sim.runs if plan.stages[r.action.stage].group == llm)
+
+    def llm_inputs_at(run) -> float:
+        t = 0.0
+        for d in dependencies(run.action, plan.num_stages):
+            if plan.stages[d.stage].group != llm:
+                continue
+            d_end, d_rank = end[d]
+            stage = costs.stages[d.stage]
+            t = max(
+                t,
+                d_end
+                + (0.0 if d_rank == run.rank else stage.send_fwd_s if d.kind is bs.F else stage.send_bwd_s),
+            )
+        return t
+
+    hidden = 0.0
+    for runs in runs_of.values():
+        could_start = llm_end  # when the rank's next LLM action had its LLM inputs (walking back)
+        for run in sorted(runs, key=lambda r: r.start_s, reverse=True):
+            if plan.stages[run.action.stage].group == llm:
+                could_start = llm_inputs_at(run)
+                continue
+            span = run.end_s - run.start_s
+            if span > 0:
+                hidden += run.compute_s * max(0.0, min(run.end_s, could_start) - run.start_s) / span
+    return hidden
+
+
+def _share(part: float, whole: float) -> float:
+    return min(1.0, part / whole) if whole > 0 else 0.0
 
 
 def _rank_key(evaluation: bs.Evaluation) -> tuple[bool, int]:
