@@ -75,12 +75,36 @@ def setup_row(name: str, graphs: dict) -> dict:
         row["note"] = str(err)
         return row
     report = ours.report
+    frugal = row["frugal_baseline_gib"]
+    if frugal is not None and max(ours.sim.peak_mem_bytes) / 2**30 > TARGETS["memory"] * frugal:
+        # Our fastest plan holds more than the target allows: plan again within that memory.
+        budget = TARGETS["memory"] * frugal * 2**30
+        try:
+            lean = bubbles(
+                graph,
+                cluster,
+                request,
+                solver=SolverOptions(time_limit_s=10, workers=2),
+                memory_budget_bytes=budget,
+            )
+            row["within_memory"] = {
+                "step_s": lean.sim.step_time_s,
+                "peak_gib": max(lean.sim.peak_mem_bytes) / 2**30,
+                "recompute": lean.report.recompute,
+                "encoder_plan": str(lean.report.chosen),
+                "wall_s": lean.report.wall_s,
+            }
+        except PlanError as err:
+            row["within_memory"] = {"note": str(err)}
     row.update(
         ours=ours.sim.step_time_s,
         fits=ours.fits,
         peak_gib=max(ours.sim.peak_mem_bytes) / 2**30,
         encoder_plan=str(report.chosen),
+        recompute=report.recompute,
         hidden_share=report.hidden_share,
+        layer_hidden_share=report.layer_hidden_share,
+        kernel_hidden_share=report.kernel_hidden_share,
         llm_alone_s=report.llm_alone_step_s,
         encoder_overhead=report.encoder_overhead,
         phased_s=report.phased_step_s,
@@ -104,7 +128,13 @@ def best_baseline(row: dict) -> tuple[str, float] | None:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ["setup", "DP/TP/PP/V mb", *BASELINES, "ours", "vs best baseline", "vs megatron_balanced"]
-    head += ["encoder work hidden", "peak vs most frugal", "pass wall s", "encoder overhead (goal <= 1.10)"]
+    head += [
+        "encoder compute in bubbles (layer + kernel)",
+        "peak vs most frugal",
+        "within 1.15x the most frugal's memory",
+        "pass wall s",
+        "encoder overhead (goal <= 1.10)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["setup"], r["degrees"]]
@@ -115,13 +145,28 @@ def markdown_table(rows: list[dict]) -> str:
         cells.append(f"{ours:.2f}" if ours is not None else "-")
         cells.append(f"{best[1] / ours:.2f}x ({best[0]})" if ours and best else "-")
         cells.append(f"{mb / ours:.2f}x" if ours and mb else "-")
-        cells.append(f"{100 * r['hidden_share']:.0f} %" if ours else "-")
+        cells.append(
+            f"{100 * r['layer_hidden_share']:.0f} + {100 * r['kernel_hidden_share']:.0f} %" if ours else "-"
+        )
         frugal = r.get("frugal_baseline_gib")
         cells.append(f"{r['peak_gib'] / frugal:.2f}" if ours and frugal else "-")
+        cells.append(_within_memory_cell(r, best))
         cells.append(f"{r['wall_s']:.1f}" if ours else "-")
         cells.append(f"{r['encoder_overhead']:.2f}" if ours else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _within_memory_cell(row: dict, best: tuple[str, float] | None) -> str:
+    if not row.get("ours"):
+        return "-"
+    lean = row.get("within_memory")
+    if lean is None:
+        return "(ours already)"
+    if "step_s" not in lean:
+        return "no plan"
+    over = f", {best[1] / lean['step_s']:.2f}x" if best else ""
+    return f"{lean['step_s']:.2f} s ({lean['recompute']}{over})"
 
 
 def missed_targets(rows: list[dict]) -> list[str]:
@@ -136,8 +181,15 @@ def missed_targets(rows: list[dict]) -> list[str]:
             missed.append(f"{r['setup']}: slower than {best[0]} ({ours:.3f} s vs {best[1]:.3f} s)")
         frugal = r.get("frugal_baseline_gib")
         if frugal and r["peak_gib"] > TARGETS["memory"] * frugal:
+            lean = r.get("within_memory", {})
             missed.append(
-                f"{r['setup']}: peak {r['peak_gib']:.1f} GiB > 1.15 x the most frugal baseline's {frugal:.1f}"
+                f"{r['setup']}: our fastest plan's peak {r['peak_gib']:.1f} GiB > 1.15 x the most frugal baseline's "
+                f"{frugal:.1f}"
+                + (
+                    f" (within it: {lean['step_s']:.3f} s with recompute {lean['recompute']})"
+                    if "step_s" in lean
+                    else " (no plan within it)"
+                )
             )
         if r["wall_s"] > TARGETS["wall_s"]:
             missed.append(f"{r['setup']}: the pass took {r['wall_s']:.1f} s > 30 s")

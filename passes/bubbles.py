@@ -13,8 +13,9 @@ For a request (the LLM's DP/TP/PP, v, microbatches and schedule) the pass
    (:func:`~vlmcompile.planning.bubble_schedule.greedy`, several settings), each simulated; the
    fastest few encoder plans go to the CP-SAT model
    (:func:`~vlmcompile.planning.bubble_schedule.solve`), whose schedules are simulated again;
-5. keeps the fastest simulated plan that fits, with the least global recompute that lets any
-   plan fit (none, selective, full, full + vision: :data:`RECOMPUTE_LADDER`).
+5. keeps the fastest simulated plan that fits (in the device's memory, or a tighter budget),
+   with the least global recompute that lets any plan fit (:data:`RECOMPUTE_LADDER`: none,
+   the encoder alone, selective, selective + encoder, full, full + encoder).
 
 The LLM's actions keep the request's schedule order on every rank; the encoder's are placed
 around them. The report lists every encoder plan tried and why it lost, the bubbles of each
@@ -37,13 +38,13 @@ from vlmcompile.cost_models.stage_costs import PlanCosts, layer_costs, plan_cost
 from vlmcompile.ir.actions import dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Decision, Plan, Reason
+from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute
 from vlmcompile.passes.megatron import model_parts, recompute_flags
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.build import build_separate_plan
 from vlmcompile.planning.chunks import balanced_split, chunks_of
-from vlmcompile.planning.request import RECOMPUTE_LADDER, GlobalRecompute, PlanRequest, SolverOptions
+from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import CAUSES, SimResult, simulate
 
@@ -55,6 +56,14 @@ SCREEN_SETTINGS = ((8, False),)
 """The one setting of each kind every encoder plan is screened with."""
 REFINED_PLANS = 3
 """Encoder plans (the fastest after the screen) the list scheduler tries every setting on."""
+RECOMPUTE_LADDER = tuple(
+    GlobalRecompute(granularity=g, vision=v)
+    for g in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+    for v in (False, True)
+)
+"""The recompute settings the pass tries, the least first: the encoder alone recomputed comes
+before the LLM's selective, as its activations are the ones this pass keeps longer (forwards
+early in the step, backwards late) and its recompute can run in the LLM's bubbles."""
 SOLVED_PLANS = 2
 """Encoder plans (the fastest after the list scheduler) that CP-SAT then schedules."""
 MAX_ENCODER_ACTIONS = 600
@@ -246,10 +255,18 @@ def bubbles(
     solver: SolverOptions = SolverOptions(),
     encoder_plans: list[ep.EncoderPlan] | None = None,
     recompute: GlobalRecompute | None = None,
+    memory_budget_bytes: float | None = None,
 ) -> PolicyResult:
     """The fastest simulated plan with the encoders on a plan of their own and their work in the
     LLM's bubbles (see the module docstring). Raises :class:`PlanError` for a model without an
-    encoder (plan the LLM alone with the other policies) or when no encoder plan fits."""
+    encoder (plan the LLM alone with the other policies) or when no encoder plan fits.
+
+    Args:
+        recompute: one global recompute setting; None: the least of :data:`RECOMPUTE_LADDER`
+            that lets a plan fit.
+        memory_budget_bytes: a per-rank peak to plan within, below the device's cap (e.g. the
+            memory a baseline plan needs); None: the device's cap.
+    """
     started = time.perf_counter()
     request.check_on(cluster)
     count = ep.encoder_layer_count(layer_graph)
@@ -263,16 +280,27 @@ def bubbles(
     llm = request.parallel
     candidates = encoder_plans or candidate_encoder_plans(layer_graph, request)
     ladder = (recompute,) if recompute is not None else RECOMPUTE_LADDER
+    cap = usable_memory_bytes(cluster.device.mem_bytes)
+    if memory_budget_bytes is not None:
+        if not 0 < memory_budget_bytes:
+            raise PlanError(
+                f"memory_budget_bytes={memory_budget_bytes!r}; give a positive number of bytes per rank"
+            )
+        cap = min(cap, memory_budget_bytes)
     last_error = None
     for rung in ladder:
         flags = recompute_flags(layer_graph, parts, rung)
         try:
             return _plan_at(
-                layer_graph, cluster, request, candidates, rung, flags, names, count, solver, started
+                layer_graph, cluster, request, candidates, rung, flags, names, count, solver, started, cap
             )
         except _NoneFits as err:
             last_error = err
-    raise PlanError(f"no encoder plan fits at {llm}, even with recompute {ladder[-1]}: {last_error}")
+    within = "the memory budget" if memory_budget_bytes is not None else "memory"
+    raise PlanError(
+        f"no encoder plan fits in {within} ({cap / 2**30:.1f} GiB per rank) at {llm}, even with recompute "
+        f"{ladder[-1]}: {last_error}"
+    )
 
 
 class _NoneFits(Exception):
@@ -289,12 +317,17 @@ class _Candidate:
     problem: bs.BubbleProblem
     plan: Plan
     sim: SimResult
+    cap: float
+    """The per-rank memory the plan must fit in (the device's cap or a tighter budget)."""
     solution: bs.BubbleSolution | None = None
     layer_level_s: float | None = None
     """The fastest layer-level schedule's step (the kernel level's starting point)."""
 
+    def fits(self, sim: SimResult) -> bool:
+        return max(sim.peak_mem_bytes) <= self.cap
 
-def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, count, solver, started):
+
+def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, count, solver, started, cap):
     llm = request.parallel
     llm_costs = layer_costs(
         layer_graph, cluster, llm, microbatch_size=request.microbatch_size, recompute=flags
@@ -302,7 +335,6 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
     llm_chunks = chunks_of(
         names[count:], balanced_split([c.f_s + c.b_s for c in llm_costs[count:]], llm.pp * llm.v)
     )
-    cap = usable_memory_bytes(cluster.device.mem_bytes)
     rows: dict[ep.EncoderPlan, EncoderPlanRow] = {}
     scored: list[_Candidate] = []
     finest: dict[tuple[int, int], tuple[int, float]] = {}  # (pp, tp) -> (chunks, step) of the last tried
@@ -354,14 +386,14 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         # The phased schedule (Optimus's initial one) is a candidate too: the list scheduler's
         # choices can lose to it where the encoder work is large against the bubbles.
         phased_sim = simulate(phased, layer_graph, cluster, costs=costs)
-        best = _Candidate(encoder, phased, costs, problem, phased, phased_sim)
-        best.layer_level_s = phased_sim.step_time_s if phased_sim.fits else None
+        best = _Candidate(encoder, phased, costs, problem, phased, phased_sim, cap)
+        best.layer_level_s = phased_sim.step_time_s if best.fits(phased_sim) else None
         _improve(best, layer_graph, cluster, SCREEN_SETTINGS, SCREEN_SETTINGS if llm.tp > 1 else ())
         scored.append(best)
         # Finer granularity is tried while it keeps helping: a step no faster than the coarser
         # plan's stops the (pp, tp) pair's refinement (marked by an infinite step).
         before = finest.get((encoder.pp, encoder.tp))
-        step = best.sim.step_time_s if best.sim.fits else float("inf")
+        step = best.sim.step_time_s if best.fits(best.sim) else float("inf")
         finest[(encoder.pp, encoder.tp)] = (
             encoder.chunks,
             float("inf") if before is not None and step >= before[1] else step,
@@ -371,9 +403,9 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
             degrees,
             best.sim.step_time_s,
             peak_gib=max(best.sim.peak_mem_bytes) / 2**30,
-            fits=best.sim.fits,
+            fits=best.fits(best.sim),
         )
-    fitting = sorted((c for c in scored if c.sim.fits), key=lambda c: c.sim.step_time_s)
+    fitting = sorted((c for c in scored if c.fits(c.sim)), key=lambda c: c.sim.step_time_s)
     if not fitting:
         raise _NoneFits(
             "; ".join(f"{r.encoder}: {r.verdict or 'over the memory cap'}" for r in rows.values())
@@ -398,9 +430,9 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         plan.validate(layer_graph)
         sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
         rows[cand.encoder] = dataclasses.replace(rows[cand.encoder], solved_step_s=sim.step_time_s)
-        if sim.fits:
+        if cand.fits(sim):
             cand.layer_level_s = min(cand.layer_level_s or sim.step_time_s, sim.step_time_s)
-        if sim.fits and sim.step_time_s < cand.sim.step_time_s:
+        if cand.fits(sim) and sim.step_time_s < cand.sim.step_time_s:
             cand.plan, cand.sim = plan, sim
         cand.solution = solution
     chosen = min(fitting, key=lambda c: c.sim.step_time_s)
@@ -508,9 +540,9 @@ def _improve(cand: _Candidate, layer_graph, cluster, layer_settings, kernel_sett
     for actions, kernel_level in schedules:
         plan = dataclasses.replace(cand.phased, actions=actions, kernel_level=kernel_level)
         sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
-        if not kernel_level and sim.fits:
+        if not kernel_level and cand.fits(sim):
             cand.layer_level_s = min(cand.layer_level_s or sim.step_time_s, sim.step_time_s)
-        if (not sim.fits, sim.step_time_s) < (not cand.sim.fits, cand.sim.step_time_s):
+        if (not cand.fits(sim), sim.step_time_s) < (not cand.fits(cand.sim), cand.sim.step_time_s):
             cand.plan, cand.sim = plan, sim
 
 

@@ -190,3 +190,25 @@ def _phased_actions(plan):
             + tuple(a for a in enc if a.kind.value == "B")
         )
     return tuple(out)
+
+
+def test_a_memory_budget_is_kept_by_recomputing_the_encoder_first(demo_bubbles, demo_graph):
+    """Below the fastest plan's peak the pass recomputes, the encoder alone before the LLM's
+    selective recompute (its activations are the ones this pass holds longest)."""
+    request, result = demo_bubbles
+    fastest_peak = max(result.sim.peak_mem_bytes)
+    assert result.report.recompute == "none"
+    for share in (0.9, 0.8, 0.7, 0.6, 0.5):
+        budget = share * fastest_peak
+        lean = bubbles(demo_graph, CLUSTER, request, solver=FAST, memory_budget_bytes=budget)
+        assert max(lean.sim.peak_mem_bytes) <= budget
+        assert lean.sim.step_time_s >= result.sim.step_time_s * (1 - 1e-9)
+        if lean.report.recompute != "none":
+            assert lean.report.recompute == "none + vision"
+            break
+    else:
+        raise AssertionError("half the fastest plan's memory still needed no recompute")
+    with pytest.raises(PlanError, match=r"no encoder plan fits in the memory budget \(0.0 GiB per rank\)"):
+        bubbles(demo_graph, CLUSTER, request, solver=FAST, memory_budget_bytes=1024.0)
+    with pytest.raises(PlanError, match="memory_budget_bytes=0; give a positive number"):
+        bubbles(demo_graph, CLUSTER, request, solver=FAST, memory_budget_bytes=0)
