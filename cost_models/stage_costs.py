@@ -6,7 +6,7 @@ collectives per layer. The simulator reads only this.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vlmcompile.cost_models import comm
 from vlmcompile.cost_models.cluster import Cluster
@@ -81,6 +81,20 @@ class StageCost:
     """Kept from a microbatch's forward until its backward."""
     transient_bytes: float
     """Extra bytes during this stage's backward (recomputed saved tensors)."""
+    _per_kind: dict = field(init=False, repr=False, compare=False)
+    """(action time, TP collectives) per action kind, summed once: every simulated action reads them."""
+
+    def __post_init__(self):
+        per_kind = {
+            kind: (sum(c.action_s(kind) for c in self.layers), tp)
+            for kind, tp in (
+                (ActionKind.F, self.fwd_tp_comm_s),
+                (ActionKind.B, self.bwd_tp_comm_s),
+                (ActionKind.I, self.bwd_tp_comm_s),
+                (ActionKind.W, 0.0),
+            )
+        }
+        object.__setattr__(self, "_per_kind", per_kind)
 
     @property
     def fwd_s(self) -> float:
@@ -104,20 +118,16 @@ class StageCost:
 
     def action_s(self, kind: ActionKind) -> float:
         """Duration of one action of this stage, TP collectives included."""
-        return sum(c.action_s(kind) for c in self.layers)
+        return self._per_kind[kind][0]
 
     def tp_comm_s(self, kind: ActionKind) -> float:
         """The TP collectives of one action (the compute stream's gaps; a weight gradient has none)."""
-        return {
-            ActionKind.F: self.fwd_tp_comm_s,
-            ActionKind.B: self.bwd_tp_comm_s,
-            ActionKind.I: self.bwd_tp_comm_s,
-            ActionKind.W: 0.0,
-        }[kind]
+        return self._per_kind[kind][1]
 
     def compute_s(self, kind: ActionKind) -> float:
         """One action's time less its TP collectives."""
-        return self.action_s(kind) - self.tp_comm_s(kind)
+        time, tp = self._per_kind[kind]
+        return time - tp
 
 
 @dataclass(frozen=True, slots=True)

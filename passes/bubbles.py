@@ -48,12 +48,14 @@ from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOpti
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import CAUSES, SimResult, simulate
 
-GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False), (8, False))
+GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False), (8, False), (16, False))
 """(lookahead, fill_only) settings of the list scheduler tried on the fastest encoder plans."""
-KERNEL_SETTINGS = ((2, False), (4, False), (8, False), (16, True))
-"""Settings of the list scheduler run again with encoder work inside the LLM's TP gaps."""
-SCREEN_SETTINGS = ((8, False),)
-"""The one setting of each kind every encoder plan is screened with."""
+KERNEL_SETTINGS = ((4, False), (8, False), (16, False), (8, True), (32, True))
+"""Settings of the list scheduler run with encoder work inside the LLM's TP gaps too. Where the
+LLM has TP collectives these schedules won on every Optimus setup (the layer-level ones by
+2-8 %), so the layer-level settings are cut to one there (the kernel level's reference)."""
+SCREEN_LAYER, SCREEN_KERNEL = ((8, False),), ((16, True),)
+"""The settings every encoder plan is screened with: those that won most often."""
 REFINED_PLANS = 3
 """Encoder plans (the fastest after the screen) the list scheduler tries every setting on."""
 RECOMPUTE_LADDER = tuple(
@@ -65,7 +67,8 @@ RECOMPUTE_LADDER = tuple(
 before the LLM's selective, as its activations are the ones this pass keeps longer (forwards
 early in the step, backwards late) and its recompute can run in the LLM's bubbles."""
 SOLVED_PLANS = 2
-"""Encoder plans (the fastest after the list scheduler) that CP-SAT then schedules."""
+"""Encoder plans (the fastest after the list scheduler) CP-SAT schedules, each within the
+solver's time limit / SOLVED_PLANS; one where the LLM has TP collectives."""
 MAX_ENCODER_ACTIONS = 600
 """Encoder actions per step above which a finer granularity is not tried (CP-SAT's size)."""
 
@@ -388,7 +391,7 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         phased_sim = simulate(phased, layer_graph, cluster, costs=costs)
         best = _Candidate(encoder, phased, costs, problem, phased, phased_sim, cap)
         best.layer_level_s = phased_sim.step_time_s if best.fits(phased_sim) else None
-        _improve(best, layer_graph, cluster, SCREEN_SETTINGS, SCREEN_SETTINGS if llm.tp > 1 else ())
+        _improve(best, layer_graph, cluster, SCREEN_LAYER, SCREEN_KERNEL if llm.tp > 1 else ())
         scored.append(best)
         # Finer granularity is tried while it keeps helping: a step no faster than the coarser
         # plan's stops the (pp, tp) pair's refinement (marked by an infinite step).
@@ -412,14 +415,19 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         )
     # The screen ran one setting of each kind per encoder plan; the fastest few get every one.
     for cand in fitting[:REFINED_PLANS]:
-        _improve(cand, layer_graph, cluster, GREEDY_SETTINGS, KERNEL_SETTINGS if llm.tp > 1 else ())
+        if llm.tp > 1:
+            _improve(cand, layer_graph, cluster, GREEDY_SETTINGS[-1:], KERNEL_SETTINGS)
+        else:
+            _improve(cand, layer_graph, cluster, GREEDY_SETTINGS, ())
         rows[cand.encoder] = dataclasses.replace(
             rows[cand.encoder],
             greedy_step_s=cand.sim.step_time_s,
             peak_gib=max(cand.sim.peak_mem_bytes) / 2**30,
         )
     fitting.sort(key=lambda c: c.sim.step_time_s)
-    for cand in fitting[:SOLVED_PLANS]:
+    # CP-SAT places layer-level work only; where the LLM has TP gaps the list scheduler's
+    # kernel-level schedules beat its on every Optimus setup, so it solves the fastest plan alone.
+    for cand in fitting[: SOLVED_PLANS if llm.tp == 1 else 1]:
         solution = bs.solve(
             cand.problem,
             time_limit_s=solver.time_limit_s / SOLVED_PLANS,

@@ -301,39 +301,56 @@ def greedy(
             if a.kind is B:
                 live[rank] -= keep[a.stage]
 
+    def choose(rank: int) -> tuple[int, int, Action] | None:
+        """The rank's next action and when it would start: its next LLM action, or ready encoder
+        work that starts earlier (or fits before it, with ``fill_only``)."""
+        llm_next = (
+            problem.llm_actions[rank][position[rank]]
+            if position[rank] < len(problem.llm_actions[rank])
+            else None
+        )
+        llm_start = None
+        if llm_next is not None:
+            r = ready_at(llm_next, rank)
+            llm_start = None if r is None else max(free[rank], r)
+        choice: tuple[int, int, Action] | None = None
+        if llm_start is not None:
+            choice = (llm_start, 0, llm_next)
+        for a in candidates(rank):
+            r = ready_at(a, rank)
+            if r is None:
+                continue
+            start = max(free[rank], r)
+            urgent = a.kind is F and a.microbatch == need
+            if not urgent and a.kind is F and live[rank] + keep[a.stage] > problem.mem_limit[rank]:
+                continue  # the one the LLM waits for runs anyway: the evaluation says if it fits
+            if llm_start is not None and not urgent:
+                if start + problem.duration(a) > llm_start if fill_only else start >= llm_start:
+                    continue
+            priority = (0 if urgent else 1 if a.kind is B else 2) * (m + 1) + a.microbatch + 1
+            if choice is None or (start, priority) < choice[:2]:
+                choice = (start, priority, a)
+        return choice
+
     need = 0  # the microbatch the first LLM stage needs next
     total = sum(len(a) for a in problem.llm_actions) + sum(len(seq) for seq in sequences)
+    # A rank's choice changes only when its own state, the inputs of its actions, or the encoder
+    # work on offer change: recomputed for those ranks alone after each commit.
+    choices: dict[int, tuple[int, int, Action] | None] = {}
+    dirty = set(range(problem.num_ranks))
+    holders = [set(s.ranks) for s in problem.stages]
+    seen = None  # (encoder state, need) when the choices were made
     while len(ends) < total:
-        best: tuple[int, int, int, Action] | None = None  # (start, priority, rank, action)
         while need < m and Action(first, F, need) in ends:
             need += 1
-        for rank in range(problem.num_ranks):
-            llm_next = (
-                problem.llm_actions[rank][position[rank]]
-                if position[rank] < len(problem.llm_actions[rank])
-                else None
-            )
-            llm_start = None
-            if llm_next is not None:
-                r = ready_at(llm_next, rank)
-                llm_start = None if r is None else max(free[rank], r)
-            choice: tuple[int, int, Action] | None = None
-            if llm_start is not None:
-                choice = (llm_start, 0, llm_next)
-            for a in candidates(rank):
-                r = ready_at(a, rank)
-                if r is None:
-                    continue
-                start = max(free[rank], r)
-                urgent = a.kind is F and a.microbatch == need
-                if not urgent and a.kind is F and live[rank] + keep[a.stage] > problem.mem_limit[rank]:
-                    continue  # the one the LLM waits for runs anyway: the evaluation says if it fits
-                if llm_start is not None and not urgent:
-                    if start + problem.duration(a) > llm_start if fill_only else start >= llm_start:
-                        continue
-                priority = (0 if urgent else 1 if a.kind is B else 2) * (m + 1) + a.microbatch + 1
-                if choice is None or (start, priority) < choice[:2]:
-                    choice = (start, priority, a)
+        if (version[0], need) != seen:
+            dirty = set(range(problem.num_ranks))
+            seen = (version[0], need)
+        for rank in dirty:
+            choices[rank] = choose(rank)
+        dirty = set()
+        best: tuple[int, int, int, Action] | None = None  # (start, priority, rank, action)
+        for rank, choice in choices.items():
             if choice is not None and (best is None or (choice[0], choice[1], rank) < best[:3]):
                 best = (choice[0], choice[1], rank, choice[2])
         if best is None:
@@ -367,6 +384,11 @@ def greedy(
             for e in closed:
                 finish(e, end, rank)
         finish(a, end, rank)
+        dirty.add(rank)
+        for done in (a, *closed):
+            for neighbour in (done.stage - 1, done.stage + 1):
+                if 0 <= neighbour < problem.num_stages:
+                    dirty |= holders[neighbour]
     if riders is not None:
         riders.update(kernels.spans)
     return tuple(tuple(acts) for acts in out)
