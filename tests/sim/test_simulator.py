@@ -183,14 +183,15 @@ def _bubble_plan_with_tp(demo_graph):
     ).plan
 
 
-def _rider_and_host(plan):
-    """An encoder action on rank 1 moved right before an LLM action there that it does not feed."""
+def _rider_and_host(plan, kind=None):
+    """An encoder action (of ``kind``) on rank 1 moved right before an LLM action there that it
+    does not feed."""
     from vlmcompile.ir.actions import dependencies
 
     acts = list(plan.actions[1])
     llm = plan.stages[-1].group
     for e in acts:
-        if plan.stages[e.stage].group == llm:
+        if plan.stages[e.stage].group == llm or kind not in (None, e.kind):
             continue
         for host in acts:
             if plan.stages[host.stage].group != llm:
@@ -253,6 +254,24 @@ def test_a_rider_spanning_two_hosts_runs_from_the_first_ones_start_to_the_second
     assert runs[first].rider_compute_s + runs[second].rider_compute_s == pytest.approx(c_rider)
     for stats in sim.ranks:
         assert stats.busy_s + sum(stats.idle_s.values()) == pytest.approx(sim.step_time_s)
+
+
+def test_a_kernel_level_backward_frees_its_activations_after_its_last_host(demo_graph):
+    cluster, plan = _bubble_plan_with_tp(demo_graph)
+    fused, rider, host = _rider_and_host(plan, ActionKind.B)
+    costs = plan_costs(fused, demo_graph, cluster)
+    layer_level = simulate(dataclasses.replace(fused, kernel_level={}), demo_graph, cluster, costs=costs)
+    spanning = dataclasses.replace(fused, kernel_level={rider: 2})
+    spanning.validate()
+    last = spanning.hosts_of()[rider][-1]
+    # The same list with the backward placed after its last host holds what the rider holds.
+    acts = list(fused.actions[1])
+    acts.remove(rider)
+    acts.insert(acts.index(last) + 1, rider)
+    moved = dataclasses.replace(fused, actions=(fused.actions[0], tuple(acts)), kernel_level={})
+    held = simulate(moved, demo_graph, cluster, costs=costs).peak_mem_bytes[1]
+    assert simulate(spanning, demo_graph, cluster, costs=costs).peak_mem_bytes[1] == pytest.approx(held)
+    assert held >= layer_level.peak_mem_bytes[1]
 
 
 def test_kernel_level_marks_that_cannot_run_are_refused(demo_graph):

@@ -288,7 +288,7 @@ def simulate(
     compute_end = max(r.end_s for r in runs)
     step = max(compute_end, max(reduced_end))
     bubbles = _bubbles(runs, num_ranks, step, compute_end)
-    ranks = _rank_stats(plan, runs, bubbles, costs)
+    ranks = _rank_stats(plan, runs, bubbles, costs, hosts)
     peak = cluster.device.peak_flops_per_s
     group_gpus = num_ranks * max(p.tp for p in plan.parallel.values())
     capacity = step * group_gpus * peak
@@ -372,7 +372,11 @@ def _bubbles(runs: list[ActionRun], num_ranks: int, step: float, compute_end: fl
 
 
 def _rank_stats(
-    plan: Plan, runs: list[ActionRun], bubbles: list[Bubble], costs: PlanCosts
+    plan: Plan,
+    runs: list[ActionRun],
+    bubbles: list[Bubble],
+    costs: PlanCosts,
+    hosts: dict[Action, tuple[Action, ...]],
 ) -> tuple[RankStats, ...]:
     stats = []
     for rank in range(plan.num_ranks):
@@ -384,17 +388,27 @@ def _rank_stats(
         idle["dp_all_gather"] += sum(r.dp_wait_s for r in mine)
         idle["tp_comm"] += sum(r.tp_comm_s for r in mine)
         busy = sum(r.compute_s for r in mine)
-        peak, peak_step = _peak_memory(mine, costs)
+        peak, peak_step = _peak_memory(mine, costs, hosts)
         stats.append(
             RankStats(rank, busy, idle, costs.static_bytes[rank] + peak, peak_step, costs.static_bytes[rank])
         )
     return tuple(stats)
 
 
-def _peak_memory(mine: list[ActionRun], costs: PlanCosts) -> tuple[float, int]:
+def _peak_memory(
+    mine: list[ActionRun], costs: PlanCosts, hosts: dict[Action, tuple[Action, ...]]
+) -> tuple[float, int]:
     """The most activation bytes the rank holds while any of its actions runs
-    (:mod:`vlmcompile.sim.in_flight`), and that action's step."""
-    ordered = sorted(mine, key=lambda r: r.step)
+    (:mod:`vlmcompile.sim.in_flight`), and that action's step. A kernel-level backward frees its
+    microbatch's activations when its last host ends, not where it is listed."""
+    step = {r.action: r.step for r in mine}
+
+    def held_until(r: ActionRun) -> float:
+        if r.action.kind is not ActionKind.F and r.action in hosts:
+            return step[hosts[r.action][-1]] + 0.5
+        return r.step
+
+    ordered = sorted(mine, key=held_until)
     keep = [s.act_bytes for s in costs.stages]
     transient = [s.transient_bytes for s in costs.stages]
     peak, peak_step = 0.0, ordered[0].step if ordered else 0
