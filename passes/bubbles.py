@@ -9,9 +9,10 @@ For a request (the LLM's DP/TP/PP, v, microbatches and schedule) the pass
 2. cuts the LLM's layers into PP x v virtual stages balanced by time (Optimus appendix B's
    program on the LLM alone) and each encoder plan's layers into PP_enc stages the same way;
 3. prunes the encoder plans whose model states leave no room in memory;
-4. schedules each: the phased schedule and the list scheduler's
-   (:func:`~vlmcompile.planning.bubble_schedule.greedy`, several settings), each simulated; the
-   fastest few encoder plans go to the CP-SAT model
+4. schedules each: the phased schedule and one setting of each kind of the list scheduler
+   (:func:`~vlmcompile.planning.bubble_schedule.greedy`, layer level and, where the LLM has TP
+   collectives, kernel level), each simulated; the fastest few encoder plans get every setting,
+   and the fastest go to the CP-SAT model
    (:func:`~vlmcompile.planning.bubble_schedule.solve`), whose schedules are simulated again;
 5. keeps the fastest simulated plan that fits (in the device's memory, or a tighter budget),
    with the least global recompute that lets any plan fit (:data:`RECOMPUTE_LADDER`: none,
@@ -47,6 +48,7 @@ from vlmcompile.planning.chunks import balanced_split, chunks_of
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import CAUSES, SimResult, simulate
+from vlmcompile.sim.timeline import transfer_between_stages
 
 GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False), (8, False), (16, False))
 """(lookahead, fill_only) settings of the list scheduler tried on the fastest encoder plans."""
@@ -316,6 +318,7 @@ class _Candidate:
 
     encoder: ep.EncoderPlan
     phased: Plan
+    phased_sim: SimResult
     costs: PlanCosts
     problem: bs.BubbleProblem
     plan: Plan
@@ -389,7 +392,7 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
         # The phased schedule (Optimus's initial one) is a candidate too: the list scheduler's
         # choices can lose to it where the encoder work is large against the bubbles.
         phased_sim = simulate(phased, layer_graph, cluster, costs=costs)
-        best = _Candidate(encoder, phased, costs, problem, phased, phased_sim, cap)
+        best = _Candidate(encoder, phased, phased_sim, costs, problem, phased, phased_sim, cap)
         best.layer_level_s = phased_sim.step_time_s if best.fits(phased_sim) else None
         _improve(best, layer_graph, cluster, SCREEN_LAYER, SCREEN_KERNEL if llm.tp > 1 else ())
         scored.append(best)
@@ -416,9 +419,11 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, coun
     # The screen ran one setting of each kind per encoder plan; the fastest few get every one.
     for cand in fitting[:REFINED_PLANS]:
         if llm.tp > 1:
-            _improve(cand, layer_graph, cluster, GREEDY_SETTINGS[-1:], KERNEL_SETTINGS)
+            _improve(
+                cand, layer_graph, cluster, GREEDY_SETTINGS[-1:], _unscreened(KERNEL_SETTINGS, SCREEN_KERNEL)
+            )
         else:
-            _improve(cand, layer_graph, cluster, GREEDY_SETTINGS, ())
+            _improve(cand, layer_graph, cluster, _unscreened(GREEDY_SETTINGS, SCREEN_LAYER), ())
         rows[cand.encoder] = dataclasses.replace(
             rows[cand.encoder],
             greedy_step_s=cand.sim.step_time_s,
@@ -453,7 +458,7 @@ def _result(
     layer_graph, cluster, request, rung, chosen: _Candidate, rows, started, layer_level_s
 ) -> PolicyResult:
     plan, sim, solution = chosen.plan, chosen.sim, chosen.solution
-    phased_sim = simulate(chosen.phased, layer_graph, cluster, costs=chosen.costs)
+    phased_sim = chosen.phased_sim
     alone_sim = simulate(llm_alone(plan), layer_graph, cluster)
     encoder_stages = chosen.costs.stages[: chosen.problem.encoder_stages]
     encoder_compute = plan.num_microbatches * sum(
@@ -568,19 +573,19 @@ def _layer_level_hidden_s(sim: SimResult, costs: PlanCosts) -> float:
             runs_of.setdefault(run.rank, []).append(run)
     llm_end = max(r.end_s for r in sim.runs if plan.stages[r.action.stage].group == llm)
 
+    transfer = transfer_between_stages(
+        [c.send_fwd_s for c in costs.stages], [c.send_bwd_s for c in costs.stages]
+    )
+
     def llm_inputs_at(run) -> float:
-        t = 0.0
-        for d in dependencies(run.action, plan.num_stages):
-            if plan.stages[d.stage].group != llm:
-                continue
-            d_end, d_rank = end[d]
-            stage = costs.stages[d.stage]
-            t = max(
-                t,
-                d_end
-                + (0.0 if d_rank == run.rank else stage.send_fwd_s if d.kind is bs.F else stage.send_bwd_s),
-            )
-        return t
+        return max(
+            (
+                end[d][0] + (transfer(d, run.action) if end[d][1] != run.rank else 0.0)
+                for d in dependencies(run.action, plan.num_stages)
+                if plan.stages[d.stage].group == llm
+            ),
+            default=0.0,
+        )
 
     hidden = 0.0
     for runs in runs_of.values():
@@ -593,6 +598,11 @@ def _layer_level_hidden_s(sim: SimResult, costs: PlanCosts) -> float:
             if span > 0:
                 hidden += run.compute_s * max(0.0, min(run.end_s, could_start) - run.start_s) / span
     return hidden
+
+
+def _unscreened(settings, screened):
+    """The settings the screen has not run already."""
+    return tuple(x for x in settings if x not in screened)
 
 
 def _share(part: float, whole: float) -> float:
