@@ -335,3 +335,29 @@ def test_kernel_level_encoder_work_runs_before_its_host_and_trains_like_eager():
     fused.validate(pipe.layer_graph)
     assert fused.hosts_of() == {rider: (host,)}
     check_equal_to_eager(model, batch, pipe.launch(plan=fused, timeout_s=30))
+
+
+def _receives_posted_at_each_action(runner, batch):
+    seen = []
+    runner.on_action = lambda rank, action: seen.append((action, frozenset(runner._state.posted) - {action}))
+    out = one_step(runner, batch)
+    return {**out, "posted_ahead": seen}
+
+
+def test_receives_are_posted_before_their_action_runs():
+    # gloo moves a message only once its receive is posted: a receive posted ahead lets the
+    # transfer run while this rank computes.
+    model, batch, pipe = _pipe("tiny")
+    plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)
+    results = pipe.launch(_receives_posted_at_each_action, plan=plan, args=(batch,), timeout_s=30)
+    check_equal_to_eager(model, batch, results)
+    last = plan.actions[1]
+    ahead = {a for action, posted in results[1]["posted_ahead"] for a in posted}
+    # Rank 1 (the last stage) takes every forward's activations from rank 0; all but the first
+    # (whose shape header comes with it) are posted while an earlier action runs.
+    later_forwards = {a for a in last if a.kind.value == "F" and a.microbatch != last[0].microbatch}
+    assert later_forwards <= ahead
+    first = results[0]["posted_ahead"]
+    assert any(a.kind.value == "B" for _, posted in first for a in posted), (
+        "rank 0 posts gradients' receives ahead"
+    )
