@@ -1,8 +1,8 @@
 """The distributed runtime: one rank's share of a plan, executed on torch.distributed.
 
 :class:`PipelineRunner` holds the stage modules codegen made and runs its rank's action list
-(``2F0``, ``2B0``, ...) in order; stage-to-stage values travel by point-to-point send/recv (each receive posted a
-few actions ahead, so the transfer runs while the rank computes),
+(``2F0``, ``2B0``, ...) in order; stage-to-stage values travel by point-to-point send/recv
+(each receive posted a few actions ahead, so the transfer runs while the rank computes),
 gradients of the stages a data-parallel group replicates are summed over that group, and
 parameters tied across pipeline ranks (an LLM's embedding and output layer) are summed over
 the ranks that hold them, as Megatron-LM does. gloo on CPU, NCCL on GPU.
