@@ -102,3 +102,15 @@ def test_activations_shrink_with_recompute_and_tp(demo_graph):
     assert no_sp == pytest.approx(
         none * (REPLICATED_SHARE_WITHOUT_SP + (1 - REPLICATED_SHARE_WITHOUT_SP) / 4)
     )
+
+
+def test_local_ranks_all_reduce_gradients_whatever_the_zero_stage(demo_graph):
+    # Our runtime (local ranks) has no ZeRO: it all-reduces; a GPU cluster's ZeRO-1 reduce-scatters.
+    par = Parallel(dp=2, tp=1, pp=1, zero_stage=1)
+    cpu = Cluster.local_cpu(2)
+    block = demo_graph["llm.blocks.0"]
+    grads = block.num_params * Precision().dp_grad_bytes
+    local = {c.name: c for c in layer_costs(demo_graph, cpu, par, microbatch_size=1)}["llm.blocks.0"]
+    assert local.dp_reduce_s == pytest.approx(comm.all_reduce_s(grads, 2, *cpu.group_link(2, 1)))
+    gpu = {c.name: c for c in layer_costs(demo_graph, H100, par, microbatch_size=1)}["llm.blocks.0"]
+    assert gpu.dp_reduce_s == pytest.approx(comm.reduce_scatter_s(grads, 2, *H100.group_link(2, 1)))

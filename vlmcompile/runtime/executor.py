@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -216,6 +217,8 @@ class PipelineRunner:
         self._meta: dict[tuple[int, int], list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
         """Per (sending stage, peer pipeline rank): (shape, dtype, is a Python number) of each value
         it sends (a replicated stage sends to, and receives from, several ranks)."""
+        self._flat: dict[int, torch.Tensor] = {}
+        """Per gradient reduction (by its group's id): its flat buffer."""
         self._ready = True
 
     def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
@@ -598,7 +601,13 @@ class PipelineRunner:
         grads = [p.grad for p in params]
         if not grads:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        # One buffer per group, kept across steps: a fresh one costs page faults every step.
+        numel = sum(g.numel() for g in grads)
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+        flat = self._flat.get(id(group))
+        if flat is None or flat.numel() != numel or flat.dtype != dtype:
+            flat = self._flat[id(group)] = torch.empty(numel, dtype=dtype)
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
         self._wait(dist.all_reduce(flat, group=group, async_op=True), what)
         offset = 0
         for g in grads:
