@@ -15,8 +15,10 @@ For a request (the LLM's DP/TP/PP, v, microbatches and schedule) the pass
    and the fastest go to the CP-SAT model
    (:func:`~vlmcompile.planning.bubble_schedule.solve`), whose schedules are simulated again;
 5. keeps the fastest simulated plan that fits (in the device's memory, or a tighter budget),
-   with the least global recompute that lets any plan fit (:data:`RECOMPUTE_LADDER`: none,
-   the encoder alone, selective, selective + encoder, full, full + encoder).
+   with the least recompute that lets any plan fit (:data:`RECOMPUTE_LADDER`: none, the
+   encoder alone, selective, selective + encoder; then, on top of selective + encoder, the
+   least share of every rank's LLM layers fully recomputed (bisection over eighths); then
+   full, full + encoder).
 
 The LLM's actions keep the request's schedule order on every rank; the encoder's are placed
 around them. The report lists every encoder plan tried and why it lost, the bubbles of each
@@ -28,6 +30,7 @@ objective, bound and gap, and the wall time.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -60,14 +63,64 @@ SCREEN_LAYER, SCREEN_KERNEL = ((8, False),), ((16, True),)
 """The settings every encoder plan is screened with: those that won most often."""
 REFINED_PLANS = 3
 """Encoder plans (the fastest after the screen) the list scheduler tries every setting on."""
-RECOMPUTE_LADDER = tuple(
-    GlobalRecompute(granularity=g, vision=v)
-    for g in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputeRung:
+    """A recompute setting the pass tries: a global one (Megatron-LM's flags), and where
+    ``full_share`` > 0 the first ``full_share`` of every rank's LLM layers (in model order, the
+    rank's first virtual stage first) recomputed fully on top of it: Megatron-LM's
+    ``--recompute-method block`` per rank, so that every rank pays about the same extra time and
+    the stage balance holds."""
+
+    base: GlobalRecompute
+    full_share: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.full_share < 1.0:
+            raise PlanError(f"full_share={self.full_share!r}; give a share of a rank's LLM layers in [0, 1)")
+
+    def __str__(self) -> str:
+        if not self.full_share:
+            return str(self.base)
+        return f"{self.base} + full on the first {self.full_share:.1%} of each rank's LLM layers"
+
+    def flags(self, layer_graph: LayerGraph, parts, llm_chunks, pp: int) -> dict[str, Recompute]:
+        """Per-layer flags for an LLM cut into ``llm_chunks`` (virtual stage k on rank k mod PP)."""
+        flags = recompute_flags(layer_graph, parts, self.base)
+        if self.full_share:
+            for rank in range(pp):
+                layers = [name for k, chunk in enumerate(llm_chunks) if k % pp == rank for name in chunk]
+                for name in layers[: math.ceil(self.full_share * len(layers))]:
+                    flags[name] = Recompute.FULL
+        return flags
+
+
+PARTIAL_BASE = GlobalRecompute(granularity=Recompute.SELECTIVE, vision=True)
+PARTIAL_SHARES = tuple(k / 8 for k in range(1, 8))
+"""Shares of each rank's LLM layers fully recomputed on top of :data:`PARTIAL_BASE`, between
+the global settings that recompute less and those that recompute more; the least share that
+fits is found by bisection (memory falls as the share grows)."""
+LIGHTER_RUNGS = tuple(
+    RecomputeRung(GlobalRecompute(granularity=g, vision=v))
+    for g in (Recompute.NONE, Recompute.SELECTIVE)
     for v in (False, True)
+)
+HEAVIER_RUNGS = tuple(
+    RecomputeRung(GlobalRecompute(granularity=Recompute.FULL, vision=v)) for v in (False, True)
+)
+RECOMPUTE_LADDER = (
+    *LIGHTER_RUNGS,
+    *(RecomputeRung(PARTIAL_BASE, share) for share in PARTIAL_SHARES),
+    *HEAVIER_RUNGS,
 )
 """The recompute settings the pass tries, the least first: the encoder alone recomputed comes
 before the LLM's selective, as its activations are the ones this pass keeps longer (forwards
-early in the step, backwards late) and its recompute can run in the LLM's bubbles."""
+early in the step, backwards late) and its recompute can run in the LLM's bubbles; between
+selective and full, a share of every rank's LLM layers fully recomputed (a memory budget
+between the two need not pay for full recompute everywhere)."""
+
+
 SOLVED_PLANS = 2
 """Encoder plans (the fastest after the list scheduler) CP-SAT schedules, each within the
 solver's time limit / SOLVED_PLANS; one where the LLM has TP collectives."""
@@ -284,7 +337,6 @@ def bubbles(
     names = [layer.name for layer in layer_graph.layers]
     llm = request.parallel
     candidates = encoder_plans or candidate_encoder_plans(layer_graph, request)
-    ladder = (recompute,) if recompute is not None else RECOMPUTE_LADDER
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     if memory_budget_bytes is not None:
         if not 0 < memory_budget_bytes:
@@ -292,15 +344,26 @@ def bubbles(
                 f"memory_budget_bytes={memory_budget_bytes!r}; give a positive number of bytes per rank"
             )
         cap = min(cap, memory_budget_bytes)
-    last_error = None
-    for rung in ladder:
-        flags = recompute_flags(layer_graph, parts, rung)
+    errors: list[_NoneFits] = []
+
+    def plan_at(rung: RecomputeRung) -> PolicyResult | None:
         try:
             return _plan_at(
-                layer_graph, cluster, request, candidates, rung, flags, names, count, solver, started, cap
+                layer_graph, cluster, request, candidates, rung, parts, names, count, solver, started, cap
             )
         except _NoneFits as err:
-            last_error = err
+            errors.append(err)
+            return None
+
+    if recompute is not None:
+        ladder = (RecomputeRung(recompute),)
+        result = plan_at(ladder[0])
+    else:
+        ladder = RECOMPUTE_LADDER
+        result = _first(plan_at, LIGHTER_RUNGS) or _least_share(plan_at) or _first(plan_at, HEAVIER_RUNGS)
+    if result is not None:
+        return result
+    last_error = errors[-1]
     within = "the memory budget" if memory_budget_bytes is not None else "memory"
     raise PlanError(
         f"no encoder plan fits in {within} ({cap / 2**30:.1f} GiB per rank) at {llm}, even with recompute "
@@ -310,6 +373,28 @@ def bubbles(
 
 class _NoneFits(Exception):
     pass
+
+
+def _first(plan_at, rungs) -> PolicyResult | None:
+    """The plan at the first of ``rungs`` that fits, if one does."""
+    for rung in rungs:
+        result = plan_at(rung)
+        if result is not None:
+            return result
+    return None
+
+
+def _least_share(plan_at) -> PolicyResult | None:
+    """The plan at the least of :data:`PARTIAL_SHARES` that fits (bisection), if one does."""
+    best, low, high = None, 0, len(PARTIAL_SHARES) - 1
+    while low <= high:
+        mid = (low + high) // 2
+        result = plan_at(RecomputeRung(PARTIAL_BASE, PARTIAL_SHARES[mid]))
+        if result is None:
+            low = mid + 1
+        else:
+            best, high = result, mid - 1
+    return best
 
 
 @dataclass(slots=True)
@@ -333,14 +418,19 @@ class _Candidate:
         return max(sim.peak_mem_bytes) <= self.cap
 
 
-def _plan_at(layer_graph, cluster, request, candidates, rung, flags, names, count, solver, started, cap):
+def _plan_at(layer_graph, cluster, request, candidates, rung, parts, names, count, solver, started, cap):
     llm = request.parallel
     llm_costs = layer_costs(
-        layer_graph, cluster, llm, microbatch_size=request.microbatch_size, recompute=flags
+        layer_graph,
+        cluster,
+        llm,
+        microbatch_size=request.microbatch_size,
+        recompute=recompute_flags(layer_graph, parts, rung.base),
     )
     llm_chunks = chunks_of(
         names[count:], balanced_split([c.f_s + c.b_s for c in llm_costs[count:]], llm.pp * llm.v)
     )
+    flags = rung.flags(layer_graph, parts, llm_chunks, llm.pp)
     rows: dict[ep.EncoderPlan, EncoderPlanRow] = {}
     scored: list[_Candidate] = []
     finest: dict[tuple[int, int], tuple[int, float]] = {}  # (pp, tp) -> (chunks, step) of the last tried

@@ -8,16 +8,26 @@ import json
 
 import pytest
 
+from vlmcompile.compiler import zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.ir.actions import Action
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.ir.plan import Plan, Reason
+from vlmcompile.ir.plan import Plan, Reason, Recompute
 from vlmcompile.ir.regions import Region
-from vlmcompile.passes.bubbles import _layer_level_hidden_s, bubbles, candidate_encoder_plans, llm_alone
+from vlmcompile.passes.bubbles import (
+    PARTIAL_BASE,
+    RecomputeRung,
+    _layer_level_hidden_s,
+    bubbles,
+    candidate_encoder_plans,
+    llm_alone,
+)
+from vlmcompile.passes.megatron import model_parts
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
-from vlmcompile.planning.request import PlanRequest, SolverOptions
+from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
+from vlmcompile.planning.setups import SETUPS
 from vlmcompile.sim.simulator import simulate
 
 CLUSTER = Cluster.preset("cpu:2")
@@ -212,3 +222,48 @@ def test_a_memory_budget_is_kept_by_recomputing_the_encoder_first(demo_bubbles, 
         bubbles(demo_graph, CLUSTER, request, solver=FAST, memory_budget_bytes=1024.0)
     with pytest.raises(PlanError, match="memory_budget_bytes=0; give a positive number"):
         bubbles(demo_graph, CLUSTER, request, solver=FAST, memory_budget_bytes=0)
+
+
+def test_a_partial_rung_recomputes_the_first_share_of_every_ranks_llm_layers(demo_graph):
+    parts = model_parts(demo_graph)
+    llm = [n for n in parts.decoder]
+    chunks = [llm[k::4] for k in range(4)]  # virtual stage k on rank k mod 2
+    flags = RecomputeRung(PARTIAL_BASE, 0.5).flags(demo_graph, parts, chunks, pp=2)
+    base = RecomputeRung(PARTIAL_BASE).flags(demo_graph, parts, chunks, pp=2)
+    for rank in range(2):
+        layers = [n for k, chunk in enumerate(chunks) if k % 2 == rank for n in chunk]
+        fully = [flags[n] is Recompute.FULL for n in layers]
+        assert fully == [True] * (len(layers) // 2) + [False] * (len(layers) - len(layers) // 2)
+        assert all(base[n] is Recompute.SELECTIVE for n in layers)
+    vision = [n for n in base if n not in llm]
+    assert vision and all(flags[n] is base[n] is Recompute.FULL for n in vision)
+    with pytest.raises(PlanError, match="full_share=1.0; give a share"):
+        RecomputeRung(PARTIAL_BASE, 1.0)
+
+
+@pytest.mark.slow
+def test_a_budget_between_selective_and_full_recompute_recomputes_a_share_of_each_ranks_layers():
+    # Optimus-Model-A at weak-A: its LLM's activations, not the encoder's, fill the memory.
+    setup = SETUPS["optimus-weak-A"]
+    graph, cluster, request = zoo_layer_graph(setup.model), Cluster.preset(setup.cluster), setup.request()
+    solver = SolverOptions(time_limit_s=4, workers=2)
+    budget = 36 * 2**30
+    lean = bubbles(graph, cluster, request, solver=solver, memory_budget_bytes=budget)
+    assert max(lean.sim.peak_mem_bytes) <= budget
+    assert lean.report.recompute.startswith("selective + vision + full on the first")
+    full = bubbles(
+        graph,
+        cluster,
+        request,
+        solver=solver,
+        memory_budget_bytes=budget,
+        recompute=GlobalRecompute(granularity=Recompute.FULL, vision=True),
+    )
+    assert lean.sim.step_time_s < full.sim.step_time_s
+    shares = set()
+    for rank in range(request.parallel.pp):
+        layers = [n for s in lean.plan.stages if s.group == ep.LLM_GROUP and s.rank == rank for n in s.layers]
+        fully = [lean.plan.recompute.get(n) is Recompute.FULL for n in layers]
+        assert fully == sorted(fully, reverse=True), "the rank's first layers are the recomputed ones"
+        shares.add(sum(fully) / len(layers))
+    assert 0 < min(shares) and max(shares) < 1
