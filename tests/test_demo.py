@@ -17,7 +17,9 @@ def test_each_pipelined_baseline_runs_at_its_fastest_v():
     steps = {}
     for v in V_CHOICES:
         try:
-            run = pipe.baseline("megatron_balanced", tp=1, pp=NUM_RANKS, v=v, global_batch=4, microbatch_size=1)
+            run = pipe.baseline(
+                "megatron_balanced", tp=1, pp=NUM_RANKS, v=v, global_batch=4, microbatch_size=1
+            )
         except PlanError:
             continue
         steps[v] = run.sim.step_time_s
