@@ -116,6 +116,13 @@ class Cluster:
     """Its ranks are processes on this machine (started by the local launcher, sharing its
     cores): a plan for it is meant to run here, on the runtime as it is."""
 
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage plans for this cluster use unless asked otherwise: Megatron-LM's
+        distributed optimizer (ZeRO-1) on GPU clusters; none on local ranks, as our runtime, which
+        runs their plans, all-reduces every gradient and keeps whole optimizer states."""
+        return 0 if self.ranks_on_this_machine else 1
+
     def __post_init__(self):
         if self.num_gpus < 1 or self.gpus_per_node < 1:
             raise ClusterError(

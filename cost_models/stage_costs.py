@@ -186,9 +186,7 @@ def layer_cost(
         redo = t.fwd_attention_s
     params = layer.num_params / (par.tp if sharded else 1)
     grads_wire = params * precision.dp_grad_bytes
-    # Our runtime (what a plan for local ranks runs on) has no ZeRO yet: it all-reduces every
-    # gradient, twice a reduce-scatter's traffic.
-    if par.zero_stage >= 1 and not cluster.ranks_on_this_machine:
+    if par.zero_stage >= 1:
         reduce = comm.reduce_scatter_s(grads_wire, par.dp, dp_bw, dp_lat)
         gather = comm.all_gather_s(params * precision.param_bytes, par.dp, dp_bw, dp_lat)
     else:

@@ -42,7 +42,7 @@ from vlmcompile.cost_models.stage_costs import PlanCosts, layer_costs, plan_cost
 from vlmcompile.ir.actions import dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute
+from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
 from vlmcompile.passes.megatron import model_parts, recompute_flags
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
@@ -85,12 +85,14 @@ class RecomputeRung:
             return str(self.base)
         return f"{self.base} + full on the first {self.full_share:.1%} of each rank's LLM layers"
 
-    def flags(self, layer_graph: LayerGraph, parts, llm_chunks, pp: int) -> dict[str, Recompute]:
-        """Per-layer flags for an LLM cut into ``llm_chunks`` (virtual stage k on rank k mod PP)."""
+    def flags(self, layer_graph: LayerGraph, parts, llm_chunks, llm: Parallel) -> dict[str, Recompute]:
+        """Per-layer flags for an LLM cut into ``llm_chunks`` (placed as :func:`ep.llm_stages` does)."""
         flags = recompute_flags(layer_graph, parts, self.base)
         if self.full_share:
-            for rank in range(pp):
-                layers = [name for k, chunk in enumerate(llm_chunks) if k % pp == rank for name in chunk]
+            per_rank: dict[int, list[str]] = {}
+            for stage in ep.llm_stages(llm_chunks, llm, 0):
+                per_rank.setdefault(stage.rank, []).extend(stage.layers)
+            for layers in per_rank.values():
                 for name in layers[: math.ceil(self.full_share * len(layers))]:
                     flags[name] = Recompute.FULL
         return flags
@@ -356,18 +358,17 @@ def bubbles(
             return None
 
     if recompute is not None:
-        ladder = (RecomputeRung(recompute),)
-        result = plan_at(ladder[0])
+        most = RecomputeRung(recompute)
+        result = plan_at(most)
     else:
-        ladder = RECOMPUTE_LADDER
+        most = HEAVIER_RUNGS[-1]
         result = _first(plan_at, LIGHTER_RUNGS) or _least_share(plan_at) or _first(plan_at, HEAVIER_RUNGS)
     if result is not None:
         return result
-    last_error = errors[-1]
     within = "the memory budget" if memory_budget_bytes is not None else "memory"
     raise PlanError(
         f"no encoder plan fits in {within} ({cap / 2**30:.1f} GiB per rank) at {llm}, even with recompute "
-        f"{ladder[-1]}: {last_error}"
+        f"{most}: {errors[-1]}"
     )
 
 
@@ -430,7 +431,7 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, parts, names, coun
     llm_chunks = chunks_of(
         names[count:], balanced_split([c.f_s + c.b_s for c in llm_costs[count:]], llm.pp * llm.v)
     )
-    flags = rung.flags(layer_graph, parts, llm_chunks, llm.pp)
+    flags = rung.flags(layer_graph, parts, llm_chunks, llm)
     rows: dict[ep.EncoderPlan, EncoderPlanRow] = {}
     scored: list[_Candidate] = []
     finest: dict[tuple[int, int], tuple[int, float]] = {}  # (pp, tp) -> (chunks, step) of the last tried

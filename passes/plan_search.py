@@ -120,7 +120,7 @@ def candidates(
                         continue
                     out.append(
                         PlanRequest(
-                            parallel=Parallel(dp=dp, tp=tp, pp=pp, v=v),
+                            parallel=Parallel(dp=dp, tp=tp, pp=pp, v=v, zero_stage=cluster.zero_stage),
                             global_batch=global_batch,
                             microbatch_size=mbs,
                         )

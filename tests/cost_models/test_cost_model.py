@@ -11,6 +11,7 @@ from vlmcompile.cost_models.hardware import Efficiency
 from vlmcompile.cost_models.memory import kept_activation_bytes, model_state_bytes
 from vlmcompile.cost_models.stage_costs import layer_costs
 from vlmcompile.ir.plan import Parallel, Precision, Recompute
+from vlmcompile.planning.request import PlanRequest
 
 H100 = Cluster.preset("h100x16")
 
@@ -104,13 +105,17 @@ def test_activations_shrink_with_recompute_and_tp(demo_graph):
     )
 
 
-def test_local_ranks_all_reduce_gradients_whatever_the_zero_stage(demo_graph):
-    # Our runtime (local ranks) has no ZeRO: it all-reduces; a GPU cluster's ZeRO-1 reduce-scatters.
-    par = Parallel(dp=2, tp=1, pp=1, zero_stage=1)
+def test_plans_for_local_ranks_all_reduce_gradients_as_the_runtime_does(demo_graph):
+    # Our runtime (local ranks) has no ZeRO: requests on them plan without it and all-reduce;
+    # a GPU cluster's plans use ZeRO-1 and reduce-scatter.
     cpu = Cluster.local_cpu(2)
+    local = PlanRequest.on(cpu, tp=1, pp=1, global_batch=2).parallel
+    assert local.zero_stage == 0
+    assert PlanRequest.on(H100, tp=1, pp=8, global_batch=2).parallel.zero_stage == 1
     block = demo_graph["llm.blocks.0"]
     grads = block.num_params * Precision().dp_grad_bytes
-    local = {c.name: c for c in layer_costs(demo_graph, cpu, par, microbatch_size=1)}["llm.blocks.0"]
-    assert local.dp_reduce_s == pytest.approx(comm.all_reduce_s(grads, 2, *cpu.group_link(2, 1)))
-    gpu = {c.name: c for c in layer_costs(demo_graph, H100, par, microbatch_size=1)}["llm.blocks.0"]
+    mine = {c.name: c for c in layer_costs(demo_graph, cpu, local, microbatch_size=1)}["llm.blocks.0"]
+    assert mine.dp_reduce_s == pytest.approx(comm.all_reduce_s(grads, 2, *cpu.group_link(2, 1)))
+    zero1 = Parallel(dp=2, tp=1, pp=1, zero_stage=1)
+    gpu = {c.name: c for c in layer_costs(demo_graph, H100, zero1, microbatch_size=1)}["llm.blocks.0"]
     assert gpu.dp_reduce_s == pytest.approx(comm.reduce_scatter_s(grads, 2, *H100.group_link(2, 1)))

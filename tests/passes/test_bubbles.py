@@ -13,7 +13,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.ir.actions import Action
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.ir.plan import Plan, Reason, Recompute
+from vlmcompile.ir.plan import Parallel, Plan, Reason, Recompute
 from vlmcompile.ir.regions import Region
 from vlmcompile.passes.bubbles import (
     PARTIAL_BASE,
@@ -228,8 +228,9 @@ def test_a_partial_rung_recomputes_the_first_share_of_every_ranks_llm_layers(dem
     parts = model_parts(demo_graph)
     llm = [n for n in parts.decoder]
     chunks = [llm[k::4] for k in range(4)]  # virtual stage k on rank k mod 2
-    flags = RecomputeRung(PARTIAL_BASE, 0.5).flags(demo_graph, parts, chunks, pp=2)
-    base = RecomputeRung(PARTIAL_BASE).flags(demo_graph, parts, chunks, pp=2)
+    llm_par = Parallel(dp=1, tp=1, pp=2, v=2)
+    flags = RecomputeRung(PARTIAL_BASE, 0.5).flags(demo_graph, parts, chunks, llm_par)
+    base = RecomputeRung(PARTIAL_BASE).flags(demo_graph, parts, chunks, llm_par)
     for rank in range(2):
         layers = [n for k, chunk in enumerate(chunks) if k % 2 == rank for n in chunk]
         fully = [flags[n] is Recompute.FULL for n in layers]

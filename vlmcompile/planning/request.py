@@ -54,15 +54,21 @@ class PlanRequest:
         microbatch_size: int = 1,
         schedule: Schedule | str | None = None,
         sequence_parallel: bool = True,
-        zero_stage: int = 1,
+        zero_stage: int | None = None,
     ) -> PlanRequest:
-        """The request Megatron-LM's flags make on ``cluster``: DP is what TP x PP leave."""
+        """The request Megatron-LM's flags make on ``cluster``: DP is what TP x PP leave; ZeRO
+        the cluster's (:attr:`Cluster.zero_stage`) unless given."""
         for name, value in (("tp", tp), ("pp", pp), ("v", v)):
             positive_int(name, value, f"the {name.upper()} degree")
         dp = cluster.data_parallel_size(tp, pp)
         cluster.check_tensor_parallel(tp)
         parallel = Parallel(
-            dp=dp, tp=tp, pp=pp, v=v, sequence_parallel=sequence_parallel, zero_stage=zero_stage
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            v=v,
+            sequence_parallel=sequence_parallel,
+            zero_stage=cluster.zero_stage if zero_stage is None else zero_stage,
         )
         return cls(
             parallel=parallel, global_batch=global_batch, microbatch_size=microbatch_size, schedule=schedule
