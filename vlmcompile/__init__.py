@@ -5,6 +5,7 @@
 >>> print(pipe.report)
 >>> run = pipe.baseline("megatron", tp=8, pp=4, global_batch=32)
 >>> print(run.sim)             # predicted step time and bubbles
+>>> vlmcompile.train(pipe, batches, vlmcompile.TrainConfig(steps=100))
 """
 
 import importlib
@@ -27,6 +28,9 @@ _EXPORTS = {
     "Region": "vlmcompile.ir.regions",
     "CompiledPipeline": "vlmcompile.pipeline",
     "CompileReport": "vlmcompile.pipeline",
+    "TrainConfig": "vlmcompile.runtime.trainer",
+    "train": "vlmcompile.pipeline",
+    "load_checkpoint": "vlmcompile.runtime.checkpoint",
 }
 """Loaded on first use: a local rank imports ``vlmcompile.runtime.launch`` before anything else
 (it must arm its parent-death signal at once), and that should not import the compiler."""
@@ -62,5 +66,8 @@ __all__ = [
     "RegionError",
     "SampleBatchError",
     "VlmCompileError",
+    "TrainConfig",
     "compile",
+    "load_checkpoint",
+    "train",
 ]

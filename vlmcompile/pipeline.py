@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
@@ -31,6 +32,15 @@ from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
 from vlmcompile.runtime.executor import PipelineRunner, runnable_degrees
 from vlmcompile.runtime.launch import check_launchable, launch
+from vlmcompile.runtime.trainer import (
+    Data,
+    OptimizerFactory,
+    SchedulerFactory,
+    Throughput,
+    TrainConfig,
+    TrainResult,
+    train_on_rank,
+)
 from vlmcompile.runtime.training import one_step
 
 if TYPE_CHECKING:
@@ -119,6 +129,53 @@ class CompiledPipeline:
             if isinstance(value, Mapping) and any(isinstance(v, torch.Tensor) for v in value.values()):
                 runner.check_batch(value)
         return launch(fn, runner, world, args=args, timeout_s=timeout_s)
+
+    def train(
+        self,
+        data: Data,
+        config: TrainConfig,
+        *,
+        plan: Plan | None = None,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        device: str | torch.device | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        timeout_s: float = 60.0,
+    ) -> TrainResult:
+        """Train ``plan`` (default ``self.plan``) for ``config.steps`` steps on ``data`` (global
+        batches: a function of the step, or an iterable); see :mod:`vlmcompile.runtime.trainer`.
+
+        Under torchrun (torch.distributed initialised) this process trains as its rank;
+        otherwise the plan's ranks start on this machine (the local launcher), and ``data``,
+        ``optimizer`` and ``scheduler`` must pickle (module-level functions, functools.partial).
+        Returns this rank's result (rank 0's when launched)."""
+        runner = self.runner(plan, timeout_s=timeout_s)
+        runner.device = torch.device(device) if device is not None else None
+        runner.autocast_dtype = autocast_dtype
+        world = runner.parallel.world_size
+        throughput = self.throughput(runner)
+        args = (data, config, throughput, optimizer, scheduler)
+        if dist.is_initialized():
+            return train_on_rank(runner, *args)
+        check_launchable(world, timeout_s)
+        return launch(train_on_rank, runner, world, args=args, timeout_s=timeout_s)[0]
+
+    def throughput(self, runner: PipelineRunner) -> Throughput:
+        """What turns the runner's step times into samples/s and MFU: the model's FLOPs per sample
+        (annotated) and the peak of the cluster's device (of this CPU without a cluster)."""
+        world = runner.parallel.world_size
+        totals = self.layer_graph.totals()
+        per_sample = (totals["fwd_flops"] + totals["bwd_flops"]) / float(
+            self.layer_graph.meta.get("batch_size", 1)
+        )
+        cluster = self.cluster or Cluster.preset(f"cpu:{world}")
+        plan = runner.plan
+        return Throughput(
+            global_batch=runner.parallel.dp * plan.num_microbatches * plan.microbatch_size,
+            flops_per_sample=per_sample,
+            peak_flops_per_s=cluster.device.peak_flops_per_s,
+            world_size=world,
+        )
 
     def baseline(
         self,
@@ -233,3 +290,8 @@ def _check_loss_splits(gm: fx.GraphModule, parallel: Parallel, plan: Plan) -> No
             f"the plan splits each batch into {parts} parts (DP={parallel.dp} x {plan.num_microbatches} "
             f"microbatches), but {coupled_loss_error(check.detail)}"
         )
+
+
+def train(pipe: CompiledPipeline, data: Data, config: TrainConfig, **options: Any) -> TrainResult:
+    """``pipe.train(data, config, **options)``: train a compiled pipeline (see :meth:`CompiledPipeline.train`)."""
+    return pipe.train(data, config, **options)

@@ -139,6 +139,8 @@ class _StepState:
     """This rank's data-parallel shard, cut into microbatches."""
     weights: Sequence[float]
     """Each microbatch's share of the global batch's label tokens."""
+    loss_sum: torch.Tensor
+    """This rank's weighted microbatch losses (float64, on the rank's device)."""
     saved: dict[tuple[int, int], tuple[tuple, Any]] = field(default_factory=dict)
     """(stage, microbatch) -> the forward's inputs (leaves) and outputs, until its backward."""
     local_fwd: dict[tuple[int, int], tuple] = field(default_factory=dict)
@@ -149,7 +151,6 @@ class _StepState:
     """Posted sends, waited for at the end of the step."""
     posted: dict[Action, tuple[list[torch.Tensor], list[tuple[Any, str, int]]]] = field(default_factory=dict)
     """Action -> the buffers and receives posted ahead for its input from another rank."""
-    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 
 
 class PipelineRunner:
@@ -166,6 +167,8 @@ class PipelineRunner:
         sample_rows: Mapping[str, int] | None = None,
         specialized: Mapping[str, torch.Tensor] | None = None,
         timeout_s: float = 60.0,
+        device: torch.device | str | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ):
         plan.validate()  # whatever made the plan: never run one that fails its checks
         self.plan = plan
@@ -181,6 +184,12 @@ class PipelineRunner:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.on_action: Callable[[int, Action], None] | None = None
+        self.device = torch.device(device) if device is not None else None
+        """Where this rank's stages run (None: CUDA device ``torch.cuda.current_device()`` under
+        NCCL, else the CPU); set by :meth:`setup`."""
+        self.autocast_dtype = autocast_dtype
+        """Mixed precision: the stages' forwards run under ``torch.autocast`` in this dtype
+        (bf16), while parameters, their gradients and the gradient reduction stay fp32."""
         self._ready = False
 
     # ---- set-up --------------------------------------------------------------------------
@@ -199,12 +208,27 @@ class PipelineRunner:
                 f"the plan runs on {self.parallel.world_size} ranks (PP={self.parallel.pp} x DP={self.parallel.dp}), "
                 f"but torch.distributed has {world}; start {self.parallel.world_size} ranks or plan for {world}"
             )
-        if dist.get_backend() == "gloo":
-            keep_freed_memory()
+        backend = dist.get_backend()
+        if backend != "gloo":
+            # NCCL matches sends to receives by order, not by tag, and runs a pair's sends and
+            # receives on one stream: the receives posted ahead here would pair with the wrong
+            # messages or deadlock. Refused until the runtime orders its transfers per peer.
+            raise PlanError(
+                f"the runtime's pipeline transfers run on gloo only; torch.distributed uses {backend!r}. "
+                "Initialise with backend='gloo' (CPU ranks), e.g. `vlmcompile train --device cpu`"
+            )
+        keep_freed_memory()
+        if self.device is None:
+            self.device = torch.device("cpu")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise PlanError(f"device {self.device} was asked for, but this machine has no CUDA device")
         self.rank = dist.get_rank()
         self.pp_rank, self.dp_rank, _ = self.parallel.coords(self.rank)
         self.rank_of_action = self.plan.rank_of_action()
         self.stages = {s.index: self.stages_all[s.index] for s in self.plan.stages_on(self.pp_rank)}
+        if self.device.type != "cpu":
+            for stage in self.stages.values():
+                stage.to(self.device)
         self.actions = self.plan.actions[self.pp_rank]
         t = self.parallel
         self.dp_group = None
@@ -226,7 +250,7 @@ class PipelineRunner:
         stages (an LLM's embedding and output layer) or in a stage replicated over ranks (an
         encoder data-parallel inside the pipeline). Either way each holder's gradient is a part of
         the whole, and the parts are summed."""
-        holders: dict[int, set[int]] = {}
+        holders = self._holders = {}
         by_id: dict[int, dict[int, torch.nn.Parameter]] = {}
         for s in self.plan.stages:
             for p in self.stages_all[s.index].parameters():
@@ -248,6 +272,12 @@ class PipelineRunner:
         return out
 
     # ---- what the user's optimizer sees ----------------------------------------------------
+    def parameter_owners(self) -> dict[int, bool]:
+        """id(parameter) -> whether this rank counts it in whole-model sums (a gradient norm):
+        a parameter held on several pipeline ranks counts on the lowest."""
+        self.setup()
+        return {id(p): min(self._holders[id(p)]) == self.pp_rank for p in self.parameters()}
+
     def parameters(self) -> list[torch.nn.Parameter]:
         self.setup()
         seen, out = set(), []
@@ -314,7 +344,10 @@ class PipelineRunner:
         state = _StepState(
             microbatches=[take(shard, i * mbs, mbs, self.sample_rows) for i in range(m)],
             weights=weights[self.dp_rank * m : (self.dp_rank + 1) * m],
+            loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
         )
+        if self.device.type != "cpu":
+            state.microbatches = [_to_device(mb, self.device) for mb in state.microbatches]
         self._state = state  # what the on_action hook may look at (tests: the receives posted ahead)
         params = self.parameters()
         stash = [p.grad for p in params]
@@ -352,7 +385,11 @@ class PipelineRunner:
             x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
             for x in received
         )
-        out = self.stages[s](leaves, state.microbatches[i])
+        if self.autocast_dtype is None:
+            out = self.stages[s](leaves, state.microbatches[i])
+        else:
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                out = self.stages[s](leaves, state.microbatches[i])
         if s < self.plan.num_stages - 1:
             state.saved[(s, i)] = (leaves, out)
             if self._rank_running(s + 1, ActionKind.F, i) == self.pp_rank:
@@ -453,7 +490,7 @@ class PipelineRunner:
                     + ", to the next rank, which the runtime cannot do; cut the pipeline elsewhere"
                 )
         # Python numbers (sizes computed from shapes) travel as 0-d tensors.
-        out = tuple(torch.tensor(x) if flag else x for x, flag in zip(out, scalar))
+        out = tuple(torch.tensor(x, device=self.device) if flag else x for x, flag in zip(out, scalar))
         works = []
         peer_pp = self._rank_running(s + 1, ActionKind.F, i)
         if (s, peer_pp) not in self._meta:
@@ -466,8 +503,9 @@ class PipelineRunner:
                     for v in (int(flag), _DTYPES.index(x.dtype), x.dim(), *x.shape)
                 ],
                 dtype=torch.int64,
+                device=self.device,
             )
-            size = torch.tensor([header.numel()], dtype=torch.int64)
+            size = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
             # Tagged as microbatch 0 whichever microbatch goes first: the receiving rank may run
             # its microbatches in another order.
             works += self._send((size, header), peer_pp, s, "F", 0, f"stage {s}'s activation shapes", _HEADER)
@@ -520,7 +558,7 @@ class PipelineRunner:
             meta = self._meta.get((s - 1, sender))
             if sender == self.pp_rank or meta is None:
                 return None
-            buffers = [torch.empty(shape, dtype=dtype) for shape, dtype, _ in meta]
+            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta]
             what = f"{Action(s - 1, ActionKind.F, i)}'s activations"
             return buffers, self._post(buffers, sender, s - 1, "F", i, what)
         if s == self.plan.num_stages - 1 or (s, i) not in state.saved:
@@ -528,7 +566,9 @@ class PipelineRunner:
         sender = self._rank_running(s + 1, ActionKind.B, i)
         if sender == self.pp_rank:
             return None
-        buffers = [torch.empty(o.shape, dtype=o.dtype) for o in _floats(state.saved[(s, i)][1])]
+        buffers = [
+            torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in _floats(state.saved[(s, i)][1])
+        ]
         what = f"{Action(s + 1, ActionKind.B, i)}'s input gradients"
         return buffers, self._post(buffers, sender, s + 1, "B", i, what)
 
@@ -547,10 +587,10 @@ class PipelineRunner:
         prev = s - 1
         sender = self._rank_running(prev, ActionKind.F, i)
         if (prev, sender) not in self._meta:
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
             what = f"stage {prev}'s activation shapes"
             self._recv((size,), sender, prev, "F", 0, what, _HEADER)
-            header = torch.zeros(int(size), dtype=torch.int64)
+            header = torch.zeros(int(size), dtype=torch.int64, device=self.device)
             self._recv((header,), sender, prev, "F", 0, what, _HEADER + 1)
             values = header.tolist()
             meta, pos = [], 1
@@ -577,7 +617,7 @@ class PipelineRunner:
     def _lost(self, what: str, err: BaseException, peer: int | None) -> RankLostError:
         return RankLostError(
             f"rank {self.rank}: {what}; that rank died, hung or failed (see its own error). "
-            f"gloo said: {(str(err).splitlines() or [''])[0][:200]}",
+            f"{dist.get_backend()} said: {(str(err).splitlines() or [''])[0][:200]}",
             peer,
         )
 
@@ -606,7 +646,7 @@ class PipelineRunner:
         dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
         flat = self._flat.get(id(group))
         if flat is None or flat.numel() != numel or flat.dtype != dtype:
-            flat = self._flat[id(group)] = torch.empty(numel, dtype=dtype)
+            flat = self._flat[id(group)] = torch.empty(numel, dtype=dtype, device=self.device)
         torch.cat([g.reshape(-1) for g in grads], out=flat)
         self._wait(dist.all_reduce(flat, group=group, async_op=True), what)
         offset = 0
@@ -624,6 +664,13 @@ def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
     return (
         f"is {got[where].item()} at {list(where)}, but the pipeline was captured for {expected[where].item()}"
     )
+
+
+def _to_device(microbatch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in microbatch.items()
+    }
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:

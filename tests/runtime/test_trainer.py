@@ -1,0 +1,139 @@
+"""The training loop on local CPU ranks: AdamW with an LR schedule and a global gradient clip
+trains like eager step for step; checkpoints resume with the same losses and load into the
+original model."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tests.models import build
+from tests.pipeline_helpers import even_plan
+from vlmcompile import compile
+from vlmcompile.models.data import SyntheticBatches
+from vlmcompile.runtime.checkpoint import CheckpointError, load_checkpoint
+from vlmcompile.runtime.trainer import TrainConfig
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+
+
+def eager_training(model, data, config: TrainConfig) -> list[float]:
+    """What a user's eager loop does: AdamW, the same schedule, clip_grad_norm_ over the model."""
+    optimizer = config.adamw(list(model.parameters()))
+    scheduler = config.scheduler(optimizer)
+    losses = []
+    for step in range(config.steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**data(step))
+        loss.backward()
+        if config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _setup(name, **plan_options):
+    model, batch = build(name, batch_size=4)
+    pipe = compile(model, batch, log=None)
+    plan = even_plan(pipe.layer_graph, global_batch=4, **plan_options)
+    return model, pipe, plan
+
+
+# A clip small enough to bind on most steps: the test must see clipping, not a no-op.
+CONFIG = dict(lr=3e-3, warmup_steps=3, max_grad_norm=0.5, weight_decay=0.1)
+
+
+@pytest.mark.parametrize(
+    ("name", "plan_options"),
+    [("tiny", dict(pp=2, recompute=(2,))), ("tiny-tied", dict(pp=2)), ("tiny", dict(pp=2, dp=2))],
+    ids=["pp2", "tied-pp2", "pp2-dp2"],
+)
+def test_twenty_adamw_steps_equal_eager(name, plan_options, tmp_path):
+    model, pipe, plan = _setup(name, **plan_options)
+    data = SyntheticBatches(name, 4)
+    config = TrainConfig(steps=20, log_jsonl=str(tmp_path / "log.jsonl"), **CONFIG)
+    result = pipe.train(data, config, plan=plan, timeout_s=60)
+    expected = eager_training(copy.deepcopy(model), data, config)
+    with torch.no_grad():
+        untrained = [float(model(**data(step))) for step in range(20)]
+    # Random tokens leave nothing to learn, but the steps must change the losses beyond the tolerance.
+    assert max(abs(a - b) for a, b in zip(expected, untrained)) > 0.01, "AdamW should move the loss"
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected))
+    norms = [m.grad_norm for m in result.steps]
+    assert max(norms) > CONFIG["max_grad_norm"], "the clip never bound: the test would not see it"
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 21))
+    assert all(x["samples_per_s"] > 0 and 0 < x["mfu"] < 1 for x in lines)
+    assert lines[0]["lr"] == pytest.approx(CONFIG["lr"] / 3)  # warm-up's first step
+
+
+def test_a_resumed_run_continues_with_the_same_losses_and_loads_into_the_model(tmp_path):
+    model, pipe, plan = _setup("tiny", pp=2, dp=2)
+    data = SyntheticBatches("tiny", 4)
+    whole = pipe.train(data, TrainConfig(steps=8, **CONFIG), plan=plan, timeout_s=60)
+    ckpt = str(tmp_path / "ckpt")
+    first = pipe.train(
+        data, TrainConfig(steps=8, checkpoint_dir=ckpt, checkpoint_every=4, **CONFIG), plan=plan, timeout_s=60
+    )
+    assert first.checkpoints[0].endswith("step_000004")
+    # A run stopped after step 4: resume from the step-4 checkpoint under another plan's ranks.
+    (tmp_path / "ckpt" / "latest").write_text("step_000004\n")
+    other = even_plan(pipe.layer_graph, pp=2, v=2, global_batch=4)
+    resumed = pipe.train(
+        data, TrainConfig(steps=8, checkpoint_dir=ckpt, resume=True, **CONFIG), plan=other, timeout_s=60
+    )
+    assert resumed.resumed_from == 4 and [m.step for m in resumed.steps] == [5, 6, 7, 8]
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(whole.losses[4:]))
+
+    saved = load_checkpoint(tmp_path / "ckpt" / "step_000008")
+    assert saved["step"] == 8
+    original = copy.deepcopy(model)
+    original.load_state_dict(saved["model"])  # strict: every name is the original model's
+    config = TrainConfig(steps=8, **CONFIG)
+    eager = copy.deepcopy(model)
+    eager_training(eager, data, config)
+    # Adam divides by sqrt(v): a gradient near zero summed in another order moves its update by
+    # more than fp32's default tolerance, though every loss above matched.
+    for name, p in eager.state_dict().items():
+        torch.testing.assert_close(
+            original.state_dict()[name], p, atol=2e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def test_a_checkpoint_of_another_model_names_the_parameters_that_differ(tmp_path):
+    _, pipe, plan = _setup("tiny", pp=2)
+    ckpt = str(tmp_path / "ckpt")
+    pipe.train(
+        SyntheticBatches("tiny", 4), TrainConfig(steps=1, checkpoint_dir=ckpt), plan=plan, timeout_s=60
+    )
+    _, other_pipe, other_plan = _setup("tiny-two-encoder", pp=2)
+    with pytest.raises(Exception, match=r"not of this model: \d+ parameters missing from it \(") as info:
+        other_pipe.train(
+            SyntheticBatches("tiny-two-encoder", 4),
+            TrainConfig(steps=2, checkpoint_dir=ckpt, resume=True),
+            plan=other_plan,
+            timeout_s=60,
+        )
+    assert "CheckpointError" in str(info.value)
+
+
+def test_a_broken_latest_pointer_is_refused(tmp_path):
+    (tmp_path / "latest").write_text("step_000003\n")
+    from vlmcompile.runtime.checkpoint import latest
+
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        latest(tmp_path)
+
+
+def test_bad_training_options_are_named():
+    with pytest.raises(ValueError, match="steps=0"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="warmup_steps=5 must be between 0 and steps=3"):
+        TrainConfig(steps=3, warmup_steps=5)
+    with pytest.raises(ValueError, match="need a checkpoint_dir"):
+        TrainConfig(steps=3, resume=True)

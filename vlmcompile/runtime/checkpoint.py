@@ -1,0 +1,205 @@
+"""Checkpoints of a pipelined run, in torch.distributed.checkpoint (DCP) format.
+
+Each rank saves what it holds under the *original* model's names: ``model.<name>`` for its
+parameters, ``optimizer.<name>.<state>`` for their optimizer state, plus the step and the LR
+scheduler's state. DCP writes one file per rank and a metadata file, and keeps one copy of a
+tensor several ranks hold (data-parallel replicas, tied embeddings). Because the names are the
+model's, a checkpoint
+
+* loads into the original, un-pipelined model: ``model.load_state_dict(load_checkpoint(path)["model"])``;
+* resumes under any plan of the same model (other cuts, degrees or schedule): each rank reads
+  the parameters its stages hold, wherever they were saved.
+
+Layout: ``<dir>/step_000010/`` per save, and ``<dir>/latest`` naming the newest complete one
+(written after every rank finished writing).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from vlmcompile.ir.errors import VlmCompileError
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(VlmCompileError, ValueError):
+    """A checkpoint that does not fit this model: the message names the parameters that differ."""
+
+
+def save(directory: str | Path, step: int, runner, optimizer, scheduler) -> str:
+    """Save this rank's share at ``step`` (every rank calls it); returns the step's directory."""
+    path = Path(directory) / f"step_{step:06d}"
+    state = {
+        "model": {name: p.detach() for name, p in _named(runner).items()},
+        "optimizer": _optimizer_state(runner, optimizer),
+        "trainer": {"step": step, "scheduler": _scheduler_json(scheduler)},
+    }
+    # A run resumed from an earlier step writes its later steps again.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
+    runner._wait(dist.barrier(async_op=True), "the barrier after saving a checkpoint")
+    if dist.get_rank() == 0:
+        (Path(directory) / LATEST).write_text(path.name + "\n")
+    return str(path)
+
+
+def latest(directory: str | Path | None) -> str | None:
+    """The newest complete checkpoint in ``directory`` (None if there is none)."""
+    if directory is None:
+        return None
+    pointer = Path(directory) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(directory) / pointer.read_text().strip()
+    if not _STEP_DIR.match(path.name) or not (path / ".metadata").is_file():
+        raise CheckpointError(f"{pointer} names {path}, which is not a complete checkpoint; remove {pointer}")
+    return str(path)
+
+
+def load(path: str | Path, runner, optimizer, scheduler) -> int:
+    """Load this rank's share of the checkpoint at ``path`` into the runner's parameters, the
+    optimizer and the scheduler (every rank calls it); returns the checkpoint's step."""
+    stored = _tensor_entries(path)
+    params = _named(runner)
+    check_fits(stored, {f"model.{n}": (tuple(p.shape), p.dtype) for n, p in params.items()}, path)
+    state: dict[str, Any] = {"model": {n: p.detach() for n, p in params.items()}, "optimizer": {}}
+    names = _canonical_names(runner)
+    for p in _optimizer_params(optimizer):
+        name = names[id(p)]
+        prefix = f"optimizer.{name}."
+        entries = {k[len(prefix) :]: meta for k, meta in stored.items() if k.startswith(prefix)}
+        state["optimizer"][name] = {
+            key: torch.empty(
+                meta.size, dtype=meta.properties.dtype, device="cpu" if key == "step" else p.device
+            )
+            for key, meta in entries.items()
+        }
+    state["trainer"] = {"step": 0, "scheduler": ""}
+    dcp.load(state, checkpoint_id=str(path))
+    index = {id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
+    optimizer.load_state_dict(
+        {
+            "state": {
+                index[id(p)]: state["optimizer"][names[id(p)]]
+                for p in _optimizer_params(optimizer)
+                if state["optimizer"].get(names[id(p)])
+            },
+            "param_groups": optimizer.state_dict()["param_groups"],
+        }
+    )
+    if scheduler is not None and state["trainer"]["scheduler"]:
+        scheduler.load_state_dict(json.loads(state["trainer"]["scheduler"]))
+        # The scheduler sets the groups' LR only when it steps: the next step's LR is its last.
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    return int(state["trainer"]["step"])
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The whole checkpoint in one process (no torch.distributed needed): ``{"model": state dict
+    under the original names, "optimizer": {name: {state: tensor}}, "step": int}``. The model part
+    loads into the original model: ``model.load_state_dict(load_checkpoint(path)["model"])``."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    nested: dict[str, Any] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        where = nested
+        *parents, leaf = metadata.planner_data[key]
+        for part in parents:
+            where = where.setdefault(part, {})
+        where[leaf] = (
+            torch.empty(meta.size, dtype=meta.properties.dtype)
+            if isinstance(meta, TensorStorageMetadata)
+            else None
+        )
+    dcp.load(nested, checkpoint_id=str(path), no_dist=True)
+    return {
+        "model": nested.get("model", {}),
+        "optimizer": nested.get("optimizer", {}),
+        "step": int(nested.get("trainer", {}).get("step", 0)),
+    }
+
+
+def check_fits(stored: dict[str, TensorStorageMetadata], expected: dict[str, tuple], path) -> None:
+    """Refuse a checkpoint that lacks a parameter this rank holds or has it in another shape."""
+    missing = sorted(k for k in expected if k not in stored)
+    shapes = sorted(
+        f"{k[len('model.') :]} (checkpoint {list(stored[k].size)}, model {list(shape)})"
+        for k, (shape, _) in expected.items()
+        if k in stored and tuple(stored[k].size) != shape
+    )
+    if not missing and not shapes:
+        return
+    problems = []
+    if missing:
+        names = [k[len("model.") :] for k in missing]
+        problems.append(
+            f"{len(names)} parameters missing from it ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
+        )
+    if shapes:
+        problems.append(
+            f"{len(shapes)} of other shapes: {'; '.join(shapes[:5])}{'; ...' if len(shapes) > 5 else ''}"
+        )
+    raise CheckpointError(
+        f"the checkpoint {path} is not of this model: {' and '.join(problems)}. Resume from a checkpoint of "
+        "the same model (any plan of it), or start without --resume"
+    )
+
+
+def _scheduler_json(scheduler) -> str:
+    # A JSON string: DCP would flatten a nested dict into keys a later load must name one by one.
+    if scheduler is None:
+        return ""
+    try:
+        return json.dumps(scheduler.state_dict())
+    except TypeError as err:
+        raise CheckpointError(
+            f"the LR scheduler's state ({type(scheduler).__name__}) is not JSON ({err}); use a scheduler "
+            "whose state_dict() holds numbers, lists and dicts (LambdaLR, CosineAnnealingLR, ...)"
+        ) from None
+
+
+def _tensor_entries(path: str | Path) -> dict[str, TensorStorageMetadata]:
+    if not (Path(path) / ".metadata").is_file():
+        raise CheckpointError(f"{path} is not a checkpoint (no .metadata): give a step_NNNNNN directory")
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def _named(runner) -> dict[str, torch.nn.Parameter]:
+    return runner.named_parameters()
+
+
+def _canonical_names(runner) -> dict[int, str]:
+    """id(parameter) -> the one original name its optimizer state is saved under (a tied
+    parameter has several; the first in sorted order, on every rank that holds it)."""
+    out: dict[int, str] = {}
+    for name, p in sorted(_named(runner).items()):
+        out.setdefault(id(p), name)
+    return out
+
+
+def _optimizer_params(optimizer) -> list[torch.nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_state(runner, optimizer) -> dict[str, dict[str, Any]]:
+    names = _canonical_names(runner)
+    out = {}
+    for p in _optimizer_params(optimizer):
+        if id(p) not in names:
+            raise CheckpointError(
+                "the optimizer holds a parameter that is not the pipeline's: build it from runner.parameters()"
+            )
+        state = optimizer.state.get(p)
+        if state:
+            out[names[id(p)]] = dict(state)
+    return out

@@ -1,0 +1,294 @@
+"""The training loop a user keeps: an optimizer over the rank's parameters, an LR schedule, a
+global gradient-norm clip, global batches from the user's data, checkpoints, and per-step
+metrics (loss, step time, samples/s, MFU).
+
+Every rank runs :func:`train_on_rank` with the same data: each step's global batch is the same on
+every rank, and the runner takes its data-parallel shard of it (rows ``dp_rank * m * mbs`` on)
+and the label-token weights of the whole batch, so the loss is the global batch's, as in eager.
+
+Clipping is eager's: the norm is over every parameter of the model once, whichever ranks hold
+it. A parameter held on several pipeline ranks (tied embeddings, a stage replicated over ranks)
+counts on its lowest holder only, and data-parallel replicas (equal after the gradient
+all-reduce) are summed over the world and divided by DP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from vlmcompile.ir.errors import ArgumentError, positive_int, positive_number
+from vlmcompile.runtime import checkpoint
+from vlmcompile.runtime.executor import PipelineRunner
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+Data = Callable[[int], Mapping[str, Any]] | Iterable[Mapping[str, Any]]
+"""Global batches: a function of the step number, or an iterable giving one per step."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """What to train for and how. The defaults are Megatron-LM's for a VLM's fine-tuning stage:
+    AdamW (0.9, 0.95), linear warm-up then cosine decay to a tenth, global norm clip 1.0."""
+
+    steps: int
+    lr: float = 1e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float | None = 1.0
+    """None: no clipping (the norm is still measured and logged)."""
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    """Save every this many steps (0: only after the last step, when ``checkpoint_dir`` is set)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``checkpoint_dir`` (from step 0 if there is none)."""
+    log_jsonl: str | None = None
+    """Rank 0 appends one JSON object per step here."""
+    progress: bool | None = None
+    """Rank 0 draws a progress bar (None: when stderr is a terminal)."""
+
+    def __post_init__(self):
+        positive_int("steps", self.steps, "the number of training steps")
+        positive_number("lr", self.lr, "the peak learning rate")
+        if self.weight_decay < 0:
+            raise ArgumentError(f"weight_decay={self.weight_decay} is negative; give 0 or more")
+        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise ArgumentError(f"betas={self.betas} must be two numbers in [0, 1)")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise ArgumentError(f"warmup_steps={self.warmup_steps} must be between 0 and steps={self.steps}")
+        if self.decay not in ("cosine", "linear", "constant"):
+            raise ArgumentError(f"decay={self.decay!r}; give 'cosine', 'linear' or 'constant'")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ArgumentError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.max_grad_norm is not None:
+            positive_number(
+                "max_grad_norm", self.max_grad_norm, "the global gradient norm to clip to, or None"
+            )
+        if self.checkpoint_every < 0:
+            raise ArgumentError(f"checkpoint_every={self.checkpoint_every} is negative")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ArgumentError("checkpoint_every and resume need a checkpoint_dir")
+
+    def lr_factor(self, step: int) -> float:
+        """The LR at ``step`` (0-based) over ``lr``: linear warm-up, then the decay to ``min_lr_ratio``."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay == "constant":
+            return 1.0
+        span = max(1, self.steps - self.warmup_steps)
+        done = min(1.0, (step - self.warmup_steps) / span)
+        shape = 0.5 * (1 + math.cos(math.pi * done)) if self.decay == "cosine" else 1 - done
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * shape
+
+    def adamw(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+        )
+
+    def scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    step: int
+    """1-based: the step just finished."""
+    loss: float
+    lr: float
+    grad_norm: float
+    """Before clipping, over the whole model."""
+    step_s: float
+    """Rank 0's wall time of the step, forward to optimizer update (the loss all-reduce ends it
+    on every rank together)."""
+    samples_per_s: float
+    mfu: float
+    """Model FLOPs (forward + backward, no recompute) per second over the world's peak."""
+
+    def __str__(self) -> str:
+        return (
+            f"step {self.step}: loss {self.loss:.4f}, lr {self.lr:.3g}, grad norm {self.grad_norm:.3f}, "
+            f"{self.step_s:.3f} s, {self.samples_per_s:.1f} samples/s, MFU {100 * self.mfu:.1f} %"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    steps: tuple[StepMetrics, ...]
+    resumed_from: int
+    """The step the run started from (0, or a checkpoint's)."""
+    checkpoints: tuple[str, ...] = ()
+
+    @property
+    def losses(self) -> list[float]:
+        return [m.loss for m in self.steps]
+
+    def __str__(self) -> str:
+        if not self.steps:
+            return f"nothing to train: the checkpoint is at step {self.resumed_from} already"
+        timed = sorted(m.step_s for m in self.steps[1:]) or [self.steps[0].step_s]
+        median = timed[len(timed) // 2]
+        last = self.steps[-1]
+        return (
+            f"trained steps {self.steps[0].step}-{last.step}: loss {self.steps[0].loss:.4f} -> {last.loss:.4f}; "
+            f"median step {median:.3f} s (after the first), {last.samples_per_s:.1f} samples/s, "
+            f"MFU {100 * last.mfu:.1f} %"
+            + (f"; checkpoints: {', '.join(self.checkpoints)}" if self.checkpoints else "")
+        )
+
+
+@dataclass(slots=True)
+class Throughput:
+    """What turns a step time into samples/s and MFU."""
+
+    global_batch: int
+    flops_per_sample: float
+    """Forward + backward FLOPs of one sample (no recompute)."""
+    peak_flops_per_s: float
+    """Of one device."""
+    world_size: int = field(default=1)
+
+    def mfu(self, step_s: float) -> float:
+        capacity = step_s * self.world_size * self.peak_flops_per_s
+        return self.global_batch * self.flops_per_sample / capacity if capacity > 0 else 0.0
+
+
+def train_on_rank(
+    runner: PipelineRunner,
+    data: Data,
+    config: TrainConfig,
+    throughput: Throughput,
+    optimizer: OptimizerFactory | None = None,
+    scheduler: SchedulerFactory | None = None,
+) -> TrainResult:
+    """Train ``config.steps`` steps on this rank (every rank calls it with the same arguments)."""
+    params = runner.parameters()
+    opt = (optimizer or config.adamw)(params)
+    sched = (scheduler or config.scheduler)(opt)
+    start = 0
+    if config.resume:
+        found = checkpoint.latest(config.checkpoint_dir)
+        if found is not None:
+            start = checkpoint.load(found, runner, opt, sched)
+    log = _StepLog(runner.rank == 0, config, start)
+    out, saved = [], []
+    batches = _batches(data, start)
+    for step in range(start, config.steps):
+        batch = next(batches, None)
+        if batch is None:
+            raise ArgumentError(f"the data ran out after {step} global batches; config.steps={config.steps}")
+        opt.zero_grad(set_to_none=True)
+        began = time.perf_counter()
+        loss = runner.step(batch)
+        norm = clip_grad_norm(runner, config.max_grad_norm)
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        step_s = time.perf_counter() - began
+        metrics = StepMetrics(
+            step=step + 1,
+            loss=float(loss),
+            lr=float(lr),
+            grad_norm=norm,
+            step_s=step_s,
+            samples_per_s=throughput.global_batch / step_s,
+            mfu=throughput.mfu(step_s),
+        )
+        out.append(metrics)
+        log.write(metrics)
+        last = step + 1 == config.steps
+        if config.checkpoint_dir and (
+            last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
+        ):
+            saved.append(checkpoint.save(config.checkpoint_dir, step + 1, runner, opt, sched))
+    log.close()
+    return TrainResult(tuple(out), start, tuple(saved))
+
+
+def clip_grad_norm(runner: PipelineRunner, max_norm: float | None) -> float:
+    """Scale this rank's gradients so the norm over the whole model is at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does on the eager model; returns the norm before."""
+    owned, all_grads = [], []
+    owners = runner.parameter_owners()
+    for p in runner.parameters():
+        if p.grad is None:
+            continue
+        all_grads.append(p.grad)
+        if owners[id(p)]:
+            owned.append(p.grad)
+    device = all_grads[0].device if all_grads else runner.device
+    square = torch.zeros((), dtype=torch.float64, device=device)
+    for g in owned:
+        square += g.detach().double().pow(2).sum()
+    runner._wait(dist.all_reduce(square, async_op=True), "the gradient-norm all-reduce")
+    norm = math.sqrt(float(square) / runner.parallel.dp)
+    if max_norm is not None and all_grads:
+        coefficient = max_norm / (norm + 1e-6)  # clip_grad_norm_'s
+        if coefficient < 1:
+            torch._foreach_mul_(all_grads, coefficient)
+    return norm
+
+
+def _batches(data: Data, start: int) -> Iterator[Mapping[str, Any]]:
+    """Global batches from step ``start`` on (an iterable is advanced past the first ``start``)."""
+    if callable(data) and not isinstance(data, Iterable):
+        step = start
+        while True:
+            yield data(step)
+            step += 1
+    it = iter(data)
+    for _ in range(start):
+        if next(it, None) is None:
+            return
+    yield from it
+
+
+class _StepLog:
+    """Rank 0's per-step output: a progress bar on a terminal (else a line every step), and JSON
+    lines on request."""
+
+    def __init__(self, active: bool, config: TrainConfig, start: int):
+        self.active = active
+        self.total = config.steps
+        self.bar = active and (config.progress if config.progress is not None else sys.stderr.isatty())
+        self.jsonl = open(config.log_jsonl, "a") if active and config.log_jsonl else None  # noqa: SIM115
+        if active and start:
+            print(f"resumed from the checkpoint at step {start}", file=sys.stderr)
+
+    def write(self, m: StepMetrics) -> None:
+        if not self.active:
+            return
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(asdict(m)) + "\n")
+            self.jsonl.flush()
+        if self.bar:
+            width = 30
+            done = int(width * m.step / self.total)
+            sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {m}")
+            if m.step == self.total:
+                sys.stderr.write("\n")
+        else:
+            print(m, file=sys.stderr)
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+def write_metrics(path: str | Path, steps: Sequence[StepMetrics]) -> None:
+    """All steps' metrics as JSON lines (what ``log_jsonl`` writes as the run goes)."""
+    Path(path).write_text("".join(json.dumps(asdict(m)) + "\n" for m in steps))
