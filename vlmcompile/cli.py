@@ -7,6 +7,8 @@ configuration; ``--search`` lets the plan search choose the degrees).
 ``vlmcompile demo [--json FILE]``: the demo VLM on 2 local CPU ranks, our plan against Megatron-LM's,
 measured and predicted.
 ``vlmcompile run --model NAME --nprocs N``: train a zoo model a few steps on N local CPU ranks.
+``vlmcompile train --plan FILE [--steps N ...]``: train a saved plan with AdamW, checkpoints and
+metrics; under ``torchrun --nproc-per-node N -m vlmcompile train ...`` each process is a rank.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from vlmcompile import train_job
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OUTPUT_FLAGS = ("json", "png", "trace")
@@ -409,9 +413,18 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=_positive_float, default=120.0, help="seconds any rank may wait for another"
     )
     r.set_defaults(run=_run)
+
+    t = sub.add_parser(
+        "train",
+        help="train a saved plan of a zoo model: AdamW, LR schedule, clipping, checkpoints, metrics; under "
+        "torchrun (torchrun --nproc-per-node N -m vlmcompile train --plan FILE) or on local ranks",
+    )
+    train_job.add_arguments(t, _positive_int, _positive_float)
+    t.set_defaults(run=train_job.run)
     args = parser.parse_args(argv)
     from vlmcompile.ir.errors import VlmCompileError
     from vlmcompile.runtime.launch import Interrupted, interrupt_on_stop_signals, restore_signals
+    from vlmcompile.train_job import rank_prefix
 
     previous = interrupt_on_stop_signals()
     try:
@@ -421,13 +434,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlmcompile: interrupted by {err.signal_name}; stopped every rank", file=sys.stderr)
         return 128 + int(getattr(signal, err.signal_name))
     except (VlmCompileError, ValueError, KeyError, OSError) as err:
-        print(f"vlmcompile: error: {err}", file=sys.stderr)
+        print(f"vlmcompile: {rank_prefix()}error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # a bug: one line, and the traceback on request
         if os.environ.get("VLMCOMPILE_TRACEBACK"):
             raise
         print(
-            f"vlmcompile: internal error: {type(err).__name__}: {err} - a bug in vlmcompile; please report it "
+            f"vlmcompile: {rank_prefix()}internal error: {type(err).__name__}: {err} - a bug in vlmcompile; please report it "
             "with the command (VLMCOMPILE_TRACEBACK=1 shows the traceback)",
             file=sys.stderr,
         )

@@ -158,6 +158,10 @@ class CompiledPipeline:
         if dist.is_initialized():
             return train_on_rank(runner, *args)
         check_launchable(world, timeout_s)
+        if callable(data) or isinstance(data, Sequence):  # refused before any rank starts
+            first = data(0) if callable(data) else data[0] if data else None
+            if first is not None:
+                runner.check_batch(first)
         return launch(train_on_rank, runner, world, args=args, timeout_s=timeout_s)[0]
 
     def throughput(self, runner: PipelineRunner) -> Throughput:

@@ -137,3 +137,16 @@ def test_bad_training_options_are_named():
         TrainConfig(steps=3, warmup_steps=5)
     with pytest.raises(ValueError, match="need a checkpoint_dir"):
         TrainConfig(steps=3, resume=True)
+
+
+def test_data_whose_batches_do_not_match_the_compiled_shapes_is_refused_before_ranks_start():
+    _, pipe, plan = _setup("tiny", pp=2)
+    with pytest.raises(ValueError, match=r"batch\['pixel_values'\] is \[8, .*; the pipeline expects \[4, "):
+        pipe.train(SyntheticBatches("tiny", 8), TrainConfig(steps=2), plan=plan, timeout_s=60)
+
+
+def test_a_later_batch_of_other_shapes_names_its_step():
+    _, pipe, plan = _setup("tiny", pp=2)
+    batches = [SyntheticBatches("tiny", 4)(0), SyntheticBatches("tiny", 2)(1)]
+    with pytest.raises(Exception, match=r"global batch for step 2: batch\['pixel_values'\] is \[2, "):
+        pipe.train(iter(batches), TrainConfig(steps=2), plan=plan, timeout_s=60)

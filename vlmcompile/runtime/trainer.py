@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from vlmcompile.ir.errors import ArgumentError, positive_int, positive_number
 from vlmcompile.runtime import checkpoint
-from vlmcompile.runtime.executor import PipelineRunner
+from vlmcompile.runtime.executor import BatchError, PipelineRunner
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -139,8 +140,7 @@ class TrainResult:
     def __str__(self) -> str:
         if not self.steps:
             return f"nothing to train: the checkpoint is at step {self.resumed_from} already"
-        timed = sorted(m.step_s for m in self.steps[1:]) or [self.steps[0].step_s]
-        median = timed[len(timed) // 2]
+        median = statistics.median([m.step_s for m in self.steps[1:]] or [self.steps[0].step_s])
         last = self.steps[-1]
         return (
             f"trained steps {self.steps[0].step}-{last.step}: loss {self.steps[0].loss:.4f} -> {last.loss:.4f}; "
@@ -190,6 +190,10 @@ def train_on_rank(
         batch = next(batches, None)
         if batch is None:
             raise ArgumentError(f"the data ran out after {step} global batches; config.steps={config.steps}")
+        try:
+            runner.check_batch(batch)
+        except BatchError as err:
+            raise BatchError(f"the data's global batch for step {step + 1}: {err}") from None
         opt.zero_grad(set_to_none=True)
         began = time.perf_counter()
         loss = runner.step(batch)

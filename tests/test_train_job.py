@@ -1,0 +1,116 @@
+"""``vlmcompile train``: a saved plan trained under torchrun (2 CPU processes) like eager, and its
+bad inputs refused with a message that says what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.runtime.test_trainer import eager_training
+from vlmcompile import models
+from vlmcompile.cli import main
+from vlmcompile.models.data import SyntheticBatches
+from vlmcompile.runtime.trainer import TrainConfig
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+
+def _plan_file(tmp_path: Path, cluster: str, capsys) -> str:
+    path = tmp_path / f"plan-{cluster.replace(':', '')}.json"
+    argv = ["plan", "--model", "tiny", "--cluster", cluster, "--tp", "1", "--pp", "2", "--global-batch", "4"]
+    assert main([*argv, "--json", str(path)]) == 0
+    capsys.readouterr()
+    return str(path)
+
+
+def _torchrun(nprocs: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
+    return subprocess.run(
+        [*command, "-m", "vlmcompile", "train", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_torchrun_trains_a_saved_plan_like_eager(tmp_path, capsys):
+    plan = _plan_file(tmp_path, "cpu:2", capsys)
+    log = tmp_path / "steps.jsonl"
+    args = ["--plan", plan, "--steps", "6", "--lr", "3e-3", "--warmup-steps", "2", "--max-grad-norm", "0.5"]
+    done = _torchrun(2, *args, "--log-jsonl", str(log), "--timeout", "60")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained steps 1-6" in done.stdout
+    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    config = TrainConfig(steps=6, lr=3e-3, warmup_steps=2, max_grad_norm=0.5)
+    expected = eager_training(models.build("tiny"), SyntheticBatches("tiny", 4), config)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected))
+
+
+def test_a_plan_for_more_ranks_than_torchrun_started_is_refused(tmp_path, capsys):
+    plan = _plan_file(tmp_path, "cpu:4", capsys)  # PP 2 x DP 2
+    done = _torchrun(2, "--plan", plan, "--steps", "1", timeout=120)
+    assert done.returncode != 0
+    assert "runs on 4 ranks; torchrun started 2" in done.stderr
+    assert "rank 0:" in done.stderr and "rank 1:" in done.stderr  # each rank names itself
+
+
+def test_a_cuda_plan_without_cuda_is_refused_and_runs_on_cpu_when_asked(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    plan = _plan_file(tmp_path, "h100x2", capsys)
+    assert main(["train", "--plan", plan, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "made for h100x2 and asks for CUDA, but this machine has none; run it on CPU ranks with --device cpu"
+        in err
+    )
+    assert main(["train", "--plan", plan, "--steps", "2", "--device", "cpu", "--timeout", "60"]) == 0
+    assert "trained steps 1-2" in capsys.readouterr().out
+
+
+def test_a_rank_killed_mid_run_ends_the_job_within_the_timeout_naming_it(tmp_path, capsys):
+    plan = _plan_file(tmp_path, "cpu:2", capsys)
+    log = tmp_path / "steps.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    job = subprocess.Popen(
+        [*command, "-m", "vlmcompile", "train", "--plan", plan, "--steps", "100000", "--log-jsonl", str(log)]
+        + ["--timeout", "20"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+            assert job.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        victim = _rank_pid(job.pid, rank=1)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = job.communicate(timeout=60)
+        assert time.monotonic() - killed < 40
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert "rank: 1" in err and "Signal 9" in err, err[-3000:]
+
+
+def _rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of the torchrun worker with ``RANK=rank`` (a child of torchrun's process)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == torchrun_pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no worker with RANK={rank} under pid {torchrun_pid}")

@@ -1,0 +1,189 @@
+"""``vlmcompile train``: train a saved plan of a zoo model, under torchrun or on local ranks.
+
+Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) this process is one
+rank: it joins the process group (gloo on CPU, NCCL on CUDA with ``LOCAL_RANK`` picking the
+GPU), builds the model with the same seed as every other rank, captures it, takes its stage
+modules for the plan and trains. Otherwise it starts the plan's ranks on this machine with the
+local launcher. The plan is read from JSON, never searched again here: a search on every rank
+could choose differently on each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmcompile.ir.errors import ArgumentError, PlanError
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in _TORCHRUN_ENV)
+
+
+def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float) -> None:
+    parser.add_argument(
+        "--plan", required=True, metavar="FILE", help="plan JSON (vlmcompile plan ... --json FILE)"
+    )
+    parser.add_argument("--model", help="zoo name of the model (default: the plan's)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="training steps (default 10)")
+    parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate (AdamW)")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
+    parser.add_argument("--decay", choices=["cosine", "linear", "constant"], default="cosine")
+    parser.add_argument(
+        "--max-grad-norm", type=positive_float, default=1.0, help="global gradient-norm clip (default 1.0)"
+    )
+    parser.add_argument("--no-clip", action="store_true", help="do not clip the gradients")
+    parser.add_argument("--seed", type=int, default=0, help="weights and data seed (the same on every rank)")
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here (DCP, under the model's names)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end)")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir"
+    )
+    parser.add_argument("--log-jsonl", metavar="FILE", help="append one JSON line of metrics per step")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: CUDA for a plan made for GPUs, the CPU for a cpu:N plan",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="compute dtype; auto: bf16 autocast on CUDA when the plan's parameters are 2 bytes, else fp32 "
+        "(parameters, gradients and their reduction are fp32 either way)",
+    )
+    parser.add_argument(
+        "--nprocs",
+        type=positive_int,
+        help="without torchrun: local ranks to start (default: the plan's ranks)",
+    )
+    parser.add_argument(
+        "--timeout", type=positive_float, default=120.0, help="seconds any rank may wait for another"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from vlmcompile.ir.plan import Plan
+
+    plan = Plan.from_json(_read_json(args.plan))
+    world = _degrees(plan).world_size
+    torchrun = under_torchrun()
+    started = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nprocs or world)
+    if started != world:
+        how = "torchrun started" if torchrun else "--nprocs asks for"
+        raise PlanError(
+            f"the plan in {args.plan} runs on {world} ranks; {how} {started}. Start {world} "
+            f"(torchrun --nproc-per-node {world} ...), or plan for {started}: vlmcompile plan ... --json FILE"
+        )
+    device = _device(args.device, plan)
+    autocast = _autocast(args.precision, plan, device)
+    if torchrun:
+        _join_process_group(device, args.timeout)
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        result = _train(args, plan, device, autocast)
+    finally:
+        if torchrun:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank == 0:
+        print(result)
+    return 0
+
+
+def _train(args: argparse.Namespace, plan, device: str, autocast):
+    from vlmcompile import models
+    from vlmcompile.compiler import compile
+    from vlmcompile.models.data import SyntheticBatches
+    from vlmcompile.runtime.trainer import TrainConfig
+
+    name = args.model or plan.model
+    model = models.build(name, seed=args.seed)
+    pipe = compile(model, models.sample_batch(name, batch_size=1, seed=args.seed), model_name=name, log=None)
+    config = TrainConfig(
+        steps=args.steps,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        decay=args.decay,
+        max_grad_norm=None if args.no_clip else args.max_grad_norm,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        log_jsonl=args.log_jsonl,
+    )
+    global_batch = _degrees(plan).dp * plan.num_microbatches * plan.microbatch_size
+    data = SyntheticBatches(name, global_batch, seed=args.seed)
+    return pipe.train(data, config, plan=plan, device=device, autocast_dtype=autocast, timeout_s=args.timeout)
+
+
+def _degrees(plan):
+    from vlmcompile.runtime.executor import runnable_degrees
+
+    return runnable_degrees(plan)
+
+
+def _device(choice: str, plan) -> str:
+    gpu_plan = bool(plan.cluster) and not plan.cluster.startswith("cpu")
+    device = choice if choice != "auto" else ("cuda" if gpu_plan else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ArgumentError(
+            f"the plan was made for {plan.cluster or 'GPUs'} and asks for CUDA, but this machine has none; "
+            "run it on CPU ranks with --device cpu, or on a machine with GPUs"
+        )
+    return device
+
+
+def _autocast(choice: str, plan, device: str):
+    if choice == "auto":
+        return torch.bfloat16 if device == "cuda" and plan.precision.param_bytes == 2 else None
+    return _PRECISIONS[choice]
+
+
+def _join_process_group(device: str, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise ArgumentError(
+                f"LOCAL_RANK={local}, but this machine has {torch.cuda.device_count()} CUDA devices: start at most "
+                "one rank per GPU (torchrun --nproc-per-node)"
+            )
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def _read_json(path: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ArgumentError(
+            f"{path} is not JSON ({err}); give a plan written by vlmcompile plan --json"
+        ) from None
+
+
+def rank_prefix() -> str:
+    """ "rank R: " under torchrun, so each rank's error names itself."""
+    return f"rank {os.environ['RANK']}: " if under_torchrun() else ""
+
+
+def print_error(message: str) -> None:
+    print(f"vlmcompile: {rank_prefix()}error: {message}", file=sys.stderr)
