@@ -128,3 +128,12 @@ def check_equal_to_eager(model, batch, results):
     params = model.named_parameters(remove_duplicate=False)
     covered = {id(p) for n, p in params if n in seen}
     assert {id(p) for p in model.parameters() if p.grad is not None} <= covered
+
+
+def first_forwards_swapped(plan: Plan) -> Plan:
+    """``plan`` with rank 0 running microbatch 1's first forward before microbatch 0's, while the
+    next rank still wants microbatch 0 first."""
+    first = list(plan.actions[0])
+    a, b = (i for i, act in enumerate(first) if act.kind.value == "F" and act.microbatch in (0, 1))
+    first[a], first[b] = first[b], first[a]
+    return dataclasses.replace(plan, actions=(tuple(first), *plan.actions[1:]))

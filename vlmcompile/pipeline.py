@@ -140,6 +140,7 @@ class CompiledPipeline:
         scheduler: SchedulerFactory | None = None,
         device: str | torch.device | None = None,
         autocast_dtype: torch.dtype | None = None,
+        transfers: str = "auto",
         timeout_s: float = 60.0,
     ) -> TrainResult:
         """Train ``plan`` (default ``self.plan``) for ``config.steps`` steps on ``data`` (global
@@ -148,10 +149,13 @@ class CompiledPipeline:
         Under torchrun (torch.distributed initialised) this process trains as its rank;
         otherwise the plan's ranks start on this machine (the local launcher), and ``data``,
         ``optimizer`` and ``scheduler`` must pickle (module-level functions, functools.partial).
-        Returns this rank's result (rank 0's when launched)."""
+        ``device``, ``autocast_dtype`` and ``transfers`` are the runner's (see
+        :class:`~vlmcompile.runtime.executor.PipelineRunner`). Returns this rank's result (rank
+        0's when launched)."""
         runner = self.runner(plan, timeout_s=timeout_s)
         runner.device = torch.device(device) if device is not None else None
         runner.autocast_dtype = autocast_dtype
+        runner.transfers = transfers
         world = runner.parallel.world_size
         throughput = self.throughput(runner)
         args = (data, config, throughput, optimizer, scheduler)

@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from tests.models import build, needs_transformers
-from tests.pipeline_helpers import check_equal_to_eager, encoder_on_rank_1, even_plan, separate_plan
+from tests.pipeline_helpers import (
+    check_equal_to_eager,
+    encoder_on_rank_1,
+    even_plan,
+    first_forwards_swapped,
+    separate_plan,
+)
 from vlmcompile import compile
 from vlmcompile.demo import eager_losses
 from vlmcompile.ir.errors import PlanError
@@ -269,11 +275,7 @@ def test_microbatches_may_run_in_another_order_on_each_rank():
     # The shape header goes with whichever microbatch a stage sends first; the receiver may want
     # another one first.
     model, batch, pipe = _pipe("tiny")
-    plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)
-    first = list(plan.actions[0])
-    a, b = (i for i, act in enumerate(first) if act.kind.value == "F" and act.microbatch in (0, 1))
-    first[a], first[b] = first[b], first[a]
-    swapped = dataclasses.replace(plan, actions=(tuple(first), plan.actions[1]))
+    swapped = first_forwards_swapped(even_plan(pipe.layer_graph, pp=2, global_batch=4))
     swapped.validate(pipe.layer_graph)
     assert swapped.actions[0][0].microbatch != swapped.actions[1][0].microbatch
     results = pipe.launch(plan=swapped, timeout_s=30)

@@ -49,15 +49,20 @@ CONFIG = dict(lr=3e-3, warmup_steps=3, max_grad_norm=0.5, weight_decay=0.1)
 
 
 @pytest.mark.parametrize(
-    ("name", "plan_options"),
-    [("tiny", dict(pp=2, recompute=(2,))), ("tiny-tied", dict(pp=2)), ("tiny", dict(pp=2, dp=2))],
-    ids=["pp2", "tied-pp2", "pp2-dp2"],
+    ("name", "plan_options", "transfers"),
+    [
+        ("tiny", dict(pp=2, recompute=(2,)), "auto"),
+        ("tiny-tied", dict(pp=2), "auto"),
+        ("tiny", dict(pp=2, dp=2), "auto"),
+        ("tiny", dict(pp=2, v=2), "ordered"),
+    ],
+    ids=["pp2", "tied-pp2", "pp2-dp2", "interleaved-ordered-transfers"],
 )
-def test_twenty_adamw_steps_equal_eager(name, plan_options, tmp_path):
+def test_twenty_adamw_steps_equal_eager(name, plan_options, transfers, tmp_path):
     model, pipe, plan = _setup(name, **plan_options)
     data = SyntheticBatches(name, 4)
     config = TrainConfig(steps=20, log_jsonl=str(tmp_path / "log.jsonl"), **CONFIG)
-    result = pipe.train(data, config, plan=plan, timeout_s=60)
+    result = pipe.train(data, config, plan=plan, transfers=transfers, timeout_s=60)
     expected = eager_training(copy.deepcopy(model), data, config)
     with torch.no_grad():
         untrained = [float(model(**data(step))) for step in range(20)]

@@ -40,6 +40,7 @@ from vlmcompile.ir.errors import PlanError, VlmCompileError
 from vlmcompile.ir.microbatch import label_weights, take
 from vlmcompile.ir.plan import Parallel, Plan
 from vlmcompile.runtime.stage import StageModule
+from vlmcompile.runtime.transfers import Transfer, transfer_order
 
 
 class RankLostError(VlmCompileError, RuntimeError):
@@ -91,6 +92,8 @@ RECEIVE_AHEAD = 2
 """Actions ahead of the running one whose inputs from other ranks are received in the background."""
 _HEADER = 1000
 """Tag offset of the shape header a stage sends before its first activations."""
+_ORDERED_HEADER = 1024
+"""Numbers in the shape header of ordered transfers (fixed: its receive is posted unseen)."""
 _DTYPES = [
     torch.float32,
     torch.float64,
@@ -151,6 +154,14 @@ class _StepState:
     """Posted sends, waited for at the end of the step."""
     posted: dict[Action, tuple[list[torch.Tensor], list[tuple[Any, str, int]]]] = field(default_factory=dict)
     """Action -> the buffers and receives posted ahead for its input from another rank."""
+    outbox: dict[Transfer, list[torch.Tensor]] = field(default_factory=dict)
+    """Ordered transfers: values produced, not yet issued (a receive before them is not posted)."""
+    inbox: dict[Transfer, tuple[list[torch.Tensor], list[Any]]] = field(default_factory=dict)
+    """Ordered transfers: buffers and works of the receives issued."""
+    headers: dict[Transfer, tuple[torch.Tensor, list[Any]]] = field(default_factory=dict)
+    """Ordered transfers: shape headers whose receive is issued, before their activations'."""
+    cursor: dict[int, int] = field(default_factory=dict)
+    """Ordered transfers: per peer pipeline rank, how many of the pair's transfers were issued."""
 
 
 class PipelineRunner:
@@ -169,7 +180,10 @@ class PipelineRunner:
         timeout_s: float = 60.0,
         device: torch.device | str | None = None,
         autocast_dtype: torch.dtype | None = None,
+        transfers: str = "auto",
     ):
+        if transfers not in ("auto", "tagged", "ordered"):
+            raise ValueError(f"transfers={transfers!r}; give 'auto', 'tagged' or 'ordered'")
         plan.validate()  # whatever made the plan: never run one that fails its checks
         self.plan = plan
         self.parallel = runnable_degrees(plan)
@@ -190,6 +204,11 @@ class PipelineRunner:
         self.autocast_dtype = autocast_dtype
         """Mixed precision: the stages' forwards run under ``torch.autocast`` in this dtype
         (bf16), while parameters, their gradients and the gradient reduction stay fp32."""
+        self.transfers = transfers
+        """How stage-to-stage values meet their receives: ``tagged`` (gloo: by tag, each receive
+        posted a few actions ahead), ``ordered`` (NCCL: every transfer between two ranks issued in
+        one order both follow, :mod:`vlmcompile.runtime.transfers`, in batched isend/irecv
+        groups); ``auto``: tagged on gloo, ordered otherwise."""
         self._ready = False
 
     # ---- set-up --------------------------------------------------------------------------
@@ -209,19 +228,19 @@ class PipelineRunner:
                 f"but torch.distributed has {world}; start {self.parallel.world_size} ranks or plan for {world}"
             )
         backend = dist.get_backend()
-        if backend != "gloo":
-            # NCCL matches sends to receives by order, not by tag, and runs a pair's sends and
-            # receives on one stream: the receives posted ahead here would pair with the wrong
-            # messages or deadlock. Refused until the runtime orders its transfers per peer.
-            raise PlanError(
-                f"the runtime's pipeline transfers run on gloo only; torch.distributed uses {backend!r}. "
-                "Initialise with backend='gloo' (CPU ranks), e.g. `vlmcompile train --device cpu`"
-            )
-        keep_freed_memory()
         if self.device is None:
-            self.device = torch.device("cpu")
+            cuda = backend == "nccl"
+            self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise PlanError(f"device {self.device} was asked for, but this machine has no CUDA device")
+        if self.device.type != "cpu" and backend == "gloo":
+            raise PlanError(
+                f"stages on {self.device} need the NCCL backend (gloo sends CPU tensors only); initialise "
+                "torch.distributed with backend='nccl', or run on the CPU"
+            )
+        if backend == "gloo":
+            keep_freed_memory()
+        self.ordered = self.transfers == "ordered" or (self.transfers == "auto" and backend != "gloo")
         self.rank = dist.get_rank()
         self.pp_rank, self.dp_rank, _ = self.parallel.coords(self.rank)
         self.rank_of_action = self.plan.rank_of_action()
@@ -230,6 +249,8 @@ class PipelineRunner:
             for stage in self.stages.values():
                 stage.to(self.device)
         self.actions = self.plan.actions[self.pp_rank]
+        self._channels = transfer_order(self.plan).get(self.pp_rank, {}) if self.ordered else {}
+        """Peer pipeline rank -> the transfers between us in the order both issue them (ordered)."""
         t = self.parallel
         self.dp_group = None
         for pp_rank in range(t.pp):  # every rank creates every group, in the same order
@@ -379,6 +400,11 @@ class PipelineRunner:
             received: tuple = ()
         elif self._rank_running(s - 1, ActionKind.F, i) == self.pp_rank:
             received = state.local_fwd.pop((s, i))
+        elif self.ordered:
+            sender = self._rank_running(s - 1, ActionKind.F, i)
+            buffers = self._receive(Transfer(ActionKind.F, s - 1, i, sender, self.pp_rank), state)
+            meta = self._meta[(s - 1, sender)]
+            received = tuple(b.item() if flag else b for b, (_, _, flag) in zip(buffers, meta))
         else:
             received = self._recv_activations(s, i, state)
         leaves = tuple(
@@ -395,7 +421,7 @@ class PipelineRunner:
             if self._rank_running(s + 1, ActionKind.F, i) == self.pp_rank:
                 state.local_fwd[(s + 1, i)] = out
             else:
-                state.sends += self._send_activations(s, i, out)
+                state.sends += self._send_activations(s, i, out, state)
             return
         weight = state.weights[i]
         if weight == 0:
@@ -428,6 +454,8 @@ class PipelineRunner:
         prev = self._rank_running(s - 1, ActionKind.B, i)
         if prev == self.pp_rank:
             state.local_bwd[(s - 1, i)] = input_grads
+        elif self.ordered:
+            self._offer(Transfer(ActionKind.B, s, i, self.pp_rank, prev), list(input_grads), state)
         else:
             state.sends += self._send(input_grads, prev, s, "B", i, f"{action}'s input gradients")
 
@@ -468,7 +496,7 @@ class PipelineRunner:
             works.append((work, f"{what} to rank {peer}", peer))
         return works
 
-    def _send_activations(self, s: int, i: int, out: tuple) -> list:
+    def _send_activations(self, s: int, i: int, out: tuple, state: _StepState) -> list:
         if len(out) >= _HEADER:
             raise PlanError(
                 f"stage {s} would send {len(out)} values to the next rank; the runtime sends fewer than "
@@ -493,18 +521,27 @@ class PipelineRunner:
         out = tuple(torch.tensor(x, device=self.device) if flag else x for x, flag in zip(out, scalar))
         works = []
         peer_pp = self._rank_running(s + 1, ActionKind.F, i)
+        header = None
         if (s, peer_pp) not in self._meta:
             self._meta[(s, peer_pp)] = [(tuple(x.shape), x.dtype, flag) for x, flag in zip(out, scalar)]
-            header = torch.tensor(
-                [len(out)]
-                + [
-                    v
-                    for x, flag in zip(out, scalar)
-                    for v in (int(flag), _DTYPES.index(x.dtype), x.dim(), *x.shape)
-                ],
-                dtype=torch.int64,
-                device=self.device,
-            )
+            values = [len(out)] + [
+                v
+                for x, flag in zip(out, scalar)
+                for v in (int(flag), _DTYPES.index(x.dtype), x.dim(), *x.shape)
+            ]
+            if self.ordered:  # one fixed size: the receive is posted before the shapes are known
+                if len(values) > _ORDERED_HEADER:
+                    raise PlanError(
+                        f"stage {s} sends {len(out)} values whose shape header takes {len(values)} numbers, more than "
+                        f"{_ORDERED_HEADER}; cut the pipeline where fewer values cross"
+                    )
+                values += [0] * (_ORDERED_HEADER - len(values))
+            header = torch.tensor(values, dtype=torch.int64, device=self.device)
+        if self.ordered:
+            payload = ([header] if header is not None else []) + list(out)
+            self._offer(Transfer(ActionKind.F, s, i, self.pp_rank, peer_pp), payload, state)
+            return []
+        if header is not None:
             size = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
             # Tagged as microbatch 0 whichever microbatch goes first: the receiving rank may run
             # its microbatches in another order.
@@ -540,6 +577,10 @@ class PipelineRunner:
         receive posted only when its action starts costs the whole transfer there, plus the wait
         for a sender that is busy computing to serve it: 3-14 ms for the demo's 0.5 MB
         activations on this 2-core machine, against 0.14 ms unloaded."""
+        if self.ordered:
+            for peer_pp in self._channels:
+                self._advance(peer_pp, state, until=None)
+            return
         for action in self.actions[index : index + 1 + RECEIVE_AHEAD]:
             if action not in state.posted:
                 posted = self._post_input(action, state)
@@ -592,18 +633,94 @@ class PipelineRunner:
             self._recv((size,), sender, prev, "F", 0, what, _HEADER)
             header = torch.zeros(int(size), dtype=torch.int64, device=self.device)
             self._recv((header,), sender, prev, "F", 0, what, _HEADER + 1)
-            values = header.tolist()
-            meta, pos = [], 1
-            for _ in range(values[0]):
-                flag, dtype, ndim = values[pos], _DTYPES[values[pos + 1]], values[pos + 2]
-                meta.append((tuple(values[pos + 3 : pos + 3 + ndim]), dtype, bool(flag)))
-                pos += 3 + ndim
-            self._meta[(prev, sender)] = meta
+            self._meta[(prev, sender)] = _parse_header(header)
         buffers = self._take_input(Action(s, ActionKind.F, i), state)
         return tuple(b.item() if flag else b for b, (_, _, flag) in zip(buffers, self._meta[(prev, sender)]))
 
     def _recv_grads(self, s: int, i: int, state: _StepState) -> tuple:
+        if self.ordered:
+            sender = self._rank_running(s + 1, ActionKind.B, i)
+            return tuple(self._receive(Transfer(ActionKind.B, s + 1, i, sender, self.pp_rank), state))
         return tuple(self._take_input(Action(s, ActionKind.B, i), state))
+
+    # ---- ordered transfers (NCCL) -----------------------------------------------------------
+    def _offer(self, transfer: Transfer, payload: list[torch.Tensor], state: _StepState) -> None:
+        """A value produced for another rank: issued now, after whatever comes before it between us."""
+        state.outbox[transfer] = [x.detach().contiguous() for x in payload]
+        self._advance(transfer.dst, state, until=transfer)
+
+    def _receive(self, transfer: Transfer, state: _StepState) -> list[torch.Tensor]:
+        """Wait for ``transfer`` (issuing its receive, and what comes before it, if not done yet)."""
+        if transfer not in state.inbox:
+            self._advance(transfer.src, state, until=transfer)
+        buffers, works = state.inbox.pop(transfer)
+        for work, what, peer in works:
+            self._wait(work, what, peer)
+        return buffers
+
+    def _advance(self, peer_pp: int, state: _StepState, until: Transfer | None) -> None:
+        """Issue the transfers between this rank and ``peer_pp`` in their order, up to ``until``
+        (waiting for a shape header on the way if need be), or without ``until`` as far as they
+        can go without waiting: to a value this rank has not produced yet or to activations whose
+        shapes have not arrived. Each run of them goes out as one batched isend/irecv group."""
+        channel = self._channels.get(peer_pp, ())
+        peer = self._peer(peer_pp)
+        batch: list[tuple[Any, Any]] = []  # (P2POp, (the list its work goes to, what it moves))
+        k = state.cursor.get(peer_pp, 0)
+        while k < len(channel):
+            t = channel[k]
+            if t.src == self.pp_rank:
+                payload = state.outbox.pop(t, None)
+                if payload is None:
+                    break
+                sent = (state.sends, f"{t} to rank {peer}")
+                batch += [(dist.P2POp(dist.isend, _wire(x), peer), sent) for x in payload]
+            else:
+                buffers = self._receive_buffers(t, state)
+                if buffers is None:  # the activations' shapes come in their header, first
+                    if t not in state.headers:
+                        header = torch.empty(_ORDERED_HEADER, dtype=torch.int64, device=self.device)
+                        state.headers[t] = (header, [])
+                        into = (state.headers[t][1], f"{t}'s shapes from rank {peer}")
+                        batch.append((dist.P2POp(dist.irecv, header, peer), into))
+                    if until is None:
+                        break
+                    self._issue(batch, peer)
+                    batch = []
+                    header, works = state.headers.pop(t)
+                    for work, what, _ in works:
+                        self._wait(work, what, peer)
+                    self._meta[(t.stage, t.src)] = _parse_header(header)
+                    buffers = self._receive_buffers(t, state)
+                state.inbox[t] = (buffers, [])
+                got = (state.inbox[t][1], f"{t} from rank {peer}")
+                batch += [(dist.P2POp(dist.irecv, _wire(b), peer), got) for b in buffers]
+            k += 1
+            state.cursor[peer_pp] = k
+            if t == until:
+                break
+        self._issue(batch, peer)
+
+    def _receive_buffers(self, t: Transfer, state: _StepState) -> list[torch.Tensor] | None:
+        if t.kind is ActionKind.F:
+            meta = self._meta.get((t.stage, t.src))
+            if meta is None:
+                return None
+            return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta]
+        saved = state.saved[(t.stage - 1, t.microbatch)]  # its forward ran: see transfers.py
+        return [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in _floats(saved[1])]
+
+    def _issue(self, batch: list[tuple[Any, Any]], peer: int) -> None:
+        if not batch:
+            return
+        try:
+            works = dist.batch_isend_irecv([op for op, _ in batch])
+        except RuntimeError as err:
+            raise self._lost(f"the connection failed exchanging values with rank {peer}", err, peer) from None
+        # NCCL may hand back one work for the whole group: each transfer then waits for it.
+        works = works if len(works) == len(batch) else [works[-1]] * len(batch)
+        for work, (_, (into, what)) in zip(works, batch):
+            into.append((work, what, peer))
 
     def _wait(self, work, what: str, peer: int | None = None) -> None:
         start = time.monotonic()
@@ -653,6 +770,17 @@ class PipelineRunner:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def _parse_header(header: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype, bool]]:
+    """(shape, dtype, is a Python number) of each value a shape header describes."""
+    values = header.tolist()
+    meta, pos = [], 1
+    for _ in range(values[0]):
+        flag, dtype, ndim = values[pos], _DTYPES[values[pos + 1]], values[pos + 2]
+        meta.append((tuple(values[pos + 3 : pos + 3 + ndim]), dtype, bool(flag)))
+        pos += 3 + ndim
+    return meta
 
 
 def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
