@@ -74,10 +74,16 @@ def _node_values(gm: fx.GraphModule, microbatch: Mapping[str, Any]) -> dict[str,
     return values
 
 
-def _timed_s(fn) -> float:
+def _timed_s(fn, sync: Callable[[], None]) -> float:
+    sync()
     start = time.perf_counter()
     fn()
+    sync()  # a GPU runs the kernels after the call returns
     return time.perf_counter() - start
+
+
+def _no_sync() -> None:
+    pass
 
 
 def _layer_runs(module: fx.GraphModule, leaves: list[Any]) -> tuple[Callable[[], Any], Callable[[], None]]:
@@ -96,7 +102,9 @@ def _layer_runs(module: fx.GraphModule, leaves: list[Any]) -> tuple[Callable[[],
     return (lambda: module(*leaves)), forward_backward
 
 
-def _time_layers(runs: list[tuple[Callable, Callable]], repeats: int) -> list[tuple[float, float]]:
+def _time_layers(
+    runs: list[tuple[Callable, Callable]], repeats: int, sync: Callable[[], None] = _no_sync
+) -> list[tuple[float, float]]:
     """(forward s, backward s) per layer, the median of ``repeats`` rounds; the backward is a
     forward + backward run less the forward.
 
@@ -110,8 +118,8 @@ def _time_layers(runs: list[tuple[Callable, Callable]], repeats: int) -> list[tu
     both: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
         for k, (forward, forward_backward) in enumerate(runs):
-            fwd[k].append(_timed_s(forward))
-            both[k].append(_timed_s(forward_backward))
+            fwd[k].append(_timed_s(forward, sync))
+            both[k].append(_timed_s(forward_backward, sync))
     out = []
     for f, b in zip(fwd, both):
         fwd_s = statistics.median(f)
@@ -129,14 +137,17 @@ def profile(
     threads: int = 1,
     repeats: int = 5,
 ) -> ProfileResult:
-    """Time every layer of ``gm`` on ``microbatch`` (real tensors on the device to measure).
+    """Time every layer of ``gm`` on ``microbatch`` (real tensors on the device to measure, with
+    ``gm``'s parameters there too; on a GPU each timing waits for the kernels).
 
     Args:
         device_name: the ``DeviceSpec.name`` the times hold for (the cost model uses them there only).
         threads: CPU threads during the measurement (a local rank's share of the cores).
         repeats: timed runs per layer and direction; the median is kept.
     """
-    rows = next(v.shape[0] for v in microbatch.values() if isinstance(v, torch.Tensor))
+    tensor = next(v for v in microbatch.values() if isinstance(v, torch.Tensor))
+    rows = tensor.shape[0]
+    sync = torch.cuda.synchronize if tensor.is_cuda else _no_sync
     per_batch = layer_graph.meta.get("batch_size", 1) / rows
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -152,7 +163,7 @@ def profile(
             runs.append(_layer_runs(module, leaves))
         measurements = [
             LayerMeasurement(layer, fwd_s, bwd_s, samples=1 / per_batch)
-            for layer, (fwd_s, bwd_s) in zip(layer_graph.layers, _time_layers(runs, repeats))
+            for layer, (fwd_s, bwd_s) in zip(layer_graph.layers, _time_layers(runs, repeats, sync))
         ]
     finally:
         torch.set_num_threads(saved_threads)

@@ -243,7 +243,19 @@ PLAN = ["plan", "--model", "demo", "--cluster", "h100x8", "--tp", "1", "--pp", "
 
 CASES = {
     # ---- CLI -----------------------------------------------------------------------------------
-    "cli-unknown-command": Case("CLI", "unknown subcommand", cli("train"), "invalid choice: 'train'"),
+    "cli-unknown-command": Case("CLI", "unknown subcommand", cli("fly"), "invalid choice: 'fly'"),
+    "cli-train-plan-missing": Case(
+        "CLI",
+        "train with a plan file that does not exist",
+        cli("train", "--plan", "{tmp}/nope.json"),
+        "nope.json",
+    ),
+    "cli-train-plan-not-json": Case(
+        "CLI", "train with a plan file that is not JSON", cli("train", "--plan", __file__), "is not JSON"
+    ),
+    "cli-train-steps-0": Case(
+        "CLI", "train --steps 0", cli("train", "--plan", "p.json", "--steps", "0"), "--steps: 0 is not >= 1"
+    ),
     "cli-unknown-model": Case(
         "CLI", "unknown zoo model", cli("annotate", "--model", "gpt-9"), "unknown model 'gpt-9'"
     ),
@@ -552,6 +564,54 @@ CASES = {
 }
 
 ELSEWHERE = {
+    "train-more-ranks-than-torchrun": (
+        "train",
+        "a plan for more ranks than torchrun started",
+        "tests/test_train_job.py::test_a_plan_for_more_ranks_than_torchrun_started_is_refused",
+        "vlmcompile: rank 0: error: the plan in plan.json runs on 4 ranks; torchrun started 2",
+    ),
+    "train-cuda-plan-without-cuda": (
+        "train",
+        "a plan made for GPUs on a machine without CUDA",
+        "tests/test_train_job.py::test_a_cuda_plan_without_cuda_is_refused_and_runs_on_cpu_when_asked",
+        "made for h100x2 and asks for CUDA, but this machine has none; run it on CPU ranks with --device cpu",
+    ),
+    "train-rank-killed": (
+        "train",
+        "a torchrun worker killed mid-run",
+        "tests/test_train_job.py::test_a_rank_killed_mid_run_ends_the_job_within_the_timeout_naming_it",
+        "(torchrun ends the job and names it) rank: 1 ... Signal 9 (SIGKILL)",
+    ),
+    "train-checkpoint-other-model": (
+        "train",
+        "resuming from a checkpoint of another model",
+        "tests/runtime/test_trainer.py::test_a_checkpoint_of_another_model_names_the_parameters_that_differ",
+        "the checkpoint ... is not of this model: N parameters missing from it (the first five named)",
+    ),
+    "train-latest-pointer-broken": (
+        "train",
+        "a checkpoint directory whose latest pointer names no complete checkpoint",
+        "tests/runtime/test_trainer.py::test_a_broken_latest_pointer_is_refused",
+        "latest names .../step_000003, which is not a complete checkpoint; remove .../latest",
+    ),
+    "train-data-shapes": (
+        "train",
+        "data whose global batches do not match the compiled shapes",
+        "tests/runtime/test_trainer.py::test_data_whose_batches_do_not_match_the_compiled_shapes_is_refused_before_ranks_start",
+        "batch['pixel_values'] is [8, 1, 3, 16, 16] torch.float32; the pipeline expects [4, 1, 3, 16, 16]",
+    ),
+    "train-data-later-batch": (
+        "train",
+        "a later global batch of other shapes",
+        "tests/runtime/test_trainer.py::test_a_later_batch_of_other_shapes_names_its_step",
+        "the data's global batch for step 2: batch['pixel_values'] is [2, ...",
+    ),
+    "train-options": (
+        "train",
+        "training options out of range (steps 0, warm-up beyond the steps, resume without a directory)",
+        "tests/runtime/test_trainer.py::test_bad_training_options_are_named",
+        "warmup_steps=5 must be between 0 and steps=3",
+    ),
     "cli-flags-ignored": (
         "CLI",
         "flags a plan command does not read (--tp with --search, --first-stage-layers with omnibal)",

@@ -155,3 +155,39 @@ def test_a_later_batch_of_other_shapes_names_its_step():
     batches = [SyntheticBatches("tiny", 4)(0), SyntheticBatches("tiny", 2)(1)]
     with pytest.raises(Exception, match=r"global batch for step 2: batch\['pixel_values'\] is \[2, "):
         pipe.train(iter(batches), TrainConfig(steps=2), plan=plan, timeout_s=60)
+
+
+def _bf16_step(runner, batch):
+    from vlmcompile.runtime.training import one_step
+
+    out = one_step(runner, batch)
+    dtypes = {str(p.dtype) for p in runner.parameters()} | {
+        str(g.dtype) for g in out["grads"].values() if g is not None
+    }
+    return {**out, "dtypes": dtypes}
+
+
+def test_bf16_autocast_keeps_fp32_weights_and_gradients_and_matches_eager_autocast():
+    from vlmcompile.runtime.launch import launch
+
+    model, pipe, plan = _setup("tiny", pp=2, dp=2)
+    batch = SyntheticBatches("tiny", 4)(0)
+    runner = pipe.runner(plan, timeout_s=60)
+    runner.autocast_dtype = torch.bfloat16
+    results = launch(_bf16_step, runner, 4, args=(batch,), timeout_s=60)
+    eager = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = eager(**batch)
+    loss.backward()
+    fp32 = copy.deepcopy(model)
+    fp32(**batch).backward()
+    grads = dict(eager.named_parameters())
+    for result in results:
+        assert result["dtypes"] == {"torch.float32"}
+        torch.testing.assert_close(result["loss"], loss.detach().float(), rtol=1e-3, atol=1e-3)
+        for name, g in result["grads"].items():
+            torch.testing.assert_close(
+                g, grads[name].grad, rtol=2e-2, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    # bf16 compute is what ran: the loss differs from fp32 eager's by more than fp32 noise.
+    assert abs(float(results[0]["loss"]) - float(fp32(**batch))) > 1e-5

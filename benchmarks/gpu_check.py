@@ -1,0 +1,200 @@
+"""GPU check: the demo model's plans trained on CUDA with NCCL against eager training, and the
+GPU cost model calibrated to measured layer times.
+
+    python benchmarks/gpu_check.py [--steps 5] [--device cuda|cpu]
+
+On a machine with CUDA it
+
+1. plans the demo VLM for 1 GPU (PP 1) and, with N >= 2 GPUs, for N (PP N), writes the plans as
+   JSON and trains each with ``torchrun --nproc-per-node N -m vlmcompile train`` (NCCL, ordered
+   transfers, fp32 so the comparison is exact up to kernel order), then trains the same model on
+   the same batches eagerly on one GPU with the same AdamW, schedule and clip, and compares the
+   losses (``torch.testing.assert_close``);
+2. trains the 1-GPU plan once more in bf16 autocast (the plan's precision) and reports the loss
+   gap to fp32 and the peak memory;
+3. times every layer of the demo in bf16 on the GPU (the profile pass) and fits the device's
+   efficiencies (``cost_models/calibrate.py``), printing the fit and its error.
+
+The figures go to ``benchmarks/results/gpu_check_<device>.json`` with the device named.
+``--device cpu`` runs the same steps on CPU ranks over gloo: a dry run of this script on a
+machine without a GPU (what the test suite and CI can do), not a GPU measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vlmcompile import compile, models
+from vlmcompile.cost_models.calibrate import calibrate
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.models.data import SyntheticBatches
+from vlmcompile.passes.profile import profile
+from vlmcompile.runtime.trainer import TrainConfig
+
+MODEL = "demo"
+GLOBAL_BATCH = 8
+RESULTS = Path(__file__).parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=5, help="training steps per check (default 5)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out", help="result JSON (default benchmarks/results/gpu_check_<device>.json)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: this machine has no CUDA device; nothing measured (--device cpu for a dry run)")
+        return 2
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 2
+    name = (
+        torch.cuda.get_device_name(0)
+        if args.device == "cuda"
+        else f"CPU ({platform.processor() or 'unknown'})"
+    )
+    cluster_of = _cluster_family(name) if args.device == "cuda" else "cpu:"
+    print(f"gpu_check on {name} ({gpus} {'GPUs' if args.device == 'cuda' else 'CPU ranks'})", flush=True)
+    config = TrainConfig(steps=args.steps, lr=1e-4, warmup_steps=1, max_grad_norm=1.0)
+    eager = eager_losses(args.device, config)
+    result: dict = {
+        "device": name,
+        "backend": "nccl" if args.device == "cuda" else "gloo",
+        "torch": torch.__version__,
+        "model": MODEL,
+        "global_batch": GLOBAL_BATCH,
+        "eager_losses_fp32": eager,
+        "runs": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sorted({1, gpus} if gpus >= 2 else {1}):
+            cluster = f"{cluster_of}{n}" if args.device == "cpu" else f"{cluster_of}x{n}"
+            plan = _plan_file(Path(tmp), cluster, pp=n)
+            for precision in ("fp32", "bf16") if n == 1 else ("fp32",):
+                run = _torchrun(n, plan, args, precision, Path(tmp))
+                run["cluster"], run["precision"] = cluster, precision
+                if precision == "fp32":
+                    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(eager))
+                    run["equals_eager"] = True
+                run["max_abs_loss_diff_to_eager_fp32"] = max(abs(a - b) for a, b in zip(run["losses"], eager))
+                print(f"  {cluster} {precision}: {run['summary']}", flush=True)
+                result["runs"].append(run)
+    result["calibration"] = calibrate_layers(args.device, cluster_of)
+    print(f"  {result['calibration']['summary']}")
+    out = Path(args.out) if args.out else RESULTS / f"gpu_check_{_slug(name)}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"written to {out}")
+    return 0
+
+
+def eager_losses(device: str, config: TrainConfig) -> list[float]:
+    """The demo trained eagerly on one device, as the train command's ranks build it (seed 0)."""
+    model = models.build(MODEL, seed=0).to(device)
+    data = SyntheticBatches(MODEL, GLOBAL_BATCH)
+    optimizer = config.adamw(list(model.parameters()))
+    scheduler = config.scheduler(optimizer)
+    losses = []
+    for step in range(config.steps):
+        batch = {k: v.to(device) for k, v in data(step).items()}
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def calibrate_layers(device: str, cluster_of: str) -> dict:
+    """Time the demo's layers in bf16 on ``device`` and fit the device's efficiencies."""
+    dtype = torch.bfloat16
+    model = models.build(MODEL, seed=0, dtype=dtype)
+    batch = models.sample_batch(MODEL, batch_size=1, dtype=dtype)
+    pipe = compile(model, batch, model_name=MODEL, log=None)
+    pipe.gm.to(device)
+    microbatch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    spec = Cluster.preset(f"{cluster_of}1" if cluster_of == "cpu:" else f"{cluster_of}x1").device
+    measured = profile(pipe.gm, pipe.layer_graph, microbatch, device_name=spec.name, repeats=10)
+    report = calibrate(spec, measured.report.measurements)
+    e = report.device.efficiency
+    return {
+        "device_spec": spec.name,
+        "layers": len(measured.report.measurements),
+        "fitted_efficiency": {"matmul": e.matmul, "attention": e.attention, "memory": e.memory},
+        "prior_efficiency": {
+            "matmul": report.prior.matmul,
+            "attention": report.prior.attention,
+            "memory": report.prior.memory,
+        },
+        "median_abs_error_after_fit": report.median_abs_error,
+        "layer_times_s": [
+            {"layer": m.layer.name, "fwd_s": m.fwd_s, "bwd_s": m.bwd_s} for m in measured.report.measurements
+        ],
+        "summary": str(report),
+    }
+
+
+def _plan_file(tmp: Path, cluster: str, pp: int) -> str:
+    path = tmp / f"plan_{cluster.replace(':', '')}.json"
+    command = [sys.executable, "-m", "vlmcompile", "plan", "--model", MODEL, "--cluster", cluster]
+    command += ["--tp", "1", "--pp", str(pp), "--global-batch", str(GLOBAL_BATCH), "--json", str(path)]
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    return str(path)
+
+
+def _torchrun(n: int, plan: str, args, precision: str, tmp: Path) -> dict:
+    log = tmp / f"steps_{n}_{precision}.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+    command += ["-m", "vlmcompile", "train", "--plan", plan, "--steps", str(args.steps), "--lr", "1e-4"]
+    command += [
+        "--warmup-steps",
+        "1",
+        "--precision",
+        precision,
+        "--device",
+        args.device,
+        "--log-jsonl",
+        str(log),
+    ]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise SystemExit(f"gpu_check: {' '.join(command)} failed:\n{done.stderr[-4000:]}")
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    timed = [s["step_s"] for s in steps[1:]] or [steps[0]["step_s"]]
+    return {
+        "ranks": n,
+        "losses": [s["loss"] for s in steps],
+        "median_step_s_after_first": statistics.median(timed),
+        "mfu_last": steps[-1]["mfu"],
+        "wall_s": time.perf_counter() - start,
+        "summary": done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "",
+    }
+
+
+def _cluster_family(device_name: str) -> str:
+    for family in ("h200", "h100", "a100", "v100"):
+        if family in device_name.lower():
+            return family
+    print(f"  (no preset for {device_name!r}: the H100 spec is the calibration's prior)")
+    return "h100"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
