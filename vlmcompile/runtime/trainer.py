@@ -19,9 +19,8 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -291,8 +290,3 @@ class _StepLog:
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
-
-
-def write_metrics(path: str | Path, steps: Sequence[StepMetrics]) -> None:
-    """All steps' metrics as JSON lines (what ``log_jsonl`` writes as the run goes)."""
-    Path(path).write_text("".join(json.dumps(asdict(m)) + "\n" for m in steps))
