@@ -264,6 +264,10 @@ class PipelineRunner:
         it sends (a replicated stage sends to, and receives from, several ranks)."""
         self._flat: dict[int, torch.Tensor] = {}
         """Per gradient reduction (by its group's id): its flat buffer."""
+        if backend == "nccl":
+            # NCCL leaves batched p2p undefined when it is a group's first operation and not every
+            # member takes part: one collective over all ranks first.
+            self._wait(dist.barrier(async_op=True), "the barrier that opens NCCL's communicator")
         self._ready = True
 
     def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:

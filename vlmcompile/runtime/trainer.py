@@ -200,6 +200,8 @@ def train_on_rank(
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)  # the update's kernels are part of the step
         step_s = time.perf_counter() - began
         metrics = StepMetrics(
             step=step + 1,
