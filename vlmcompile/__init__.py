@@ -29,6 +29,7 @@ _EXPORTS = {
     "CompiledPipeline": "vlmcompile.pipeline",
     "CompileReport": "vlmcompile.pipeline",
     "TrainConfig": "vlmcompile.runtime.trainer",
+    "GlobalBatches": "vlmcompile.runtime.data",
     "train": "vlmcompile.pipeline",
     "load_checkpoint": "vlmcompile.runtime.checkpoint",
 }
@@ -54,6 +55,7 @@ __all__ = [
     "CaptureError",
     "Cluster",
     "ClusterError",
+    "GlobalBatches",
     "Plan",
     "PlanError",
     "CompileReport",

@@ -284,7 +284,21 @@ def make_runner(pipe: CompiledPipeline, plan: Plan, *, timeout_s: float = 60.0) 
         sample_rows=rows,
         specialized=made.gm.meta.get(SPECIALIZED_META),
         timeout_s=timeout_s,
+        state_names=state_names(pipe.model) if pipe.model is not None else None,
     )
+
+
+def state_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Name -> every ``state_dict`` name of the same tensor (tied parameters have several; a
+    non-persistent buffer none)."""
+    keys = set(model.state_dict(keep_vars=True))
+    by_tensor: dict[int, list[str]] = {}
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        by_tensor.setdefault(id(t), []).append(name)
+    return {n: tuple(a for a in names if a in keys) for names in by_tensor.values() for n in names}
 
 
 def _check_loss_splits(gm: fx.GraphModule, parallel: Parallel, plan: Plan) -> None:

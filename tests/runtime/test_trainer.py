@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.models import build
+from tests.models import build, needs_transformers
 from tests.pipeline_helpers import even_plan
 from vlmcompile import compile
 from vlmcompile.models.data import SyntheticBatches
@@ -190,4 +190,47 @@ def test_bf16_autocast_keeps_fp32_weights_and_gradients_and_matches_eager_autoca
                 g, grads[name].grad, rtol=2e-2, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}"
             )
     # bf16 compute is what ran: the loss differs from fp32 eager's by more than fp32 noise.
-    assert abs(float(results[0]["loss"]) - float(fp32(**batch))) > 1e-5
+    with torch.no_grad():
+        assert abs(float(results[0]["loss"]) - float(fp32(**batch))) > 1e-5
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny-tied", pytest.param("hf-llava", marks=[needs_transformers, pytest.mark.hf])]
+)
+def test_a_checkpoint_loads_strictly_into_the_original_model(name, tmp_path):
+    """Tied parameters under each of their names, persistent buffers included: the original
+    model's own ``load_state_dict`` (strict) takes the checkpoint."""
+    model, batch = build(name, batch_size=4)
+    pipe = compile(model, batch, log=None)
+    rows = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
+    plan = even_plan(pipe.layer_graph, pp=2, global_batch=rows)
+    ckpt = tmp_path / "ckpt"
+    pipe.train(
+        [batch, batch], TrainConfig(steps=2, checkpoint_dir=str(ckpt), lr=1e-2), plan=plan, timeout_s=60
+    )
+    saved = load_checkpoint(ckpt / "step_000002")
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(saved["model"])  # strict
+    changed = [
+        n for n, p in fresh.named_parameters() if not torch.equal(p, dict(model.named_parameters())[n])
+    ]
+    assert changed, "two AdamW steps should have moved the weights"
+    assert set(saved["model"]) == set(model.state_dict())
+
+
+def test_global_batches_from_a_dataset_train_like_eager_across_epochs():
+    from vlmcompile.runtime.data import GlobalBatches
+
+    model, pipe, plan = _setup("tiny", pp=2, dp=2)
+    samples = [SyntheticBatches("tiny", 1, seed=k)(0) for k in range(10)]
+    data = GlobalBatches(samples, 4, seed=3)
+    assert data.steps_per_epoch == 2
+    assert not set(data.indices(0)) & set(data.indices(1)), "an epoch takes each sample once"
+    assert data.indices(2) != data.indices(0), "each epoch has its own order"
+    config = TrainConfig(steps=5, **CONFIG)
+    result = pipe.train(data, config, plan=plan, timeout_s=60)
+    torch.testing.assert_close(
+        torch.tensor(result.losses), torch.tensor(eager_training(copy.deepcopy(model), data, config))
+    )
+    with pytest.raises(ValueError, match="holds 10 samples, fewer than global_batch=16"):
+        GlobalBatches(samples, 16)

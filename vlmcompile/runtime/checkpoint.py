@@ -1,10 +1,11 @@
 """Checkpoints of a pipelined run, in torch.distributed.checkpoint (DCP) format.
 
 Each rank saves what it holds under the *original* model's names: ``model.<name>`` for its
-parameters, ``optimizer.<name>.<state>`` for their optimizer state, plus the step and the LR
-scheduler's state. DCP writes one file per rank and a metadata file, and keeps one copy of a
-tensor several ranks hold (data-parallel replicas, tied embeddings). Because the names are the
-model's, a checkpoint
+parameters and persistent buffers (a tied parameter under each of its ``state_dict`` names),
+``optimizer.<name>.<state>`` for their optimizer state, plus the step and the LR scheduler's
+state. DCP writes one file per rank and a metadata file, and keeps one copy of what several
+ranks hold under one name (data-parallel replicas). Because the names are the model's, a
+checkpoint
 
 * loads into the original, un-pipelined model: ``model.load_state_dict(load_checkpoint(path)["model"])``;
 * resumes under any plan of the same model (other cuts, degrees or schedule): each rank reads
@@ -174,16 +175,17 @@ def _tensor_entries(path: str | Path) -> dict[str, TensorStorageMetadata]:
     return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def _named(runner) -> dict[str, torch.nn.Parameter]:
-    return runner.named_parameters()
+def _named(runner) -> dict[str, torch.Tensor]:
+    return runner.named_state()
 
 
 def _canonical_names(runner) -> dict[int, str]:
     """id(parameter) -> the one original name its optimizer state is saved under (a tied
-    parameter has several; the first in sorted order, on every rank that holds it)."""
+    parameter has several: the first in sorted order, the same on every rank that holds it)."""
     out: dict[int, str] = {}
     for name, p in sorted(_named(runner).items()):
-        out.setdefault(id(p), name)
+        if isinstance(p, torch.nn.Parameter):
+            out.setdefault(id(p), name)
     return out
 
 

@@ -181,6 +181,7 @@ class PipelineRunner:
         device: torch.device | str | None = None,
         autocast_dtype: torch.dtype | None = None,
         transfers: str = "auto",
+        state_names: Mapping[str, tuple[str, ...]] | None = None,
     ):
         if transfers not in ("auto", "tagged", "ordered"):
             raise ValueError(f"transfers={transfers!r}; give 'auto', 'tagged' or 'ordered'")
@@ -209,6 +210,10 @@ class PipelineRunner:
         posted a few actions ahead), ``ordered`` (NCCL: every transfer between two ranks issued in
         one order both follow, :mod:`vlmcompile.runtime.transfers`, in batched isend/irecv
         groups); ``auto``: tagged on gloo, ordered otherwise."""
+        self.state_names = dict(state_names) if state_names is not None else None
+        """Original name -> every name the original model's ``state_dict`` gives that tensor (tied
+        parameters have several; non-persistent buffers none); None: parameters under their
+        captured names only."""
         self._ready = False
 
     # ---- set-up --------------------------------------------------------------------------
@@ -322,6 +327,24 @@ class PipelineRunner:
             for name, orig in stage.original_names().items():
                 if name in own:
                     out[orig] = own[name]
+        return out
+
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """This rank's share of the original model's ``state_dict``: its parameters and persistent
+        buffers under every name the original gives them (what a checkpoint holds)."""
+        self.setup()
+        out: dict[str, torch.Tensor] = {}
+        for stage in self.stages.values():
+            own = {**dict(stage.named_parameters()), **dict(stage.named_buffers())}
+            for name, orig in stage.original_names().items():
+                if name not in own:
+                    continue
+                if self.state_names is None:
+                    if isinstance(own[name], torch.nn.Parameter):
+                        out[orig] = own[name]
+                    continue
+                for alias in self.state_names.get(orig, ()):
+                    out[alias] = own[name]
         return out
 
     # ---- one training step -----------------------------------------------------------------
