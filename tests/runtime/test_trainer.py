@@ -5,6 +5,8 @@ original model."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import json
 
 import pytest
@@ -234,3 +236,44 @@ def test_global_batches_from_a_dataset_train_like_eager_across_epochs():
     )
     with pytest.raises(ValueError, match="holds 10 samples, fewer than global_batch=16"):
         GlobalBatches(samples, 16)
+
+
+def test_any_torch_optimizer_trains_like_eager_and_resumes_with_its_own_state(tmp_path):
+    """SGD with momentum (state: momentum_buffer) instead of AdamW, a constant LR: equal to eager,
+    and a run resumed from step 3 continues with the uninterrupted run's losses."""
+    model, pipe, plan = _setup("tiny", pp=2)
+    data = SyntheticBatches("tiny", 4)
+    sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    config = TrainConfig(steps=6, decay="constant", max_grad_norm=None)
+    ckpt = str(tmp_path / "ckpt")
+    whole = pipe.train(
+        data,
+        dataclasses.replace(config, checkpoint_dir=ckpt, checkpoint_every=3),
+        plan=plan,
+        optimizer=sgd,
+        timeout_s=60,
+    )
+    eager = copy.deepcopy(model)
+    opt = sgd(eager.parameters())
+    expected = []
+    for step in range(6):
+        opt.zero_grad(set_to_none=True)
+        loss = eager(**data(step))
+        loss.backward()
+        opt.step()
+        expected.append(float(loss.detach()))
+    torch.testing.assert_close(torch.tensor(whole.losses), torch.tensor(expected))
+    (tmp_path / "ckpt" / "latest").write_text("step_000003\n")
+    resumed = pipe.train(
+        data,
+        dataclasses.replace(config, checkpoint_dir=ckpt, resume=True),
+        plan=plan,
+        optimizer=sgd,
+        timeout_s=60,
+    )
+    assert resumed.resumed_from == 3
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(expected[3:]))
+    states = load_checkpoint(tmp_path / "ckpt" / "step_000003")["optimizer"]
+    assert states and all(set(s) == {"momentum_buffer"} for s in states.values()), (
+        "the optimizer's own state is saved"
+    )
