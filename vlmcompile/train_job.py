@@ -88,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
             f"(torchrun --nproc-per-node {world} ...), or plan for {started}: vlmcompile plan ... --json FILE"
         )
     device = _device(args.device, plan)
+    if device == "cuda" and not torchrun:
+        raise ArgumentError(
+            f"the local launcher starts CPU ranks over gloo; on GPUs start one rank per GPU with torchrun: "
+            f"torchrun --nproc-per-node {world} -m vlmcompile train --plan {args.plan} ..."
+        )
     autocast = _autocast(args.precision, plan, device)
     if torchrun:
         _join_process_group(device, args.timeout)
