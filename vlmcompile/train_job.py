@@ -99,11 +99,14 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
         result = _train(args, plan, device, autocast)
-    finally:
+    except BaseException:
         if torchrun:
-            import torch.distributed as dist
+            _abort_process_group()
+        raise
+    if torchrun:
+        import torch.distributed as dist
 
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     if rank == 0:
         print(result)
     return 0
@@ -158,10 +161,23 @@ def _autocast(choice: str, plan, device: str):
     return _PRECISIONS[choice]
 
 
+def _abort_process_group() -> None:
+    """After an error: abort, not destroy (NCCL's destroy waits for every operation in flight,
+    and a receive posted ahead may never complete); the error itself is what the user sees."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        distributed_c10d._abort_process_group()
+    except Exception:  # noqa: BLE001 - the error being raised matters more than the clean-up's
+        pass
+
+
 def _join_process_group(device: str, timeout_s: float) -> None:
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=timeout_s)
+    # NCCL's watchdog times operations from when they were issued and ends the process at this
+    # timeout: room past the runner's, so the runner's own wait names the peer it lost.
+    timeout = datetime.timedelta(seconds=2 * timeout_s + 30)
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
         if local >= torch.cuda.device_count():

@@ -18,6 +18,7 @@ Layout: ``<dir>/step_000010/`` per save, and ``<dir>/latest`` naming the newest 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,20 @@ def save(directory: str | Path, step: int, runner, optimizer, scheduler) -> str:
     # A run resumed from an earlier step writes its later steps again.
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
     runner._wait(dist.barrier(async_op=True), "the barrier after saving a checkpoint")
-    if dist.get_rank() == 0:
-        (Path(directory) / LATEST).write_text(path.name + "\n")
+    if dist.get_rank() == 0:  # written whole or not at all: a crash never leaves half a name
+        pointer = Path(directory) / LATEST
+        partial = pointer.with_suffix(".partial")
+        partial.write_text(path.name + "\n")
+        os.replace(partial, pointer)
     return str(path)
+
+
+def latest_on_every_rank(directory: str | Path | None) -> str | None:
+    """:func:`latest` as rank 0 sees it, on every rank: ranks reading the pointer each on their
+    own could disagree (a file system's caches), and then only some would load."""
+    found = [latest(directory) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 def latest(directory: str | Path | None) -> str | None:
@@ -69,20 +81,20 @@ def latest(directory: str | Path | None) -> str | None:
 def load(path: str | Path, runner, optimizer, scheduler) -> int:
     """Load this rank's share of the checkpoint at ``path`` into the runner's parameters, the
     optimizer and the scheduler (every rank calls it); returns the checkpoint's step."""
-    stored = _tensor_entries(path)
+    stored, paths = _entries(path)
     params = _named(runner)
     check_fits(stored, {f"model.{n}": (tuple(p.shape), p.dtype) for n, p in params.items()}, path)
     state: dict[str, Any] = {"model": {n: p.detach() for n, p in params.items()}, "optimizer": {}}
     names = _canonical_names(runner)
+    optimizer_entries: dict[str, dict[str, Any]] = {}
+    for key, meta in stored.items():
+        if paths[key][0] == "optimizer" and len(paths[key]) == 3:
+            optimizer_entries.setdefault(paths[key][1], {})[paths[key][2]] = meta
     for p in _optimizer_params(optimizer):
         name = names[id(p)]
-        prefix = f"optimizer.{name}."
-        entries = {k[len(prefix) :]: meta for k, meta in stored.items() if k.startswith(prefix)}
         state["optimizer"][name] = {
-            key: torch.empty(
-                meta.size, dtype=meta.properties.dtype, device="cpu" if key == "step" else p.device
-            )
-            for key, meta in entries.items()
+            key: _placeholder(meta, "cpu" if key == "step" else p.device)
+            for key, meta in optimizer_entries.get(name, {}).items()
         }
     state["trainer"] = {"step": 0, "scheduler": ""}
     dcp.load(state, checkpoint_id=str(path))
@@ -116,11 +128,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         *parents, leaf = metadata.planner_data[key]
         for part in parents:
             where = where.setdefault(part, {})
-        where[leaf] = (
-            torch.empty(meta.size, dtype=meta.properties.dtype)
-            if isinstance(meta, TensorStorageMetadata)
-            else None
-        )
+        where[leaf] = _placeholder(meta, "cpu")
     dcp.load(nested, checkpoint_id=str(path), no_dist=True)
     return {
         "model": nested.get("model", {}),
@@ -129,13 +137,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     }
 
 
-def check_fits(stored: dict[str, TensorStorageMetadata], expected: dict[str, tuple], path) -> None:
+def check_fits(stored: dict[str, Any], expected: dict[str, tuple], path) -> None:
     """Refuse a checkpoint that lacks a parameter this rank holds or has it in another shape."""
     missing = sorted(k for k in expected if k not in stored)
     shapes = sorted(
         f"{k[len('model.') :]} (checkpoint {list(stored[k].size)}, model {list(shape)})"
         for k, (shape, _) in expected.items()
-        if k in stored and tuple(stored[k].size) != shape
+        if isinstance(stored.get(k), TensorStorageMetadata) and tuple(stored[k].size) != shape
     )
     if not missing and not shapes:
         return
@@ -168,11 +176,20 @@ def _scheduler_json(scheduler) -> str:
         ) from None
 
 
-def _tensor_entries(path: str | Path) -> dict[str, TensorStorageMetadata]:
+def _entries(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """Every stored entry's metadata (tensors, and the Python values an optimizer may keep) and
+    its path in the saved state (``("optimizer", name, key)``)."""
     if not (Path(path) / ".metadata").is_file():
         raise CheckpointError(f"{path} is not a checkpoint (no .metadata): give a step_NNNNNN directory")
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    return dict(metadata.state_dict_metadata), dict(metadata.planner_data)
+
+
+def _placeholder(meta, device) -> torch.Tensor | None:
+    """What DCP loads an entry into: a tensor of its shape, or None for a Python value."""
+    if isinstance(meta, TensorStorageMetadata):
+        return torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
+    return None
 
 
 def _named(runner) -> dict[str, torch.Tensor]:

@@ -154,7 +154,7 @@ class _StepState:
     """Posted sends, waited for at the end of the step."""
     posted: dict[Action, tuple[list[torch.Tensor], list[tuple[Any, str, int]]]] = field(default_factory=dict)
     """Action -> the buffers and receives posted ahead for its input from another rank."""
-    outbox: dict[Transfer, list[torch.Tensor]] = field(default_factory=dict)
+    outbox: dict[Transfer, tuple[torch.Tensor | None, list[torch.Tensor]]] = field(default_factory=dict)
     """Ordered transfers: values produced, not yet issued (a receive before them is not posted)."""
     inbox: dict[Transfer, tuple[list[torch.Tensor], list[Any]]] = field(default_factory=dict)
     """Ordered transfers: buffers and works of the receives issued."""
@@ -245,7 +245,14 @@ class PipelineRunner:
             )
         if backend == "gloo":
             keep_freed_memory()
+        if backend != "gloo" and self.transfers == "tagged":
+            raise PlanError(f"transfers='tagged' needs gloo: {backend} ignores tags; use 'ordered' or 'auto'")
         self.ordered = self.transfers == "ordered" or (self.transfers == "auto" and backend != "gloo")
+        # NCCL's watchdog times every operation from when it was issued, and tears the process
+        # down at the group's timeout: give it room past ours, so our wait names the lost peer.
+        self._group_timeout = (
+            self.timeout if backend == "gloo" else datetime.timedelta(seconds=2 * self.timeout_s + 30)
+        )
         self.rank = dist.get_rank()
         self.pp_rank, self.dp_rank, _ = self.parallel.coords(self.rank)
         self.rank_of_action = self.plan.rank_of_action()
@@ -260,13 +267,15 @@ class PipelineRunner:
         self.dp_group = None
         for pp_rank in range(t.pp):  # every rank creates every group, in the same order
             ranks = [t.global_rank(pp_rank, d) for d in range(t.dp)]
-            group = dist.new_group(ranks, timeout=self.timeout) if t.dp > 1 else None
+            group = dist.new_group(ranks, timeout=self._group_timeout) if t.dp > 1 else None
             if pp_rank == self.pp_rank:
                 self.dp_group, self.dp_ranks = group, ranks
         self.tied = self._tied_groups()
-        self._meta: dict[tuple[int, int], list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
-        """Per (sending stage, peer pipeline rank): (shape, dtype, is a Python number) of each value
-        it sends (a replicated stage sends to, and receives from, several ranks)."""
+        self._pair_groups = self._make_pair_groups() if self.ordered else {}
+        self._meta: dict[tuple[int, int, int], list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
+        """Per (sending stage, sending pipeline rank, receiving pipeline rank): (shape, dtype, is a
+        Python number) of each value sent (a replicated stage sends to, and receives from, several
+        ranks, and may do both with one peer)."""
         self._flat: dict[int, torch.Tensor] = {}
         """Per gradient reduction (by its group's id): its flat buffer."""
         if backend == "nccl":
@@ -293,12 +302,31 @@ class PipelineRunner:
         for pp_ranks in sets:
             for d in range(t.dp):
                 ranks = [t.global_rank(r, d) for r in pp_ranks]
-                group = dist.new_group(ranks, timeout=self.timeout)
+                group = dist.new_group(ranks, timeout=self._group_timeout)
                 if self.pp_rank in pp_ranks and d == self.dp_rank:
                     params = [
                         by_id[i][self.pp_rank] for i, r in holders.items() if tuple(sorted(r)) == pp_ranks
                     ]
                     out.append((group, params))
+        return out
+
+    def _make_pair_groups(self) -> dict[int, Any]:
+        """A process group per pair of pipeline ranks that exchange values (per data-parallel
+        replica): NCCL puts the batched p2p of one communicator on one stream, so a receive
+        posted ahead from one peer would hold up a send to another; a communicator per pair
+        keeps each pair's stream to the pair's own order (:mod:`vlmcompile.runtime.transfers`)."""
+        t = self.parallel
+        pairs = sorted(
+            {tuple(sorted((r, peer))) for r, peers in transfer_order(self.plan).items() for peer in peers}
+        )
+        out = {}
+        for d in range(t.dp):  # every rank creates every group, in the same order
+            for a, b in pairs:
+                group = dist.new_group(
+                    [t.global_rank(a, d), t.global_rank(b, d)], timeout=self._group_timeout
+                )
+                if d == self.dp_rank and self.pp_rank in (a, b):
+                    out[b if a == self.pp_rank else a] = group
         return out
 
     # ---- what the user's optimizer sees ----------------------------------------------------
@@ -430,7 +458,7 @@ class PipelineRunner:
         elif self.ordered:
             sender = self._rank_running(s - 1, ActionKind.F, i)
             buffers = self._receive(Transfer(ActionKind.F, s - 1, i, sender, self.pp_rank), state)
-            meta = self._meta[(s - 1, sender)]
+            meta = self._meta[(s - 1, sender, self.pp_rank)]
             received = tuple(b.item() if flag else b for b, (_, _, flag) in zip(buffers, meta))
         else:
             received = self._recv_activations(s, i, state)
@@ -482,7 +510,7 @@ class PipelineRunner:
         if prev == self.pp_rank:
             state.local_bwd[(s - 1, i)] = input_grads
         elif self.ordered:
-            self._offer(Transfer(ActionKind.B, s, i, self.pp_rank, prev), list(input_grads), state)
+            self._offer(Transfer(ActionKind.B, s, i, self.pp_rank, prev), list(input_grads), state, None)
         else:
             state.sends += self._send(input_grads, prev, s, "B", i, f"{action}'s input gradients")
 
@@ -549,8 +577,10 @@ class PipelineRunner:
         works = []
         peer_pp = self._rank_running(s + 1, ActionKind.F, i)
         header = None
-        if (s, peer_pp) not in self._meta:
-            self._meta[(s, peer_pp)] = [(tuple(x.shape), x.dtype, flag) for x, flag in zip(out, scalar)]
+        if (s, self.pp_rank, peer_pp) not in self._meta:
+            self._meta[(s, self.pp_rank, peer_pp)] = [
+                (tuple(x.shape), x.dtype, flag) for x, flag in zip(out, scalar)
+            ]
             values = [len(out)] + [
                 v
                 for x, flag in zip(out, scalar)
@@ -565,8 +595,7 @@ class PipelineRunner:
                 values += [0] * (_ORDERED_HEADER - len(values))
             header = torch.tensor(values, dtype=torch.int64, device=self.device)
         if self.ordered:
-            payload = ([header] if header is not None else []) + list(out)
-            self._offer(Transfer(ActionKind.F, s, i, self.pp_rank, peer_pp), payload, state)
+            self._offer(Transfer(ActionKind.F, s, i, self.pp_rank, peer_pp), list(out), state, header)
             return []
         if header is not None:
             size = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
@@ -623,7 +652,7 @@ class PipelineRunner:
             if s == 0:
                 return None
             sender = self._rank_running(s - 1, ActionKind.F, i)
-            meta = self._meta.get((s - 1, sender))
+            meta = self._meta.get((s - 1, sender, self.pp_rank))
             if sender == self.pp_rank or meta is None:
                 return None
             buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta]
@@ -654,15 +683,18 @@ class PipelineRunner:
     def _recv_activations(self, s: int, i: int, state: _StepState) -> tuple:
         prev = s - 1
         sender = self._rank_running(prev, ActionKind.F, i)
-        if (prev, sender) not in self._meta:
+        if (prev, sender, self.pp_rank) not in self._meta:
             size = torch.zeros(1, dtype=torch.int64, device=self.device)
             what = f"stage {prev}'s activation shapes"
             self._recv((size,), sender, prev, "F", 0, what, _HEADER)
             header = torch.zeros(int(size), dtype=torch.int64, device=self.device)
             self._recv((header,), sender, prev, "F", 0, what, _HEADER + 1)
-            self._meta[(prev, sender)] = _parse_header(header)
+            self._meta[(prev, sender, self.pp_rank)] = _parse_header(header)
         buffers = self._take_input(Action(s, ActionKind.F, i), state)
-        return tuple(b.item() if flag else b for b, (_, _, flag) in zip(buffers, self._meta[(prev, sender)]))
+        return tuple(
+            b.item() if flag else b
+            for b, (_, _, flag) in zip(buffers, self._meta[(prev, sender, self.pp_rank)])
+        )
 
     def _recv_grads(self, s: int, i: int, state: _StepState) -> tuple:
         if self.ordered:
@@ -671,9 +703,12 @@ class PipelineRunner:
         return tuple(self._take_input(Action(s, ActionKind.B, i), state))
 
     # ---- ordered transfers (NCCL) -----------------------------------------------------------
-    def _offer(self, transfer: Transfer, payload: list[torch.Tensor], state: _StepState) -> None:
-        """A value produced for another rank: issued now, after whatever comes before it between us."""
-        state.outbox[transfer] = [x.detach().contiguous() for x in payload]
+    def _offer(
+        self, transfer: Transfer, payload: list[torch.Tensor], state: _StepState, header: torch.Tensor | None
+    ) -> None:
+        """A value produced for another rank (with its shape header the first time): issued now,
+        after whatever comes before it between us."""
+        state.outbox[transfer] = (header, [x.detach().contiguous() for x in payload])
         self._advance(transfer.dst, state, until=transfer)
 
     def _receive(self, transfer: Transfer, state: _StepState) -> list[torch.Tensor]:
@@ -689,65 +724,67 @@ class PipelineRunner:
         """Issue the transfers between this rank and ``peer_pp`` in their order, up to ``until``
         (waiting for a shape header on the way if need be), or without ``until`` as far as they
         can go without waiting: to a value this rank has not produced yet or to activations whose
-        shapes have not arrived. Each run of them goes out as one batched isend/irecv group."""
+        shapes have not arrived. A transfer's tensors go as one batched isend/irecv group (its
+        shape header, when it has one, as a group before them, on both sides alike), and each
+        waits for its own group only."""
         channel = self._channels.get(peer_pp, ())
-        peer = self._peer(peer_pp)
-        batch: list[tuple[Any, Any]] = []  # (P2POp, (the list its work goes to, what it moves))
         k = state.cursor.get(peer_pp, 0)
         while k < len(channel):
             t = channel[k]
             if t.src == self.pp_rank:
-                payload = state.outbox.pop(t, None)
-                if payload is None:
+                if t not in state.outbox:
                     break
-                sent = (state.sends, f"{t} to rank {peer}")
-                batch += [(dist.P2POp(dist.isend, _wire(x), peer), sent) for x in payload]
+                header, payload = state.outbox.pop(t)
+                if header is not None:
+                    self._issue(peer_pp, dist.isend, [header], state.sends, f"{t}'s shapes")
+                self._issue(peer_pp, dist.isend, payload, state.sends, str(t))
             else:
                 buffers = self._receive_buffers(t, state)
                 if buffers is None:  # the activations' shapes come in their header, first
                     if t not in state.headers:
                         header = torch.empty(_ORDERED_HEADER, dtype=torch.int64, device=self.device)
                         state.headers[t] = (header, [])
-                        into = (state.headers[t][1], f"{t}'s shapes from rank {peer}")
-                        batch.append((dist.P2POp(dist.irecv, header, peer), into))
+                        self._issue(peer_pp, dist.irecv, [header], state.headers[t][1], f"{t}'s shapes")
                     if until is None:
                         break
-                    self._issue(batch, peer)
-                    batch = []
                     header, works = state.headers.pop(t)
-                    for work, what, _ in works:
+                    for work, what, peer in works:
                         self._wait(work, what, peer)
-                    self._meta[(t.stage, t.src)] = _parse_header(header)
+                    self._meta[(t.stage, t.src, t.dst)] = _parse_header(header)
                     buffers = self._receive_buffers(t, state)
                 state.inbox[t] = (buffers, [])
-                got = (state.inbox[t][1], f"{t} from rank {peer}")
-                batch += [(dist.P2POp(dist.irecv, _wire(b), peer), got) for b in buffers]
+                self._issue(peer_pp, dist.irecv, buffers, state.inbox[t][1], str(t))
             k += 1
             state.cursor[peer_pp] = k
             if t == until:
                 break
-        self._issue(batch, peer)
 
     def _receive_buffers(self, t: Transfer, state: _StepState) -> list[torch.Tensor] | None:
         if t.kind is ActionKind.F:
-            meta = self._meta.get((t.stage, t.src))
+            meta = self._meta.get((t.stage, t.src, t.dst))
             if meta is None:
                 return None
             return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta]
         saved = state.saved[(t.stage - 1, t.microbatch)]  # its forward ran: see transfers.py
         return [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in _floats(saved[1])]
 
-    def _issue(self, batch: list[tuple[Any, Any]], peer: int) -> None:
-        if not batch:
+    def _issue(self, peer_pp: int, op, tensors: list[torch.Tensor], into: list, what: str) -> None:
+        """One batched group of ``op`` (isend or irecv) of ``tensors`` with ``peer_pp``, on the
+        pair's own process group; its work goes to ``into``."""
+        if not tensors:
             return
+        peer = self._peer(peer_pp)
+        group = self._pair_groups[peer_pp]
+        direction = "to" if op is dist.isend else "from"
         try:
-            works = dist.batch_isend_irecv([op for op, _ in batch])
+            works = dist.batch_isend_irecv([dist.P2POp(op, _wire(x), peer, group) for x in tensors])
         except RuntimeError as err:
-            raise self._lost(f"the connection failed exchanging values with rank {peer}", err, peer) from None
-        # NCCL may hand back one work for the whole group: each transfer then waits for it.
-        works = works if len(works) == len(batch) else [works[-1]] * len(batch)
-        for work, (_, (into, what)) in zip(works, batch):
-            into.append((work, what, peer))
+            raise self._lost(
+                f"the connection failed moving {what} {direction} rank {peer}", err, peer
+            ) from None
+        # NCCL hands back one work for the whole group, gloo one per tensor.
+        for work in works:
+            into.append((work, f"{what} {direction} rank {peer}", peer))
 
     def _wait(self, work, what: str, peer: int | None = None) -> None:
         start = time.monotonic()
@@ -829,9 +866,13 @@ def _to_device(microbatch: Mapping[str, Any], device: torch.device) -> dict[str,
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    """What goes over the wire for ``t``: complex tensors as their real view (gloo has no
-    complex types); the receive buffer's real view shares its storage."""
-    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+    """What goes over the wire for ``t``: complex tensors as their real view (gloo has no complex
+    types), int16 as bytes (NCCL has no int16); either view shares the buffer's storage."""
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj())
+    if t.dtype == torch.int16:
+        return t.reshape(-1).view(torch.uint8)
+    return t
 
 
 def _floats(values) -> list[torch.Tensor]:

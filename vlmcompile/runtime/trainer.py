@@ -179,7 +179,7 @@ def train_on_rank(
     sched = (scheduler or config.scheduler)(opt)
     start = 0
     if config.resume:
-        found = checkpoint.latest(config.checkpoint_dir)
+        found = checkpoint.latest_on_every_rank(config.checkpoint_dir)
         if found is not None:
             start = checkpoint.load(found, runner, opt, sched)
     log = _StepLog(runner.rank == 0, config, start)
