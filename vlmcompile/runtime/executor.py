@@ -39,7 +39,7 @@ from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError, VlmCompileError
 from vlmcompile.ir.microbatch import label_weights, take
 from vlmcompile.ir.plan import Parallel, Plan
-from vlmcompile.runtime.stage import StageModule
+from vlmcompile.runtime.stage import StageModule, move_stage
 from vlmcompile.runtime.transfers import Transfer, transfer_order
 
 
@@ -259,7 +259,7 @@ class PipelineRunner:
         self.stages = {s.index: self.stages_all[s.index] for s in self.plan.stages_on(self.pp_rank)}
         if self.device.type != "cpu":
             for stage in self.stages.values():
-                stage.to(self.device)
+                move_stage(stage, self.device)
         self.actions = self.plan.actions[self.pp_rank]
         self._channels = transfer_order(self.plan).get(self.pp_rank, {}) if self.ordered else {}
         """Peer pipeline rank -> the transfers between us in the order both issue them (ordered)."""

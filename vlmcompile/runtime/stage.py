@@ -80,6 +80,40 @@ class StageModule(nn.Module):
         return out
 
 
+def move_stage(stage: nn.Module, device: torch.device) -> None:
+    """Move a stage's parameters and buffers to ``device`` and point the devices its graphs name
+    there too: capture records the device it ran on in calls like ``arange(device=cpu)`` and
+    ``_assert_tensor_metadata(device=cpu)`` (transformers' LLaVA, Gemma3, Qwen2.5-VL), which on a
+    GPU would make CPU tensors or fail the assertion."""
+    stage.to(device)
+    for module in stage.modules():
+        if isinstance(module, fx.GraphModule) and retarget_devices(module.graph, device):
+            module.recompile()
+
+
+def retarget_devices(graph: fx.Graph, device: torch.device) -> int:
+    """Point every CPU device ``graph``'s calls name (``device=`` or positional, as in
+    ``aten.to.device(x, cpu, float32)``) to ``device``; returns how many calls changed."""
+
+    def retarget(value):
+        if isinstance(value, torch.device) and value.type == "cpu":
+            return device
+        if isinstance(value, (tuple, list)):
+            return type(value)(retarget(v) for v in value)
+        return value
+
+    moved = 0
+    for node in graph.nodes:
+        args = tuple(retarget(a) for a in node.args)
+        kwargs = {k: retarget(v) for k, v in node.kwargs.items()}
+        if kwargs.get("device") in ("cpu", torch.device("cpu")):
+            kwargs["device"] = device
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs = args, kwargs
+            moved += 1
+    return moved
+
+
 class LayerModule(fx.GraphModule):
     """One layer's graph. Pickles as a list of its nodes and the objects it reads, not as code:
     fx unpickles a GraphModule by tracing its generated code again, which fails on calls that
