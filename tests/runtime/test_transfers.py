@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from tests.pipeline_helpers import check_equal_to_eager, even_plan, first_forwards_swapped, separate_plan
 from tests.runtime.test_executor import CASES, SEPARATE, _pipe
@@ -249,3 +250,23 @@ def test_the_nccl_model_catches_a_wrong_order():
     }
     with pytest.raises(AssertionError, match="deadlock|before its forward"):
         _run_on_nccl_model(plan, order=reversed_order)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.arange(6, dtype=torch.int16).reshape(2, 3),
+        torch.tensor(7, dtype=torch.int16),
+        torch.ones(2, 2, dtype=torch.complex64),
+    ],
+)
+def test_what_goes_on_the_wire_shares_the_buffer_in_a_type_every_backend_has(value):
+    """NCCL has no int16, gloo no complex: both travel as a view of the same storage, so a
+    receive into the view fills the buffer."""
+    from vlmcompile.runtime.executor import _wire
+
+    wire = _wire(value)
+    assert wire.dtype in (torch.uint8, torch.float32)
+    assert wire.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+    wire.copy_(_wire(torch.zeros_like(value)))
+    assert not value.any()
