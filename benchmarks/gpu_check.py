@@ -40,7 +40,7 @@ from vlmcompile.cost_models.calibrate import calibrate
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.models.data import SyntheticBatches
 from vlmcompile.passes.profile import profile
-from vlmcompile.runtime.trainer import TrainConfig
+from vlmcompile.runtime.trainer import TrainConfig, eager_training
 
 MODEL = "demo"
 GLOBAL_BATCH = 8
@@ -67,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     cluster_of = _cluster_family(name) if args.device == "cuda" else "cpu:"
     print(f"gpu_check on {name} ({gpus} {'GPUs' if args.device == 'cuda' else 'CPU ranks'})", flush=True)
     config = TrainConfig(steps=args.steps, lr=1e-4, warmup_steps=1, max_grad_norm=1.0)
-    eager = eager_losses(args.device, config)
+    # The demo as the train command's ranks build it (seed 0), trained eagerly on one device.
+    eager = eager_training(
+        models.build(MODEL, seed=0).to(args.device),
+        SyntheticBatches(MODEL, GLOBAL_BATCH),
+        config,
+        args.device,
+    )
     result: dict = {
         "device": name,
         "backend": "nccl" if args.device == "cuda" else "gloo",
@@ -96,25 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"written to {out}")
     return 0
-
-
-def eager_losses(device: str, config: TrainConfig) -> list[float]:
-    """The demo trained eagerly on one device, as the train command's ranks build it (seed 0)."""
-    model = models.build(MODEL, seed=0).to(device)
-    data = SyntheticBatches(MODEL, GLOBAL_BATCH)
-    optimizer = config.adamw(list(model.parameters()))
-    scheduler = config.scheduler(optimizer)
-    losses = []
-    for step in range(config.steps):
-        batch = {k: v.to(device) for k, v in data(step).items()}
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(**batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 def calibrate_layers(device: str, cluster_of: str) -> dict:

@@ -31,7 +31,7 @@ from vlmcompile import compile, models
 from vlmcompile.models.data import SyntheticBatches
 from vlmcompile.planning.request import SearchSpace
 from vlmcompile.runtime.executor import runnable_degrees
-from vlmcompile.runtime.trainer import TrainConfig
+from vlmcompile.runtime.trainer import TrainConfig, eager_training
 
 RESULTS = Path(__file__).parent / "results" / "train_loop.json"
 MODES = ("tagged", "ordered")
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             steps[mode] += [m.step_s for m in result.steps[1:]]
             losses.setdefault(mode, result.losses)
             print(f"round {r + 1} {mode}: {result}", file=sys.stderr, flush=True)
-    eager = _eager_losses(model, data, config)
+    eager = eager_training(copy.deepcopy(model), data, config)
     for mode in MODES:
         torch.testing.assert_close(torch.tensor(losses[mode]), torch.tensor(eager))
     median = {m: statistics.median(steps[m]) for m in MODES}
@@ -96,22 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         f"losses equal eager in both modes\nwritten to {RESULTS}"
     )
     return 0
-
-
-def _eager_losses(model, data, config: TrainConfig) -> list[float]:
-    model = copy.deepcopy(model)
-    optimizer = config.adamw(list(model.parameters()))
-    scheduler = config.scheduler(optimizer)
-    out = []
-    for step in range(config.steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(**data(step))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        out.append(float(loss.detach()))
-    return out
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.test_trainer import eager_training
 from vlmcompile import models
 from vlmcompile.cli import main
 from vlmcompile.models.data import SyntheticBatches
-from vlmcompile.runtime.trainer import TrainConfig
+from vlmcompile.runtime.trainer import TrainConfig, eager_training
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 

@@ -17,26 +17,9 @@ from tests.pipeline_helpers import even_plan
 from vlmcompile import compile
 from vlmcompile.models.data import SyntheticBatches
 from vlmcompile.runtime.checkpoint import CheckpointError, load_checkpoint
-from vlmcompile.runtime.trainer import TrainConfig
+from vlmcompile.runtime.trainer import TrainConfig, eager_training
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
-
-
-def eager_training(model, data, config: TrainConfig) -> list[float]:
-    """What a user's eager loop does: AdamW, the same schedule, clip_grad_norm_ over the model."""
-    optimizer = config.adamw(list(model.parameters()))
-    scheduler = config.scheduler(optimizer)
-    losses = []
-    for step in range(config.steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(**data(step))
-        loss.backward()
-        if config.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 def _setup(name, **plan_options):
@@ -253,15 +236,7 @@ def test_any_torch_optimizer_trains_like_eager_and_resumes_with_its_own_state(tm
         optimizer=sgd,
         timeout_s=60,
     )
-    eager = copy.deepcopy(model)
-    opt = sgd(eager.parameters())
-    expected = []
-    for step in range(6):
-        opt.zero_grad(set_to_none=True)
-        loss = eager(**data(step))
-        loss.backward()
-        opt.step()
-        expected.append(float(loss.detach()))
+    expected = eager_training(copy.deepcopy(model), data, config, optimizer_factory=sgd)
     torch.testing.assert_close(torch.tensor(whole.losses), torch.tensor(expected))
     (tmp_path / "ckpt" / "latest").write_text("step_000003\n")
     resumed = pipe.train(

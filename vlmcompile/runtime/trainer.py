@@ -292,3 +292,30 @@ class _StepLog:
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def eager_training(
+    model: torch.nn.Module,
+    data: Data,
+    config: TrainConfig,
+    device: str = "cpu",
+    optimizer_factory: OptimizerFactory | None = None,
+) -> list[float]:
+    """The losses of ``config.steps`` steps of the eager loop a user would write: the same
+    optimizer (AdamW by default) and LR schedule, ``clip_grad_norm_`` over the model, the same
+    batches (on ``device``); ``model`` is trained. What :func:`train_on_rank` must equal."""
+    optimizer = (optimizer_factory or config.adamw)(list(model.parameters()))
+    scheduler = config.scheduler(optimizer)
+    batches = _batches(data, 0)
+    losses = []
+    for _ in range(config.steps):
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(batches).items()}
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**batch)
+        loss.backward()
+        if config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss.detach()))
+    return losses
