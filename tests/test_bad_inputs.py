@@ -588,6 +588,24 @@ ELSEWHERE = {
         "tests/runtime/test_trainer.py::test_a_checkpoint_of_another_model_names_the_parameters_that_differ",
         "the checkpoint ... is not of this model: N parameters missing from it (the first five named)",
     ),
+    "train-checkpoint-larger-model": (
+        "train",
+        "resuming from a checkpoint of a larger model (it holds all this model's tensors and more)",
+        "tests/runtime/test_trainer.py::test_a_checkpoint_of_another_model_names_the_parameters_that_differ",
+        "is not of this model: N tensors the model does not have (encoders.1....",
+    ),
+    "train-resume-other-schedule": (
+        "train",
+        "resuming under another LR schedule (--lr, --steps, --warmup-steps, --decay changed)",
+        "tests/runtime/test_trainer.py::test_a_run_resumed_under_another_lr_schedule_is_refused_naming_what_changed",
+        "was trained with another LR schedule: decay_steps 4 (now 6), lr 0.0001 (now 0.001)",
+    ),
+    "train-gpu-without-torchrun": (
+        "train",
+        "train(device='cuda') without torchrun",
+        "tests/runtime/test_trainer.py::test_training_on_gpus_without_torchrun_says_to_use_it",
+        "to train on GPUs start one process per GPU with torchrun",
+    ),
     "train-latest-pointer-broken": (
         "train",
         "a checkpoint directory whose latest pointer names no complete checkpoint",

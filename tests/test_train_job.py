@@ -113,3 +113,60 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int:
         if parent == torchrun_pid and f"RANK={rank}".encode() in environ:
             return int(entry.name)
     raise AssertionError(f"no worker with RANK={rank} under pid {torchrun_pid}")
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_dry_on_cpu_ranks(tmp_path):
+    """benchmarks/gpu_check.py waits for a GPU; its dry run takes every step of it on CPU ranks
+    (plans, torchrun in fp32 and bf16 on 1 and 2 ranks, eager comparison, calibration)."""
+    out = tmp_path / "check.json"
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu_check.py"
+    command = [
+        sys.executable,
+        str(script),
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"].startswith("CPU") and result["backend"] == "gloo"
+    runs = {(r["cluster"], r["precision"]): r for r in result["runs"]}
+    assert set(runs) == {("cpu:1", "fp32"), ("cpu:1", "bf16"), ("cpu:2", "fp32")}
+    assert all(runs[k]["equals_eager"] for k in runs if k[1] == "fp32")
+    assert (
+        result["calibration"]["layers"] > 0 and 0 < result["calibration"]["fitted_efficiency"]["matmul"] <= 1
+    )
+
+
+def test_a_run_saved_under_torchrun_resumes_on_local_ranks_with_the_same_losses(tmp_path, capsys):
+    plan = _plan_file(tmp_path, "cpu:2", capsys)
+    ckpt, whole, resumed = tmp_path / "ckpt", tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    args = [
+        "--plan",
+        plan,
+        "--steps",
+        "4",
+        "--lr",
+        "3e-3",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "2",
+    ]
+    done = _torchrun(2, *args, "--log-jsonl", str(whole), "--timeout", "60")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000002", "step_000004"]
+    (ckpt / "latest").write_text("step_000002\n")  # as if stopped after step 2
+    assert main(["train", *args, "--resume", "--log-jsonl", str(resumed), "--timeout", "60"]) == 0
+    assert "trained steps 3-4" in capsys.readouterr().out
+    losses = [json.loads(line)["loss"] for line in whole.read_text().splitlines()]
+    again = [json.loads(line) for line in resumed.read_text().splitlines()]
+    assert [x["step"] for x in again] == [3, 4]
+    torch.testing.assert_close(torch.tensor([x["loss"] for x in again]), torch.tensor(losses[2:]))

@@ -8,6 +8,7 @@ microbatches); the runtime itself reads no report and runs no pass.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -139,25 +140,37 @@ class CompiledPipeline:
         optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
         device: str | torch.device | None = None,
-        autocast_dtype: torch.dtype | None = None,
+        autocast_dtype: torch.dtype | Literal["auto"] | None = "auto",
         transfers: str = "auto",
         timeout_s: float = 60.0,
     ) -> TrainResult:
         """Train ``plan`` (default ``self.plan``) for ``config.steps`` steps on ``data`` (global
         batches: a function of the step, or an iterable); see :mod:`vlmcompile.runtime.trainer`.
 
-        Under torchrun (torch.distributed initialised) this process trains as its rank;
-        otherwise the plan's ranks start on this machine (the local launcher), and ``data``,
-        ``optimizer`` and ``scheduler`` must pickle (module-level functions, functools.partial).
-        ``device``, ``autocast_dtype`` and ``transfers`` are the runner's (see
-        :class:`~vlmcompile.runtime.executor.PipelineRunner`). Returns this rank's result (rank
-        0's when launched)."""
+        Under torchrun (torch.distributed initialised) this process trains as its rank, on the
+        GPU ``LOCAL_RANK`` names under NCCL; otherwise the plan's ranks start on this machine's
+        CPU (the local launcher), and ``data``, ``optimizer`` and ``scheduler`` must pickle
+        (module-level functions, functools.partial). ``autocast_dtype``: "auto" runs bf16
+        autocast on a GPU when the plan's parameters are 2 bytes (its precision), else fp32;
+        ``transfers`` is the runner's (:class:`~vlmcompile.runtime.executor.PipelineRunner`).
+        Returns this rank's result (rank 0's when launched)."""
         runner = self.runner(plan, timeout_s=timeout_s)
+        on_gpu = _on_gpu(device)
+        if on_gpu and not dist.is_initialized():
+            raise ArgumentError(
+                "the local launcher starts CPU ranks over gloo; to train on GPUs start one process per GPU with "
+                "torchrun (it initialises NCCL), and call train() in each"
+            )
+        if on_gpu and torch.device(device or "cuda").index is None:
+            local = os.environ.get("LOCAL_RANK")
+            device = torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
         runner.device = torch.device(device) if device is not None else None
+        if autocast_dtype == "auto":
+            autocast_dtype = torch.bfloat16 if on_gpu and runner.plan.precision.param_bytes == 2 else None
         runner.autocast_dtype = autocast_dtype
         runner.transfers = transfers
         world = runner.parallel.world_size
-        throughput = self.throughput(runner)
+        throughput = self.throughput(runner, on_gpu=on_gpu)
         args = (data, config, throughput, optimizer, scheduler)
         if dist.is_initialized():
             return train_on_rank(runner, *args)
@@ -168,21 +181,28 @@ class CompiledPipeline:
                 runner.check_batch(first)
         return launch(train_on_rank, runner, world, args=args, timeout_s=timeout_s)[0]
 
-    def throughput(self, runner: PipelineRunner) -> Throughput:
+    def throughput(self, runner: PipelineRunner, *, on_gpu: bool = False) -> Throughput:
         """What turns the runner's step times into samples/s and MFU: the model's FLOPs per sample
-        (annotated) and the peak of the cluster's device (of this CPU without a cluster)."""
+        (annotated) and one device's peak: on GPUs the plan's cluster's device (an H100 when it
+        names none), on CPU ranks this CPU's share (measured)."""
         world = runner.parallel.world_size
         totals = self.layer_graph.totals()
         per_sample = (totals["fwd_flops"] + totals["bwd_flops"]) / float(
             self.layer_graph.meta.get("batch_size", 1)
         )
-        cluster = self.cluster or Cluster.preset(f"cpu:{world}")
         plan = runner.plan
+        named = [c for c in (self.cluster.name if self.cluster else None, plan.cluster) if c]
+        if on_gpu:
+            gpu = next((c for c in named if not c.startswith("cpu")), "h100x1")
+            cluster = Cluster.preset(gpu)
+        else:
+            cluster = Cluster.preset(f"cpu:{world}")
         return Throughput(
             global_batch=runner.parallel.dp * plan.num_microbatches * plan.microbatch_size,
             flops_per_sample=per_sample,
             peak_flops_per_s=cluster.device.peak_flops_per_s,
             world_size=world,
+            peak_of=cluster.device.name,
         )
 
     def baseline(
@@ -317,3 +337,10 @@ def _check_loss_splits(gm: fx.GraphModule, parallel: Parallel, plan: Plan) -> No
 def train(pipe: CompiledPipeline, data: Data, config: TrainConfig, **options: Any) -> TrainResult:
     """``pipe.train(data, config, **options)``: train a compiled pipeline (see :meth:`CompiledPipeline.train`)."""
     return pipe.train(data, config, **options)
+
+
+def _on_gpu(device: str | torch.device | None) -> bool:
+    """Whether training runs on GPUs: asked for, or torch.distributed runs NCCL."""
+    if device is not None:
+        return torch.device(device).type == "cuda"
+    return dist.is_initialized() and dist.get_backend() == "nccl"

@@ -41,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float)
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
     parser.add_argument("--decay", choices=["cosine", "linear", "constant"], default="cosine")
     parser.add_argument(
+        "--decay-steps",
+        type=positive_int,
+        help="steps the LR decays over (default --steps; fix it to extend a run)",
+    )
+    parser.add_argument(
         "--max-grad-norm", type=positive_float, default=1.0, help="global gradient-norm clip (default 1.0)"
     )
     parser.add_argument("--no-clip", action="store_true", help="do not clip the gradients")
@@ -65,11 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float)
         "(parameters, gradients and their reduction are fp32 either way)",
     )
     parser.add_argument(
-        "--nprocs",
-        type=positive_int,
-        help="without torchrun: local ranks to start (default: the plan's ranks)",
-    )
-    parser.add_argument(
         "--timeout", type=positive_float, default=120.0, help="seconds any rank may wait for another"
     )
 
@@ -80,11 +80,10 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.from_json(_read_json(args.plan))
     world = _degrees(plan).world_size
     torchrun = under_torchrun()
-    started = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nprocs or world)
+    started = int(os.environ["WORLD_SIZE"]) if torchrun else world  # the local launcher starts the plan's
     if started != world:
-        how = "torchrun started" if torchrun else "--nprocs asks for"
         raise PlanError(
-            f"the plan in {args.plan} runs on {world} ranks; {how} {started}. Start {world} "
+            f"the plan in {args.plan} runs on {world} ranks; torchrun started {started}. Start {world} "
             f"(torchrun --nproc-per-node {world} ...), or plan for {started}: vlmcompile plan ... --json FILE"
         )
     device = _device(args.device, plan)
@@ -93,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             f"the local launcher starts CPU ranks over gloo; on GPUs start one rank per GPU with torchrun: "
             f"torchrun --nproc-per-node {world} -m vlmcompile train --plan {args.plan} ..."
         )
-    autocast = _autocast(args.precision, plan, device)
+    autocast = _autocast(args.precision)
     if torchrun:
         _join_process_group(device, args.timeout)
     rank = int(os.environ.get("RANK", 0))
@@ -127,6 +126,7 @@ def _train(args: argparse.Namespace, plan, device: str, autocast):
         weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps,
         decay=args.decay,
+        decay_steps=args.decay_steps,
         max_grad_norm=None if args.no_clip else args.max_grad_norm,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -155,10 +155,9 @@ def _device(choice: str, plan) -> str:
     return device
 
 
-def _autocast(choice: str, plan, device: str):
-    if choice == "auto":
-        return torch.bfloat16 if device == "cuda" and plan.precision.param_bytes == 2 else None
-    return _PRECISIONS[choice]
+def _autocast(choice: str):
+    """ "auto" lets train() follow the plan's precision (bf16 on GPUs for 2-byte parameters)."""
+    return "auto" if choice == "auto" else _PRECISIONS[choice]
 
 
 def _abort_process_group() -> None:

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 
 import pytest
 import torch
@@ -62,7 +63,15 @@ def test_twenty_adamw_steps_equal_eager(name, plan_options, transfers, tmp_path)
     lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 21))
     assert all(x["samples_per_s"] > 0 and 0 < x["mfu"] < 1 for x in lines)
-    assert lines[0]["lr"] == pytest.approx(CONFIG["lr"] / 3)  # warm-up's first step
+    # The schedule, written out: linear warm-up over 3 steps, then cosine from lr to lr / 10.
+    peak, warmup = CONFIG["lr"], CONFIG["warmup_steps"]
+    expected_lr = [
+        peak * (k + 1) / warmup
+        if k < warmup
+        else peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - warmup) / 17)))
+        for k in range(20)
+    ]
+    assert [x["lr"] for x in lines] == pytest.approx(expected_lr)
 
 
 def test_a_resumed_run_continues_with_the_same_losses_and_loads_into_the_model(tmp_path):
@@ -113,6 +122,40 @@ def test_a_checkpoint_of_another_model_names_the_parameters_that_differ(tmp_path
             timeout_s=60,
         )
     assert "CheckpointError" in str(info.value)
+    # The other way round: the larger model's checkpoint holds what the smaller one lacks.
+    bigger = str(tmp_path / "bigger")
+    other_pipe.train(
+        SyntheticBatches("tiny-two-encoder", 4),
+        TrainConfig(steps=1, checkpoint_dir=bigger),
+        plan=other_plan,
+        timeout_s=60,
+    )
+    with pytest.raises(Exception, match=r"tensors the model does not have \(encoders\.1\."):
+        pipe.train(
+            SyntheticBatches("tiny", 4),
+            TrainConfig(steps=2, checkpoint_dir=bigger, resume=True),
+            plan=plan,
+            timeout_s=60,
+        )
+
+
+def test_a_run_resumed_under_another_lr_schedule_is_refused_naming_what_changed(tmp_path):
+    _, pipe, plan = _setup("tiny", pp=2)
+    ckpt = str(tmp_path / "ckpt")
+    data = SyntheticBatches("tiny", 4)
+    pipe.train(data, TrainConfig(steps=4, checkpoint_dir=ckpt, checkpoint_every=2), plan=plan, timeout_s=60)
+    (tmp_path / "ckpt" / "latest").write_text("step_000002\n")
+    with pytest.raises(
+        Exception, match=r"another LR schedule: decay_steps 4 \(now 6\), lr 0.0001 \(now 0.001\)"
+    ):
+        pipe.train(
+            data, TrainConfig(steps=6, lr=1e-3, checkpoint_dir=ckpt, resume=True), plan=plan, timeout_s=60
+        )
+    # Extended with the decay's end kept: accepted.
+    longer = pipe.train(
+        data, TrainConfig(steps=6, decay_steps=4, checkpoint_dir=ckpt, resume=True), plan=plan, timeout_s=60
+    )
+    assert [m.step for m in longer.steps] == [3, 4, 5, 6]
 
 
 def test_a_broken_latest_pointer_is_refused(tmp_path):
@@ -121,6 +164,26 @@ def test_a_broken_latest_pointer_is_refused(tmp_path):
 
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         latest(tmp_path)
+
+
+def test_mfu_is_over_the_peak_of_the_device_the_ranks_run_on():
+    from vlmcompile.cost_models.cluster import Cluster
+
+    _, pipe, plan = _setup("tiny", pp=2)
+    runner = pipe.runner(dataclasses.replace(plan, cluster="a100x2"), timeout_s=60)
+    gpu = pipe.throughput(runner, on_gpu=True)
+    assert gpu.peak_flops_per_s == Cluster.preset("a100x2").device.peak_flops_per_s
+    cpu = pipe.throughput(runner, on_gpu=False)
+    assert cpu.peak_flops_per_s == Cluster.preset("cpu:2").device.peak_flops_per_s
+    assert cpu.global_batch == 4 and cpu.mfu(1.0) == pytest.approx(
+        4 * cpu.flops_per_sample / (2 * cpu.peak_flops_per_s)
+    )
+
+
+def test_training_on_gpus_without_torchrun_says_to_use_it():
+    _, pipe, plan = _setup("tiny", pp=2)
+    with pytest.raises(ValueError, match="start one process per GPU with torchrun"):
+        pipe.train(SyntheticBatches("tiny", 4), TrainConfig(steps=1), plan=plan, device="cuda")
 
 
 def test_bad_training_options_are_named():

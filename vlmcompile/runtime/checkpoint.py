@@ -38,13 +38,17 @@ class CheckpointError(VlmCompileError, ValueError):
     """A checkpoint that does not fit this model: the message names the parameters that differ."""
 
 
-def save(directory: str | Path, step: int, runner, optimizer, scheduler) -> str:
+def save(directory: str | Path, step: int, runner, optimizer, scheduler, schedule: dict | None = None) -> str:
     """Save this rank's share at ``step`` (every rank calls it); returns the step's directory."""
     path = Path(directory) / f"step_{step:06d}"
     state = {
         "model": {name: p.detach() for name, p in _named(runner).items()},
         "optimizer": _optimizer_state(runner, optimizer),
-        "trainer": {"step": step, "scheduler": _scheduler_json(scheduler)},
+        "trainer": {
+            "step": step,
+            "scheduler": _scheduler_json(scheduler),
+            "schedule": json.dumps(schedule or {}, sort_keys=True),
+        },
     }
     # A run resumed from an earlier step writes its later steps again.
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
@@ -78,12 +82,19 @@ def latest(directory: str | Path | None) -> str | None:
     return str(path)
 
 
-def load(path: str | Path, runner, optimizer, scheduler) -> int:
+def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None = None) -> int:
     """Load this rank's share of the checkpoint at ``path`` into the runner's parameters, the
     optimizer and the scheduler (every rank calls it); returns the checkpoint's step."""
     stored, paths = _entries(path)
     params = _named(runner)
-    check_fits(stored, {f"model.{n}": (tuple(p.shape), p.dtype) for n, p in params.items()}, path)
+    model_names = (
+        {alias for aliases in runner.state_names.values() for alias in aliases}
+        if runner.state_names is not None
+        else None
+    )
+    check_fits(
+        stored, {f"model.{n}": (tuple(p.shape), p.dtype) for n, p in params.items()}, path, model_names
+    )
     state: dict[str, Any] = {"model": {n: p.detach() for n, p in params.items()}, "optimizer": {}}
     names = _canonical_names(runner)
     optimizer_entries: dict[str, dict[str, Any]] = {}
@@ -96,8 +107,19 @@ def load(path: str | Path, runner, optimizer, scheduler) -> int:
             key: _placeholder(meta, "cpu" if key == "step" else p.device)
             for key, meta in optimizer_entries.get(name, {}).items()
         }
-    state["trainer"] = {"step": 0, "scheduler": ""}
+    state["trainer"] = {"step": 0, "scheduler": "", "schedule": "{}"}
     dcp.load(state, checkpoint_id=str(path))
+    saved_schedule = json.loads(state["trainer"]["schedule"])
+    if schedule is not None and saved_schedule and saved_schedule != schedule:
+        differ = ", ".join(
+            f"{k} {saved_schedule.get(k)!r} (now {schedule.get(k)!r})"
+            for k in sorted(set(saved_schedule) | set(schedule))
+            if saved_schedule.get(k) != schedule.get(k)
+        )
+        raise CheckpointError(
+            f"the checkpoint {path} was trained with another LR schedule: {differ}. Resume with the same "
+            "(to run past the planned steps, keep --decay-steps at the first run's)"
+        )
     index = {id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
     optimizer.load_state_dict(
         {
@@ -137,30 +159,38 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     }
 
 
-def check_fits(stored: dict[str, Any], expected: dict[str, tuple], path) -> None:
-    """Refuse a checkpoint that lacks a parameter this rank holds or has it in another shape."""
-    missing = sorted(k for k in expected if k not in stored)
+def check_fits(
+    stored: dict[str, Any], expected: dict[str, tuple], path, model_names: set[str] | None = None
+) -> None:
+    """Refuse a checkpoint that lacks a tensor this rank holds, has it in another shape, or holds
+    tensors the model (all of ``model_names``, when known) does not have."""
+    missing = sorted(k[len("model.") :] for k in expected if k not in stored)
     shapes = sorted(
         f"{k[len('model.') :]} (checkpoint {list(stored[k].size)}, model {list(shape)})"
         for k, (shape, _) in expected.items()
         if isinstance(stored.get(k), TensorStorageMetadata) and tuple(stored[k].size) != shape
     )
-    if not missing and not shapes:
-        return
-    problems = []
-    if missing:
-        names = [k[len("model.") :] for k in missing]
-        problems.append(
-            f"{len(names)} parameters missing from it ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
+    extra = []
+    if model_names is not None:
+        extra = sorted(
+            k[len("model.") :]
+            for k in stored
+            if k.startswith("model.") and k[len("model.") :] not in model_names
         )
-    if shapes:
-        problems.append(
-            f"{len(shapes)} of other shapes: {'; '.join(shapes[:5])}{'; ...' if len(shapes) > 5 else ''}"
+    problems = [
+        f"{len(names)} {what} ({sep.join(names[:5])}{sep + '...' if len(names) > 5 else ''})"
+        for names, what, sep in (
+            (missing, "parameters missing from it", ", "),
+            (shapes, "of other shapes", "; "),
+            (extra, "tensors the model does not have", ", "),
         )
-    raise CheckpointError(
-        f"the checkpoint {path} is not of this model: {' and '.join(problems)}. Resume from a checkpoint of "
-        "the same model (any plan of it), or start without --resume"
-    )
+        if names
+    ]
+    if problems:
+        raise CheckpointError(
+            f"the checkpoint {path} is not of this model: {' and '.join(problems)}. Resume from a checkpoint of "
+            "the same model (any plan of it), or start without --resume"
+        )
 
 
 def _scheduler_json(scheduler) -> str:

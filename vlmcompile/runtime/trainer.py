@@ -48,6 +48,9 @@ class TrainConfig:
     eps: float = 1e-8
     warmup_steps: int = 0
     decay: Literal["cosine", "linear", "constant"] = "cosine"
+    decay_steps: int | None = None
+    """The step the LR's decay ends at, counted from step 0 (None: ``steps``). Fix it to train a
+    run further than first planned: a run resumes only under the LR schedule it was saved with."""
     min_lr_ratio: float = 0.1
     max_grad_norm: float | None = 1.0
     """None: no clipping (the norm is still measured and logged)."""
@@ -70,6 +73,10 @@ class TrainConfig:
             raise ArgumentError(f"betas={self.betas} must be two numbers in [0, 1)")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
             raise ArgumentError(f"warmup_steps={self.warmup_steps} must be between 0 and steps={self.steps}")
+        if self.decay_steps is not None and self.decay_steps < self.warmup_steps:
+            raise ArgumentError(
+                f"decay_steps={self.decay_steps} is shorter than warmup_steps={self.warmup_steps}"
+            )
         if self.decay not in ("cosine", "linear", "constant"):
             raise ArgumentError(f"decay={self.decay!r}; give 'cosine', 'linear' or 'constant'")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -89,7 +96,7 @@ class TrainConfig:
             return (step + 1) / self.warmup_steps
         if self.decay == "constant":
             return 1.0
-        span = max(1, self.steps - self.warmup_steps)
+        span = max(1, (self.decay_steps or self.steps) - self.warmup_steps)
         done = min(1.0, (step - self.warmup_steps) / span)
         shape = 0.5 * (1 + math.cos(math.pi * done)) if self.decay == "cosine" else 1 - done
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * shape
@@ -101,6 +108,17 @@ class TrainConfig:
 
     def scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
+
+    @property
+    def schedule(self) -> dict[str, Any]:
+        """What decides each step's LR: a run resumes only under the same."""
+        return {
+            "lr": self.lr,
+            "warmup_steps": self.warmup_steps,
+            "decay": self.decay,
+            "decay_steps": self.decay_steps or self.steps,
+            "min_lr_ratio": self.min_lr_ratio,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +177,8 @@ class Throughput:
     peak_flops_per_s: float
     """Of one device."""
     world_size: int = field(default=1)
+    peak_of: str = ""
+    """The device whose peak MFU is over."""
 
     def mfu(self, step_s: float) -> float:
         capacity = step_s * self.world_size * self.peak_flops_per_s
@@ -181,11 +201,12 @@ def train_on_rank(
     if config.resume:
         found = checkpoint.latest_on_every_rank(config.checkpoint_dir)
         if found is not None:
-            start = checkpoint.load(found, runner, opt, sched)
+            start = checkpoint.load(found, runner, opt, sched, config.schedule)
     log = _StepLog(runner.rank == 0, config, start)
     out, saved = [], []
     batches = _batches(data, start)
     for step in range(start, config.steps):
+        began = time.perf_counter()  # the step's data is part of it, as in Megatron-LM's iteration time
         batch = next(batches, None)
         if batch is None:
             raise ArgumentError(f"the data ran out after {step} global batches; config.steps={config.steps}")
@@ -194,7 +215,6 @@ def train_on_rank(
         except BatchError as err:
             raise BatchError(f"the data's global batch for step {step + 1}: {err}") from None
         opt.zero_grad(set_to_none=True)
-        began = time.perf_counter()
         loss = runner.step(batch)
         norm = clip_grad_norm(runner, config.max_grad_norm)
         lr = opt.param_groups[0]["lr"]
@@ -218,7 +238,9 @@ def train_on_rank(
         if config.checkpoint_dir and (
             last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
         ):
-            saved.append(checkpoint.save(config.checkpoint_dir, step + 1, runner, opt, sched))
+            saved.append(
+                checkpoint.save(config.checkpoint_dir, step + 1, runner, opt, sched, config.schedule)
+            )
     log.close()
     return TrainResult(tuple(out), start, tuple(saved))
 
