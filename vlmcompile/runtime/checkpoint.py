@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         for part in parents:
             where = where.setdefault(part, {})
         where[leaf] = _placeholder(meta, "cpu")
-    dcp.load(nested, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # one process on purpose: DCP warns that it is not distributed
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(nested, checkpoint_id=str(path), no_dist=True)
     return {
         "model": nested.get("model", {}),
         "optimizer": nested.get("optimizer", {}),
