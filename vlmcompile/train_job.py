@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import sys
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -76,9 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float)
 
 def run(args: argparse.Namespace) -> int:
     from vlmcompile.ir.plan import Plan
+    from vlmcompile.runtime.executor import runnable_degrees
 
-    plan = Plan.from_json(_read_json(args.plan))
-    world = _degrees(plan).world_size
+    plan = Plan.load(args.plan)
+    world = runnable_degrees(plan).world_size
     torchrun = under_torchrun()
     started = int(os.environ["WORLD_SIZE"]) if torchrun else world  # the local launcher starts the plan's
     if started != world:
@@ -115,6 +112,7 @@ def _train(args: argparse.Namespace, plan, device: str, autocast):
     from vlmcompile import models
     from vlmcompile.compiler import compile
     from vlmcompile.models.data import SyntheticBatches
+    from vlmcompile.runtime.executor import runnable_degrees
     from vlmcompile.runtime.trainer import TrainConfig
 
     name = args.model or plan.model
@@ -133,15 +131,9 @@ def _train(args: argparse.Namespace, plan, device: str, autocast):
         resume=args.resume,
         log_jsonl=args.log_jsonl,
     )
-    global_batch = _degrees(plan).dp * plan.num_microbatches * plan.microbatch_size
+    global_batch = runnable_degrees(plan).dp * plan.num_microbatches * plan.microbatch_size
     data = SyntheticBatches(name, global_batch, seed=args.seed)
     return pipe.train(data, config, plan=plan, device=device, autocast_dtype=autocast, timeout_s=args.timeout)
-
-
-def _degrees(plan):
-    from vlmcompile.runtime.executor import runnable_degrees
-
-    return runnable_degrees(plan)
 
 
 def _device(choice: str, plan) -> str:
@@ -191,19 +183,6 @@ def _join_process_group(device: str, timeout_s: float) -> None:
         dist.init_process_group("gloo", timeout=timeout)
 
 
-def _read_json(path: str) -> Any:
-    try:
-        return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as err:
-        raise ArgumentError(
-            f"{path} is not JSON ({err}); give a plan written by vlmcompile plan --json"
-        ) from None
-
-
 def rank_prefix() -> str:
     """ "rank R: " under torchrun, so each rank's error names itself."""
     return f"rank {os.environ['RANK']}: " if under_torchrun() else ""
-
-
-def print_error(message: str) -> None:
-    print(f"vlmcompile: {rank_prefix()}error: {message}", file=sys.stderr)

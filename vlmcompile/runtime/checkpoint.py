@@ -43,7 +43,7 @@ def save(directory: str | Path, step: int, runner, optimizer, scheduler, schedul
     """Save this rank's share at ``step`` (every rank calls it); returns the step's directory."""
     path = Path(directory) / f"step_{step:06d}"
     state = {
-        "model": {name: p.detach() for name, p in _named(runner).items()},
+        "model": {name: p.detach() for name, p in runner.named_state().items()},
         "optimizer": _optimizer_state(runner, optimizer),
         "trainer": {
             "step": step,
@@ -87,7 +87,7 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
     """Load this rank's share of the checkpoint at ``path`` into the runner's parameters, the
     optimizer and the scheduler (every rank calls it); returns the checkpoint's step."""
     stored, paths = _entries(path)
-    params = _named(runner)
+    params = runner.named_state()
     model_names = (
         {alias for aliases in runner.state_names.values() for alias in aliases}
         if runner.state_names is not None
@@ -225,15 +225,11 @@ def _placeholder(meta, device) -> torch.Tensor | None:
     return None
 
 
-def _named(runner) -> dict[str, torch.Tensor]:
-    return runner.named_state()
-
-
 def _canonical_names(runner) -> dict[int, str]:
     """id(parameter) -> the one original name its optimizer state is saved under (a tied
     parameter has several: the first in sorted order, the same on every rank that holds it)."""
     out: dict[int, str] = {}
-    for name, p in sorted(_named(runner).items()):
+    for name, p in sorted(runner.named_state().items()):
         if isinstance(p, torch.nn.Parameter):
             out.setdefault(id(p), name)
     return out

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
@@ -176,7 +176,7 @@ class Throughput:
     """Forward + backward FLOPs of one sample (no recompute)."""
     peak_flops_per_s: float
     """Of one device."""
-    world_size: int = field(default=1)
+    world_size: int = 1
     peak_of: str = ""
     """The device whose peak MFU is over."""
 
