@@ -168,12 +168,13 @@ def _torchrun(n: int, plan: str, args, precision: str, tmp: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"gpu_check: {' '.join(command)} failed:\n{done.stderr[-4000:]}")
     steps = [json.loads(line) for line in log.read_text().splitlines()]
-    timed = [s["step_s"] for s in steps[1:]] or [steps[0]["step_s"]]
+    timed = steps[1:] or steps
     return {
         "ranks": n,
         "losses": [s["loss"] for s in steps],
-        "median_step_s_after_first": statistics.median(timed),
-        "mfu_last": steps[-1]["mfu"],
+        "median_step_s_after_first": statistics.median(s["step_s"] for s in timed),
+        "median_mfu_after_first": statistics.median(s["mfu"] for s in timed),
+        "peak_mem_bytes_per_rank": [max(col) for col in zip(*(s["peak_mem_bytes"] for s in steps))],
         "wall_s": time.perf_counter() - start,
         "summary": done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "",
     }

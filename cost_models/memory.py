@@ -42,13 +42,20 @@ class ModelStateBytes:
 
 
 def model_state_bytes(
-    num_params: float, precision: Precision, *, dp: int, zero_stage: int
+    num_params: float,
+    precision: Precision,
+    *,
+    dp: int,
+    zero_stage: int,
+    num_trainable: float | None = None,
 ) -> ModelStateBytes:
-    """Bytes of ``num_params`` parameters (already divided by TP) on one rank."""
+    """Bytes of ``num_params`` parameters (already divided by TP) on one rank, of which
+    ``num_trainable`` (None: all) have gradients and optimizer states: frozen ones have neither."""
+    trainable = num_params if num_trainable is None else num_trainable
     return ModelStateBytes(
         params=num_params * precision.param_bytes / (dp if zero_stage >= 3 else 1),
-        grads=num_params * precision.grad_bytes / (dp if zero_stage >= 2 else 1),
-        optimizer=num_params * precision.optimizer_bytes / (dp if zero_stage >= 1 else 1),
+        grads=trainable * precision.grad_bytes / (dp if zero_stage >= 2 else 1),
+        optimizer=trainable * precision.optimizer_bytes / (dp if zero_stage >= 1 else 1),
     )
 
 

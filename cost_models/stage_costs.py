@@ -40,6 +40,9 @@ class LayerCost:
     """Gathering the layer's updated parameters over the DP group (distributed optimizer)."""
     dp_reduce_s: float
     """Reduce-scattering (ZeRO >= 1) or all-reducing (ZeRO 0) the layer's gradients over DP."""
+    num_trainable_params: float | None = None
+    """The part of ``num_params`` that trains (None: all). Frozen parameters have no gradient to
+    reduce, no optimizer state and no update to gather."""
 
     # The durations of the layer's share of each action kind, TP collectives included: every
     # planner and the simulator time actions with these.
@@ -185,10 +188,11 @@ def layer_cost(
     elif recompute is Recompute.SELECTIVE:
         redo = t.fwd_attention_s
     params = layer.num_params / (par.tp if sharded else 1)
-    grads_wire = params * precision.dp_grad_bytes
+    trainable = (layer.num_params - layer.num_frozen_params) / (par.tp if sharded else 1)
+    grads_wire = trainable * precision.dp_grad_bytes
     if par.zero_stage >= 1:
         reduce = comm.reduce_scatter_s(grads_wire, par.dp, dp_bw, dp_lat)
-        gather = comm.all_gather_s(params * precision.param_bytes, par.dp, dp_bw, dp_lat)
+        gather = comm.all_gather_s(trainable * precision.param_bytes, par.dp, dp_bw, dp_lat)
     else:
         reduce, gather = comm.all_reduce_s(grads_wire, par.dp, dp_bw, dp_lat), 0.0
     return LayerCost(
@@ -199,6 +203,7 @@ def layer_cost(
         fwd_tp_comm_s=fwd_comm,
         bwd_tp_comm_s=fwd_comm + redo_comm,
         num_params=params,
+        num_trainable_params=trainable,
         dp_all_gather_s=gather,
         dp_reduce_s=reduce,
     )
@@ -207,7 +212,11 @@ def layer_cost(
 def layer_state_bytes(cost: LayerCost, par: Parallel, precision: Precision | None = None) -> float:
     """Model states (parameters, gradients, optimizer) of the layer on one rank."""
     return model_state_bytes(
-        cost.num_params, precision or Precision(), dp=par.dp, zero_stage=par.zero_stage
+        cost.num_params,
+        precision or Precision(),
+        dp=par.dp,
+        zero_stage=par.zero_stage,
+        num_trainable=cost.num_trainable_params,
     ).total
 
 

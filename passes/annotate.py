@@ -91,6 +91,11 @@ class AnnotateReport:
             f"annotate: {len(self.layer_graph)} layers on {self.tensor_mode} CPU tensors "
             f"(forward {self.fwd_time_s:.2f} s, backward {self.bwd_time_s:.2f} s); "
             f"{format_count(t['num_params'])} parameters"
+            + (
+                f", {format_count(t['num_frozen_params'])} of them frozen (no gradient, no optimizer state)"
+                if t["num_frozen_params"]
+                else ""
+            )
         )
         lines = [head] + ([f"  fell back to real tensors: {self.fallback}"] if self.fallback else [])
         lines += [f"  assumed: {a}" for a in self.assumptions]
@@ -450,7 +455,7 @@ def _build_layer_graph(
     order: list[str] = gm.meta[LAYER_ORDER_META]
     position = {layer: i for i, layer in enumerate(order)}
     nodes = [n for n in gm.graph.nodes if n.meta.get(LAYER_META)]
-    num_params, param_bytes = _node_costs_and_parameters(gm, nodes, interp, position)
+    num_params, param_bytes, num_frozen = _node_costs_and_parameters(gm, nodes, interp, position)
     crossing = _crossings(nodes, interp, position)
     per_layer = layer_nodes(gm)
     blocks = gm.meta.get(BLOCK_LAYERS_META, frozenset())
@@ -468,6 +473,7 @@ def _build_layer_graph(
                 region=members[0].meta[REGION_META],
                 num_nodes=len(members),
                 num_params=num_params[i],
+                num_frozen_params=num_frozen[i],
                 param_bytes=param_bytes[i],
                 fwd_flops=sum(c.fwd_flops for c in costs),
                 bwd_flops=sum(c.bwd_flops for c in costs),
@@ -502,9 +508,10 @@ def _build_layer_graph(
 
 def _node_costs_and_parameters(
     gm: fx.GraphModule, nodes: list[fx.Node], interp: _Annotator, position: Mapping[str, int]
-) -> tuple[list[int], list[int]]:
-    """Writes each node's :class:`NodeCost` into its meta; returns parameters and their bytes per
-    layer, each parameter counted once, in the first layer (pipeline order) that reads it."""
+) -> tuple[list[int], list[int], list[int]]:
+    """Writes each node's :class:`NodeCost` into its meta; returns parameters, their bytes and the
+    frozen ones (``requires_grad=False``) per layer, each parameter counted once, in the first
+    layer (pipeline order) that reads it."""
     owner: dict[int, tuple[int, nn.Parameter]] = {}
     for n in nodes:
         found = _params_read(gm, n)
@@ -524,10 +531,12 @@ def _node_costs_and_parameters(
                 owner[id(p)] = (position[n.meta[LAYER_META]], p)
     num_params = [0] * len(position)
     param_bytes = [0] * len(position)
+    num_frozen = [0] * len(position)
     for pos, p in owner.values():
         num_params[pos] += p.numel()
         param_bytes[pos] += p.numel() * p.element_size()
-    return num_params, param_bytes
+        num_frozen[pos] += 0 if p.requires_grad else p.numel()
+    return num_params, param_bytes, num_frozen
 
 
 @dataclass(frozen=True, slots=True)

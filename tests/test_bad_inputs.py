@@ -624,6 +624,24 @@ ELSEWHERE = {
         "tests/runtime/test_trainer.py::test_a_later_batch_of_other_shapes_names_its_step",
         "the data's global batch for step 2: batch['pixel_values'] is [2, ...",
     ),
+    "train-data-collate": (
+        "train",
+        "samples of one global batch with other text lengths (the default collate)",
+        "tests/runtime/test_data.py::test_samples_of_other_lengths_are_refused_naming_the_key_and_the_fix",
+        "samples of one batch differ in 'input_ids': sample 0 is [1, 8], sample 2 [1, 5]. ... pad or crop",
+    ),
+    "train-data-lambda": (
+        "train",
+        "data given as a lambda to local ranks",
+        "tests/runtime/test_data.py::test_data_the_local_ranks_cannot_receive_is_refused_with_the_fix",
+        "data (...<lambda>) cannot be sent to the local ranks, which are separate processes",
+    ),
+    "train-all-frozen": (
+        "train",
+        "a model whose every parameter is frozen",
+        "tests/runtime/test_frozen.py::test_a_model_with_nothing_trainable_is_refused_before_training",
+        "every parameter of the model has requires_grad=False: there is nothing to train",
+    ),
     "train-options": (
         "train",
         "training options out of range (steps 0, warm-up beyond the steps, resume without a directory)",

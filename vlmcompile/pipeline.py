@@ -21,18 +21,19 @@ from torch import nn
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.graph.loss_split import LossSplit, coupled_loss_error
-from vlmcompile.ir.errors import ArgumentError, PlanError, SampleBatchError
+from vlmcompile.ir.errors import ArgumentError, PlanError, SampleBatchError, VlmCompileError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, SPECIALIZED_META
 from vlmcompile.ir.microbatch import rows_per_sample
+from vlmcompile.ir.regions import LANGUAGE_REGIONS
 from vlmcompile.pass_runner import RunReport
 from vlmcompile.passes.codegen import CodegenResult, codegen_for
 from vlmcompile.passes.policies import plan_and_simulate
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
-from vlmcompile.runtime.executor import PipelineRunner, runnable_degrees
-from vlmcompile.runtime.launch import check_launchable, launch
+from vlmcompile.runtime.executor import BatchError, PipelineRunner, runnable_degrees
+from vlmcompile.runtime.launch import check_launchable, check_picklable, launch
 from vlmcompile.runtime.trainer import (
     Data,
     OptimizerFactory,
@@ -40,6 +41,7 @@ from vlmcompile.runtime.trainer import (
     Throughput,
     TrainConfig,
     TrainResult,
+    check_trainable,
     train_on_rank,
 )
 from vlmcompile.runtime.training import one_step
@@ -175,10 +177,19 @@ class CompiledPipeline:
         if dist.is_initialized():
             return train_on_rank(runner, *args)
         check_launchable(world, timeout_s)
+        for what, value in (("data", data), ("optimizer", optimizer), ("scheduler", scheduler)):
+            check_picklable(what, value)
+        check_trainable(runner)
         if callable(data) or isinstance(data, Sequence):  # refused before any rank starts
-            first = data(0) if callable(data) else data[0] if data else None
+            try:
+                first = data(0) if callable(data) else data[0] if data else None
+            except VlmCompileError as err:
+                raise type(err)(f"the data's global batch for step 1: {err}") from None
             if first is not None:
-                runner.check_batch(first)
+                try:
+                    runner.check_batch(first)
+                except BatchError as err:
+                    raise BatchError(f"the data's global batch for step 1: {err}") from None
         return launch(train_on_rank, runner, world, args=args, timeout_s=timeout_s)[0]
 
     def throughput(self, runner: PipelineRunner, *, on_gpu: bool = False) -> Throughput:
@@ -200,6 +211,7 @@ class CompiledPipeline:
         return Throughput(
             global_batch=runner.parallel.dp * plan.num_microbatches * plan.microbatch_size,
             flops_per_sample=per_sample,
+            tokens_per_sample=_sequence_length(self.layer_graph),
             peak_flops_per_s=cluster.device.peak_flops_per_s,
             world_size=world,
             peak_of=cluster.device.name,
@@ -319,6 +331,16 @@ def state_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     ]:
         by_tensor.setdefault(id(t), []).append(name)
     return {n: tuple(a for a in names if a in keys) for names in by_tensor.values() for n in names}
+
+
+def _sequence_length(layer_graph: LayerGraph) -> int:
+    """The positions of one sample in the language model (image tokens included): the sequence
+    dimension of its first block's hidden states ``[batch, sequence, hidden]`` (0 without one)."""
+    for layer in layer_graph.in_region(*LANGUAGE_REGIONS):
+        hidden = [o.shape for o in layer.outputs if len(o.shape) == 3]
+        if layer.block and hidden:
+            return hidden[0][1]
+    return 0
 
 
 def _check_loss_splits(gm: fx.GraphModule, parallel: Parallel, plan: Plan) -> None:

@@ -31,23 +31,30 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float)
         "--plan", required=True, metavar="FILE", help="plan JSON (vlmcompile plan ... --json FILE)"
     )
     parser.add_argument("--model", help="zoo name of the model (default: the plan's)")
-    parser.add_argument("--steps", type=positive_int, default=10, help="training steps (default 10)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="training steps")
     parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate (AdamW)")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
-    parser.add_argument("--decay", choices=["cosine", "linear", "constant"], default="cosine")
+    parser.add_argument(
+        "--decay", choices=["cosine", "linear", "constant"], default="cosine", help="LR decay after warm-up"
+    )
     parser.add_argument(
         "--decay-steps",
         type=positive_int,
-        help="steps the LR decays over (default --steps; fix it to extend a run)",
+        help="steps the LR decays over (None: --steps; fix it to extend a run)",
     )
-    parser.add_argument(
-        "--max-grad-norm", type=positive_float, default=1.0, help="global gradient-norm clip (default 1.0)"
-    )
+    parser.add_argument("--max-grad-norm", type=positive_float, default=1.0, help="global gradient-norm clip")
     parser.add_argument("--no-clip", action="store_true", help="do not clip the gradients")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed (the same on every rank)")
     parser.add_argument("--checkpoint-dir", help="save checkpoints here (DCP, under the model's names)")
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="save every K steps (0: only after the last)"
+    )
+    parser.add_argument(
+        "--keep-last",
+        type=positive_int,
+        help="keep only the K newest checkpoints in --checkpoint-dir (None: keep all)",
+    )
     parser.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir"
     )
@@ -128,6 +135,7 @@ def _train(args: argparse.Namespace, plan, device: str, autocast):
         max_grad_norm=None if args.no_clip else args.max_grad_norm,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        keep_last=args.keep_last,
         resume=args.resume,
         log_jsonl=args.log_jsonl,
     )

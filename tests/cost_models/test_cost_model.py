@@ -119,3 +119,33 @@ def test_plans_for_local_ranks_all_reduce_gradients_as_the_runtime_does(demo_gra
     zero1 = Parallel(dp=2, tp=1, pp=1, zero_stage=1)
     gpu = {c.name: c for c in layer_costs(demo_graph, H100, zero1, microbatch_size=1)}["llm.blocks.0"]
     assert gpu.dp_reduce_s == pytest.approx(comm.reduce_scatter_s(grads, 2, *H100.group_link(2, 1)))
+
+
+def test_frozen_parameters_have_no_gradient_traffic_nor_optimizer_state(demo_graph):
+    """A frozen encoder (LLaVA's recipe) keeps its bf16 weights on the rank, but no fp32
+    gradient, no Adam state, and nothing to reduce over data parallel."""
+    from vlmcompile.cost_models.stage_costs import layer_state_bytes
+    from vlmcompile.ir.regions import Region
+
+    frozen = dataclasses.replace(
+        demo_graph,
+        layers=tuple(
+            dataclasses.replace(layer, num_frozen_params=layer.num_params)
+            if layer.region is Region.VISION
+            else layer
+            for layer in demo_graph.layers
+        ),
+    )
+    cluster = Cluster.preset("h100x8")
+    par = Parallel(dp=8, tp=1, pp=1, zero_stage=0)
+    live = {c.name: c for c in layer_costs(demo_graph, cluster, par, microbatch_size=1)}
+    cold = {c.name: c for c in layer_costs(frozen, cluster, par, microbatch_size=1)}
+    precision = Precision()
+    for layer in demo_graph.layers:
+        a, b = live[layer.name], cold[layer.name]
+        if layer.region is Region.VISION and layer.num_params:
+            assert b.dp_reduce_s == 0 < a.dp_reduce_s
+            assert layer_state_bytes(b, par) == pytest.approx(layer.num_params * precision.param_bytes)
+            assert layer_state_bytes(a, par) > layer_state_bytes(b, par)
+        else:
+            assert (a.dp_reduce_s, layer_state_bytes(a, par)) == (b.dp_reduce_s, layer_state_bytes(b, par))

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -319,3 +320,44 @@ def test_any_torch_optimizer_trains_like_eager_and_resumes_with_its_own_state(tm
     assert states and all(set(s) == {"momentum_buffer"} for s in states.values()), (
         "the optimizer's own state is saved"
     )
+
+
+def test_metrics_add_up_and_checkpoints_are_announced_and_kept(tmp_path, capfd):
+    """Every step logs its rates and every rank's peak memory; the summary's figures are the
+    medians of the JSON lines' same steps; each save prints a line, ``keep_last`` removes the
+    older ones, and ``load_checkpoint`` of the run's directory follows ``latest``."""
+    _, pipe, plan = _setup("tiny", pp=2)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    config = TrainConfig(
+        steps=6,
+        checkpoint_dir=str(ckpt),
+        checkpoint_every=2,
+        keep_last=2,
+        log_jsonl=str(log),
+        progress=True,
+        **CONFIG,
+    )
+    result = pipe.train(SyntheticBatches("tiny", 4), config, plan=plan, timeout_s=60)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    for x in lines:
+        assert len(x["peak_mem_bytes"]) == 2 and min(x["peak_mem_bytes"]) > 2**20
+        assert x["tokens_per_s"] > x["samples_per_s"] > 0
+        per_sample = x["tokens_per_s"] / x["samples_per_s"]
+        assert per_sample == pytest.approx(round(per_sample)), "tokens per sample is a whole sequence"
+    medians = result.medians()
+    for key in ("step_s", "samples_per_s", "tokens_per_s", "mfu"):
+        assert medians[key] == pytest.approx(statistics.median(x[key] for x in lines[1:])), key
+    text = str(result)
+    assert (
+        f"medians over steps 2-6: step {medians['step_s']:.3f} s, {medians['samples_per_s']:.2f} samples/s"
+        in text
+    )
+    assert f"MFU {100 * medians['mfu']:.1f} %" in text
+
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000004", "step_000006"]
+    assert load_checkpoint(ckpt)["step"] == 6
+    err = capfd.readouterr().err
+    assert err.count("saved checkpoint") == 3 and "removed" in err and "(keep_last)" in err
+    assert "ETA 0:0" in err
+    with pytest.raises(CheckpointError, match="is not a checkpoint: it has no .metadata"):
+        load_checkpoint(tmp_path)

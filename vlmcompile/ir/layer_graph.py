@@ -91,6 +91,8 @@ class Layer:
     measured: tuple[str, float, float] | None = None
     """(device name, forward s, backward s) for the annotated batch, measured by the profile
     pass; the cost model uses them instead of the roofline on that device."""
+    num_frozen_params: int = 0
+    """The part of ``num_params`` with ``requires_grad=False``: no gradient, no optimizer state."""
     block: bool = False
     """A repeated transformer block (an element of a ModuleList holding a norm and a linear
     layer), told by the model's structure: decoder layers are the LLM's blocks, whatever their
@@ -157,6 +159,7 @@ class LayerGraph:
         chosen = list(self.layers if layers is None else layers)
         keys = (
             "num_params",
+            "num_frozen_params",
             "param_bytes",
             "fwd_flops",
             "bwd_flops",
@@ -180,6 +183,8 @@ class LayerGraph:
                     region.value,
                     len(layers),
                     format_count(t["num_params"]),
+                    format_count(t["num_params"] - t["num_frozen_params"]),
+                    format_count(t["num_frozen_params"]),
                     _flops(t["fwd_flops"]),
                     _flops(t["bwd_flops"]),
                     f"{100 * t['fwd_flops'] / total_fwd:.1f}",
@@ -193,6 +198,8 @@ class LayerGraph:
                 "total",
                 len(self.layers),
                 format_count(t["num_params"]),
+                format_count(t["num_params"] - t["num_frozen_params"]),
+                format_count(t["num_frozen_params"]),
                 _flops(t["fwd_flops"]),
                 _flops(t["bwd_flops"]),
                 "100.0",
@@ -206,6 +213,8 @@ class LayerGraph:
                 "region",
                 "layers",
                 "params",
+                "trainable",
+                "frozen",
                 "fwd FLOPs",
                 "bwd FLOPs",
                 "fwd %",

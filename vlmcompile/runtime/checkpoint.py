@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,43 @@ def latest(directory: str | Path | None) -> str | None:
     return str(path)
 
 
+def keep_newest(directory: str | Path, keep: int | None) -> list[str]:
+    """Remove all but the ``keep`` newest step directories of ``directory`` (call on one rank,
+    after :func:`save` moved the pointer); returns what was removed. The one ``latest`` names is
+    always kept."""
+    if keep is None:
+        return []
+    root = Path(directory)
+    pointer = root / LATEST
+    current = pointer.read_text().strip() if pointer.is_file() else None
+    steps = sorted(
+        (int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))
+    )
+    removed = []
+    for _, path in steps[:-keep]:
+        if path.name != current:
+            shutil.rmtree(path)
+            removed.append(str(path))
+    return removed
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint's step directory: ``path`` itself, or the one a run directory's ``latest``
+    names."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    found = latest(path)
+    if found is not None:
+        return Path(found)
+    steps = sorted(p.name for p in path.iterdir() if _STEP_DIR.match(p.name)) if path.is_dir() else []
+    raise CheckpointError(
+        f"{path} is not a checkpoint: it has no .metadata"
+        + (f" and no {LATEST} pointer (it holds {', '.join(steps)}: give one of them)" if steps else "")
+        + "; give a step_NNNNNN directory or the run's checkpoint directory"
+    )
+
+
 def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None = None) -> int:
     """Load this rank's share of the checkpoint at ``path`` into the runner's parameters, the
     optimizer and the scheduler (every rank calls it); returns the checkpoint's step."""
@@ -142,8 +180,10 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """The whole checkpoint in one process (no torch.distributed needed): ``{"model": state dict
-    under the original names, "optimizer": {name: {state: tensor}}, "step": int}``. The model part
-    loads into the original model: ``model.load_state_dict(load_checkpoint(path)["model"])``."""
+    under the original names, "optimizer": {name: {state: tensor}}, "step": int}``. ``path`` is a
+    step directory, or a run's checkpoint directory (its ``latest`` is read). The model part loads
+    into the original model: ``model.load_state_dict(load_checkpoint(path)["model"])``."""
+    path = resolve(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     nested: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
@@ -212,8 +252,7 @@ def _scheduler_json(scheduler) -> str:
 def _entries(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple]]:
     """Every stored entry's metadata (tensors, and the Python values an optimizer may keep) and
     its path in the saved state (``("optimizer", name, key)``)."""
-    if not (Path(path) / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a checkpoint (no .metadata): give a step_NNNNNN directory")
+    path = resolve(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     return dict(metadata.state_dict_metadata), dict(metadata.planner_data)
 

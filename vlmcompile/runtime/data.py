@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vlmcompile.ir.errors import ArgumentError, positive_int
+from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int
 
 
 def concat_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -22,9 +22,26 @@ def concat_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     processor's output for one example) joined along their first dimension; a non-tensor value
     must be the same in every sample."""
     out: dict[str, Any] = {}
+    keys = set(samples[0])
+    for i, sample in enumerate(samples):
+        if set(sample) != keys:
+            differ = sorted(keys ^ set(sample))
+            raise ArgumentError(
+                f"sample {i} of the batch has other keys than sample 0 (differing: {differ}); give every "
+                "sample the same keys, or a collate function that fills the missing ones"
+            )
     for key, first in samples[0].items():
         values = [s[key] for s in samples]
         if isinstance(first, torch.Tensor):
+            shapes = [tuple(v.shape[1:]) if isinstance(v, torch.Tensor) else None for v in values]
+            other = next((i for i, shape in enumerate(shapes) if shape != shapes[0]), None)
+            if other is not None:
+                got = list(values[other].shape) if shapes[other] is not None else type(values[other]).__name__
+                raise ArgumentError(
+                    f"samples of one batch differ in {key!r}: sample 0 is {list(first.shape)}, sample {other} "
+                    f"{got}. The pipeline is compiled for one batch shape: pad or crop every sample's "
+                    f"{key!r} to one shape (in the dataset, or a collate function given as collate=...)"
+                )
             out[key] = torch.cat(values)
         elif any(v != first for v in values):
             raise ArgumentError(f"samples disagree on {key!r} ({values[:3]}...); give a collate function")
@@ -67,4 +84,15 @@ class GlobalBatches:
         return order[k * self.global_batch : (k + 1) * self.global_batch].tolist()
 
     def __call__(self, step: int) -> Mapping[str, Any]:
-        return self.collate([self.dataset[i] for i in self.indices(step)])
+        indices = self.indices(step)
+        samples = [self.dataset[i] for i in indices]
+        try:
+            return self.collate(samples)
+        except VlmCompileError as err:
+            raise type(err)(f"{err} (dataset indices {indices})") from None
+        except Exception as err:  # the user's collate: say which samples, keep its traceback
+            name = getattr(self.collate, "__qualname__", type(self.collate).__name__)
+            raise ArgumentError(
+                f"the collate function {name} failed on dataset indices {indices}: "
+                f"{type(err).__name__}: {err}"
+            ) from err

@@ -257,6 +257,7 @@ class PipelineRunner:
         self.pp_rank, self.dp_rank, _ = self.parallel.coords(self.rank)
         self.rank_of_action = self.plan.rank_of_action()
         self.stages = {s.index: self.stages_all[s.index] for s in self.plan.stages_on(self.pp_rank)}
+        self._trains_before = self._stages_after_trainable()
         if self.device.type != "cpu":
             for stage in self.stages.values():
                 move_stage(stage, self.device)
@@ -283,6 +284,15 @@ class PipelineRunner:
             # member takes part: one collective over all ranks first.
             self._wait(dist.barrier(async_op=True), "the barrier that opens NCCL's communicator")
         self._ready = True
+
+    def _stages_after_trainable(self) -> list[bool]:
+        """Per stage: whether a stage before it holds a trainable parameter, so its inputs need
+        gradients (stage k's inputs come from stage k - 1, which carries everything earlier)."""
+        out, seen = [], False
+        for module in self.stages_all:
+            out.append(seen)
+            seen = seen or any(p.requires_grad for p in module.parameters())
+        return out
 
     def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
         """Parameters held on several pipeline ranks, one group per set of ranks: tied across
@@ -337,6 +347,7 @@ class PipelineRunner:
         return {id(p): min(self._holders[id(p)]) == self.pp_rank for p in self.parameters()}
 
     def parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters, frozen ones (``requires_grad=False``) included."""
         self.setup()
         seen, out = set(), []
         for stage in self.stages.values():
@@ -345,6 +356,11 @@ class PipelineRunner:
                     seen.add(id(p))
                     out.append(p)
         return out
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters that train (what an optimizer is built over): a frozen one gets
+        no gradient, as in eager, so it has no optimizer state, norm or reduction either."""
+        return [p for p in self.parameters() if p.requires_grad]
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This rank's parameters under the original model's names."""
@@ -462,8 +478,13 @@ class PipelineRunner:
             received = tuple(b.item() if flag else b for b, (_, _, flag) in zip(buffers, meta))
         else:
             received = self._recv_activations(s, i, state)
+        # Below a stage whose inputs come from frozen stages only, no gradient flows: eager's
+        # autograd never enters a frozen encoder, so neither does ours.
+        needs_grad = self._trains_before[s]
         leaves = tuple(
-            x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+            x.detach().requires_grad_(needs_grad and x.is_floating_point())
+            if isinstance(x, torch.Tensor)
+            else x
             for x in received
         )
         if self.autocast_dtype is None:
@@ -492,7 +513,7 @@ class PipelineRunner:
         s, i = action.stage, action.microbatch
         if s == self.plan.num_stages - 1:
             leaves, out = state.saved.pop((s, i))
-            if out is not None:
+            if out is not None and out.requires_grad:
                 out.backward()
         else:
             if self._rank_running(s + 1, ActionKind.B, i) == self.pp_rank:
@@ -815,25 +836,33 @@ class PipelineRunner:
         """Sum the gradients of ``params`` over ``group`` in one collective (one per tensor would
         pay the collective's latency per tensor). Every member reduces the same list: a parameter
         without a gradient here (its stage ran no microbatch, or only ones without label tokens)
-        may have one on another member, so it takes zeros."""
+        may have one on another member, so it takes zeros, and one count per parameter rides
+        along: a parameter no member has a gradient for keeps ``grad = None``, as in eager (where
+        AdamW then skips it: no weight decay, no state)."""
+        params = [p for p in params if p.requires_grad]  # frozen: no gradient, as in eager
+        if not params:
+            return
+        present = [p.grad is not None for p in params]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
-        if not grads:
-            return
         # One buffer per group, kept across steps: a fresh one costs page faults every step.
         numel = sum(g.numel() for g in grads)
         dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
         flat = self._flat.get(id(group))
-        if flat is None or flat.numel() != numel or flat.dtype != dtype:
-            flat = self._flat[id(group)] = torch.empty(numel, dtype=dtype, device=self.device)
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        if flat is None or flat.numel() != numel + len(grads) or flat.dtype != dtype:
+            flat = self._flat[id(group)] = torch.empty(numel + len(grads), dtype=dtype, device=self.device)
+        torch.cat([g.reshape(-1) for g in grads], out=flat[:numel])
+        flat[numel:].copy_(torch.tensor(present, dtype=dtype))
         self._wait(dist.all_reduce(flat, group=group, async_op=True), what)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+        for p, holders in zip(params, flat[numel:].tolist()):
+            if holders == 0:
+                p.grad = None
 
 
 def _parse_header(header: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype, bool]]:

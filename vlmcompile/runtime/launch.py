@@ -240,6 +240,9 @@ def launch(
     # arguments: multiprocessing writes those while it still holds the child's end of the pipe, so
     # a child that dies before reading them (a script without a main guard) would block that
     # write forever.
+    check_picklable("the function to run", fn)
+    for i, value in enumerate(args):
+        check_picklable(f"argument {i + 1} of {getattr(fn, '__name__', 'the function')}", value)
     work = pickle.dumps((fn, payload, tuple(args)))
     procs: list[Any] = []
     reports: list[Any] = []
@@ -291,6 +294,20 @@ def launch(
             for r in reports:
                 r.close()
             restore_signals(previous)  # a signal held meanwhile goes to the caller's handler
+
+
+def check_picklable(what: str, value: Any) -> None:
+    """Refuse, naming ``what`` and the fix, a value the local ranks cannot receive: they are
+    spawned processes, and everything they run on reaches them pickled."""
+    try:
+        pickle.dumps(value)
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        name = getattr(value, "__qualname__", type(value).__name__)
+        raise ArgumentError(
+            f"{what} ({name}) cannot be sent to the local ranks, which are separate processes: {err}. "
+            "Use a module-level function or class instance, or functools.partial of one (not a lambda "
+            "or a function defined inside another)"
+        ) from None
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """The training loop a user keeps: an optimizer over the rank's parameters, an LR schedule, a
 global gradient-norm clip, global batches from the user's data, checkpoints, and per-step
-metrics (loss, step time, samples/s, MFU).
+metrics (loss, LR, gradient norm, step time, samples/s, tokens/s, MFU, peak memory per rank).
 
 Every rank runs :func:`train_on_rank` with the same data: each step's global batch is the same on
 every rank, and the runner takes its data-parallel shard of it (rows ``dp_rank * m * mbs`` on)
@@ -10,23 +10,28 @@ Clipping is eager's: the norm is over every parameter of the model once, whichev
 it. A parameter held on several pipeline ranks (tied embeddings, a stage replicated over ranks)
 counts on its lowest holder only, and data-parallel replicas (equal after the gradient
 all-reduce) are summed over the world and divided by DP.
+
+Frozen parameters (``requires_grad=False``) train as in eager: no gradient, so no optimizer
+state, no part in the norm or the reductions, and the same bits after any number of steps.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from vlmcompile.ir.errors import ArgumentError, positive_int, positive_number
+from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int, positive_number
 from vlmcompile.runtime import checkpoint
 from vlmcompile.runtime.executor import BatchError, PipelineRunner
 
@@ -57,6 +62,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     """Save every this many steps (0: only after the last step, when ``checkpoint_dir`` is set)."""
+    keep_last: int | None = None
+    """Keep only this many of the newest checkpoints of the run's directory (None: keep all)."""
     resume: bool = False
     """Continue from the latest checkpoint in ``checkpoint_dir`` (from step 0 if there is none)."""
     log_jsonl: str | None = None
@@ -87,6 +94,8 @@ class TrainConfig:
             )
         if self.checkpoint_every < 0:
             raise ArgumentError(f"checkpoint_every={self.checkpoint_every} is negative")
+        if self.keep_last is not None:
+            positive_int("keep_last", self.keep_last, "how many of the newest checkpoints to keep, or None")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ArgumentError("checkpoint_every and resume need a checkpoint_dir")
 
@@ -133,13 +142,19 @@ class StepMetrics:
     """Rank 0's wall time of the step, forward to optimizer update (the loss all-reduce ends it
     on every rank together)."""
     samples_per_s: float
+    tokens_per_s: float
+    """LLM positions per second (text and image tokens, padding included, as Megatron-LM counts)."""
     mfu: float
     """Model FLOPs (forward + backward, no recompute) per second over the world's peak."""
+    peak_mem_bytes: tuple[int, ...]
+    """Per rank: the most memory it held in the step (GPU: allocated by torch; CPU: the process's
+    peak resident set so far, which only grows)."""
 
     def __str__(self) -> str:
         return (
             f"step {self.step}: loss {self.loss:.4f}, lr {self.lr:.3g}, grad norm {self.grad_norm:.3f}, "
-            f"{self.step_s:.3f} s, {self.samples_per_s:.1f} samples/s, MFU {100 * self.mfu:.1f} %"
+            f"{self.step_s:.3f} s, {self.samples_per_s:.1f} samples/s, {_rate(self.tokens_per_s)} tokens/s, "
+            f"MFU {100 * self.mfu:.1f} %, peak mem {_gib(max(self.peak_mem_bytes, default=0))} GiB"
         )
 
 
@@ -154,17 +169,37 @@ class TrainResult:
     def losses(self) -> list[float]:
         return [m.loss for m in self.steps]
 
+    def medians(self) -> dict[str, float]:
+        """The median of each rate over the same steps: all but the first (which pays for warm-up)
+        when there are several."""
+        timed = self.steps[1:] or self.steps
+        return {
+            key: statistics.median(getattr(m, key) for m in timed)
+            for key in ("step_s", "samples_per_s", "tokens_per_s", "mfu")
+        }
+
     def __str__(self) -> str:
         if not self.steps:
             return f"nothing to train: the checkpoint is at step {self.resumed_from} already"
-        median = statistics.median([m.step_s for m in self.steps[1:]] or [self.steps[0].step_s])
-        last = self.steps[-1]
+        first, last = self.steps[0], self.steps[-1]
+        m = self.medians()
+        which = f"steps {first.step + 1}-{last.step}" if len(self.steps) > 1 else f"step {first.step}"
+        peak = max(max(s.peak_mem_bytes, default=0) for s in self.steps)
         return (
-            f"trained steps {self.steps[0].step}-{last.step}: loss {self.steps[0].loss:.4f} -> {last.loss:.4f}; "
-            f"median step {median:.3f} s (after the first), {last.samples_per_s:.1f} samples/s, "
-            f"MFU {100 * last.mfu:.1f} %"
+            f"trained steps {first.step}-{last.step}: loss {first.loss:.4f} -> {last.loss:.4f}; "
+            f"medians over {which}: step {m['step_s']:.3f} s, {m['samples_per_s']:.2f} samples/s, "
+            f"{_rate(m['tokens_per_s'])} tokens/s, MFU {100 * m['mfu']:.1f} %; peak memory {_gib(peak)} GiB "
+            "on the busiest rank"
             + (f"; checkpoints: {', '.join(self.checkpoints)}" if self.checkpoints else "")
         )
+
+
+def _rate(x: float) -> str:
+    return f"{x / 1e3:.1f} K" if x >= 1e4 else f"{x:.0f}"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
 
 
 @dataclass(slots=True)
@@ -176,6 +211,8 @@ class Throughput:
     """Forward + backward FLOPs of one sample (no recompute)."""
     peak_flops_per_s: float
     """Of one device."""
+    tokens_per_sample: int = 0
+    """LLM positions of one sample (its sequence length, image tokens included)."""
     world_size: int = 1
     peak_of: str = ""
     """The device whose peak MFU is over."""
@@ -194,8 +231,7 @@ def train_on_rank(
     scheduler: SchedulerFactory | None = None,
 ) -> TrainResult:
     """Train ``config.steps`` steps on this rank (every rank calls it with the same arguments)."""
-    params = runner.parameters()
-    opt = (optimizer or config.adamw)(params)
+    opt = (optimizer or config.adamw)(_optimized_parameters(runner))
     sched = (scheduler or config.scheduler)(opt)
     start = 0
     if config.resume:
@@ -207,9 +243,9 @@ def train_on_rank(
     batches = _batches(data, start)
     for step in range(start, config.steps):
         began = time.perf_counter()  # the step's data is part of it, as in Megatron-LM's iteration time
-        batch = next(batches, None)
-        if batch is None:
-            raise ArgumentError(f"the data ran out after {step} global batches; config.steps={config.steps}")
+        if runner.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(runner.device)
+        batch = _next_batch(batches, step, config.steps)
         try:
             runner.check_batch(batch)
         except BatchError as err:
@@ -230,7 +266,9 @@ def train_on_rank(
             grad_norm=norm,
             step_s=step_s,
             samples_per_s=throughput.global_batch / step_s,
+            tokens_per_s=throughput.global_batch * throughput.tokens_per_sample / step_s,
             mfu=throughput.mfu(step_s),
+            peak_mem_bytes=_peak_memory_per_rank(runner),
         )
         out.append(metrics)
         log.write(metrics)
@@ -238,11 +276,56 @@ def train_on_rank(
         if config.checkpoint_dir and (
             last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
         ):
-            saved.append(
-                checkpoint.save(config.checkpoint_dir, step + 1, runner, opt, sched, config.schedule)
+            began = time.perf_counter()
+            path = checkpoint.save(config.checkpoint_dir, step + 1, runner, opt, sched, config.schedule)
+            saved.append(path)
+            removed = (
+                checkpoint.keep_newest(config.checkpoint_dir, config.keep_last) if runner.rank == 0 else []
             )
+            log.saved(path, time.perf_counter() - began, removed)
     log.close()
     return TrainResult(tuple(out), start, tuple(saved))
+
+
+def check_trainable(runner: PipelineRunner) -> None:
+    """Refuse a model whose every parameter is frozen: training it would do nothing."""
+    if not any(p.requires_grad for stage in runner.stages_all for p in stage.parameters()):
+        raise ArgumentError(
+            "every parameter of the model has requires_grad=False: there is nothing to train; unfreeze "
+            "what should train (module.requires_grad_(True)) before compile"
+        )
+
+
+def _optimized_parameters(runner: PipelineRunner) -> list[torch.nn.Parameter]:
+    """What the optimizer is built over: the rank's trainable parameters (a frozen one never has a
+    gradient, so it never has optimizer state either). A rank that holds frozen ones only (a
+    frozen encoder's stage) still gets an optimizer, over them: it steps nothing, as in eager."""
+    check_trainable(runner)
+    return runner.trainable_parameters() or runner.parameters()
+
+
+def _next_batch(batches: Iterator[Mapping[str, Any]], step: int, steps: int) -> Mapping[str, Any]:
+    """Step ``step``'s global batch (0-based; errors name the 1-based step being trained)."""
+    try:
+        batch = next(batches, None)
+    except VlmCompileError as err:
+        raise type(err)(f"the data's global batch for step {step + 1}: {err}") from None
+    if batch is None:
+        raise ArgumentError(f"the data ran out after {step} global batches; config.steps={steps}")
+    return batch
+
+
+def _peak_memory_per_rank(runner: PipelineRunner) -> tuple[int, ...]:
+    """Every rank's peak memory of the step, on every rank (one small all-gather)."""
+    if runner.device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated(runner.device)
+    else:  # Linux reports the peak resident set in KiB
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    world = dist.get_world_size()
+    gathered = torch.zeros(world, dtype=torch.int64, device=runner.device)
+    gathered[runner.rank] = mine
+    runner._wait(dist.all_reduce(gathered, async_op=True), "the all-reduce of every rank's peak memory")
+    return tuple(int(x) for x in gathered.tolist())
 
 
 def clip_grad_norm(runner: PipelineRunner, max_norm: float | None) -> float:
@@ -250,7 +333,7 @@ def clip_grad_norm(runner: PipelineRunner, max_norm: float | None) -> float:
     ``torch.nn.utils.clip_grad_norm_`` does on the eager model; returns the norm before."""
     owned, all_grads = [], []
     owners = runner.parameter_owners()
-    for p in runner.parameters():
+    for p in runner.trainable_parameters():
         if p.grad is None:
             continue
         all_grads.append(p.grad)
@@ -284,12 +367,13 @@ def _batches(data: Data, start: int) -> Iterator[Mapping[str, Any]]:
 
 
 class _StepLog:
-    """Rank 0's per-step output: a progress bar on a terminal (else a line every step), and JSON
-    lines on request."""
+    """Rank 0's per-step output: a progress bar with an ETA on a terminal (else a line every
+    step), a line per checkpoint saved, and JSON lines on request."""
 
     def __init__(self, active: bool, config: TrainConfig, start: int):
         self.active = active
         self.total = config.steps
+        self.times: list[float] = []
         self.bar = active and (config.progress if config.progress is not None else sys.stderr.isatty())
         self.jsonl = open(config.log_jsonl, "a") if active and config.log_jsonl else None  # noqa: SIM115
         if active and start:
@@ -298,18 +382,34 @@ class _StepLog:
     def write(self, m: StepMetrics) -> None:
         if not self.active:
             return
+        self.times.append(m.step_s)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(asdict(m)) + "\n")
             self.jsonl.flush()
         if self.bar:
             width = 30
             done = int(width * m.step / self.total)
-            sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {m}")
+            sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {m}, ETA {self.eta(m.step)}")
             if m.step == self.total:
                 sys.stderr.write("\n")
         else:
             print(m, file=sys.stderr)
         sys.stderr.flush()
+
+    def eta(self, step: int) -> str:
+        """The steps left at the median step time so far (the first step's warm-up left out)."""
+        timed = self.times[1:] or self.times
+        left = (self.total - step) * statistics.median(timed)
+        return f"{int(left // 60)}:{int(left % 60):02d}" if left < 3600 else f"{left / 3600:.1f} h"
+
+    def saved(self, path: str, took_s: float, removed: list[str]) -> None:
+        if not self.active:
+            return
+        size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        line = f"saved checkpoint {path} ({size / 2**20:.1f} MiB, {took_s:.1f} s)"
+        if removed:
+            line += f"; removed {', '.join(removed)} (keep_last)"
+        print(("\n" if self.bar else "") + line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.jsonl is not None:
@@ -333,7 +433,8 @@ def eager_training(
     for _ in range(config.steps):
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(batches).items()}
         optimizer.zero_grad(set_to_none=True)
-        loss = model(**batch)
+        out = model(**batch)
+        loss = out if isinstance(out, torch.Tensor) else out.loss  # transformers' ModelOutput
         loss.backward()
         if config.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
