@@ -52,6 +52,7 @@ from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOpti
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import CAUSES, SimResult, simulate
 from vlmcompile.sim.timeline import transfer_between_stages
+from vlmcompile.sim.units import column_decimals, format_ms, ms_decimals
 
 GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False), (8, False), (16, False))
 """(lookahead, fill_only) settings of the list scheduler tried on the fastest encoder plans."""
@@ -144,6 +145,17 @@ class EncoderPlanRow:
     peak_gib: float | None = None
     fits: bool = False
     verdict: str = ""
+    applies: bool = True
+    """False: the encoder plan cannot be built at this request (the verdict says why)."""
+
+    @property
+    def fits_text(self) -> str:
+        """yes / no for a plan with a peak; n/a where it cannot be built; - where it was skipped."""
+        if not self.applies:
+            return "n/a"
+        if self.peak_gib is None:
+            return "-"
+        return "yes" if self.fits else "no"
 
     @property
     def step_s(self) -> float | None:
@@ -183,6 +195,8 @@ class BubbleReport:
     lengthened a host is not counted)."""
     layer_level_step_s: float | None = None
     """The step before encoder work moved into the TP gaps (None: the same as ``step_s``)."""
+    show_plan: bool = True
+    """Print the plan at the end (off where a report before this one prints the plan chosen)."""
 
     @property
     def hidden_share(self) -> float:
@@ -195,14 +209,15 @@ class BubbleReport:
         return self.step_s / self.llm_alone_step_s if self.llm_alone_step_s > 0 else float("inf")
 
     def rows_table(self) -> str:
+        decimals = column_decimals(s for r in self.rows for s in (r.greedy_step_s, r.solved_step_s))
         lines = [
             [
                 str(r.encoder),
                 r.degrees,
-                _ms(r.greedy_step_s),
-                _ms(r.solved_step_s),
+                format_ms(r.greedy_step_s, decimals=decimals),
+                format_ms(r.solved_step_s, decimals=decimals),
                 f"{r.peak_gib:.1f}" if r.peak_gib is not None else "-",
-                "yes" if r.fits else "no",
+                r.fits_text,
                 r.verdict,
             ]
             for r in self.rows
@@ -219,31 +234,39 @@ class BubbleReport:
                 "verdict",
             ],
             disable_numparse=True,
+            maxcolwidths=[None] * 6 + [80],  # a long verdict wraps, never cut
         )
 
     def bubbles_table(self) -> str:
         lines = []
+        decimals = ms_decimals(self.step_s)  # idle times are parts of a step: its precision
         for rank, (before, after) in enumerate(zip(self.bubbles_before, self.bubbles_after)):
-            lines.append([rank] + [f"{before[c] * 1e3:.1f} -> {after[c] * 1e3:.1f}" for c in CAUSES])
+            lines.append(
+                [rank]
+                + [
+                    f"{format_ms(before[c], decimals=decimals)} -> {format_ms(after[c], decimals=decimals)}"
+                    for c in CAUSES
+                ]
+            )
         return tabulate(lines, headers=["rank", *[f"{c} ms" for c in CAUSES]], disable_numparse=True)
 
     def __str__(self) -> str:
         gap = f", gap {100 * self.gap:.2f} %" if self.gap is not None else ""
         objective = (
-            f"objective {self.objective_s * 1e3:.1f} ms, bound {self.bound_s * 1e3:.1f} ms{gap}"
+            f"objective {format_ms(self.objective_s)} ms, bound {format_ms(self.bound_s)} ms{gap}"
             if self.objective_s is not None and self.bound_s is not None
             else "no objective"
         )
         head = [
             f"encoder work in the LLM's bubbles for {self.request}: {self.chosen} "
             f"({self.plan.parallel[ep.ENCODER_GROUP]}), recompute {self.recompute}",
-            f"simulated step {self.step_s * 1e3:.1f} ms; phased (encoder forwards first, backwards last) "
-            f"{self.phased_step_s * 1e3:.1f} ms; the LLM alone {self.llm_alone_step_s * 1e3:.1f} ms "
+            f"simulated step {format_ms(self.step_s)} ms; phased (encoder forwards first, backwards last) "
+            f"{format_ms(self.phased_step_s)} ms; the LLM alone {format_ms(self.llm_alone_step_s)} ms "
             f"(encoder overhead {self.encoder_overhead:.3f}x)",
-            f"encoder compute hidden in bubbles: {100 * self.hidden_share:.0f} % of {self.encoder_compute_s * 1e3:.1f} ms "
+            f"encoder compute hidden in bubbles: {100 * self.hidden_share:.0f} % of {format_ms(self.encoder_compute_s)} ms "
             f"(layer level {100 * self.layer_hidden_share:.0f} %, kernel level {100 * self.kernel_hidden_share:.0f} %"
             + (
-                f": {self.layer_level_step_s * 1e3:.1f} -> {self.step_s * 1e3:.1f} ms"
+                f": {format_ms(self.layer_level_step_s)} -> {format_ms(self.step_s)} ms"
                 if self.layer_level_step_s is not None
                 else ""
             )
@@ -256,14 +279,9 @@ class BubbleReport:
             "",
             "idle per rank by cause, phased -> scheduled (simulated):",
             self.bubbles_table(),
-            "",
-            str(self.plan),
+            *(["", str(self.plan)] if self.show_plan else []),
         ]
         return "\n".join(head)
-
-
-def _ms(value: float | None) -> str:
-    return f"{value * 1e3:.1f}" if value is not None else "-"
 
 
 def candidate_encoder_plans(layer_graph: LayerGraph, request: PlanRequest) -> list[ep.EncoderPlan]:
@@ -445,7 +463,7 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, parts, names, coun
         try:
             encoder.check_against(llm, request.microbatch_size)
         except PlanError as err:
-            rows[encoder] = EncoderPlanRow(encoder, "-", None, verdict=f"cannot: {err}")
+            rows[encoder] = EncoderPlanRow(encoder, "-", None, verdict=f"cannot: {err}", applies=False)
             continue
         enc_par = encoder.parallel(llm)
         degrees = f"{enc_par.dp}/{enc_par.tp}/{enc_par.pp}"
@@ -466,7 +484,7 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, parts, names, coun
                 decisions=[],
             )
         except PlanError as err:
-            rows[encoder] = EncoderPlanRow(encoder, degrees, None, verdict=f"cannot: {err}")
+            rows[encoder] = EncoderPlanRow(encoder, degrees, None, verdict=f"cannot: {err}", applies=False)
             continue
         costs = plan_costs(phased, layer_graph, cluster)
         states = max(costs.static_bytes)
@@ -574,14 +592,14 @@ def _result(
             "encoder plan",
             Reason.SEPARATE_ENCODER_PLAN,
             f"{chosen.encoder} ({plan.parallel[ep.ENCODER_GROUP]}) beside the LLM's {request.parallel}: the "
-            f"fastest of {len(rows)} encoder plans tried (simulated {sim.step_time_s * 1e3:.1f} ms)",
+            f"fastest of {len(rows)} encoder plans tried (simulated {format_ms(sim.step_time_s)} ms)",
             {"step_s": sim.step_time_s},
         ),
         Decision(
             "schedule",
             Reason.BUBBLE_SCHEDULE,
             f"{used}: encoder work placed around the LLM's {request.schedule_name.value} order "
-            f"(phased {phased_sim.step_time_s * 1e3:.1f} ms -> {sim.step_time_s * 1e3:.1f} ms simulated)",
+            f"(phased {format_ms(phased_sim.step_time_s)} ms -> {format_ms(sim.step_time_s)} ms simulated)",
             {"phased_step_s": phased_sim.step_time_s, "step_s": sim.step_time_s},
         ),
     ]
@@ -591,7 +609,7 @@ def _result(
                 "kernel level",
                 Reason.BUBBLE_SCHEDULE,
                 f"{len(plan.kernel_level)} encoder actions run inside LLM actions' TP gaps "
-                f"({layer_level_s * 1e3:.1f} -> {sim.step_time_s * 1e3:.1f} ms simulated)",
+                f"({format_ms(layer_level_s)} -> {format_ms(sim.step_time_s)} ms simulated)",
                 {"layer_level_step_s": layer_level_s, "step_s": sim.step_time_s},
             )
         )
@@ -710,4 +728,4 @@ def _verdict(row: EncoderPlanRow, chosen: _Candidate) -> str:
     if not row.fits:
         return "does not fit in memory"
     step = row.step_s
-    return f"slower: +{(step - chosen.sim.step_time_s) * 1e3:.1f} ms" if step is not None else "-"
+    return f"slower: +{format_ms(step - chosen.sim.step_time_s)} ms" if step is not None else "-"

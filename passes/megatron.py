@@ -39,7 +39,7 @@ from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute
 from vlmcompile.ir.regions import ENCODER_REGIONS, LANGUAGE_REGIONS, Region
 from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import chunks_of
-from vlmcompile.planning.request import GlobalRecompute, PlanRequest
+from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import simulate
 
@@ -64,7 +64,7 @@ def model_parts(layer_graph: LayerGraph) -> ModelParts:
         if layer.region in (Region.LLM, Region.TEXT) and layer.block
     ]
     if not decoder_idx:
-        raise PlanError(
+        raise NotApplicable(
             "the model has no LLM decoder layers (transformer blocks in the llm or text region); Megatron's "
             "pipeline splits decoder layers, so plan it with pp=1 or another policy"
         )
@@ -72,7 +72,7 @@ def model_parts(layer_graph: LayerGraph) -> ModelParts:
     names = [layer.name for layer in layer_graph.layers]
     between = [n for i, n in enumerate(names[first : last + 1], first) if i not in set(decoder_idx)]
     if between:
-        raise PlanError(
+        raise NotApplicable(
             f"layers {between[:3]} sit between LLM decoder layers; Megatron's split cannot place them"
         )
     return ModelParts(tuple(names[:first]), tuple(names[first : last + 1]), tuple(names[last + 1 :]))
@@ -255,7 +255,7 @@ def _llava_chunks(
     chunks[-1] = chunks[-1] + list(parts.post)
     if not all(chunks):
         empty = [k for k, c in enumerate(chunks) if not c]
-        raise PlanError(
+        raise NotApplicable(
             f"virtual stages {empty} get no layers; lower pp x v ({pp} x {v}) or the first/last counts"
         )
     encoder = [n for n in parts.pre if layer_graph[n].region is not Region.LLM]
@@ -280,7 +280,7 @@ def _chain_chunks(layer_graph: LayerGraph, pp: int, v: int) -> tuple[list[list[s
     blocks = [layer.index for layer in layer_graph.layers if layer.block and layer.region in chained]
     stages = pp * v
     if stages > len(blocks):
-        raise PlanError(
+        raise NotApplicable(
             f"placement 'chain' splits {len(blocks)} encoder and decoder layers over pp x v = {pp} x {v} = "
             f"{stages} virtual stages; every stage needs a layer, so lower pp x v to at most {len(blocks)}, "
             "or use placement 'llava'"
@@ -318,7 +318,7 @@ def _decoder_split(
     if first is None and last is None:
         if num_layers % stages:
             divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
-            raise PlanError(
+            raise NotApplicable(
                 f"{num_layers} decoder layers do not split evenly over pp x v = {pp} x {v} = {stages} virtual "
                 f"stages; choose pp x v in {divisors}, or set first_stage_layers / last_stage_layers"
             )

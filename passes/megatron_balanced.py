@@ -33,6 +33,7 @@ from vlmcompile.passes.megatron import (
 from vlmcompile.planning.chunks import balanced_split, chunks_of
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest
 from vlmcompile.planning.result import PolicyResult
+from vlmcompile.sim.units import format_ms
 
 
 def megatron_balanced(
@@ -58,7 +59,7 @@ def megatron_balanced(
             "layer split",
             Reason.BALANCED,
             f"{len(times)} layers over {num_stages} virtual stages by the appendix-B dynamic program: "
-            f"slowest stage {max(stage_times) * 1e3:.2f} ms, fastest {min(stage_times) * 1e3:.2f} ms "
+            f"slowest stage {format_ms(max(stage_times))} ms, fastest {format_ms(min(stage_times))} ms "
             f"(fwd + bwd of one microbatch); layers per stage {counts}",
             {"max_stage_s": max(stage_times), "min_stage_s": min(stage_times)},
         ),

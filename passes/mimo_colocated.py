@@ -22,12 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason
 from vlmcompile.passes.megatron import model_parts, recompute_decision, recompute_flags
 from vlmcompile.planning.build import build_plan
-from vlmcompile.planning.request import GlobalRecompute, PlanRequest
+from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import simulate
 
@@ -55,7 +54,7 @@ def mimo_colocated(
     """MIMO's colocated plan for ``request`` (see the module docstring); it needs pp = 1."""
     par = request.parallel
     if par.pp != 1 or par.v != 1:
-        raise PlanError(
+        raise NotApplicable(
             f"mimo_colocated runs every module on every rank without a pipeline ({SOURCE}); it cannot plan "
             f"pp={par.pp}, v={par.v}: ask for pp=1 (the GPUs go to data and tensor parallelism) or use megatron"
         )

@@ -36,16 +36,17 @@ from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute
 from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import chunks_by_stage, stage_of_counts
 from vlmcompile.planning.problem import PartitionProblem, evaluate, partition_problem
-from vlmcompile.planning.request import PlanRequest
+from vlmcompile.planning.request import NotApplicable, PlanRequest
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import simulate
+from vlmcompile.sim.units import column_decimals, format_ms
 
 
 def anchor_counts(fwd_s: list[float] | tuple[float, ...], num_stages: int) -> list[int]:
     """Layers per stage of the greedy anchor: cut k where the forward prefix is closest to k/S."""
     n = len(fwd_s)
     if num_stages > n:
-        raise PlanError(f"{num_stages} stages for {n} layers; every stage needs a layer")
+        raise NotApplicable(f"{num_stages} stages for {n} layers; every stage needs a layer")
     prefix = np.concatenate([[0.0], np.cumsum(fwd_s)])
     cuts, prev = [], 0
     for k in range(1, num_stages):
@@ -93,11 +94,12 @@ class OmniBalReport:
     evaluated: tuple[Candidate, ...]
 
     def __str__(self) -> str:
+        decimals = column_decimals(c.step_s for c in self.evaluated)
         rows = [
             [
                 " ".join(map(str, c.cuts)),
                 f"{c.metric:.3f}",
-                f"{c.step_s * 1e3:.1f}" if c.step_s is not None else "-",
+                format_ms(c.step_s, decimals=decimals),
                 c.recomputed,
                 "yes" if c.fits else "no",
             ]

@@ -16,12 +16,18 @@ flash-attention kernels we annotate (see :mod:`vlmcompile.cost_models.memory`).
 
 The solver starts from a warm start (the best baseline's cut and flags when the caller has one,
 else the balanced split without recompute); the plan returned is the faster of the solver's
-and the warm start's in the simulator, and the report says which and why.
+and the warm start's in the simulator, and the report says which and why. The solver's models
+leave out the overlap of the DP collectives with compute (the simulator times them per layer),
+so their optimum can simulate slower than a plan given to it: that is why the comparison is
+made. A warm start may come from other degrees or another microbatch (a plan search's previous
+candidate): its cuts and recompute are rebuilt and simulated at this request, so the two
+compared are like for like.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tabulate import tabulate
@@ -40,6 +46,7 @@ from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
 from vlmcompile.planning.stage_cuts import Infeasible, Solution, solve
 from vlmcompile.sim.simulator import SimResult, simulate
+from vlmcompile.sim.units import column_decimals, format_ms
 
 GiB = 2**30
 
@@ -79,6 +86,7 @@ class PartitionReport:
 
     def stage_table(self) -> str:
         rows = []
+        decimals = column_decimals([t for s in self.stages for t in (s.fwd_s, s.bwd_s)])
         for s in self.stages:
             regions = ", ".join(f"{k} {n}" for k, n in s.regions.items())
             rc = len(s.recomputed)
@@ -89,9 +97,9 @@ class PartitionReport:
                     s.index,
                     s.rank,
                     regions,
-                    f"{s.fwd_s * 1e3:.2f}",
-                    f"{s.bwd_s * 1e3:.2f}",
-                    f"{rc} (+{cost * 1e3:.2f} ms, -{freed / GiB:.2f} GiB)" if rc else "0",
+                    format_ms(s.fwd_s, decimals=decimals),
+                    format_ms(s.bwd_s, decimals=decimals),
+                    f"{rc} (+{format_ms(cost)} ms, -{freed / GiB:.2f} GiB)" if rc else "0",
                     f"{s.rank_peak_bytes / GiB:.2f} / {s.limit_bytes / GiB:.2f}",
                     f"{s.boundary_bytes / 2**20:.2f}",
                 ]
@@ -110,7 +118,7 @@ class PartitionReport:
 
     def recompute_table(self) -> str:
         rows = [
-            [s.index, name, f"{extra * 1e3:.3f}", f"{freed / 2**20:.1f}"]
+            [s.index, name, format_ms(extra), f"{freed / 2**20:.1f}"]
             for s in self.stages
             for name, extra, freed in s.recomputed
         ]
@@ -128,11 +136,11 @@ class PartitionReport:
             str(self.plan),
             "",
             solver,
-            f"step time: solver model {self.model_step_s * 1e3:.2f} ms, simulator {self.sim.step_time_s * 1e3:.2f} ms "
+            f"step time: solver model {format_ms(self.model_step_s)} ms, simulator {format_ms(self.sim.step_time_s)} ms "
             f"(model error {100 * self.model_error:+.1f} %; both predictions of the cost model)",
         ]
         if self.warm_start_step_s is not None:
-            lines.append(f"warm start simulated: {self.warm_start_step_s * 1e3:.2f} ms")
+            lines.append(f"warm start simulated: {format_ms(self.warm_start_step_s)} ms")
         lines += ["", self.stage_table(), "", self.recompute_table()]
         return "\n".join(lines)
 
@@ -143,15 +151,17 @@ def partition(
     request: PlanRequest,
     *,
     solver: SolverOptions = SolverOptions(),
-    warm_start: Plan | None = None,
+    warm_start: Plan | Sequence[Plan] | None = None,
 ) -> PolicyResult:
     """Choose stage cuts and per-layer recompute for ``request`` (see the module docstring).
 
     Args:
         solver: CP-SAT's time limit and workers; on a timeout the best plan found is returned
             and the report says so.
-        warm_start: a plan for the same request (e.g. the best baseline's) to start the solver
-            from and to return instead if the simulator finds it faster.
+        warm_start: one plan or several (e.g. the best baseline's) with ``request``'s pp x v
+            stages, for this request or other degrees (their cuts and recompute are taken): the
+            solver starts from the fastest in the simulator, and that one is returned instead of
+            the solver's plan if it simulates faster. Plans with other stages are ignored.
 
     Raises:
         PlanError: no cut and recompute choice fits in memory; the message gives the least
@@ -170,8 +180,9 @@ def partition(
             "every stage needs a layer"
         )
     problem = partition_problem(layer_graph, cluster, request)
+    warm = _fastest_warm_start(layer_graph, cluster, request, problem, warm_start)
     try:
-        solution = solve(problem, solver, hint=_hint(problem, warm_start))
+        solution = solve(problem, solver, hint=_hint(problem, warm[0] if warm else None))
     except Infeasible as err:
         if err.status == "INFEASIBLE":
             raise PlanError(_no_fit_message(problem, request, solver)) from None
@@ -183,11 +194,11 @@ def partition(
     plan = _plan_from(layer_graph, cluster, request, problem, solution)
     sim = simulate(plan, layer_graph, cluster)
     warm_s = None
-    if warm_start is not None:
-        warm_sim = simulate(warm_start, layer_graph, cluster)
+    if warm is not None:
+        warm_plan, warm_sim = warm
         warm_s = warm_sim.step_time_s
         if warm_s < sim.step_time_s and warm_sim.fits:
-            plan = _keep_warm_start(layer_graph, cluster, request, problem, solution, warm_start, warm_s, sim)
+            plan = _keep_warm_start(layer_graph, cluster, request, problem, solution, warm_plan, warm_s, sim)
             sim = simulate(plan, layer_graph, cluster)
     stage_of = tuple(plan.stage_of()[n] for n in problem.names)
     flags = tuple(plan.recompute_of(n) is not Recompute.NONE for n in problem.names)
@@ -224,10 +235,58 @@ def _keep_warm_start(
         note=Decision(
             "stage cuts",
             Reason.WARM_START,
-            f"the warm start ({warm_start.policy}) simulates faster ({warm_s * 1e3:.2f} ms) than the "
-            f"solver's plan ({solver_sim.step_time_s * 1e3:.2f} ms), so its cuts and recompute are kept",
+            f"the warm start ({warm_start.policy}) simulates faster ({format_ms(warm_s)} ms) than the "
+            f"solver's plan ({format_ms(solver_sim.step_time_s)} ms), so its cuts and recompute are kept",
             {"warm_start_s": warm_s, "solver_plan_s": solver_sim.step_time_s},
         ),
+    )
+
+
+def _fastest_warm_start(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    request: PlanRequest,
+    problem: PartitionProblem,
+    given: Plan | Sequence[Plan] | None,
+) -> tuple[Plan, SimResult] | None:
+    """The warm start that simulates fastest at ``request`` (one that fits before one that does
+    not), each rebuilt for ``request`` where it was made for other degrees or microbatches;
+    None when none has ``request``'s stages over the same layers."""
+    plans = [given] if isinstance(given, Plan) else list(given or ())
+    usable = [
+        p
+        for p in plans
+        if set(p.parallel) == {"model"}
+        and p.num_stages == problem.num_stages
+        and set(p.stage_of()) == set(problem.names)
+    ]
+    timed = []
+    for p in usable:
+        at_request = p if _made_for(p, request) else _rebuilt(layer_graph, cluster, request, p)
+        timed.append((at_request, simulate(at_request, layer_graph, cluster)))
+    return min(timed, key=lambda ps: (not ps[1].fits, ps[1].step_time_s)) if timed else None
+
+
+def _made_for(plan: Plan, request: PlanRequest) -> bool:
+    return (
+        plan.pipeline_parallel == request.parallel
+        and plan.microbatch_size == request.microbatch_size
+        and plan.num_microbatches == request.num_microbatches
+        and plan.schedule == request.schedule_name.value
+    )
+
+
+def _rebuilt(layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest, plan: Plan) -> Plan:
+    """``plan``'s stages and recompute as a plan for ``request`` (a start for the solver: its
+    decisions are not carried over)."""
+    return build_plan(
+        layer_graph,
+        cluster,
+        request,
+        policy=plan.policy,
+        chunks=[list(st.layers) for st in plan.stages],
+        recompute=dict(plan.recompute),
+        decisions=[],
     )
 
 
@@ -282,7 +341,7 @@ def _plan_from(
                 Decision(
                     name,
                     Reason.LAYER_RECOMPUTE,
-                    f"recomputed: +{redo * 1e3:.3f} ms backward per microbatch, keeps "
+                    f"recomputed: +{format_ms(redo)} ms backward per microbatch, keeps "
                     f"{act_rc / 2**20:.1f} MiB instead of {act / 2**20:.1f} MiB per microbatch in flight",
                     {"extra_s": redo, "kept_bytes": act_rc, "saved_bytes": act},
                 )

@@ -16,8 +16,14 @@ started from their own cuts, for ``SolverOptions.timeline_share`` of the limit e
 the schedule action by action, which the closed form only bounds, and costs seconds per
 candidate. The fastest simulated plan that fits wins.
 
-Work is reused: layer costs per (TP, DP, microbatch size) are computed once for the bounds,
-and the plan of a solved candidate warm-starts the next one with the same PP x v.
+A candidate's partition starts from every plan the search has for it: one given for its
+request, the plan to beat there (``baseline``: the fastest baseline's, from
+:func:`~vlmcompile.passes.policies.search_and_compare`), and the plan of the last solved
+candidate with the same PP x v. The partition returns the fastest of them in the simulator when
+the solver's own plan is slower - the solver's models leave out the DP collectives' overlap, so
+their optimum is not always the simulator's - and so no candidate is slower than its baseline.
+
+Work is reused: layer costs per (TP, DP, microbatch size) are computed once for the bounds.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tabulate import tabulate
@@ -35,11 +41,15 @@ from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import layer_costs, layer_state_bytes
 from vlmcompile.ir.errors import ClusterError, PlanError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Parallel, Plan
+from vlmcompile.ir.plan import Parallel, Plan, Reason
 from vlmcompile.passes.partition import partition
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import SimResult
+from vlmcompile.sim.units import column_decimals, format_ms
+
+REASON_WIDTH = 90
+"""Characters per line of the search table's "why" column: a longer reason wraps, it is never cut."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +75,14 @@ class SearchReport:
         order = {"chosen": 0, "planned": 1, "failed": 2, "pruned": 3}
         rows = sorted(self.candidates, key=lambda c: (order[c.outcome], c.step_s or c.lower_bound_s))
         shown = rows if limit is None else rows[:limit]
+        # One number of decimals for both time columns, enough to tell the closest rows apart.
+        decimals = column_decimals([*(c.step_s for c in shown), *(c.lower_bound_s for c in shown)])
         lines = [
             [
                 str(c.request),
                 c.outcome,
-                f"{c.step_s * 1e3:.2f}" if c.step_s is not None else "-",
-                f"{c.lower_bound_s * 1e3:.2f}",
+                format_ms(c.step_s, decimals=decimals),
+                format_ms(c.lower_bound_s, decimals=decimals),
                 f"{c.peak_bytes / 2**30:.1f}" if c.peak_bytes is not None else "-",
                 c.reason,
             ]
@@ -80,6 +92,7 @@ class SearchReport:
             lines,
             headers=["degrees", "outcome", "simulated ms", "lower bound ms", "peak GiB", "why"],
             disable_numparse=True,
+            maxcolwidths=[None, None, None, None, None, REASON_WIDTH],
         )
         more = f"\n... and {len(rows) - len(shown)} more" if len(shown) < len(rows) else ""
         return table + more
@@ -137,6 +150,7 @@ def plan_search(
     solver: SolverOptions = SolverOptions(time_limit_s=3.0),
     include: Iterable[PlanRequest] = (),
     warm_starts: Mapping[PlanRequest, Plan] | None = None,
+    baseline: Callable[[PlanRequest], Plan | None] | None = None,
     polish: int = 4,
     progress: bool = True,
 ) -> PolicyResult:
@@ -149,6 +163,9 @@ def plan_search(
         warm_starts: plans already made for some requests (e.g. our partition at a paper's, with
             a longer time limit): the partition of those candidates starts from them, so the
             search never returns a slower plan than one it was given.
+        baseline: the plan to beat at a request (None where there is none), asked for each
+            candidate the search partitions; its partition starts from it too, so the plan
+            chosen is never slower than that request's baseline.
         polish: how many of the fastest plans found with the closed-form model are solved again
             with the timeline model (0: none).
         progress: a progress bar on stderr.
@@ -170,7 +187,7 @@ def plan_search(
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     with_closed_form = dataclasses.replace(solver, timeline_share=0.0)
     rows, results = _visit_all(
-        layer_graph, cluster, todo, bounds, cap, with_closed_form, warm_starts or {}, bar
+        layer_graph, cluster, todo, bounds, cap, with_closed_form, warm_starts or {}, baseline, bar
     )
     if not any(res.fits for res in results.values()):
         bar.close()
@@ -202,6 +219,7 @@ def _visit_all(
     cap: float,
     solver: SolverOptions,
     warm_starts: Mapping[PlanRequest, Plan],
+    baseline: Callable[[PlanRequest], Plan | None] | None,
     bar,
 ) -> tuple[dict[PlanRequest, CandidateRow], dict[PlanRequest, PolicyResult]]:
     """Every candidate in ``todo``'s order: its row, and its plan where it has one. A solved
@@ -213,9 +231,9 @@ def _visit_all(
     for request in todo:
         bar.update(1)
         par = request.parallel
-        warm = warm_starts.get(request) or hints.get((par.pp, par.v))
+        given = [p for p in (warm_starts.get(request), hints.get((par.pp, par.v))) if p is not None]
         rows[request], result = _visit(
-            layer_graph, cluster, request, bounds[request], cap, best, solver, warm
+            layer_graph, cluster, request, bounds[request], cap, best, solver, given, baseline
         )
         if result is None:
             continue
@@ -223,7 +241,7 @@ def _visit_all(
         hints[(par.pp, par.v)] = result.plan
         if result.fits and (best is None or result.sim.step_time_s < best.sim.step_time_s):
             best = result
-        bar.set_postfix_str(f"best {best.sim.step_time_s * 1e3:.0f} ms" if best else "none fits yet")
+        bar.set_postfix_str(f"best {format_ms(best.sim.step_time_s)} ms" if best else "none fits yet")
     return rows, results
 
 
@@ -252,7 +270,7 @@ def _polish(
             results[request] = result
             rows[request] = dataclasses.replace(
                 rows[request],
-                reason="timeline polish: " + result.report.solution.summary(),
+                reason="timeline polish: " + _how_made(result),
                 step_s=result.sim.step_time_s,
                 peak_bytes=max(result.sim.peak_mem_bytes),
             )
@@ -286,24 +304,35 @@ def _visit(
     cap: float,
     best: PolicyResult | None,
     solver: SolverOptions,
-    warm_start: Plan | None,
+    warm_starts: Sequence[Plan],
+    baseline: Callable[[PlanRequest], Plan | None] | None,
 ) -> tuple[CandidateRow, PolicyResult | None]:
-    """One candidate: pruned by its bounds, or partitioned; its row, and its plan if it has one."""
+    """One candidate: pruned by its bounds, or partitioned from ``warm_starts`` and the plan to
+    beat there (``baseline``); its row, and its plan if it has one."""
     lower, states = bounds
     if states > cap:
         return CandidateRow(
             request, "pruned", f"model states alone need {states / 2**30:.1f} GiB per rank", lower
         ), None
     if best is not None and lower >= best.sim.step_time_s:
-        why = f"lower bound >= best found ({best.sim.step_time_s * 1e3:.1f} ms)"
+        why = f"lower bound >= best found ({format_ms(best.sim.step_time_s)} ms)"
         return CandidateRow(request, "pruned", why, lower), None
     try:
-        result = partition(layer_graph, cluster, request, solver=solver, warm_start=warm_start)
+        to_beat = baseline(request) if baseline is not None else None
+        starts = [*warm_starts, to_beat] if to_beat is not None else list(warm_starts)
+        result = partition(layer_graph, cluster, request, solver=solver, warm_start=starts)
     except (PlanError, ClusterError) as err:
-        return CandidateRow(request, "failed", str(err).split(": ", 1)[-1][:120], lower), None
+        return CandidateRow(request, "failed", str(err), lower), None
     sim = result.sim
-    summary = result.report.solution.summary()
-    return CandidateRow(request, "planned", summary, lower, sim.step_time_s, max(sim.peak_mem_bytes)), result
+    return CandidateRow(
+        request, "planned", _how_made(result), lower, sim.step_time_s, max(sim.peak_mem_bytes)
+    ), result
+
+
+def _how_made(result: PolicyResult) -> str:
+    """The solver's summary, and where a warm start simulated faster than its plan, that one's."""
+    kept = [d.detail for d in result.plan.decisions if d.reason is Reason.WARM_START]
+    return "; ".join([result.report.solution.summary(), *kept[-1:]])
 
 
 def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, least_states: float) -> str:

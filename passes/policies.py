@@ -12,6 +12,7 @@ cap: device memory less :data:`~vlmcompile.cost_models.memory.MEMORY_RESERVE`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
@@ -19,7 +20,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason
-from vlmcompile.passes.bubbles import bubbles
+from vlmcompile.passes.bubbles import BubbleReport, bubbles
 from vlmcompile.passes.megatron import EncoderPlacement, megatron
 from vlmcompile.passes.megatron_balanced import megatron_balanced
 from vlmcompile.passes.mimo_colocated import mimo_colocated
@@ -30,11 +31,13 @@ from vlmcompile.passes.torchtitan_vlm import torchtitan_vlm
 from vlmcompile.planning.request import (
     RECOMPUTE_LADDER,
     GlobalRecompute,
+    NotApplicable,
     PlanRequest,
     SearchSpace,
     SolverOptions,
 )
 from vlmcompile.planning.result import PolicyResult, PolicyRow, Reports
+from vlmcompile.sim.units import format_ms
 
 POLICIES: dict[str, Callable[..., PolicyResult]] = {
     "megatron": megatron,
@@ -150,10 +153,8 @@ def _ours_with_baselines(
     layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest, solver: SolverOptions
 ) -> PolicyResult:
     runs, rows = compare_baselines(layer_graph, cluster, request)
-    stages = request.parallel.pp * request.parallel.v
-    fitting = [r for r in runs if r.fits and r.plan.num_stages == stages]
-    warm = min(fitting, key=lambda r: r.sim.step_time_s).plan if fitting else None
-    result = partition(layer_graph, cluster, request, solver=solver, warm_start=warm)
+    warm = fastest_baseline(runs, request)
+    result = partition(layer_graph, cluster, request, solver=solver, warm_start=warm.plan if warm else None)
     return dataclasses.replace(
         with_encoder_in_bubbles(result, layer_graph, cluster, request, solver), baselines=rows
     )
@@ -188,17 +189,17 @@ def with_encoder_in_bubbles(
         said = Decision(
             "plan",
             Reason.SEPARATE_ENCODER_PLAN,
-            f"the encoder-in-bubbles plan ({theirs * 1e3:.1f} ms simulated) beats the best single chain of stage "
-            f"cuts ({ours * 1e3:.1f} ms)",
+            f"the encoder-in-bubbles plan ({format_ms(theirs)} ms simulated) beats the best single chain of stage "
+            f"cuts ({format_ms(ours)} ms)",
             {"chain_step_s": ours, "step_s": theirs},
         )
         return _with_decision(other, said, Reports((result.report, other.report)))
     said = Decision(
         "plan",
         Reason.SEPARATE_ENCODER_PLAN,
-        f"the encoder-in-bubbles plan ({theirs * 1e3:.1f} ms simulated"
+        f"the encoder-in-bubbles plan ({format_ms(theirs)} ms simulated"
         + ("" if other.fits else ", over the memory cap")
-        + f") does not beat this chain of stage cuts ({ours * 1e3:.1f} ms)",
+        + f") does not beat this chain of stage cuts ({format_ms(ours)} ms)",
         {"bubbles_step_s": theirs, "step_s": ours},
     )
     return _with_decision(result, said)
@@ -214,27 +215,44 @@ def _with_decision(result: PolicyResult, said: Decision, report=None) -> PolicyR
 def compare_baselines(
     layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest
 ) -> tuple[list[PolicyResult], tuple[PolicyRow, ...]]:
-    """Every baseline for ``request``; a policy that cannot plan it gets a row saying why.
-    ``megatron`` is its best even placement (``llava`` or ``chain``): the faster plan that fits,
-    as its users would pick."""
+    """Every baseline for ``request``; a policy that cannot plan it gets a row saying why in full
+    ("n/a" where its layout cannot express the request: :class:`NotApplicable`). ``megatron`` is
+    its best even placement (``llava`` or ``chain``): the faster plan that fits, as its users
+    would pick."""
     runs, rows = [], []
     for policy in BASELINES:
         placements = (EncoderPlacement.LLAVA, EncoderPlacement.CHAIN) if policy == "megatron" else (None,)
-        tried, errors = [], []
+        tried, errors, applies = [], [], False
         for placement in placements:
             try:
                 options = {"placement": placement} if placement else {}
                 tried.append((placement, plan_and_simulate(layer_graph, cluster, policy, request, **options)))
             except PlanError as err:
-                errors.append(str(err).split(";")[0][:90])
+                applies = applies or not isinstance(err, NotApplicable)
+                errors.append(f"{placement.value}: {err}" if placement else str(err))
         if not tried:
-            rows.append(PolicyRow(policy, None, False, "-", "; ".join(errors)))
+            rows.append(PolicyRow(policy, None, False, "-", "; ".join(errors), applies=applies))
             continue
         placement, run = min(tried, key=lambda pr: (not pr[1].fits, pr[1].sim.step_time_s))
         runs.append(run)
         note = f"placement {placement.value}" if placement else ""
         rows.append(PolicyRow(policy, run.sim.step_time_s, run.fits, run.recompute, note))
     return runs, tuple(rows)
+
+
+def fastest_baseline(runs: Iterable[PolicyResult], request: PlanRequest) -> PolicyResult | None:
+    """The fastest of ``runs`` that fits with ``request``'s pp x v stages (a plan our partition
+    can start from and keep), or None."""
+    stages = request.parallel.pp * request.parallel.v
+    fitting = [r for r in runs if r.fits and r.plan.num_stages == stages]
+    return min(fitting, key=lambda r: r.sim.step_time_s) if fitting else None
+
+
+def baseline_to_beat(layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest) -> Plan | None:
+    """The plan of the fastest baseline that fits at ``request`` (:func:`fastest_baseline`), for the
+    plan search to start that candidate from; None where none does."""
+    best = fastest_baseline(compare_baselines(layer_graph, cluster, request)[0], request)
+    return best.plan if best is not None else None
 
 
 def search_and_compare(
@@ -250,7 +268,10 @@ def search_and_compare(
 ) -> PolicyResult:
     """The plan search's best plan (its report the search's), with every baseline planned for the
     request it chose; ``include`` and ``warm_starts`` as for
-    :func:`~vlmcompile.passes.plan_search.plan_search`."""
+    :func:`~vlmcompile.passes.plan_search.plan_search`.
+
+    Every candidate the search partitions starts from the fastest baseline at its degrees, so the
+    plan returned is never slower (simulated) than a baseline at the request it is made for."""
     result = plan_search(
         layer_graph,
         cluster,
@@ -259,6 +280,7 @@ def search_and_compare(
         solver=solver,
         include=include,
         warm_starts=warm_starts,
+        baseline=functools.partial(baseline_to_beat, layer_graph, cluster),
         progress=progress,
     )
     plan = result.plan
@@ -273,7 +295,13 @@ def search_and_compare(
     request = PlanRequest(
         parallel=plan.pipeline_parallel, global_batch=global_batch, microbatch_size=plan.microbatch_size
     )
-    _, rows = compare_baselines(layer_graph, cluster, request)
+    runs, rows = compare_baselines(layer_graph, cluster, request)
+    faster = fastest_baseline(runs, request)
+    if faster is not None and faster.sim.step_time_s < result.sim.step_time_s:
+        # Only where the search did not partition this request itself (the encoder-in-bubbles plan
+        # took a v the search space left out, or the search's partition failed there).
+        result = partition(layer_graph, cluster, request, solver=solver, warm_start=faster.plan)
+        plan = result.plan
     said = Decision(
         "parallel degrees",
         Reason.PLAN_SEARCH,
@@ -282,7 +310,16 @@ def search_and_compare(
     )
     plan = dataclasses.replace(plan, decisions=(*plan.decisions, said))
     searched = dataclasses.replace(searched, chosen=plan)
-    report = Reports((searched, *result.report.parts[1:])) if isinstance(result.report, Reports) else searched
+    if isinstance(result.report, Reports):
+        # The search's report prints the plan chosen, with every decision: the parts after it
+        # (the encoder-in-bubbles pass's) do not print it again.
+        later = tuple(
+            dataclasses.replace(part, show_plan=False) if isinstance(part, BubbleReport) else part
+            for part in result.report.parts[1:]
+        )
+        report = Reports((searched, *later))
+    else:
+        report = searched
     return dataclasses.replace(
         result,
         plan=plan,

@@ -34,9 +34,10 @@ from vlmcompile.ir.plan import Decision, Plan, Reason
 from vlmcompile.passes.megatron import model_parts, recompute_decision, recompute_flags
 from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import chunks_of
-from vlmcompile.planning.request import GlobalRecompute, PlanRequest
+from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import simulate
+from vlmcompile.sim.units import format_ms
 
 SOURCE = "pytorch/torchtitan b5bcd76c, torchtitan/distributed/pipeline_parallel.py (pipeline_vlm, _generate_llm_fqn_per_model_part)"
 
@@ -52,7 +53,7 @@ def titan_layer_counts(
     effective = num_layers + input_weight + output_weight
     base, extra = divmod(effective, num_stages)
     if base == 0:
-        raise PlanError(
+        raise NotApplicable(
             f"torchtitan splits {num_layers} layers + {input_weight} + {output_weight} (embedding, output) over "
             f"{num_stages} stages: fewer than one per stage; lower pp x v to at most {effective}"
         )
@@ -81,7 +82,7 @@ class TorchtitanReport:
 
     def __str__(self) -> str:
         tried = ", ".join(
-            f"{k}: {s * 1e3:.1f} ms{'' if fits else ' (over memory)'}" for k, s, fits in self.tried
+            f"{k}: {format_ms(s)} ms{'' if fits else ' (over memory)'}" for k, s, fits in self.tried
         )
         return (
             f"{self.plan}\n\ntorchtitan settings: pipeline_parallel_first_stage_less_layers = "
@@ -138,7 +139,7 @@ def _plan(layer_graph, cluster, request, parts, counts, first_less, last_less, r
     chunks[-1] = chunks[-1] + list(parts.post)
     if not all(chunks):
         empty = [k for k, c in enumerate(chunks) if not c]
-        raise PlanError(
+        raise NotApplicable(
             f"torchtitan's split leaves virtual stages {empty} without layers; lower pp x v "
             f"({request.parallel.pp} x {request.parallel.v}) or first_stage_less_layers ({first_less})"
         )

@@ -109,3 +109,32 @@ def test_a_slower_warm_start_is_not_kept(demo_graph, h100, monkeypatch):
 def test_schedules_it_does_not_model_are_refused(demo_graph, h100):
     with pytest.raises(PlanError, match="zero_bubble"):
         partition(demo_graph, h100, PlanRequest.on(h100, tp=1, pp=2, global_batch=8, schedule="zero_bubble"))
+
+
+def test_a_warm_start_made_for_other_microbatches_is_judged_at_this_request(demo_graph, h100, monkeypatch):
+    """A plan search hands on the last candidate's plan, made for another microbatch size: the
+    choice between it and the solver's plan is made with both simulated at this request."""
+    request = PlanRequest.on(h100, tp=1, pp=2, global_batch=16, microbatch_size=1)
+    other = megatron_balanced(
+        demo_graph, h100, PlanRequest.on(h100, tp=1, pp=2, global_batch=16, microbatch_size=2)
+    ).plan
+    monkeypatch.setattr("vlmcompile.passes.partition.solve", _lopsided_solver)
+    result = partition(demo_graph, h100, request, warm_start=other)
+    assert (result.plan.microbatch_size, result.plan.num_microbatches) == (1, 4)
+    assert [s.layers for s in result.plan.stages] == [s.layers for s in other.stages]
+    said = next(d for d in result.plan.decisions if d.reason is Reason.WARM_START)
+    assert said.numbers["warm_start_s"] == pytest.approx(result.sim.step_time_s)
+    assert result.report.warm_start_step_s == pytest.approx(result.sim.step_time_s)
+    assert simulate(other, demo_graph, h100).step_time_s != pytest.approx(result.sim.step_time_s)
+
+
+def test_of_several_warm_starts_the_fastest_is_kept(demo_graph, h100, monkeypatch):
+    request = PlanRequest.on(h100, tp=1, pp=2, global_batch=16)
+    with monkeypatch.context() as patch:
+        patch.setattr("vlmcompile.passes.partition.solve", _lopsided_solver)
+        lopsided = partition(demo_graph, h100, request).plan
+    balanced = megatron_balanced(demo_graph, h100, request).plan
+    monkeypatch.setattr("vlmcompile.passes.partition.solve", _lopsided_solver)
+    result = partition(demo_graph, h100, request, warm_start=[lopsided, balanced])
+    assert [s.layers for s in result.plan.stages] == [s.layers for s in balanced.stages]
+    assert result.sim.step_time_s == pytest.approx(simulate(balanced, demo_graph, h100).step_time_s)

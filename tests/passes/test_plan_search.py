@@ -5,9 +5,13 @@ import pytest
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.ir.plan import Parallel
+from vlmcompile.ir.plan import Parallel, Reason
 from vlmcompile.passes.plan_search import CandidateRow, _no_plan_message, candidates, plan_search
+from vlmcompile.passes.policies import search_and_compare
+from vlmcompile.planning.problem import evaluate
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
+from vlmcompile.planning.stage_cuts import Solution
+from vlmcompile.sim.units import column_decimals, format_ms
 
 
 def _request(*, tp, pp, dp, v=1, microbatch_size=1, global_batch=16):
@@ -144,3 +148,75 @@ def test_only_the_fastest_closed_form_plans_are_polished_with_the_timeline(demo_
 def test_a_negative_polish_is_refused_by_name(demo_graph):
     with pytest.raises(PlanError, match="polish=-1"):
         plan_search(demo_graph, Cluster.preset("h100x8"), global_batch=16, polish=-1, progress=False)
+
+
+def test_the_search_is_never_slower_than_a_baseline_at_the_degrees_it_chooses(demo_graph):
+    """At DP=4 TP=1 PP=4 V=2 on 16 H100s the solver's optimum simulates slower than OmniBal's cuts
+    (its models leave out the DP collectives' overlap); the search must start that candidate from
+    the baselines' plans, as a plan at fixed degrees does, and keep the faster."""
+    cluster = Cluster.preset("h100x16")
+    run = search_and_compare(
+        demo_graph,
+        cluster,
+        global_batch=16,
+        space=SearchSpace(tp_choices=(1,), pp_choices=(4,), microbatch_sizes=(1,), v_choices=(2,)),
+        solver=SolverOptions(time_limit_s=2, workers=1),
+        progress=False,
+    )
+    fitting = [r for r in run.baselines if r.step_s is not None and r.fits]
+    assert {r.policy for r in fitting} >= {"megatron", "megatron_balanced", "omnibal"}
+    for row in fitting:
+        assert run.sim.step_time_s <= row.step_s * (1 + 1e-9), row
+
+
+def test_the_last_check_keeps_a_faster_baseline_the_search_did_not_start_from(demo_graph, monkeypatch):
+    """A search that never saw the baselines (a solver that answers badly, no encoder-in-bubbles
+    plan): the plan returned still starts from the fastest baseline at the degrees chosen and keeps
+    its cuts."""
+    from vlmcompile.passes import policies
+
+    real_search = policies.plan_search
+
+    def search_without_baselines(*args, baseline=None, **kwargs):
+        return real_search(*args, **kwargs)
+
+    def lopsided(problem, *_args, **_kwargs) -> Solution:
+        stage_of = tuple(
+            max(0, i - problem.num_layers + problem.num_stages) for i in range(problem.num_layers)
+        )
+        flags = (False,) * problem.num_layers
+        ev = evaluate(problem, stage_of, flags)
+        return Solution(stage_of, flags, ev, "FEASIBLE", ev.step_s, 0.0, 0.0, True)
+
+    monkeypatch.setattr(policies, "plan_search", search_without_baselines)
+    monkeypatch.setattr(policies, "with_encoder_in_bubbles", lambda result, *_args, **_kwargs: result)
+    monkeypatch.setattr("vlmcompile.passes.partition.solve", lopsided)
+    cluster = Cluster.preset("h100x8")
+    run = policies.search_and_compare(
+        demo_graph,
+        cluster,
+        global_batch=16,
+        space=SearchSpace(tp_choices=(1,), pp_choices=(4,), microbatch_sizes=(1,), v_choices=(1,)),
+        solver=SolverOptions(time_limit_s=1, workers=1),
+        progress=False,
+    )
+    fastest = min(r.step_s for r in run.baselines if r.step_s is not None and r.fits)
+    assert run.sim.step_time_s <= fastest * (1 + 1e-9)
+    assert any(d.reason is Reason.WARM_START for d in run.plan.decisions)
+
+
+def test_the_search_table_prints_times_that_tell_close_plans_apart(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    report = plan_search(
+        demo_graph,
+        cluster,
+        global_batch=16,
+        space=SearchSpace(tp_choices=(1,), pp_choices=(2, 4), microbatch_sizes=(1,), v_choices=(1,)),
+        solver=SolverOptions(time_limit_s=1, workers=1),
+        polish=0,
+        progress=False,
+    ).report
+    steps = {round(c.step_s, 12) for c in report.candidates if c.step_s is not None}
+    assert len(steps) == 2
+    shown = {format_ms(s, decimals=column_decimals(steps)) for s in steps}
+    assert len(shown) == 2 and all(s in report.table() for s in shown)

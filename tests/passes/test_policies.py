@@ -1,12 +1,15 @@
 """Policies side by side: ours is planned after every baseline and never simulates slower, and
 the solver on its own, proven optimal, is no slower than any baseline either."""
 
+import dataclasses
+
 import pytest
 
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.passes.mimo_colocated import mimo_colocated
 from vlmcompile.passes.partition import partition
 from vlmcompile.passes.policies import BASELINES, compare_baselines, plan_and_simulate
-from vlmcompile.planning.request import PlanRequest, SolverOptions
+from vlmcompile.planning.request import NotApplicable, PlanRequest, SolverOptions
 
 
 @pytest.mark.parametrize("graph_name", ["demo_graph", "two_encoder_graph"])
@@ -47,3 +50,45 @@ def test_the_solver_alone_beats_or_ties_every_baseline_it_can_express(graph_name
     assert planned and all(r.recompute in ("none", "per layer (0)") for r in planned), rows
     for row in planned:
         assert ours.sim.step_time_s <= row.step_s * (1 + 1e-4), row
+
+
+def test_a_policy_that_cannot_express_the_request_says_n_a_and_why_in_full(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    request = PlanRequest.on(cluster, tp=1, pp=2, global_batch=16)
+    _, rows = compare_baselines(demo_graph, cluster, request)
+    mimo = next(r for r in rows if r.policy == "mimo_colocated")
+    assert not mimo.applies and mimo.fits_text == "n/a" and mimo.step_s is None
+    with pytest.raises(NotApplicable) as refused:
+        mimo_colocated(demo_graph, cluster, request)
+    assert mimo.note == str(refused.value)  # whole: the source's hash and the advice included
+    run = plan_and_simulate(demo_graph, cluster, "vlmcompile", request, solver=SolverOptions(time_limit_s=2))
+    table = run.comparison_table()
+    line = next(x for x in table.splitlines() if x.startswith("mimo_colocated"))
+    assert line.split()[1:5] == ["-", "-", "-", "n/a"]
+    assert "".join(mimo.note.split()) in "".join(table.split())
+    # At PP = 1 the colocated layout applies and has a figure like every other policy.
+    _, at_pp1 = compare_baselines(demo_graph, cluster, PlanRequest.on(cluster, tp=1, pp=1, global_batch=16))
+    assert all(r.applies and r.step_s is not None for r in at_pp1), at_pp1
+
+
+def test_every_baseline_that_cannot_split_the_layers_says_n_a(demo_graph):
+    """16 stages for the demo's 8 decoder layers: Megatron (even split, or a chain of 12 layers)
+    and torchtitan cannot express it; the balanced split and OmniBal can."""
+    cluster = Cluster.preset("h100x16")
+    _, rows = compare_baselines(demo_graph, cluster, PlanRequest.on(cluster, tp=1, pp=16, global_batch=16))
+    by_policy = {r.policy: r for r in rows}
+    assert {p for p, r in by_policy.items() if not r.applies} == {
+        "megatron",
+        "torchtitan_vlm",
+        "mimo_colocated",
+    }
+    assert "llava: " in by_policy["megatron"].note and "chain: " in by_policy["megatron"].note
+    assert by_policy["omnibal"].applies and by_policy["omnibal"].step_s is not None
+
+
+def test_a_policy_whose_plan_does_not_fit_says_no_not_n_a(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    tiny = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, mem_bytes=2**20))
+    _, rows = compare_baselines(demo_graph, tiny, PlanRequest.on(tiny, tp=1, pp=2, global_batch=16))
+    applying = [r for r in rows if r.policy != "mimo_colocated"]
+    assert all(r.applies and r.fits_text == "no" for r in applying), applying

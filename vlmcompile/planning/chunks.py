@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vlmcompile.ir.errors import PlanError
+from vlmcompile.planning.request import NotApplicable
 
 
 def chunks_of(names: Sequence[str], counts: Sequence[int]) -> list[list[str]]:
@@ -45,7 +46,7 @@ def balanced_split(times: Sequence[float], num_stages: int) -> list[int]:
     """
     n = len(times)
     if num_stages > n:
-        raise PlanError(
+        raise NotApplicable(
             f"{num_stages} virtual stages for {n} layers; every stage needs a layer, so lower pp x v"
         )
     prefix = np.concatenate([[0.0], np.cumsum(times)])

@@ -2,7 +2,10 @@
 options of the policies that solve (:class:`SolverOptions`) or recompute globally
 (:class:`GlobalRecompute`).
 
-Two policies are compared like for like by giving them the same request.
+Two policies are compared like for like by giving them the same request. A policy whose layout
+cannot express a request at all (MIMO's colocated layout at PP > 1, Megatron's even split of 8
+layers over 16 stages) raises :class:`NotApplicable`: a comparison then says "n/a" and why, not
+that its plan does not fit.
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import ClusterError, PlanError, positive_int, positive_number
 from vlmcompile.ir.plan import Parallel, Recompute
 from vlmcompile.planning.schedules import Schedule
+
+
+class NotApplicable(PlanError):
+    """The policy cannot express this request (its layout rules out these degrees or this model);
+    not the same as a plan that does not fit in memory."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

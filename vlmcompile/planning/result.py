@@ -10,6 +10,10 @@ from tabulate import tabulate
 
 from vlmcompile.ir.plan import Plan
 from vlmcompile.sim.simulator import SimResult
+from vlmcompile.sim.units import column_decimals, format_ms
+
+NOTE_WIDTH = 80
+"""Characters per line of a comparison's note column: a longer note wraps, it is never cut."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +26,21 @@ class PolicyRow:
     fits: bool
     recompute: str
     note: str = ""
+    """Which variant ran (Megatron's placement), or, where it has no plan, why (in full)."""
+    applies: bool = True
+    """False: the policy cannot express the request at all (e.g. MIMO's colocated layout at PP > 1;
+    :class:`~vlmcompile.planning.request.NotApplicable`); its row says "n/a", not "does not fit"."""
+
+    def __post_init__(self):
+        if not self.applies and (self.step_s is not None or self.fits):
+            raise ValueError(
+                f"policy {self.policy!r} does not apply to the request, yet has step_s={self.step_s!r} and "
+                f"fits={self.fits!r}; a policy that does not apply has no plan"
+            )
+
+    @property
+    def fits_text(self) -> str:
+        return "n/a" if not self.applies else "yes" if self.fits else "no"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +76,14 @@ class PolicyResult:
     def comparison_table(self) -> str:
         rows = [*self.baselines, PolicyRow(self.plan.policy, self.sim.step_time_s, self.fits, self.recompute)]
         ours = self.sim.step_time_s
+        decimals = column_decimals(r.step_s for r in rows)
         lines = [
             [
                 r.policy,
-                f"{r.step_s * 1e3:.1f}" if r.step_s is not None else "-",
+                format_ms(r.step_s, decimals=decimals),
                 f"{r.step_s / ours:.3f}" if r.step_s is not None else "-",
                 r.recompute,
-                "yes" if r.fits else "no",
+                r.fits_text,
                 r.note,
             ]
             for r in rows
@@ -72,6 +92,7 @@ class PolicyResult:
             lines,
             headers=["policy", "simulated step ms", "vs ours", "recompute", "fits", "note"],
             disable_numparse=True,
+            maxcolwidths=[None, None, None, None, None, NOTE_WIDTH],
         )
 
     def __str__(self) -> str:

@@ -51,6 +51,7 @@ from vlmcompile.planning.problem import (
 )
 from vlmcompile.planning.request import SolverOptions
 from vlmcompile.sim.in_flight import pattern_bytes
+from vlmcompile.sim.units import format_ms
 
 TIMELINE_ACTIONS = 6000
 """Above this many actions in the action lists, the objective is the closed form."""
@@ -84,8 +85,8 @@ class Solution:
     def summary(self) -> str:
         state = "timed out; best plan found" if self.timed_out else "finished"
         head = (
-            f"CP-SAT {self.status} ({state}) in {self.wall_s:.2f} s: objective {self.objective_s * 1e3:.3f} ms "
-            f"({self.objective}), bound {self.bound_s * 1e3:.3f} ms, gap {100 * self.gap:.2f} %"
+            f"CP-SAT {self.status} ({state}) in {self.wall_s:.2f} s: objective {format_ms(self.objective_s)} ms "
+            f"({self.objective}), bound {format_ms(self.bound_s)} ms, gap {100 * self.gap:.2f} %"
         )
         return head + (f" [{'; '.join(self.phases)}]" if len(self.phases) > 1 else "")
 
@@ -528,7 +529,7 @@ def _solve_one(
     if objective != "memory" and fixed is None:
         flags = _fewest_flags(problem, stage_of, list(flags))
     objective_s, bound_s = solver.objective_value * scale, solver.best_objective_bound * scale
-    unit = (lambda x: f"{x / 2**30:.2f} GiB") if objective == "memory" else (lambda x: f"{x * 1e3:.3f} ms")
+    unit = (lambda x: f"{x / 2**30:.2f} GiB") if objective == "memory" else (lambda x: f"{format_ms(x)} ms")
     return Solution(
         stage_of=stage_of,
         recompute=flags,

@@ -4,7 +4,7 @@ returning the gradients, and timed steps of one or several runners (for measured
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,13 +33,17 @@ def timed_steps(
 
 
 def interleaved_steps(
-    runners: Sequence[PipelineRunner], batch: Mapping[str, Any], num_steps: int, lr: float
+    runners: Sequence[PipelineRunner],
+    batch: Mapping[str, Any],
+    num_steps: int,
+    lr: float,
+    on_step: Callable[[int, list[dict[str, list[float]]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """``num_steps`` training steps of every runner (each with its own parameters and SGD(lr))
     on the same batch, interleaved step by step, the order reversed every other step (A B, B A,
     A B, ...): a shared machine's speed drifts over minutes, and interleaving puts the drift on
     every plan alike. Per runner, this rank's losses and step times; the ranks start every step
-    together, after a barrier."""
+    together, after a barrier. ``on_step(k, results so far)`` is called after every round."""
     optimizers = [torch.optim.SGD(r.parameters(), lr=lr) for r in runners]
     out: list[dict[str, list[float]]] = [{"losses": [], "step_s": []} for _ in runners]
     for k in range(num_steps):
@@ -52,4 +56,6 @@ def interleaved_steps(
             out[j]["step_s"].append(time.perf_counter() - start)
             optimizers[j].step()
             out[j]["losses"].append(float(loss))
+        if on_step is not None:
+            on_step(k, out)
     return out

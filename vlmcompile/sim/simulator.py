@@ -45,6 +45,7 @@ from vlmcompile.ir.plan import Plan
 from vlmcompile.sim.in_flight import in_flight, pattern_bytes
 from vlmcompile.sim.kernel_stream import HostFill, host_fills
 from vlmcompile.sim.timeline import Timed, run_actions, transfer_between_stages
+from vlmcompile.sim.units import format_ms, ms_decimals
 
 CAUSES = ("dp_all_gather", "pp_warmup", "pp_other", "pp_cooldown", "tp_comm", "dp_reduce_scatter")
 
@@ -172,10 +173,12 @@ class SimResult:
 
     def rank_table(self) -> str:
         rows = []
+        # Busy and idle times add up to the step on each rank: print them at the step's precision.
+        decimals = ms_decimals(self.step_time_s)
         for r in self.ranks:
             rows.append(
-                [r.rank, f"{r.busy_s * 1e3:.1f}"]
-                + [f"{r.idle_s[c] * 1e3:.1f}" for c in CAUSES]
+                [r.rank, format_ms(r.busy_s, decimals=decimals)]
+                + [format_ms(r.idle_s[c], decimals=decimals) for c in CAUSES]
                 + [f"{r.peak_mem_bytes / 2**30:.2f}"]
             )
         headers = ["rank", "busy ms", *[f"{c} ms" for c in CAUSES], "peak GiB"]
@@ -184,7 +187,7 @@ class SimResult:
     def __str__(self) -> str:
         share = self.idle_share()
         lines = [
-            f"simulated step: {self.step_time_s * 1e3:.1f} ms on {self.cluster.name} "
+            f"simulated step: {format_ms(self.step_time_s)} ms on {self.cluster.name} "
             f"(prediction of the cost model), MFU (model FLOPs) {100 * self.mfu:.1f} %, "
             f"HFU (recompute counted) {100 * self.hfu:.1f} %, "
             f"bubbles {100 * self.bubble_share:.1f} % of rank time",
