@@ -115,3 +115,20 @@ def test_a_flag_the_policy_does_not_read_is_named(capsys):
 def test_per_layer_policies_refuse_a_global_recompute(capsys):
     assert main([*ARGS, "--policy", "omnibal", "--recompute", "full"]) == 2
     assert "chooses recompute per layer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["annotate"], ["plan"], ["demo"], ["run"], ["train"]])
+def test_help_is_plain_text_and_shows_every_default(command, capsys):
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out, "reStructuredText markup in --help"
+    flat = " ".join(out.split())
+    if command == ["train"]:
+        for shown in (
+            "training steps (default: 10)",
+            "linear warm-up steps (default: 0)",
+            "AdamW's decoupled weight decay (default: 0.1)",
+            "LR decay after warm-up (default: cosine)",
+        ):
+            assert shown in flat, shown

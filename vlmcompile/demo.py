@@ -14,35 +14,59 @@ whichever the simulator predicts faster. ``mimo_colocated`` (Megatron MIMO's col
 runs only at PP = 1, so it is measured at its own degrees (DP = 2) and said to be.
 
 Layer times come from the profile pass on this CPU (one thread per rank), so the prediction is
-of this machine. Every plan runs in one launch, step by step, the order reversed every other step, each on its own
-copy of the weights: the speed of a shared machine drifts over minutes, and interleaving puts
-the drift on every plan alike. Every step time is measured; the first step of each plan is a
-warm-up, left out of the median.
+of this machine. Every plan runs in one launch, step by step, the order reversed every other step,
+each on its own copy of the weights: the speed of a shared machine drifts over minutes, and
+interleaving puts the drift on every plan alike. Every step time is measured; the first step of
+each plan is a warm-up, left out of the median.
+
+Sizes: the default global batch is 8 (8 microbatches on PP = 2; about 2.5 minutes on 2 idle
+cores), ``full=True`` (``vlmcompile demo --full``) the README's 32 (about 6.5 minutes). The compile
+passes see a sample of the batch (its first samples: the capture pass checks numerics on it and
+the profile pass times single samples), the plans are made for the whole global batch, and the
+plans and eager train on the whole batch. Every phase prints a line with the elapsed time as it
+starts and ends, and each measured step one line with every plan's time.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
 import torch
+import torch.distributed as dist
 from tabulate import tabulate
 
 from vlmcompile import models
 from vlmcompile.compiler import compile
 from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.microbatch import rows_per_sample, take
 from vlmcompile.planning.request import SearchSpace
 from vlmcompile.runtime.launch import launch
+from vlmcompile.runtime.trainer import TrainConfig, eager_training
 from vlmcompile.runtime.training import interleaved_steps
 from vlmcompile.sim.simulator import simulate
 
 NUM_RANKS = 2
+DEFAULT_GLOBAL_BATCH = 8
+"""8 microbatches of one sample on PP = 2: about 2.5 minutes on 2 idle cores."""
+FULL_GLOBAL_BATCH = 32
+"""``--full``: the README's batch-32 table (about 6.5 minutes on 2 idle cores)."""
+DEFAULT_STEPS = 6
+"""A warm-up step and 5 timed steps, the fewest the demo takes (a median of 5)."""
+SAMPLE_SIZE = 2
+"""Samples the compile passes see: the capture pass runs eager and the captured graph on them and
+checks the loss splits into per-sample losses (on the whole batch of 32 that took 2 minutes on a
+loaded machine); the annotate pass counts per sample and the profile pass times one sample, so the
+plans are the same as from the whole batch."""
+ERROR_LIMIT = 0.10
+"""The README's goal for every plan's prediction error |predicted - measured| / measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +101,21 @@ class DemoResult:
     eager_losses: tuple[float, ...]
     runs: tuple[PlanRun, ...]
     """Ours first, then the baselines."""
+    command: str = ""
+    """The command that measures the same again (the warning names it)."""
+    load_avg: float | None = None
+    """This machine's 1-minute load average when the demo started (other processes' work)."""
 
     @property
     def ours(self) -> PlanRun:
         return self.runs[0]
 
+    def run_of(self, policy: str) -> PlanRun:
+        return next(r for r in self.runs if r.policy == policy)
+
     def speedup_over(self, policy: str, *, predicted: bool = False) -> float:
-        run = next(r for r in self.runs if r.policy == policy)
+        """The baseline's step time over ours: measured (medians), or predicted (simulated)."""
+        run = self.run_of(policy)
         if predicted:
             return run.predicted_s / self.ours.predicted_s
         return run.measured_s / self.ours.measured_s
@@ -100,12 +132,22 @@ class DemoResult:
 
     @property
     def speedup(self) -> float:
-        """Measured, over the fastest baseline at our PP."""
-        return self.best_baseline.measured_s / self.ours.measured_s
+        """Measured, over the fastest measured baseline at our PP."""
+        return self.speedup_over(self.best_baseline.policy)
 
     @property
     def predicted_speedup(self) -> float:
-        return min(r.predicted_s for r in self.same_degrees) / self.ours.predicted_s
+        """Predicted, over the same baseline as :attr:`speedup` (the fastest measured at our PP)."""
+        return self.speedup_over(self.best_baseline.policy, predicted=True)
+
+    @property
+    def warning(self) -> str | None:
+        return prediction_warning(
+            {r.policy: r.error for r in self.runs},
+            command=self.command,
+            load_avg=self.load_avg,
+            steps_s={r.policy: r.step_s[1:] for r in self.runs},
+        )
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -114,6 +156,7 @@ class DemoResult:
             "speedup": self.speedup,
             "predicted_speedup": self.predicted_speedup,
             "best_baseline": self.best_baseline.policy,
+            "warning": self.warning,
             "machine": _machine(),
         }
         for r in self.runs[1:]:
@@ -121,7 +164,7 @@ class DemoResult:
             out[f"predicted_speedup_over_{r.policy}"] = self.speedup_over(r.policy, predicted=True)
         return out
 
-    def __str__(self) -> str:
+    def table(self) -> str:
         rows = [
             [
                 r.policy,
@@ -130,13 +173,12 @@ class DemoResult:
                 f"{r.predicted_s:.3f}",
                 f"{r.measured_s:.3f}",
                 f"{100 * r.error:+.1f} %",
-                "-" if r is self.ours else f"{self.speedup_over(r.policy):.2f}x",
                 f"{r.losses[0]:.6f}",
                 f"{r.max_loss_diff:.1e} ({'equal' if r.equal_to_eager else 'NOT equal'})",
             ]
             for r in self.runs
         ]
-        table = tabulate(
+        return tabulate(
             rows,
             headers=[
                 "plan",
@@ -145,19 +187,112 @@ class DemoResult:
                 "predicted s",
                 "measured s (median)",
                 "error",
-                "ours is faster by",
                 "loss, step 1",
                 "max |loss - eager|",
             ],
             disable_numparse=True,
         )
-        return (
-            f"{NUM_RANKS} CPU ranks, global batch {self.global_batch} in microbatches of 1, "
-            f"{self.num_steps} steps of SGD (first a warm-up, left out of the median)\n{table}\n"
-            f"eager loss, step 1: {self.eager_losses[0]:.6f}\n"
-            f"measured speedup of vlmcompile over the fastest baseline at its degrees ({self.best_baseline.policy}): "
-            f"{self.speedup:.2f}x (predicted {self.predicted_speedup:.2f}x)"
+
+    def speedup_lines(self) -> list[str]:
+        """One line per baseline: our measured speedup over it next to our predicted speedup over
+        it; the last line the same for the fastest measured baseline at our degrees."""
+        ours = self.ours
+        lines = []
+        for r in self.runs[1:]:
+            other = "" if r in self.same_degrees else ", not our degrees"
+            lines.append(
+                f"  over {r.policy} ({r.degrees}{other}): measured {self.speedup_over(r.policy):.2f}x, "
+                f"predicted {self.speedup_over(r.policy, predicted=True):.2f}x"
+            )
+        best = self.best_baseline
+        lines.append(
+            f"{ours.policy} over the fastest measured baseline at {ours.degrees.split()[0]}, {best.policy}: "
+            f"measured {self.speedup:.2f}x, predicted {self.predicted_speedup:.2f}x"
         )
+        return lines
+
+    def __str__(self) -> str:
+        equal = all(r.equal_to_eager for r in self.runs)
+        lines = [
+            f"{NUM_RANKS} CPU ranks, global batch {self.global_batch} in microbatches of 1, "
+            f"{self.num_steps} steps of SGD (first a warm-up, left out of the median)",
+            self.table(),
+            f"eager loss, step 1: {self.eager_losses[0]:.6f}; "
+            + (
+                f"every plan's loss equals eager's at all {self.num_steps} steps"
+                if equal
+                else "a plan's loss is NOT equal to eager's (see the table)"
+            ),
+            "",
+            f"measured: the median step time of steps 2-{self.num_steps} on {NUM_RANKS} local CPU ranks "
+            "(the slowest rank's)",
+            "predicted: the simulator's step time, from this CPU's profiled layer times",
+            f"speedup of {self.ours.policy} ({self.ours.degrees}), each measured and predicted over the same "
+            "baseline (its step time over ours):",
+            *self.speedup_lines(),
+        ]
+        if self.warning:
+            lines.append(self.warning)
+        return "\n".join(lines)
+
+
+def prediction_warning(
+    errors: Mapping[str, float],
+    *,
+    command: str,
+    load_avg: float | None = None,
+    steps_s: Mapping[str, Sequence[float]] | None = None,
+    num_cores: int | None = None,
+    limit: float = ERROR_LIMIT,
+) -> str | None:
+    """A warning when any plan's prediction error (policy -> (predicted - measured) / measured) is
+    over ``limit`` in size, naming the likely cause and the command that measures again; None
+    when every error is within it. ``load_avg`` (the 1-minute load average when the demo started)
+    and ``steps_s`` (policy -> its timed steps; the widest spread of a plan over the limit) are
+    cited as evidence."""
+    over = {p: e for p, e in errors.items() if abs(e) > limit}
+    if not over:
+        return None
+    cores = num_cores or os.cpu_count() or NUM_RANKS
+    causes = []
+    if any(e < 0 for e in over.values()):
+        causes.append(
+            "the plans measured slower than predicted: other processes were likely running on "
+            f"this machine's {cores} cores while the steps were timed"
+        )
+    if any(e > 0 for e in over.values()):
+        causes.append(
+            "the plans measured faster than predicted: other processes were likely running on "
+            f"this machine's {cores} cores while the profile pass timed the layers the prediction is built on"
+        )
+    evidence = []
+    if load_avg is not None:
+        evidence.append(
+            f"the 1-minute load average was {load_avg:.1f} when the demo started (0 on an idle machine)"
+        )
+    spread = {p: (min(t), max(t)) for p, t in (steps_s or {}).items() if p in over and t}
+    if spread:
+        p, (low, high) = max(spread.items(), key=lambda kv: kv[1][1] / kv[1][0])
+        evidence.append(
+            f"{p}'s timed steps ranged from {low:.2f} s to {high:.2f} s (+{100 * (high / low - 1):.0f} %; "
+            "on idle cores they agree within a few %)"
+        )
+    listed = ", ".join(f"{p} {100 * e:+.1f} %" for p, e in over.items())
+    return "\n".join(
+        [
+            f"warning: prediction error over {100 * limit:.0f} % (the goal): {listed}",
+            f"  likely cause, a loaded machine: {'; '.join(causes)}",
+            *(f"  {line}" for line in evidence),
+            f"  re-measure when nothing else runs on the {cores} cores (check with `uptime`): {command}",
+        ]
+    )
+
+
+def demo_command(global_batch: int, num_steps: int) -> str:
+    """The command line that runs the demo at these sizes."""
+    if (global_batch, num_steps) == (FULL_GLOBAL_BATCH, DEFAULT_STEPS):
+        return "vlmcompile demo --full"
+    return f"vlmcompile demo --global-batch {global_batch} --steps {num_steps}"
 
 
 def _machine() -> str:
@@ -168,16 +303,11 @@ def _machine() -> str:
 
 
 def eager_losses(model, batch, num_steps: int, lr: float) -> list[float]:
-    """The losses of ``num_steps`` eager SGD(lr) steps on the same batch (``model`` is trained)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for _ in range(num_steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(**batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses
+    """The losses of ``num_steps`` eager SGD(lr) steps on the same batch (``model`` is trained):
+    the runtime's eager reference loop, at a constant LR without clipping."""
+    config = TrainConfig(steps=num_steps, lr=lr, decay="constant", max_grad_norm=None)
+    sgd = functools.partial(torch.optim.SGD, lr=lr)
+    return eager_training(model, [batch] * num_steps, config, optimizer_factory=sgd)
 
 
 V_CHOICES = SearchSpace().v_choices
@@ -264,57 +394,145 @@ def stages_of(plan) -> str:
     return " | ".join(f"{len(s.layers)}" + (f" (x{len(s.ranks)})" if s.replicas else "") for s in plan.stages)
 
 
+class Progress:
+    """Prints one line per phase, flushed, with the time since the demo started (``[demo 1:05]``);
+    the ranks print theirs with the same clock (``started`` is wall-clock time)."""
+
+    def __init__(self, log: TextIO | None, started: float | None = None):
+        self.log = log
+        self.started = time.time() if started is None else started
+
+    def __call__(self, text: str) -> None:
+        if self.log is not None:
+            elapsed = int(time.time() - self.started)
+            print(f"[demo {elapsed // 60}:{elapsed % 60:02d}] {text}", file=self.log, flush=True)
+
+
+def measured_steps(
+    runners: Sequence[Any],
+    batch: Mapping[str, Any],
+    num_steps: int,
+    lr: float,
+    names: Sequence[str],
+    started: float | None,
+) -> list[dict[str, list[float]]]:
+    """:func:`~vlmcompile.runtime.training.interleaved_steps`, rank 0 printing every plan's time
+    after each round when ``started`` is given; runs on every rank."""
+    say = Progress(sys.stderr if started is not None and dist.get_rank() == 0 else None, started)
+    rounds_s, last = [], [time.perf_counter()]
+
+    def report(k: int, out: list[dict[str, list[float]]]) -> None:
+        now = time.perf_counter()
+        rounds_s.append(now - last[0])
+        last[0] = now
+        took = ", ".join(f"{name} {out[j]['step_s'][-1]:.2f} s" for j, name in enumerate(names))
+        # The warm-up round also sets up the process groups: the estimate leaves it out when it can.
+        left = (num_steps - k - 1) * statistics.median(rounds_s[1:] or rounds_s)
+        warm = " (warm-up)" if k == 0 else ""
+        more = f"; about {left:.0f} s to go" if k + 1 < num_steps else ""
+        say(f"  step {k + 1}/{num_steps}{warm}, rank 0's times: {took}{more}")
+
+    return interleaved_steps(runners, batch, num_steps, lr, on_step=report)
+
+
 def run_demo(
-    *, global_batch: int = 32, num_steps: int = 6, lr: float = 1e-3, log: TextIO | None = sys.stderr
+    *,
+    global_batch: int | None = None,
+    num_steps: int = DEFAULT_STEPS,
+    full: bool = False,
+    lr: float = 1e-3,
+    log: TextIO | None = sys.stderr,
+    on_compiled: Callable[[Any], None] | None = None,
+    model_name: str = "demo",
 ) -> tuple[Any, DemoResult]:
-    """Compile, then run both plans; returns (the compiled pipeline, the figures)."""
-    if num_steps < 6:
-        raise ValueError(f"num_steps={num_steps}; the demo needs a warm-up step and at least 5 timed steps")
-    model = models.build("demo")
-    batch = models.sample_batch("demo", batch_size=global_batch)
+    """Compile, then run eager and every plan; returns (the compiled pipeline, the figures).
+
+    Args:
+        global_batch: samples per step (default :data:`DEFAULT_GLOBAL_BATCH`, with ``full``
+            :data:`FULL_GLOBAL_BATCH`).
+        num_steps: training steps per plan, the first a warm-up.
+        full: the full-size demo (global batch :data:`FULL_GLOBAL_BATCH`).
+        log: where the progress lines go (None: silence).
+        on_compiled: called with the compiled pipeline before anything is measured (the CLI prints
+            the compile report there, so that it is read while the plans run).
+        model_name: the zoo VLM to run (the tests run "tiny").
+    """
+    if num_steps < DEFAULT_STEPS:
+        raise ValueError(
+            f"num_steps={num_steps}; the demo needs a warm-up step and at least {DEFAULT_STEPS - 1} timed steps"
+        )
+    if full and global_batch not in (None, FULL_GLOBAL_BATCH):
+        raise ValueError(
+            f"full=True runs global batch {FULL_GLOBAL_BATCH}, not {global_batch}; give one of the two"
+        )
+    global_batch = global_batch or (FULL_GLOBAL_BATCH if full else DEFAULT_GLOBAL_BATCH)
+    load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    say = Progress(log)
+    model = models.build(model_name)
+    batch = models.sample_batch(model_name, batch_size=global_batch)
+    sample = take(batch, 0, min(SAMPLE_SIZE, global_batch), rows_per_sample(batch))
+    say(f"compiling the {model_name} VLM for {NUM_RANKS} CPU ranks, global batch {global_batch} ...")
+    start = time.perf_counter()
     pipe = compile(
         model,
-        batch,
+        sample,
         cluster=f"cpu:{NUM_RANKS}",
-        model_name="demo",
+        model_name=model_name,
         global_batch=global_batch,
         profile=True,
         search_space=SearchSpace(pp_choices=(NUM_RANKS,), microbatch_sizes=(1,)),
         log=log,
     )
     plans = (("vlmcompile", pipe.plan), *((name, run.plan) for name, run in baselines(pipe, global_batch)))
-    say = (lambda text: print(text, file=log, flush=True)) if log else (lambda text: None)
-    say("eager training on this process ...")
+    say(
+        f"compiled in {time.perf_counter() - start:.1f} s; plans to measure: "
+        + ", ".join(f"{name} ({degrees_of(plan)})" for name, plan in plans)
+    )
+    if on_compiled is not None:
+        on_compiled(pipe)
+    say(f"eager reference: {num_steps} SGD steps of the whole batch in this process ...")
+    start = time.perf_counter()
     eager = eager_losses(copy.deepcopy(model), batch, num_steps, lr)
+    took = time.perf_counter() - start
+    say(f"eager reference done in {took:.1f} s ({took / num_steps:.1f} s a step)")
     # Each plan's runner gets its own copy of the parameters: all train from the same weights.
     runners = tuple(copy.deepcopy(pipe.runner(plan, timeout_s=120)) for _, plan in plans)
     say(
-        f"running {len(plans)} plans on {NUM_RANKS} ranks, {num_steps} steps each, interleaved step by step "
-        f"(the order reversed every other step) ..."
+        f"measuring {len(plans)} plans on {NUM_RANKS} ranks, {num_steps} steps each, interleaved step by "
+        "step (the order reversed every other step); starting the ranks ..."
     )
     start = time.perf_counter()
-    results = launch(interleaved_steps, runners, NUM_RANKS, args=(batch, num_steps, lr), timeout_s=300)
-    say(f"  done in {time.perf_counter() - start:.1f} s")
-    runs = []
-    for j, (policy, plan) in enumerate(plans):
-        mine = [r[j] for r in results]
-        steps = tuple(max(r["step_s"][k] for r in mine) for k in range(num_steps))
-        losses = tuple(mine[0]["losses"])
-        diff = max(abs(a - b) for r in mine for a, b in zip(r["losses"], eager))
-        same = all(
-            torch.allclose(torch.tensor(r["losses"]), torch.tensor(eager), rtol=1.3e-6, atol=1e-5)
-            for r in mine
-        )
-        runs.append(
-            PlanRun(
-                policy,
-                degrees_of(plan),
-                stages_of(plan),
-                simulate(plan, pipe.layer_graph, pipe.cluster).step_time_s,
-                steps,
-                losses,
-                diff,
-                same,
-            )
-        )
-    return pipe, DemoResult(global_batch, num_steps, tuple(eager), tuple(runs))
+    names = [name for name, _ in plans]
+    started = say.started if log is not None else None
+    results = launch(
+        measured_steps, runners, NUM_RANKS, args=(batch, num_steps, lr, names, started), timeout_s=300
+    )
+    say(f"measured in {time.perf_counter() - start:.1f} s")
+    runs = [
+        _plan_run(policy, plan, [r[j] for r in results], eager, pipe)
+        for j, (policy, plan) in enumerate(plans)
+    ]
+    result = DemoResult(
+        global_batch, num_steps, tuple(eager), tuple(runs), demo_command(global_batch, num_steps), load_avg
+    )
+    return pipe, result
+
+
+def _plan_run(policy: str, plan, mine: list[dict[str, list[float]]], eager: list[float], pipe) -> PlanRun:
+    """One plan's figures from every rank's losses and step times."""
+    num_steps = len(eager)
+    steps = tuple(max(r["step_s"][k] for r in mine) for k in range(num_steps))
+    diff = max(abs(a - b) for r in mine for a, b in zip(r["losses"], eager))
+    same = all(
+        torch.allclose(torch.tensor(r["losses"]), torch.tensor(eager), rtol=1.3e-6, atol=1e-5) for r in mine
+    )
+    return PlanRun(
+        policy,
+        degrees_of(plan),
+        stages_of(plan),
+        simulate(plan, pipe.layer_graph, pipe.cluster).step_time_s,
+        steps,
+        tuple(mine[0]["losses"]),
+        diff,
+        same,
+    )

@@ -355,6 +355,7 @@ def test_metrics_add_up_and_checkpoints_are_announced_and_kept(tmp_path, capfd):
     assert f"MFU {100 * medians['mfu']:.1f} %" in text
 
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000004", "step_000006"]
+    assert [p.rsplit("/", 1)[1] for p in result.checkpoints] == ["step_000004", "step_000006"]
     assert load_checkpoint(ckpt)["step"] == 6
     err = capfd.readouterr().err
     assert err.count("saved checkpoint") == 3 and "removed" in err and "(keep_last)" in err

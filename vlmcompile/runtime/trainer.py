@@ -164,6 +164,7 @@ class TrainResult:
     resumed_from: int
     """The step the run started from (0, or a checkpoint's)."""
     checkpoints: tuple[str, ...] = ()
+    """The checkpoints this run saved that are still there (``keep_last`` removes older ones)."""
 
     @property
     def losses(self) -> list[float]:
@@ -278,10 +279,10 @@ def train_on_rank(
         ):
             began = time.perf_counter()
             path = checkpoint.save(config.checkpoint_dir, step + 1, runner, opt, sched, config.schedule)
-            saved.append(path)
             removed = (
                 checkpoint.keep_newest(config.checkpoint_dir, config.keep_last) if runner.rank == 0 else []
             )
+            saved = [*saved, path][-(config.keep_last or 0) :]  # the ones still there
             log.saved(path, time.perf_counter() - began, removed)
     log.close()
     return TrainResult(tuple(out), start, tuple(saved))
