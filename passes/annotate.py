@@ -466,6 +466,9 @@ def _build_layer_graph(
         running_bwd += crossing.diff_bwd[i]
         members = per_layer[name]
         costs = [n.meta[NODE_COST_META] for n in members]
+        saved = sum(c.saved_bytes for c in costs)
+        # A layer with no backward (frozen, nothing trainable before it) keeps nothing either way.
+        no_backward = saved == 0 and sum(c.bwd_flops for c in costs) == 0
         layers.append(
             Layer(
                 index=i,
@@ -477,8 +480,8 @@ def _build_layer_graph(
                 param_bytes=param_bytes[i],
                 fwd_flops=sum(c.fwd_flops for c in costs),
                 bwd_flops=sum(c.bwd_flops for c in costs),
-                saved_bytes=sum(c.saved_bytes for c in costs),
-                saved_bytes_recompute=sum(interp.layer_inputs[name].values()),
+                saved_bytes=saved,
+                saved_bytes_recompute=0 if no_backward else sum(interp.layer_inputs[name].values()),
                 boundary_fwd_bytes=running_fwd if i < len(order) - 1 else 0,
                 boundary_bwd_bytes=running_bwd if i < len(order) - 1 else 0,
                 outputs=tuple(crossing.outputs[name]),

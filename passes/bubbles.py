@@ -728,4 +728,8 @@ def _verdict(row: EncoderPlanRow, chosen: _Candidate) -> str:
     if not row.fits:
         return "does not fit in memory"
     step = row.step_s
-    return f"slower: +{format_ms(step - chosen.sim.step_time_s)} ms" if step is not None else "-"
+    if step is None:
+        return "-"
+    if math.isclose(step, chosen.sim.step_time_s, rel_tol=1e-9):
+        return "as fast (a tie: the first found is kept)"
+    return f"slower: +{format_ms(step - chosen.sim.step_time_s)} ms"

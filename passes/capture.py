@@ -177,7 +177,8 @@ def check_sample_batch(model: nn.Module, sample_batch: Any) -> dict[str, Any]:
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
-    return type(model).__module__.startswith("transformers.")
+    """A transformers class, or the user's own subclass of one."""
+    return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
 
 
 class _BlockLeafTracer(fx.Tracer):
@@ -197,6 +198,30 @@ def _trace_fx(model: nn.Module, batch: dict[str, Any], blocks: set[str]) -> fx.G
     tracer = _BlockLeafTracer(blocks)
     graph = tracer.trace(model, concrete_args=concrete or None)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _output_only_the_loss(gm: fx.GraphModule) -> fx.GraphModule:
+    """A traced forward that returns its loss in a dict or a dataclass (``{"loss": ...}``, a
+    ModelOutput of the user's own) returns the loss alone, as ``loss_of`` reads the eager output;
+    one that returns a tuple is refused: which element is the loss cannot be told."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    value = output.args[0]
+    made = isinstance(value, fx.Node) and value.op == "call_function" and isinstance(value.target, type)
+    if isinstance(value, fx.Node) and not made:
+        return gm
+    # The tracer records a dataclass it returns as a call of its class, with the fields as kwargs.
+    fields = value.kwargs if made else value if isinstance(value, Mapping) else None
+    loss = fields.get("loss") if fields is not None else getattr(value, "loss", None)
+    if isinstance(loss, fx.Node):
+        output.args = (loss,)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return gm
+    raise ModelError(
+        f"the model's forward returned a {value.target.__name__ if made else type(value).__name__} with no "
+        "'loss' in it; vlmcompile trains the "
+        "loss the forward returns: return the loss tensor, or a dict or dataclass with the loss under 'loss'"
+    )
 
 
 def _check_numerics(model: nn.Module, gm: fx.GraphModule, batch: dict[str, Any]) -> str:
@@ -279,7 +304,7 @@ def capture(
                     raise CaptureError(
                         "fx tracing captures plain-tensor outputs only; the model returns a ModelOutput"
                     )
-                gm = _trace_fx(model, batch, assigner.blocks)
+                gm = _output_only_the_loss(_trace_fx(model, batch, assigner.blocks))
             else:
                 gm, checks, root, specialized = export_specialising(model, root, batch)
             used: CaptureMethod = attempt  # type: ignore[assignment]

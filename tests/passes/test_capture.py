@@ -1,5 +1,6 @@
 """Capture: graph equals eager, every node tagged, regions detected, bad input named."""
 
+import dataclasses
 import operator
 import re
 
@@ -299,3 +300,41 @@ def test_tensors_inside_python_values_are_refused():
     model, batch = build("tiny")
     with pytest.raises(SampleBatchError, match=r"batch\['pixel_values'\] is a list holding tensors"):
         capture(model, {**batch, "pixel_values": list(batch["pixel_values"])}, method="export")
+
+
+class _ReturnsLoss(nn.Module):
+    """A plain model whose forward returns its loss in one of the shapes users write."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.vision, self.llm, self.kind = nn.Linear(8, 8), nn.Linear(8, 8), kind
+
+    def forward(self, x, labels):
+        loss = ((self.llm(self.vision(x)) - labels) ** 2).mean()
+        if self.kind == "dict":
+            return {"loss": loss, "logits": x}
+        if self.kind == "dataclass":
+            return _Output(loss=loss, logits=x)
+        return loss, x
+
+
+@dataclasses.dataclass
+class _Output:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+@pytest.mark.parametrize("kind", ["dict", "dataclass"])
+def test_a_plain_model_returning_its_loss_in_a_dict_or_dataclass_is_captured_to_the_loss(kind):
+    model = _ReturnsLoss(kind)
+    batch = {"x": torch.randn(2, 8), "labels": torch.randn(2, 8)}
+    result = capture(model, batch, region_overrides={"vision": "vision", "llm": "llm"})
+    expected = model(**batch).loss if kind == "dataclass" else model(**batch)["loss"]
+    torch.testing.assert_close(result.gm(**batch), expected)
+    assert "equal to eager" in str(result.report)
+
+
+def test_a_plain_model_returning_a_tuple_is_refused_naming_the_fix():
+    batch = {"x": torch.randn(2, 8), "labels": torch.randn(2, 8)}
+    with pytest.raises(ModelError, match="returned a tuple with no 'loss' in it; .* return the loss tensor"):
+        capture(_ReturnsLoss("tuple"), batch, region_overrides={"vision": "vision", "llm": "llm"})

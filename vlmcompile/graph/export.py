@@ -80,8 +80,9 @@ def loss_of(out: Any) -> Any:
     loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     if loss is None:
         raise SampleBatchError(
-            "the model returned no loss for the sample batch; include the labels (e.g. 'labels') "
-            "so that the captured step ends in the training loss"
+            f"the model returned a {type(out).__name__} with no loss in it for the sample batch; return the "
+            "loss tensor (or a dict or ModelOutput with 'loss'), and include the labels (e.g. 'labels') when "
+            "the model computes its loss from them"
         )
     return loss
 

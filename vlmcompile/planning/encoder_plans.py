@@ -103,8 +103,8 @@ def encoder_layer_count(layer_graph: LayerGraph) -> int:
     if later:
         raise PlanError(
             f"encoder layers {later[:3]} run after LLM layer {layer_graph.layers[count].name!r}; a separate "
-            "encoder plan needs the encoders (and projectors) before every LLM layer in the captured order - "
-            "plan this model with megatron_balanced or vlmcompile instead"
+            "encoder plan needs the encoders (and projectors) before every LLM layer in the captured order, so "
+            "only one chain of stage cuts plans this model (vlmcompile's partition, megatron_balanced)"
         )
     return count
 
