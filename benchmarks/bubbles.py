@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--only", nargs="*", help="setup names (default: every optimus-* setup)")
-    parser.add_argument("--readme", action="store_true", help="update the table in README.md")
+    parser.add_argument("--readme", action="store_true", help="update its table (README.md or docs/)")
     parser.add_argument(
         "--no-run", action="store_true", help="print (and with --readme write) the saved table"
     )

@@ -20,7 +20,7 @@ repeats:
     python benchmarks/demo_speedup.py [--repeats 5] [--global-batch 32] [--steps 6] [--readme] [--no-run]
 
 writes ``benchmarks/results/demo_speedup.json`` (one entry per global batch), prints a Markdown table, and exits 1 when a
-goal is missed; ``--readme`` also replaces the table between its markers in README.md
+goal is missed; ``--readme`` also replaces the table between its markers (in docs/benchmarks.md)
 (``demo_speedup_<global batch>``). The default global batch is the full-size demo's
 (``vlmcompile demo --full``, about 6.5 minutes a run on 2 idle cores; ``vlmcompile demo``'s
 default is 8, about 2.5 minutes).
@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help="steps per plan and run, the first a warm-up"
     )
-    parser.add_argument("--readme", action="store_true", help="update the table in README.md")
+    parser.add_argument(
+        "--readme", action="store_true", help="update the table between its markers in docs/benchmarks.md"
+    )
     parser.add_argument(
         "--no-run", action="store_true", help="run nothing: print (and with --readme write) the saved table"
     )

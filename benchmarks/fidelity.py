@@ -16,7 +16,7 @@ They are printed too, with the first model chunk's DP collectives, which section
 cannot be hidden.
 
 Writes ``benchmarks/results/fidelity.json``; ``--readme`` also replaces the table between the
-``fidelity`` markers in README.md. Every simulated figure is a prediction of the cost model.
+``fidelity`` markers (in docs/benchmarks.md). Every simulated figure is a prediction of the cost model.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--readme", action="store_true", help="update the fidelity table in README.md")
+    parser.add_argument("--readme", action="store_true", help="update its table (README.md or docs/)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     graph = zoo_layer_graph("Optimus-Model-D")

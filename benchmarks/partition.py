@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--solve-only", action="store_true", help="only the ViT-22B + GPT-175B solve time")
     parser.add_argument("--table-only", action="store_true", help="skip the solve-time runs")
-    parser.add_argument("--readme", action="store_true", help="update the table in README.md")
+    parser.add_argument("--readme", action="store_true", help="update its table (README.md or docs/)")
     parser.add_argument(
         "--no-run", action="store_true", help="run nothing: print (and with --readme write) the saved table"
     )

@@ -11,7 +11,7 @@ machine) is recorded for the issue's speed goals: Model D (512 GPUs) within 2 s,
     python benchmarks/plan_baselines.py [--only NAME ...] [--readme]
 
 writes ``benchmarks/results/plan_baselines.json`` and prints a Markdown table; ``--readme``
-also replaces the table between the markers in README.md.
+also replaces the table between its markers (in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--only", nargs="*", help="setup names to run (default: all)")
-    parser.add_argument("--readme", action="store_true", help="update the table in README.md")
+    parser.add_argument("--readme", action="store_true", help="update its table (README.md or docs/)")
     args = parser.parse_args(argv)
     names = args.only or list(SETUPS)
     graphs: dict = {}

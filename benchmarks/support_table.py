@@ -90,7 +90,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--readme", action="store_true", help="write the table into README.md")
+    parser.add_argument("--readme", action="store_true", help="write its table (README.md or docs/)")
     args = parser.parse_args()
     text, bad = table(run_tests())
     text += f"\n\nMade by `python benchmarks/support_table.py --readme` from `{TESTS}`."

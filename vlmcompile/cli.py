@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument(
         "--full",
         action="store_true",
-        help="the full-size demo: global batch 32, the README's batch-32 table (about 6.5 minutes on 2 idle cores)",
+        help="the full-size demo: global batch 32, the size of the batch-32 table in docs/benchmarks.md (about 6.5 minutes on 2 idle cores)",
     )
     d.add_argument(
         "--steps",

@@ -20,7 +20,7 @@ interleaving puts the drift on every plan alike. Every step time is measured; th
 each plan is a warm-up, left out of the median.
 
 Sizes: the default global batch is 8 (8 microbatches on PP = 2; about 2.5 minutes on 2 idle
-cores), ``full=True`` (``vlmcompile demo --full``) the README's 32 (about 6.5 minutes). The compile
+cores), ``full=True`` (``vlmcompile demo --full``) the benchmark's 32 (about 6.5 minutes). The compile
 passes see a sample of the batch (its first samples: the capture pass checks numerics on it and
 the profile pass times single samples), the plans are made for the whole global batch, and the
 plans and eager train on the whole batch. Every phase prints a line with the elapsed time as it
@@ -57,7 +57,7 @@ NUM_RANKS = 2
 DEFAULT_GLOBAL_BATCH = 8
 """8 microbatches of one sample on PP = 2: about 2.5 minutes on 2 idle cores."""
 FULL_GLOBAL_BATCH = 32
-"""``--full``: the README's batch-32 table (about 6.5 minutes on 2 idle cores)."""
+"""``--full``: the batch-32 table of docs/benchmarks.md (about 6.5 minutes on 2 idle cores)."""
 DEFAULT_STEPS = 6
 """A warm-up step and 5 timed steps, the fewest the demo takes (a median of 5)."""
 SAMPLE_SIZE = 2
@@ -66,7 +66,7 @@ checks the loss splits into per-sample losses (on the whole batch of 32 that too
 loaded machine); the annotate pass counts per sample and the profile pass times one sample, so the
 plans are the same as from the whole batch."""
 ERROR_LIMIT = 0.10
-"""The README's goal for every plan's prediction error |predicted - measured| / measured."""
+"""The project's goal (docs/benchmarks.md) for every plan's prediction error |predicted - measured| / measured."""
 
 
 @dataclass(frozen=True, slots=True)
