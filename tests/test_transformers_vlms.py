@@ -14,7 +14,8 @@ import torch
 from tests.models import needs_transformers
 from tests.pipeline_helpers import check_equal_to_eager
 from vlmcompile import compile
-from vlmcompile.ir.regions import Region
+from vlmcompile.ir.regions import ENCODER_SIDE, Region
+from vlmcompile.planning.encoder_plans import encoder_layer_count
 from vlmcompile.runtime.launch import launch
 from vlmcompile.runtime.training import one_step
 
@@ -83,6 +84,12 @@ def test_compiles_for_cpu_ranks_with_its_regions(compiled, name, record_property
     ]
     assert pipe.plan is not None and pipe.plan.pipeline_parallel.tp == 1
     assert pipe.planned.fits
+    if name != "hf-clip":  # two towers and a coupled loss: no LLM pipeline to put encoder work into
+        # The encoders and projectors lead the captured order (transformers embeds the text
+        # first), so an encoder-in-bubbles plan applies.
+        assert encoder_layer_count(pipe.layer_graph) == sum(lr.region in ENCODER_SIDE for lr in layers), [
+            (lr.layer, lr.region.value) for lr in layers
+        ]
 
 
 @pytest.mark.parametrize(("name", "attn"), CASES)

@@ -71,9 +71,8 @@ CASES = [
     ("tiny", "encoder-replicated"),
     pytest.param("demo", "bubbles", marks=pytest.mark.slow),
     pytest.param("hf-llava", "pp2", marks=[needs_transformers, pytest.mark.hf]),
-    # transformers' LLaVA embeds the text before it runs the vision tower, so its captured layer
-    # order has an LLM layer first, which encoder-in-bubbles plans refuse: data parallel instead.
     pytest.param("hf-llava", "pp2-dp2", marks=[needs_transformers, pytest.mark.hf]),
+    pytest.param("hf-llava", "bubbles", marks=[needs_transformers, pytest.mark.hf]),
 ]
 
 

@@ -28,6 +28,7 @@ from vlmcompile.ir.errors import RegionError
 from vlmcompile.ir.meta_keys import LAYER_META, REGION_META
 from vlmcompile.ir.regions import (
     ENCODER_REGIONS,
+    ENCODER_SIDE,
     LANGUAGE_REGIONS,
     REGION_ATTR,
     Region,
@@ -193,13 +194,21 @@ def assign_layers(
                 if src != layer:
                     flow.add_edge(src, layer)
     try:
-        order = list(nx.lexicographical_topological_sort(flow, key=first_seen.__getitem__))
+        seen_order = list(nx.lexicographical_topological_sort(flow, key=first_seen.__getitem__))
     except nx.NetworkXUnfeasible:
         cycle = nx.find_cycle(flow)
         raise RegionError(
             f"layers exchange values in a cycle {cycle}; the graph cannot be cut into a pipeline "
             "along these layers. Give region_overrides or restructure the modules involved."
         ) from None
+    # Encoder work first wherever the data flow allows: transformers' VLMs embed the text before
+    # they run the vision tower, though neither reads the other, and a pipeline whose encoder
+    # layers lead can give the encoder a plan of its own (its work in the LLM's bubbles).
+    regions = regions_by_flow(seen_order, flow, assigner)
+    encoder_first = {
+        layer: (regions[layer][0] not in ENCODER_SIDE, first_seen[layer]) for layer in seen_order
+    }
+    order = list(nx.lexicographical_topological_sort(flow, key=encoder_first.__getitem__))
     rank = {layer: i for i, layer in enumerate(order)}
 
     # A glue node joins the earliest layer that reads it. One no layer reads (the loss after
@@ -226,7 +235,7 @@ def assign_layers(
         ):
             own[n] = own[n.args[0]]
 
-    regions = regions_by_flow(order, flow, assigner)
+    regions = {layer: regions[layer] for layer in order}
     for n in nodes:
         layer = own.get(n)
         n.meta[LAYER_META] = layer

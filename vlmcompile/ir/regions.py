@@ -37,6 +37,8 @@ class Region(str, enum.Enum):
 
 
 ENCODER_REGIONS = frozenset({Region.VISION})
+ENCODER_SIDE = frozenset({Region.VISION, Region.PROJECTOR})
+"""The encoders and what projects their output: the work that may get a plan of its own."""
 LANGUAGE_REGIONS = frozenset({Region.LLM, Region.TEXT})
 
 REGION_ATTR = "vlmcompile_region"

@@ -28,13 +28,11 @@ from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Parallel, Stage
-from vlmcompile.ir.regions import Region
+from vlmcompile.ir.regions import ENCODER_SIDE  # the projector runs as the encoder's last layer (Optimus)
 from vlmcompile.planning.chunks import balanced_split, chunks_of
 
 ENCODER_GROUP = "encoder"
 LLM_GROUP = "llm"
-ENCODER_SIDE = frozenset({Region.VISION, Region.PROJECTOR})
-"""Regions that run as the encoder (Optimus treats the projector as the encoder's last layer)."""
 
 
 @dataclass(frozen=True, slots=True)
