@@ -181,7 +181,7 @@ def missed_targets(rows: list[dict]) -> list[str]:
     for r in rows:
         ours = r.get("ours")
         if ours is None:
-            missed.append(f"{r['setup']}: no plan ({r.get('note', '')[:80]})")
+            missed.append(f"{r['setup']}: no plan ({r.get('note', '')})")
             continue
         best = best_baseline(r)
         if best and ours > best[1] * (1 + 1e-9):

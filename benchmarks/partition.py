@@ -130,7 +130,7 @@ def setup_rows(name: str, graphs: dict) -> list[dict]:
             PlanError,
             ClusterError,
         ) as err:  # a baseline that cannot plan these degrees: a row saying why
-            rows.append({"setup": name, "policy": policy, "step_time_s": None, "note": str(err)[:120]})
+            rows.append({"setup": name, "policy": policy, "step_time_s": None, "note": str(err)})
             print(f"  {policy}: {err}", file=sys.stderr)
     start = time.perf_counter()
     # Warm-started from the fastest baseline that fits (plan_and_simulate does that for ours).

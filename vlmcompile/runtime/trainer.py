@@ -147,8 +147,8 @@ class StepMetrics:
     mfu: float
     """Model FLOPs (forward + backward, no recompute) per second over the world's peak."""
     peak_mem_bytes: tuple[int, ...]
-    """Per rank: the most memory it held in the step (GPU: allocated by torch; CPU: the process's
-    peak resident set so far, which only grows)."""
+    """Per rank: the most memory it held in the step's forward and backward (GPU: allocated by
+    torch; CPU: the process's peak resident set so far, which only grows)."""
 
     def __str__(self) -> str:
         return (
@@ -253,7 +253,7 @@ def train_on_rank(
             raise BatchError(f"the data's global batch for step {step + 1}: {err}") from None
         opt.zero_grad(set_to_none=True)
         loss = runner.step(batch)
-        norm = clip_grad_norm(runner, config.max_grad_norm)
+        norm, peak_mem = clip_grad_norm(runner, config.max_grad_norm, _peak_memory(runner))
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
@@ -269,7 +269,7 @@ def train_on_rank(
             samples_per_s=throughput.global_batch / step_s,
             tokens_per_s=throughput.global_batch * throughput.tokens_per_sample / step_s,
             mfu=throughput.mfu(step_s),
-            peak_mem_bytes=_peak_memory_per_rank(runner),
+            peak_mem_bytes=peak_mem,
         )
         out.append(metrics)
         log.write(metrics)
@@ -316,22 +316,19 @@ def _next_batch(batches: Iterator[Mapping[str, Any]], step: int, steps: int) -> 
     return batch
 
 
-def _peak_memory_per_rank(runner: PipelineRunner) -> tuple[int, ...]:
-    """Every rank's peak memory of the step, on every rank (one small all-gather)."""
+def _peak_memory(runner: PipelineRunner) -> int:
+    """This rank's peak memory of the step so far (its forward and backward)."""
     if runner.device.type == "cuda":
-        mine = torch.cuda.max_memory_allocated(runner.device)
-    else:  # Linux reports the peak resident set in KiB
-        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    world = dist.get_world_size()
-    gathered = torch.zeros(world, dtype=torch.int64, device=runner.device)
-    gathered[runner.rank] = mine
-    runner._wait(dist.all_reduce(gathered, async_op=True), "the all-reduce of every rank's peak memory")
-    return tuple(int(x) for x in gathered.tolist())
+        return torch.cuda.max_memory_allocated(runner.device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def clip_grad_norm(runner: PipelineRunner, max_norm: float | None) -> float:
+def clip_grad_norm(
+    runner: PipelineRunner, max_norm: float | None, peak_mem_bytes: int = 0
+) -> tuple[float, tuple[int, ...]]:
     """Scale this rank's gradients so the norm over the whole model is at most ``max_norm``, as
-    ``torch.nn.utils.clip_grad_norm_`` does on the eager model; returns the norm before."""
+    ``torch.nn.utils.clip_grad_norm_`` does on the eager model; returns the norm before, and every
+    rank's ``peak_mem_bytes``: the norm's all-reduce carries them (one collective, not two)."""
     owned, all_grads = [], []
     owners = runner.parameter_owners()
     for p in runner.trainable_parameters():
@@ -341,16 +338,18 @@ def clip_grad_norm(runner: PipelineRunner, max_norm: float | None) -> float:
         if owners[id(p)]:
             owned.append(p.grad)
     device = all_grads[0].device if all_grads else runner.device
-    square = torch.zeros((), dtype=torch.float64, device=device)
+    # [sum of squares, each rank's peak memory at its own index]: float64 holds byte counts exactly.
+    sums = torch.zeros(1 + dist.get_world_size(), dtype=torch.float64, device=device)
     for g in owned:
-        square += g.detach().double().pow(2).sum()
-    runner._wait(dist.all_reduce(square, async_op=True), "the gradient-norm all-reduce")
-    norm = math.sqrt(float(square) / runner.parallel.dp)
+        sums[0] += g.detach().double().pow(2).sum()
+    sums[1 + runner.rank] = peak_mem_bytes
+    runner._wait(dist.all_reduce(sums, async_op=True), "the gradient-norm all-reduce")
+    norm = math.sqrt(float(sums[0]) / runner.parallel.dp)
     if max_norm is not None and all_grads:
         coefficient = max_norm / (norm + 1e-6)  # clip_grad_norm_'s
         if coefficient < 1:
             torch._foreach_mul_(all_grads, coefficient)
-    return norm
+    return norm, tuple(int(x) for x in sums[1:].tolist())
 
 
 def _batches(data: Data, start: int) -> Iterator[Mapping[str, Any]]:
