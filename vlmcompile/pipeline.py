@@ -21,7 +21,7 @@ from torch import nn
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.graph.loss_split import LossSplit, coupled_loss_error
-from vlmcompile.ir.errors import ArgumentError, PlanError, SampleBatchError, VlmCompileError
+from vlmcompile.ir.errors import ArgumentError, PlanError, SampleBatchError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, SPECIALIZED_META
 from vlmcompile.ir.microbatch import rows_per_sample
@@ -32,8 +32,8 @@ from vlmcompile.passes.policies import plan_and_simulate
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
-from vlmcompile.runtime.executor import BatchError, PipelineRunner, runnable_degrees
-from vlmcompile.runtime.launch import check_launchable, check_picklable, launch
+from vlmcompile.runtime.executor import PipelineRunner, runnable_degrees
+from vlmcompile.runtime.launch import check_launchable, launch
 from vlmcompile.runtime.trainer import (
     Data,
     OptimizerFactory,
@@ -41,6 +41,7 @@ from vlmcompile.runtime.trainer import (
     Throughput,
     TrainConfig,
     TrainResult,
+    check_first_batch,
     check_trainable,
     train_on_rank,
 )
@@ -177,20 +178,10 @@ class CompiledPipeline:
         if dist.is_initialized():
             return train_on_rank(runner, *args)
         check_launchable(world, timeout_s)
-        for what, value in (("data", data), ("optimizer", optimizer), ("scheduler", scheduler)):
-            check_picklable(what, value)
-        check_trainable(runner)
-        if callable(data) or isinstance(data, Sequence):  # refused before any rank starts
-            try:
-                first = data(0) if callable(data) else data[0] if data else None
-            except VlmCompileError as err:
-                raise type(err)(f"the data's global batch for step 1: {err}") from None
-            if first is not None:
-                try:
-                    runner.check_batch(first)
-                except BatchError as err:
-                    raise BatchError(f"the data's global batch for step 1: {err}") from None
-        return launch(train_on_rank, runner, world, args=args, timeout_s=timeout_s)[0]
+        check_trainable(runner)  # refused before any rank starts, as is a bad first batch
+        check_first_batch(runner, data)
+        names = ("data", "config", "throughput", "optimizer", "scheduler")
+        return launch(train_on_rank, runner, world, args=args, arg_names=names, timeout_s=timeout_s)[0]
 
     def throughput(self, runner: PipelineRunner, *, on_gpu: bool = False) -> Throughput:
         """What turns the runner's step times into samples/s and MFU: the model's FLOPs per sample

@@ -214,6 +214,7 @@ def launch(
     nprocs: int,
     *,
     args: Sequence[Any] = (),
+    arg_names: Sequence[str] = (),
     timeout_s: float = 60.0,
     limit_s: float | None = None,
     grace_s: float = GRACE_S,
@@ -224,6 +225,7 @@ def launch(
     Args:
         fn: a module-level function (it is pickled into each process).
         payload: what every rank gets first (e.g. a :class:`~vlmcompile.runtime.executor.PipelineRunner`).
+        arg_names: the names of ``args``, for the error that refuses one that does not pickle.
         timeout_s: the timeout of every collective in the ranks.
         limit_s: wall-clock bound on the whole run (None: no bound while every rank is healthy).
         grace_s: how long ranks still running after the first failure get to report before they
@@ -240,10 +242,7 @@ def launch(
     # arguments: multiprocessing writes those while it still holds the child's end of the pipe, so
     # a child that dies before reading them (a script without a main guard) would block that
     # write forever.
-    check_picklable("the function to run", fn)
-    for i, value in enumerate(args):
-        check_picklable(f"argument {i + 1} of {getattr(fn, '__name__', 'the function')}", value)
-    work = pickle.dumps((fn, payload, tuple(args)))
+    work = _work(fn, payload, args, arg_names)
     procs: list[Any] = []
     reports: list[Any] = []
     previous = interrupt_on_stop_signals()
@@ -296,18 +295,28 @@ def launch(
             restore_signals(previous)  # a signal held meanwhile goes to the caller's handler
 
 
-def check_picklable(what: str, value: Any) -> None:
-    """Refuse, naming ``what`` and the fix, a value the local ranks cannot receive: they are
-    spawned processes, and everything they run on reaches them pickled."""
+def _work(fn: Callable[..., Any], payload: Any, args: Sequence[Any], arg_names: Sequence[str]) -> bytes:
+    """What every rank receives, pickled once: the ranks are spawned processes. A value that does
+    not pickle is refused naming it (``arg_names``: the args' names) and the fix."""
+    unpicklable = (pickle.PicklingError, TypeError, AttributeError)
     try:
-        pickle.dumps(value)
-    except (pickle.PicklingError, TypeError, AttributeError) as err:
-        name = getattr(value, "__qualname__", type(value).__name__)
-        raise ArgumentError(
-            f"{what} ({name}) cannot be sent to the local ranks, which are separate processes: {err}. "
-            "Use a module-level function or class instance, or functools.partial of one (not a lambda "
-            "or a function defined inside another)"
-        ) from None
+        return pickle.dumps((fn, payload, tuple(args)))
+    except unpicklable:
+        named = [("the function to run", fn), ("the payload", payload)]
+        named += [
+            (arg_names[i] if i < len(arg_names) else f"argument {i + 1}", v) for i, v in enumerate(args)
+        ]
+        for what, value in named:
+            try:
+                pickle.dumps(value)
+            except unpicklable as err:
+                name = getattr(value, "__qualname__", type(value).__name__)
+                raise ArgumentError(
+                    f"{what} ({name}) cannot be sent to the local ranks, which are separate processes: {err}. "
+                    "Use a module-level function or class instance, or functools.partial of one (not a "
+                    "lambda or a function defined inside another)"
+                ) from None
+        raise
 
 
 @contextlib.contextmanager

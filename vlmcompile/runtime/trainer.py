@@ -23,7 +23,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int, positive_number
 from vlmcompile.runtime import checkpoint
-from vlmcompile.runtime.executor import BatchError, PipelineRunner
+from vlmcompile.runtime.executor import PipelineRunner
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -246,11 +246,9 @@ def train_on_rank(
         began = time.perf_counter()  # the step's data is part of it, as in Megatron-LM's iteration time
         if runner.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(runner.device)
-        batch = _next_batch(batches, step, config.steps)
-        try:
-            runner.check_batch(batch)
-        except BatchError as err:
-            raise BatchError(f"the data's global batch for step {step + 1}: {err}") from None
+        batch = _checked_batch(runner, step, lambda: next(batches, None))
+        if batch is None:
+            raise ArgumentError(f"the data ran out after {step} global batches; config.steps={config.steps}")
         opt.zero_grad(set_to_none=True)
         loss = runner.step(batch)
         norm, peak_mem = clip_grad_norm(runner, config.max_grad_norm, _peak_memory(runner))
@@ -305,14 +303,24 @@ def _optimized_parameters(runner: PipelineRunner) -> list[torch.nn.Parameter]:
     return runner.trainable_parameters() or runner.parameters()
 
 
-def _next_batch(batches: Iterator[Mapping[str, Any]], step: int, steps: int) -> Mapping[str, Any]:
-    """Step ``step``'s global batch (0-based; errors name the 1-based step being trained)."""
+def check_first_batch(runner: PipelineRunner, data: Data) -> None:
+    """Step 1's global batch checked against the compiled shapes, before any rank starts (data
+    that is an iterator is left alone: reading it would consume the batch)."""
+    if callable(data) or isinstance(data, Sequence):
+        _checked_batch(runner, 0, lambda: data(0) if callable(data) else data[0] if data else None)
+
+
+def _checked_batch(
+    runner: PipelineRunner, step: int, get: Callable[[], Mapping[str, Any] | None]
+) -> Mapping[str, Any] | None:
+    """Step ``step``'s global batch (0-based; None when the data ran out), checked against the
+    compiled shapes; an error names the 1-based step being trained."""
     try:
-        batch = next(batches, None)
-    except VlmCompileError as err:
+        batch = get()
+        if batch is not None:
+            runner.check_batch(batch)
+    except VlmCompileError as err:  # a collate failure, or a batch of other shapes
         raise type(err)(f"the data's global batch for step {step + 1}: {err}") from None
-    if batch is None:
-        raise ArgumentError(f"the data ran out after {step} global batches; config.steps={steps}")
     return batch
 
 
