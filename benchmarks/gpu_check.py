@@ -43,6 +43,7 @@ from vlmcompile.passes.profile import profile
 from vlmcompile.runtime.trainer import TrainConfig, eager_training
 
 MODEL = "demo"
+"""The model checked (``--model`` takes another zoo model: the test suite's dry run uses ``tiny``)."""
 GLOBAL_BATCH = 8
 RESULTS = Path(__file__).parent / "results"
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", help="result JSON (default benchmarks/results/gpu_check_<device>.json)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per layer in the calibration")
+    parser.add_argument("--model", default=MODEL, help=f"zoo model to check (default {MODEL})")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: this machine has no CUDA device; nothing measured (--device cpu for a dry run)")
@@ -70,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig(steps=args.steps, lr=1e-4, warmup_steps=1, max_grad_norm=1.0)
     # The demo as the train command's ranks build it (seed 0), trained eagerly on one device.
     eager = eager_training(
-        models.build(MODEL, seed=0).to(args.device),
-        SyntheticBatches(MODEL, GLOBAL_BATCH),
+        models.build(args.model, seed=0).to(args.device),
+        SyntheticBatches(args.model, GLOBAL_BATCH),
         config,
         args.device,
     )
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": name,
         "backend": "nccl" if args.device == "cuda" else "gloo",
         "torch": torch.__version__,
-        "model": MODEL,
+        "model": args.model,
         "global_batch": GLOBAL_BATCH,
         "eager_losses_fp32": eager,
         "runs": [],
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for n in sorted({1, gpus} if gpus >= 2 else {1}):
             cluster = f"{cluster_of}{n}" if args.device == "cpu" else f"{cluster_of}x{n}"
-            plan = _plan_file(Path(tmp), cluster, pp=n)
+            plan = _plan_file(Path(tmp), cluster, pp=n, model=args.model)
             for precision in ("fp32", "bf16") if n == 1 else ("fp32",):
                 run = _torchrun(n, plan, args, precision, Path(tmp))
                 run["cluster"], run["precision"] = cluster, precision
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 run["max_abs_loss_diff_to_eager_fp32"] = max(abs(a - b) for a, b in zip(run["losses"], eager))
                 print(f"  {cluster} {precision}: {run['summary']}", flush=True)
                 result["runs"].append(run)
-    result["calibration"] = calibrate_layers(args.device, cluster_of, args.repeats)
+    result["calibration"] = calibrate_layers(args.device, cluster_of, args.repeats, args.model)
     print(f"  {result['calibration']['summary']}")
     out = Path(args.out) if args.out else RESULTS / f"gpu_check_{_slug(name)}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -112,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def calibrate_layers(device: str, cluster_of: str, repeats: int) -> dict:
+def calibrate_layers(device: str, cluster_of: str, repeats: int, model_name: str = MODEL) -> dict:
     """Time the demo's layers in bf16 on ``device`` and fit the device's efficiencies."""
     dtype = torch.bfloat16
-    model = models.build(MODEL, seed=0, dtype=dtype)
-    batch = models.sample_batch(MODEL, batch_size=1, dtype=dtype)
-    pipe = compile(model, batch, model_name=MODEL, log=None)
+    model = models.build(model_name, seed=0, dtype=dtype)
+    batch = models.sample_batch(model_name, batch_size=1, dtype=dtype)
+    pipe = compile(model, batch, model_name=model_name, log=None)
     pipe.gm.to(device)
     microbatch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     spec = Cluster.preset(f"{cluster_of}1" if cluster_of == "cpu:" else f"{cluster_of}x1").device
@@ -141,9 +143,9 @@ def calibrate_layers(device: str, cluster_of: str, repeats: int) -> dict:
     }
 
 
-def _plan_file(tmp: Path, cluster: str, pp: int) -> str:
+def _plan_file(tmp: Path, cluster: str, pp: int, model: str = MODEL) -> str:
     path = tmp / f"plan_{cluster.replace(':', '')}.json"
-    command = [sys.executable, "-m", "vlmcompile", "plan", "--model", MODEL, "--cluster", cluster]
+    command = [sys.executable, "-m", "vlmcompile", "plan", "--model", model, "--cluster", cluster]
     command += ["--tp", "1", "--pp", str(pp), "--global-batch", str(GLOBAL_BATCH), "--json", str(path)]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
     return str(path)

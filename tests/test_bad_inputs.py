@@ -58,6 +58,16 @@ def cli(*argv: str) -> Callable[[Path], object]:
     return run
 
 
+def cli_train(*argv: str) -> Callable[[Path], object]:
+    """``vlmcompile train --plan {tmp}/plan.json ...`` with the tiny model's 2-rank plan."""
+
+    def run(tmp: Path):
+        (tmp / "plan.json").write_text(json.dumps(_plan_json()))
+        return cli("train", "--plan", "{tmp}/plan.json", "--model", "tiny", *argv)(tmp)
+
+    return run
+
+
 class CliOutput(Exception):
     def __init__(self, code, stderr: str):
         super().__init__(stderr)
@@ -195,6 +205,7 @@ def _swap_lists(d):
 
 def _dp_500(d):
     d["parallel"]["model"]["dp"] = 500
+    d["cluster"] = "cpu:1000"  # as the plan's own cluster, so that the launcher's limit is what refuses it
 
 
 def _deadlock(d):
@@ -370,6 +381,24 @@ CASES = {
     "cli-demo-batch-0": Case(
         "CLI", "demo --global-batch 0", cli("demo", "--global-batch", "0"), "--global-batch: 0 is not >= 1"
     ),
+    "cli-train-log-missing-dir": Case(
+        "CLI",
+        "train --log-jsonl into a missing folder (found before capture)",
+        cli_train("--log-jsonl", "{tmp}/nope/steps.jsonl"),
+        "nope', which does not exist; create it first",
+    ),
+    "cli-train-checkpoint-dir-unwritable": Case(
+        "CLI",
+        "train --checkpoint-dir that cannot be created (found before capture)",
+        cli_train("--checkpoint-dir", "{tmp}/plan.json/ckpt"),
+        "plan.json/ckpt cannot be created (Not a directory); choose another",
+    ),
+    "cli-train-resume-and-overwrite": Case(
+        "CLI",
+        "train --resume --overwrite",
+        cli_train("--checkpoint-dir", "{tmp}/ckpt", "--resume", "--overwrite"),
+        "argument --overwrite: not allowed with argument --resume",
+    ),
     # ---- API: compile ----------------------------------------------------------------------------
     "api-model-not-module": Case(
         "API",
@@ -536,6 +565,12 @@ CASES = {
         plan_file(_dp_500, run=True),
         "nprocs=1000 local ranks is more than this launcher starts",
     ),
+    "plan-cluster-too-small": Case(
+        "plan file",
+        'a 2-rank plan edited to `"cluster": "cpu:1"`',
+        plan_file(_set("cluster", "cpu:1")),
+        "the plan runs on 2 ranks (PP=2 x DP=1), more than the 1 device of cpu:1, the cluster the plan names",
+    ),
     "plan-other-model": Case(
         "plan file", "a plan made for another model", plan_file(_other_model), "the plan was made for model"
     ),
@@ -606,11 +641,65 @@ ELSEWHERE = {
         "tests/runtime/test_trainer.py::test_training_on_gpus_without_torchrun_says_to_use_it",
         "to train on GPUs start one process per GPU with torchrun",
     ),
-    "train-latest-pointer-broken": (
+    "train-latest-stale": (
         "train",
-        "a checkpoint directory whose latest pointer names no complete checkpoint",
-        "tests/runtime/test_trainer.py::test_a_broken_latest_pointer_is_refused",
-        "latest names .../step_000003, which is not a complete checkpoint; remove .../latest",
+        "a `latest` pointer naming a missing or an older step, or none",
+        "tests/runtime/test_checkpoint.py::test_the_newest_checkpoint_is_found_whatever_latest_says",
+        "resuming from step 6: .../step_000006 is the newest checkpoint in ... (latest names step_000008, which is not there)",
+    ),
+    "train-existing-checkpoints": (
+        "train",
+        "a run into a directory holding another run's checkpoints, without --resume",
+        "tests/test_train_job.py::test_a_second_run_into_a_directory_holding_checkpoints_is_refused_and_overwrite_starts_again",
+        "holds checkpoints of an earlier run (steps 2, 4): continue it with --resume (resume=True), or start again with --overwrite",
+    ),
+    "train-directory-in-use": (
+        "train",
+        "two runs writing one checkpoint directory at once",
+        "tests/runtime/test_checkpoint_dir.py::test_one_live_run_holds_a_directory_and_a_dead_ones_successor_takes_it_over",
+        "is in use by another run (pid N on HOST, since ...); wait for it to end, or give another checkpoint directory",
+    ),
+    "train-damaged-checkpoint": (
+        "train",
+        "a truncated, deleted or bit-flipped shard, a cut .metadata, a deleted manifest",
+        "tests/runtime/test_checkpoint.py::test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_newest_intact_one",
+        "the newest checkpoint .../step_000006 is damaged: __1_0.distcp has N bytes, not the M saved; the newest intact checkpoint is .../step_000004",
+    ),
+    "train-resume-nothing": (
+        "train",
+        "--resume into a checkpoint directory that does not exist (a typo)",
+        "tests/runtime/test_checkpoint_dir.py::test_resuming_where_there_is_nothing_starts_at_step_0_and_says_why",
+        "starting at step 0: nothing to resume from (.../chekpoints did not exist; it was created)",
+    ),
+    "train-save-never-finished": (
+        "train",
+        "a save killed before it finished (its partial directory left behind)",
+        "tests/runtime/test_checkpoint_dir.py::test_a_save_that_never_finished_is_cleared_and_named",
+        "removed .step_000004.partial (left by a save that never finished)",
+    ),
+    "train-save-fails": (
+        "train",
+        "a write failing mid-save (a full disk, a file size limit) and non-finite weights at a save",
+        "tests/runtime/test_checkpoint.py::test_a_failed_save_leaves_nothing_and_non_finite_weights_are_never_saved",
+        "saving step 8 failed on rank 0: RuntimeError: ... unexpected pos 704 vs 598; ... (.../ckpt has N MiB free); nothing of it was kept, and the newest checkpoint is .../step_000006",
+    ),
+    "train-checkpoint-dir-unusable": (
+        "train",
+        "a checkpoint directory that cannot be created, is a file, or has no room for one checkpoint",
+        "tests/runtime/test_checkpoint_dir.py::test_a_directory_that_cannot_be_written_or_has_no_room_is_refused_before_any_work",
+        "has N GiB free, and one checkpoint of this model takes about M GiB; free some space or give another checkpoint directory",
+    ),
+    "train-nonfinite-step": (
+        "train",
+        "NaN or infinite values in a batch (or a diverged loss)",
+        "tests/runtime/test_trainer.py::test_a_non_finite_step_stops_before_the_update_naming_the_step_and_the_samples",
+        "step 3: the loss is nan and the gradient norm nan: stopped before the optimizer step, so no weight changed. batch['pixel_values'] holds NaN or infinite values in sample 3 (the shard of data-parallel rank 1)",
+    ),
+    "train-nonfinite-skipped": (
+        "train",
+        "the same with --skip-nonfinite-steps",
+        "tests/runtime/test_trainer.py::test_skipped_non_finite_steps_train_like_eager_that_skips_them",
+        "step 2: skipped: loss nan, grad norm nan (1 skipped so far); trains equal to eager that skips the step",
     ),
     "train-data-shapes": (
         "train",
@@ -719,6 +808,42 @@ ELSEWHERE = {
         "SIGTERM to `vlmcompile run`",
         "tests/runtime/test_launch.py::test_a_signal_to_the_cli_stops_every_rank_and_says_so_in_one_line",
         "vlmcompile: interrupted by SIGTERM; stopped every rank",
+    ),
+    "signal-preemption": (
+        "signal",
+        "SIGTERM or SIGUSR1 to a training run on local ranks (a scheduler's preemption)",
+        "tests/runtime/test_preemption.py::test_a_stop_request_finishes_the_step_saves_and_the_run_resumes_from_it",
+        "stopped by SIGTERM after step N of 200: saved .../step_00000N; resume goes on from there",
+    ),
+    "signal-preemption-twice": (
+        "signal",
+        "a second stop signal while the step in flight finishes",
+        "tests/runtime/test_preemption.py::test_a_second_signal_stops_at_once_without_saving",
+        "interrupted by SIGTERM (stopped at once, nothing saved)",
+    ),
+    "signal-preemption-torchrun": (
+        "signal",
+        "SIGTERM to torchrun (`--signals-to-handle SIGTERM,SIGUSR1`)",
+        "tests/test_train_job.py::test_sigterm_to_torchrun_saves_the_step_in_flight_and_only_torchrun_listens_beyond_loopback",
+        "stopped by SIGTERM after step N of 100000: saved .../step_00000N; resume goes on from there",
+    ),
+    "fault-hung-in-save": (
+        "fault",
+        "a rank that hangs, or is stopped (SIGSTOP), inside a checkpoint save",
+        "tests/runtime/test_preemption.py::test_a_rank_that_hangs_or_is_stopped_inside_a_save_is_named",
+        "rank 1 hung: rank 0 gave up waiting for a collective ... / rank 1 stopped (SIGSTOP or Ctrl-Z) for N s, longer than the 4 s timeout",
+    ),
+    "fault-paused-job": (
+        "fault",
+        "the whole job paused (Ctrl-Z) for longer than --timeout",
+        "tests/runtime/test_launch.py::test_a_pause_is_told_apart_from_a_hang_only_when_it_came_within_the_timeout",
+        "the job was paused for N s (stopped: Ctrl-Z or SIGSTOP), longer than the 3 s the ranks wait for each other ...; no rank failed",
+    ),
+    "fault-torchrun-ports": (
+        "fault",
+        "what listens under torchrun",
+        "tests/test_train_job.py::test_sigterm_to_torchrun_saves_the_step_in_flight_and_only_torchrun_listens_beyond_loopback",
+        "(the ranks on 127.0.0.1 only; torchrun's own rendezvous store on every interface, as the README says)",
     ),
     "signal-sigkill": (
         "signal",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.proc_helpers import LOOPBACK, WILDCARD, listening_sockets
 from vlmcompile import models
 from vlmcompile.cli import main
 from vlmcompile.models.data import SyntheticBatches
+from vlmcompile.runtime.checkpoint import problems
 from vlmcompile.runtime.trainer import TrainConfig, eager_training
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -100,6 +104,81 @@ def test_a_rank_killed_mid_run_ends_the_job_within_the_timeout_naming_it(tmp_pat
     assert "rank: 1" in err and "Signal 9" in err, err[-3000:]
 
 
+def test_a_second_run_into_a_directory_holding_checkpoints_is_refused_and_overwrite_starts_again(
+    tmp_path, capfd
+):
+    plan = _plan_file(tmp_path, "cpu:2", capfd)
+    ckpt = tmp_path / "ckpt"
+    args = [
+        "train",
+        "--plan",
+        plan,
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "2",
+        "--timeout",
+        "60",
+    ]
+    assert main([*args, "--steps", "4"]) == 0
+    saved = (ckpt / "step_000004" / "manifest.json").read_text()
+    capfd.readouterr()
+    assert main([*args, "--steps", "2", "--seed", "1"]) == 2  # another run, not told to resume
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "holds checkpoints of an earlier run (steps 2, 4): continue it with --resume" in err
+    assert "or start again with --overwrite" in err
+    assert (ckpt / "step_000004" / "manifest.json").read_text() == saved
+    assert (ckpt / "latest").read_text() == "step_000004\n"
+    assert main([*args, "--steps", "2", "--seed", "1", "--overwrite"]) == 0
+    assert "removed the earlier run's checkpoints (steps 2, 4; overwrite)" in capfd.readouterr().err
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000002"]
+
+
+def test_sigterm_to_torchrun_saves_the_step_in_flight_and_only_torchrun_listens_beyond_loopback(
+    tmp_path, capsys
+):
+    """The README's torchrun command: SIGTERM to torchrun reaches every rank, which finishes its
+    step and saves; while it trains, the ranks listen on 127.0.0.1 only and torchrun's own
+    rendezvous store on every interface (as the README says)."""
+    plan = _plan_file(tmp_path, "cpu:2", capsys)
+    ckpt = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += ["--signals-to-handle", "SIGTERM,SIGUSR1", "-m", "vlmcompile", "train", "--plan", plan]
+    command += ["--steps", "100000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "100000"]
+    job = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+        start_new_session=True,
+    )
+    try:
+        seen = ""
+        while "step 3: loss" not in seen:
+            line = job.stderr.readline()
+            assert line, f"the job ended before step 3:\n{seen[-3000:]}"
+            seen += line
+        for rank in (0, 1):
+            sockets = listening_sockets(_rank_pid(job.pid, rank))
+            assert all(address in LOOPBACK for address, _ in sockets), (rank, sockets)
+        agent = listening_sockets(job.pid)
+        assert agent and all(address in WILDCARD for address, _ in agent), agent
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+        err = seen + err
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    found = re.search(r"stopped by SIGTERM after step (\d+) of 100000: saved (\S+); resume goes on", err)
+    assert found, err[-3000:]
+    # torchrun's own ending, as the README says: exit 1 and its SignalException traceback.
+    assert job.returncode == 1 and "SignalException" in err
+    assert found.group(2) == str(ckpt / f"step_{int(found.group(1)):06d}")
+    assert problems(found.group(2)) == []
+
+
 def _rank_pid(torchrun_pid: int, rank: int) -> int:
     """The pid of the torchrun worker with ``RANK=rank`` (a child of torchrun's process)."""
     for entry in Path("/proc").iterdir():
@@ -130,6 +209,8 @@ def test_the_gpu_check_runs_dry_on_cpu_ranks(tmp_path):
         "2",
         "--repeats",
         "1",
+        "--model",
+        "tiny",  # every step of the script, on the zoo's smallest model: the demo's adds a minute
         "--out",
         str(out),
     ]
@@ -162,8 +243,13 @@ def test_a_run_saved_under_torchrun_resumes_on_local_ranks_with_the_same_losses(
     ]
     done = _torchrun(2, *args, "--log-jsonl", str(whole), "--timeout", "60")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000002", "step_000004"]
-    (ckpt / "latest").write_text("step_000002\n")  # as if stopped after step 2
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        ".vlmcompile.lock",
+        "latest",
+        "step_000002",
+        "step_000004",
+    ]
+    shutil.rmtree(ckpt / "step_000004")  # as if stopped after step 2
     assert main(["train", *args, "--resume", "--log-jsonl", str(resumed), "--timeout", "60"]) == 0
     assert "trained steps 3-4" in capsys.readouterr().out
     losses = [json.loads(line)["loss"] for line in whole.read_text().splitlines()]

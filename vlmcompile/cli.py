@@ -25,7 +25,7 @@ import torch
 from vlmcompile import train_job
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_OUTPUT_FLAGS = ("json", "png", "trace")
+_OUTPUT_FLAGS = ("json", "png", "trace", "log_jsonl")
 
 
 def _positive_int(text: str) -> int:
@@ -51,23 +51,12 @@ def _positive_float(text: str) -> float:
 def _check_output_paths(args: argparse.Namespace) -> None:
     """Refuse an output file that cannot be written before any work is done, so that a run never
     ends in an error after writing some of its outputs."""
-    from vlmcompile.ir.errors import ArgumentError
+    from vlmcompile.runtime.checkpoint_dir import check_output_file
 
     for flag in _OUTPUT_FLAGS:
         path = getattr(args, flag, None)
-        if not path:
-            continue
-        target = Path(path)
-        folder = target.parent
-        problem = None
-        if target.is_dir():
-            problem = "is a directory; give a file name"
-        elif not folder.is_dir():
-            problem = f"is in {str(folder)!r}, which does not exist; create it first"
-        elif not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-            problem = "cannot be written (permission denied); choose another path"
-        if problem:
-            raise ArgumentError(f"--{flag} {path} {problem}")
+        if path:
+            check_output_file(path, f"--{flag.replace('_', '-')}")
 
 
 def _annotate(args: argparse.Namespace) -> int:
@@ -471,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         _check_output_paths(args)
         return args.run(args)
     except Interrupted as err:
-        print(f"vlmcompile: interrupted by {err.signal_name}; stopped every rank", file=sys.stderr)
+        done = "stopped at once, without saving" if train_job.under_torchrun() else "stopped every rank"
+        print(f"vlmcompile: {rank_prefix()}interrupted by {err.signal_name}; {done}", file=sys.stderr)
         return 128 + int(getattr(signal, err.signal_name))
     except (VlmCompileError, ValueError, KeyError, OSError) as err:
         print(f"vlmcompile: {rank_prefix()}error: {err}", file=sys.stderr)

@@ -8,7 +8,10 @@ microbatches); the runtime itself reads no report and runs no pass.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +24,7 @@ from torch import nn
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.graph.loss_split import LossSplit, coupled_loss_error
-from vlmcompile.ir.errors import ArgumentError, PlanError, SampleBatchError
+from vlmcompile.ir.errors import ArgumentError, ClusterError, PlanError, SampleBatchError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, SPECIALIZED_META
 from vlmcompile.ir.microbatch import rows_per_sample
@@ -32,6 +35,8 @@ from vlmcompile.passes.policies import plan_and_simulate
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
+from vlmcompile.runtime import preemption
+from vlmcompile.runtime.checkpoint_dir import checkpoint_bytes
 from vlmcompile.runtime.executor import PipelineRunner, runnable_degrees
 from vlmcompile.runtime.launch import check_launchable, launch
 from vlmcompile.runtime.trainer import (
@@ -43,6 +48,8 @@ from vlmcompile.runtime.trainer import (
     TrainResult,
     check_first_batch,
     check_trainable,
+    claim_for,
+    stop_line,
     train_on_rank,
 )
 from vlmcompile.runtime.training import one_step
@@ -174,14 +181,35 @@ class CompiledPipeline:
         runner.transfers = transfers
         world = runner.parallel.world_size
         throughput = self.throughput(runner, on_gpu=on_gpu)
-        args = (data, config, throughput, optimizer, scheduler)
-        if dist.is_initialized():
-            return train_on_rank(runner, *args)
-        check_launchable(world, timeout_s)
-        check_trainable(runner)  # refused before any rank starts, as is a bad first batch
-        check_first_batch(runner, data)
-        names = ("data", "config", "throughput", "optimizer", "scheduler")
-        return launch(train_on_rank, runner, world, args=args, arg_names=names, timeout_s=timeout_s)[0]
+        if not dist.is_initialized():
+            check_launchable(world, timeout_s)
+            check_trainable(runner)  # refused before any rank starts, as is a bad first batch
+            check_first_batch(runner, data)
+        # The checkpoint directory is checked, held and read before any rank starts (on local
+        # ranks by this process, under torchrun by rank 0).
+        with claim_for(config, _checkpoint_bytes(runner)) as start:
+            args = (data, config, throughput, optimizer, scheduler, start)
+            if dist.is_initialized():
+                return train_on_rank(runner, *args)
+            names = ("data", "config", "throughput", "optimizer", "scheduler", "start")
+            with preemption.stop_requests():  # SIGTERM, SIGUSR1: every rank finishes its step and saves
+                result = launch(
+                    train_on_rank,
+                    runner,
+                    world,
+                    args=args,
+                    arg_names=names,
+                    timeout_s=timeout_s,
+                    forward_stop_requests=True,
+                )[0]
+                asked = preemption.requested()
+            if result.stopped_by:  # named by the signal this process got, not the one passed on
+                if asked:
+                    result = dataclasses.replace(result, stopped_by=signal.Signals(asked).name)
+                saved = result.checkpoints[-1] if result.checkpoints else None
+                last = result.steps[-1].step if result.steps else result.resumed_from
+                print(stop_line(result.stopped_by, last, config.steps, saved), file=sys.stderr, flush=True)
+            return result
 
     def throughput(self, runner: PipelineRunner, *, on_gpu: bool = False) -> Throughput:
         """What turns the runner's step times into samples/s and MFU: the model's FLOPs per sample
@@ -276,13 +304,7 @@ def make_runner(pipe: CompiledPipeline, plan: Plan, *, timeout_s: float = 60.0) 
             "the plan carries no model fingerprint; it is not checked against the model", stacklevel=3
         )
     plan.validate(pipe.layer_graph)
-    parallel = runnable_degrees(plan)
-    cluster = pipe.cluster
-    if cluster is not None and parallel.world_size > cluster.num_gpus:
-        raise PlanError(
-            f"the plan runs on {parallel.world_size} ranks (PP={parallel.pp} x DP={parallel.dp}), more than the "
-            f"{cluster.num_gpus} devices of {cluster.name}, the cluster this pipeline was compiled for"
-        )
+    parallel = check_cluster_size(plan, pipe.cluster)
     _check_loss_splits(pipe.gm, parallel, plan)
     global_batch = parallel.dp * plan.num_microbatches * plan.microbatch_size
     try:
@@ -350,6 +372,35 @@ def _check_loss_splits(gm: fx.GraphModule, parallel: Parallel, plan: Plan) -> No
 def train(pipe: CompiledPipeline, data: Data, config: TrainConfig, **options: Any) -> TrainResult:
     """``pipe.train(data, config, **options)``: train a compiled pipeline (see :meth:`CompiledPipeline.train`)."""
     return pipe.train(data, config, **options)
+
+
+def check_cluster_size(plan: Plan, compiled_for: Cluster | None = None) -> Parallel:
+    """The degrees the plan's ranks run by (:func:`runnable_degrees`), refused when they need more
+    ranks than the cluster the plan names, or than ``compiled_for`` (the pipeline's) has."""
+    parallel = runnable_degrees(plan)
+    named = None
+    if plan.cluster:
+        try:
+            named = Cluster.preset(plan.cluster)
+        except ClusterError:  # a cluster the user described, not a preset: its size is unknown here
+            named = None
+    for cluster, whose in (
+        (named, "the cluster the plan names"),
+        (compiled_for, "the cluster this pipeline was compiled for"),
+    ):
+        if cluster is not None and parallel.world_size > cluster.num_gpus:
+            raise PlanError(
+                f"the plan runs on {parallel.world_size} ranks (PP={parallel.pp} x DP={parallel.dp}), more than the "
+                f"{cluster.num_gpus} device{'s' if cluster.num_gpus > 1 else ''} of {cluster.name}, {whose}; plan "
+                "for the cluster you run on"
+            )
+    return parallel
+
+
+def _checkpoint_bytes(runner) -> int:
+    """One checkpoint's estimated size: every stage's parameters and buffers (a tied one once)."""
+    tensors = {id(t): t for stage in runner.stages_all for t in (*stage.parameters(), *stage.buffers())}
+    return checkpoint_bytes({str(k): t for k, t in tensors.items()})
 
 
 def _on_gpu(device: str | torch.device | None) -> bool:

@@ -55,8 +55,23 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float)
         type=positive_int,
         help="keep only the K newest checkpoints in --checkpoint-dir (None: keep all)",
     )
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir (from step 0 if it holds none)",
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the checkpoints in --checkpoint-dir and start at step 0 (without it or --resume, a "
+        "directory holding checkpoints is refused)",
+    )
     parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir"
+        "--skip-nonfinite-steps",
+        action="store_true",
+        help="skip a step whose loss or gradient norm is NaN or infinite (no update) and go on; without it "
+        "the run stops before that step's update, naming the step and the samples",
     )
     parser.add_argument("--log-jsonl", metavar="FILE", help="append one JSON line of metrics per step")
     parser.add_argument(
@@ -78,11 +93,15 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train; returns the exit code: 0, or 128 + the signal's number when a stop request (SIGTERM,
+    SIGUSR1) ended the run early, after saving."""
+    import signal
+
     from vlmcompile.ir.plan import Plan
-    from vlmcompile.runtime.executor import runnable_degrees
+    from vlmcompile.pipeline import check_cluster_size
 
     plan = Plan.load(args.plan)
-    world = runnable_degrees(plan).world_size
+    world = check_cluster_size(plan).world_size
     torchrun = under_torchrun()
     started = int(os.environ["WORLD_SIZE"]) if torchrun else world  # the local launcher starts the plan's
     if started != world:
@@ -112,19 +131,17 @@ def run(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
     if rank == 0:
         print(result)
-    return 0
+    return 128 + int(getattr(signal, result.stopped_by)) if result.stopped_by else 0
 
 
 def _train(args: argparse.Namespace, plan, device: str, autocast):
     from vlmcompile import models
     from vlmcompile.compiler import compile
     from vlmcompile.models.data import SyntheticBatches
+    from vlmcompile.runtime.checkpoint_dir import checkpoint_bytes
     from vlmcompile.runtime.executor import runnable_degrees
-    from vlmcompile.runtime.trainer import TrainConfig
+    from vlmcompile.runtime.trainer import TrainConfig, claim_for
 
-    name = args.model or plan.model
-    model = models.build(name, seed=args.seed)
-    pipe = compile(model, models.sample_batch(name, batch_size=1, seed=args.seed), model_name=name, log=None)
     config = TrainConfig(
         steps=args.steps,
         lr=args.lr,
@@ -137,11 +154,24 @@ def _train(args: argparse.Namespace, plan, device: str, autocast):
         checkpoint_every=args.checkpoint_every,
         keep_last=args.keep_last,
         resume=args.resume,
+        overwrite=args.overwrite,
+        on_nonfinite="skip" if args.skip_nonfinite_steps else "stop",
         log_jsonl=args.log_jsonl,
     )
-    global_batch = runnable_degrees(plan).dp * plan.num_microbatches * plan.microbatch_size
-    data = SyntheticBatches(name, global_batch, seed=args.seed)
-    return pipe.train(data, config, plan=plan, device=device, autocast_dtype=autocast, timeout_s=args.timeout)
+    name = args.model or plan.model
+    model = models.build(name, seed=args.seed)
+    size = checkpoint_bytes(dict(model.named_parameters()) | dict(model.named_buffers()))
+    # The checkpoint directory and the log are checked (and the directory held) before capture;
+    # train() below claims it again, from this claim.
+    with claim_for(config, size):
+        pipe = compile(
+            model, models.sample_batch(name, batch_size=1, seed=args.seed), model_name=name, log=None
+        )
+        global_batch = runnable_degrees(plan).dp * plan.num_microbatches * plan.microbatch_size
+        data = SyntheticBatches(name, global_batch, seed=args.seed)
+        return pipe.train(
+            data, config, plan=plan, device=device, autocast_dtype=autocast, timeout_s=args.timeout
+        )
 
 
 def _device(choice: str, plan) -> str:

@@ -69,8 +69,6 @@ CASES = [
     ("tiny", "pp2"),
     ("tiny", "pp2-dp2"),
     ("tiny", "encoder-replicated"),
-    pytest.param("demo", "pp2", marks=pytest.mark.slow),
-    pytest.param("demo", "bubbles", marks=pytest.mark.slow),
     pytest.param("hf-llava", "pp2", marks=[needs_transformers, pytest.mark.hf]),
     pytest.param("hf-llava", "pp2-dp2", marks=[needs_transformers, pytest.mark.hf]),
     pytest.param("hf-llava", "bubbles", marks=[needs_transformers, pytest.mark.hf]),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.proc_helpers import LOOPBACK, listening_sockets
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.runtime.launch import LaunchError, launch
 
@@ -134,30 +135,14 @@ def test_ranks_exit_on_their_own_when_the_launcher_is_killed():
 
 def _listening_sockets(_payload):
     """This rank's listening TCP sockets as (ip, port), from /proc."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = []
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                address, port = fields[1].split(":")
-                out.append((address, int(port, 16)))
-    return out
+    return listening_sockets()
 
 
 def test_the_store_and_gloo_listen_on_127_0_0_1_only():
     per_rank = launch(_listening_sockets, None, 2, timeout_s=30)
     assert per_rank[0], "rank 0 holds the rendezvous store; it must listen somewhere"
-    loopback = "0100007F"  # 127.0.0.1 in /proc/net/tcp's little-endian hex
     for rank, sockets in enumerate(per_rank):
-        assert sockets and all(address == loopback for address, _ in sockets), (rank, sockets)
+        assert sockets and all(address in LOOPBACK for address, _ in sockets), (rank, sockets)
 
 
 def test_a_python_level_sigint_handler_survives_a_cp_sat_solve(tmp_path):
@@ -272,3 +257,26 @@ def test_rank_counts_and_timeouts_no_local_run_can_use_are_refused_before_anythi
         launch(_listening_sockets, None, 0)
     with pytest.raises(ArgumentError, match=r"timeout_s=0; give the seconds"):
         launch(_listening_sockets, None, 2, timeout_s=0)
+
+
+def test_a_pause_is_told_apart_from_a_hang_only_when_it_came_within_the_timeout():
+    """The launcher's record of stopped processes (its own watch loop not scheduled: the whole
+    job stopped; a rank in the stopped state) explains a timeout only when the pause fell in the
+    timeout before a rank gave up, and took at least half of it."""
+    from vlmcompile.runtime.launch import _Pauses
+
+    pauses = _Pauses()
+    pauses.job = [(100.0, 108.0)]  # the whole job stopped for 8 s
+    header = pauses.explain(gave_up_at=108.2, timeout_s=6)
+    assert header.startswith("the job was paused for 8 s (stopped: Ctrl-Z or SIGSTOP), longer than the 6 s")
+    assert "no rank failed" in header
+    assert pauses.explain(gave_up_at=300.0, timeout_s=6) is None, "a pause long before explains nothing"
+    assert _Pauses().explain(gave_up_at=10.0, timeout_s=6) is None
+    short = _Pauses()
+    short.job = [(100.0, 101.5)]  # a loaded machine's hiccup: less than half the timeout
+    assert short.explain(gave_up_at=101.6, timeout_s=6) is None
+    stopped = _Pauses()
+    stopped.stopped_since = {1: 50.0}  # rank 1 still stopped when the others gave up
+    assert stopped.explain(gave_up_at=58.0, timeout_s=8).startswith(
+        "rank 1 stopped (SIGSTOP or Ctrl-Z) for 8 s"
+    )

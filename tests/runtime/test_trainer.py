@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import math
+import shutil
 import statistics
 
 import pytest
@@ -19,7 +20,7 @@ from tests.pipeline_helpers import even_plan
 from vlmcompile import compile
 from vlmcompile.models.data import SyntheticBatches
 from vlmcompile.runtime.checkpoint import CheckpointError, load_checkpoint
-from vlmcompile.runtime.trainer import TrainConfig, eager_training
+from vlmcompile.runtime.trainer import NonFiniteStepError, TrainConfig, eager_training
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -85,7 +86,7 @@ def test_a_resumed_run_continues_with_the_same_losses_and_loads_into_the_model(t
     )
     assert first.checkpoints[0].endswith("step_000004")
     # A run stopped after step 4: resume from the step-4 checkpoint under another plan's ranks.
-    (tmp_path / "ckpt" / "latest").write_text("step_000004\n")
+    shutil.rmtree(tmp_path / "ckpt" / "step_000008")
     other = even_plan(pipe.layer_graph, pp=2, v=2, global_batch=4)
     resumed = pipe.train(
         data, TrainConfig(steps=8, checkpoint_dir=ckpt, resume=True, **CONFIG), plan=other, timeout_s=60
@@ -145,7 +146,7 @@ def test_a_run_resumed_under_another_lr_schedule_is_refused_naming_what_changed(
     ckpt = str(tmp_path / "ckpt")
     data = SyntheticBatches("tiny", 4)
     pipe.train(data, TrainConfig(steps=4, checkpoint_dir=ckpt, checkpoint_every=2), plan=plan, timeout_s=60)
-    (tmp_path / "ckpt" / "latest").write_text("step_000002\n")
+    shutil.rmtree(tmp_path / "ckpt" / "step_000004")  # stopped after step 2
     with pytest.raises(
         Exception, match=r"another LR schedule: decay_steps 4 \(now 6\), lr 0.0001 \(now 0.001\)"
     ):
@@ -157,14 +158,6 @@ def test_a_run_resumed_under_another_lr_schedule_is_refused_naming_what_changed(
         data, TrainConfig(steps=6, decay_steps=4, checkpoint_dir=ckpt, resume=True), plan=plan, timeout_s=60
     )
     assert [m.step for m in longer.steps] == [3, 4, 5, 6]
-
-
-def test_a_broken_latest_pointer_is_refused(tmp_path):
-    (tmp_path / "latest").write_text("step_000003\n")
-    from vlmcompile.runtime.checkpoint import latest
-
-    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-        latest(tmp_path)
 
 
 def test_mfu_is_over_the_peak_of_the_device_the_ranks_run_on():
@@ -207,6 +200,65 @@ def test_a_later_batch_of_other_shapes_names_its_step():
     batches = [SyntheticBatches("tiny", 4)(0), SyntheticBatches("tiny", 2)(1)]
     with pytest.raises(Exception, match=r"global batch for step 2: batch\['pixel_values'\] is \[2, "):
         pipe.train(iter(batches), TrainConfig(steps=2), plan=plan, timeout_s=60)
+
+
+def _batches_with_nan_pixels(step: int, sample: int, steps: int) -> list[dict]:
+    """``steps`` global batches of 4 samples; sample ``sample`` of step ``step`` (1-based) has a
+    NaN pixel."""
+    batches = [SyntheticBatches("tiny", 4)(k) for k in range(steps)]
+    batches[step - 1]["pixel_values"][sample].view(-1)[7] = float("nan")
+    return batches
+
+
+def test_a_non_finite_step_stops_before_the_update_naming_the_step_and_the_samples(tmp_path):
+    """NaN pixels in sample 3 of step 3 (data-parallel rank 1's shard): the run stops before
+    step 3's update, in one line, and nothing non-finite is saved or made latest."""
+    _, pipe, plan = _setup("tiny", pp=2, dp=2)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(NonFiniteStepError) as info:
+        pipe.train(
+            _batches_with_nan_pixels(3, 3, 5),
+            TrainConfig(steps=5, checkpoint_dir=str(ckpt), checkpoint_every=1),
+            plan=plan,
+            timeout_s=60,
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "step 3: the loss is nan and the gradient norm nan: stopped before the optimizer step"
+    )
+    assert (
+        "batch['pixel_values'] holds NaN or infinite values in sample 3 (the shard of data-parallel rank 1)"
+        in message
+    )
+    assert f"the newest checkpoint is {ckpt / 'step_000002'}" in message
+    assert "--skip-nonfinite-steps" in message
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000001", "step_000002"]
+    assert (ckpt / "latest").read_text() == "step_000002\n"
+    saved = load_checkpoint(ckpt)["model"]
+    assert all(torch.isfinite(t).all() for t in saved.values())
+
+
+def test_skipped_non_finite_steps_train_like_eager_that_skips_them(tmp_path):
+    """``on_nonfinite="skip"``: the step's update, optimizer state and LR step are left out, as
+    an eager loop that skips the step; the count is in the metrics."""
+    model, pipe, plan = _setup("tiny", pp=2, dp=2)
+    data = _batches_with_nan_pixels(2, 0, 5)
+    config = TrainConfig(steps=5, on_nonfinite="skip", **CONFIG)
+    result = pipe.train(
+        data, dataclasses.replace(config, checkpoint_dir=str(tmp_path / "ckpt")), plan=plan, timeout_s=60
+    )
+    eager = copy.deepcopy(model)
+    expected = eager_training(eager, data, config)
+    assert math.isnan(expected[1]) and math.isnan(result.losses[1])
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected), equal_nan=True)
+    assert [m.skipped for m in result.steps] == [False, True, False, False, False]
+    assert [m.skipped_steps for m in result.steps] == [0, 1, 1, 1, 1] and result.skipped_steps == 1
+    assert "1 steps skipped (non-finite)" in str(result)
+    assert "step 2: skipped: loss nan" in str(result.steps[1])
+    saved = load_checkpoint(tmp_path / "ckpt")["model"]
+    for name, p in eager.state_dict().items():
+        torch.testing.assert_close(saved[name], p, atol=2e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _bf16_step(runner, batch):
@@ -306,7 +358,7 @@ def test_any_torch_optimizer_trains_like_eager_and_resumes_with_its_own_state(tm
     )
     expected = eager_training(copy.deepcopy(model), data, config, optimizer_factory=sgd)
     torch.testing.assert_close(torch.tensor(whole.losses), torch.tensor(expected))
-    (tmp_path / "ckpt" / "latest").write_text("step_000003\n")
+    shutil.rmtree(tmp_path / "ckpt" / "step_000006")  # stopped after step 3
     resumed = pipe.train(
         data,
         dataclasses.replace(config, checkpoint_dir=ckpt, resume=True),
@@ -354,11 +406,16 @@ def test_metrics_add_up_and_checkpoints_are_announced_and_kept(tmp_path, capfd):
     )
     assert f"MFU {100 * medians['mfu']:.1f} %" in text
 
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000004", "step_000006"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        ".vlmcompile.lock",
+        "latest",
+        "step_000004",
+        "step_000006",
+    ]
     assert [p.rsplit("/", 1)[1] for p in result.checkpoints] == ["step_000004", "step_000006"]
     assert load_checkpoint(ckpt)["step"] == 6
     err = capfd.readouterr().err
     assert err.count("saved checkpoint") == 3 and "removed" in err and "(keep_last)" in err
     assert "ETA 0:0" in err
-    with pytest.raises(CheckpointError, match="is not a checkpoint: it has no .metadata"):
+    with pytest.raises(CheckpointError, match="holds no checkpoint; give a step_NNNNNN directory"):
         load_checkpoint(tmp_path)

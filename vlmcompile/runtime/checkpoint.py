@@ -11,8 +11,11 @@ checkpoint
 * resumes under any plan of the same model (other cuts, degrees or schedule): each rank reads
   the parameters its stages hold, wherever they were saved.
 
-Layout: ``<dir>/step_000010/`` per save, and ``<dir>/latest`` naming the newest complete one
-(written after every rank finished writing).
+Layout: ``<dir>/step_000010/`` per save, holding DCP's files and ``manifest.json`` (every file's
+size and CRC-32, checked before a load), and ``<dir>/latest`` naming the newest one. A save is
+atomic: it is written to ``<dir>/.step_000010.partial/`` and renamed into place only when every
+rank's file, the metadata and the manifest are on disk, so a ``step_*`` directory is always a
+whole checkpoint (or one damaged after it was written, which its manifest tells).
 """
 
 from __future__ import annotations
@@ -21,28 +24,71 @@ import json
 import os
 import re
 import shutil
+import sys
 import warnings
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from vlmcompile.ir.errors import VlmCompileError
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+_MANIFEST_SCHEMA = "vlmcompile-checkpoint"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+PARTIAL_SUFFIX = ".partial"
+"""A save in progress: ``.step_000010.partial``; one left behind is a save that never finished."""
 
 
 class CheckpointError(VlmCompileError, ValueError):
-    """A checkpoint that does not fit this model: the message names the parameters that differ."""
+    """A checkpoint that cannot be saved or used: the message names the file or the parameters at
+    fault, and the checkpoint to use instead."""
+
+
+def step_dir(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step_{step:06d}"
+
+
+def steps_in(directory: str | Path) -> list[tuple[int, Path]]:
+    """Every ``step_*`` directory of a run's directory, oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = ((_STEP_DIR.match(p.name), p) for p in root.iterdir())
+    return sorted((int(m.group(1)), p) for m, p in found if m and p.is_dir())
 
 
 def save(directory: str | Path, step: int, runner, optimizer, scheduler, schedule: dict | None = None) -> str:
-    """Save this rank's share at ``step`` (every rank calls it); returns the step's directory."""
-    path = Path(directory) / f"step_{step:06d}"
+    """Save this rank's share at ``step`` (every rank calls it); returns the step's directory.
+
+    Refuses (:class:`CheckpointError`, on every rank) to save non-finite weights, or over a step
+    directory that exists. A failed write (a full disk, an I/O error) leaves nothing behind: the
+    partial directory is removed and ``latest`` stays where it was."""
+    root = Path(directory)
+    final = step_dir(root, step)
+    staging = root / f".{final.name}{PARTIAL_SUFFIX}"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _refuse_non_finite(runner, step)
+    problem = None
+    if rank == 0:
+        try:
+            if final.exists():
+                problem = f"{final} exists already; a save never replaces a checkpoint"
+            elif staging.exists():  # a save that never finished: the directory's lock rules out a live one
+                shutil.rmtree(staging)
+        except OSError as err:
+            problem = f"saving step {step}: {staging} cannot be cleared ({err})"
+    problem = _from_rank0(runner, problem, f"the check before saving step {step}")
+    if problem:
+        raise CheckpointError(problem)
     state = {
         "model": {name: p.detach() for name, p in runner.named_state().items()},
         "optimizer": _optimizer_state(runner, optimizer),
@@ -52,78 +98,270 @@ def save(directory: str | Path, step: int, runner, optimizer, scheduler, schedul
             "schedule": json.dumps(schedule or {}, sort_keys=True),
         },
     }
-    # A run resumed from an earlier step writes its later steps again.
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
-    runner._wait(dist.barrier(async_op=True), "the barrier after saving a checkpoint")
-    if dist.get_rank() == 0:  # written whole or not at all: a crash never leaves half a name
-        pointer = Path(directory) / LATEST
-        partial = pointer.with_suffix(".partial")
-        partial.write_text(path.name + "\n")
-        os.replace(partial, pointer)
-    return str(path)
+    try:
+        with _peers_blamed(runner, f"saving the checkpoint of step {step}"):
+            metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging), overwrite=False))
+    except CheckpointException as err:  # every rank gets it, whichever rank's write failed
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        _interrupted(err)
+        raise CheckpointError(
+            f"saving step {step} failed{_failures(err)} ({_free(root)}); nothing of it was kept, and "
+            f"{_newest_line(root)}"
+        ) from None
+    # Each rank sums a share of the files (the rank that wrote a file may not be the one that
+    # reads it back, so the share is by index: the work is spread, the result the same).
+    files = sorted({info.relative_path for info in metadata.storage_data.values()})
+    try:
+        mine: dict[str, Any] = {n: _file_sum(staging / n) for i, n in enumerate(files) if i % world == rank}
+    except OSError as err:  # reading back what was just written: every rank must hear of it
+        mine = {"": f"rank {rank} could not read it back: {err}"}
+    shares = _gather(runner, mine, f"the checksums of step {step}")
+    sums = {k: v for share in shares for k, v in share.items()}
+    problem = sums.pop("", None)
+    warning = None
+    if rank == 0 and problem is None:
+        try:
+            warning = _commit(root, staging, final, step, sums)
+        except OSError as err:
+            problem = str(err)
+    if rank == 0 and problem is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+        problem = f"saving step {step} failed: {problem} ({_free(root)}); nothing of it was kept, and {_newest_line(root)}"
+    problem = _from_rank0(runner, problem, f"the renaming of step {step} into place")
+    if problem:
+        raise CheckpointError(problem)
+    if warning:
+        print(f"vlmcompile: warning: {warning}", file=sys.stderr, flush=True)
+    return str(final)
 
 
-def latest_on_every_rank(directory: str | Path | None) -> str | None:
-    """:func:`latest` as rank 0 sees it, on every rank: ranks reading the pointer each on their
-    own could disagree (a file system's caches), and then only some would load."""
-    found = [latest(directory) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(found, src=0)
-    return found[0]
+def _commit(root: Path, staging: Path, final: Path, step: int, sums: dict[str, dict[str, int]]) -> str | None:
+    """Make ``staging`` the checkpoint of ``step``: its manifest, then the rename, then
+    ``latest``; each durable before the next (a crash between leaves the previous state).
+    Raises before the rename (nothing saved); after it the step is saved, and a ``latest`` that
+    could not be moved is a warning (returned): a resume does not read it."""
+    sums[".metadata"] = _file_sum(staging / ".metadata")
+    manifest = {"schema": _MANIFEST_SCHEMA, "version": 1, "step": step, "files": dict(sorted(sums.items()))}
+    write_durably(staging / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    _fsync_dir(staging)
+    os.rename(staging, final)
+    try:
+        _fsync_dir(root)
+        write_durably(root / LATEST, final.name + "\n")
+    except OSError as err:
+        return (
+            f"saved {final}, but {root / LATEST} could not be moved to it ({err}); a resume finds it anyway"
+        )
+    return None
 
 
-def latest(directory: str | Path | None) -> str | None:
-    """The newest complete checkpoint in ``directory`` (None if there is none)."""
-    if directory is None:
-        return None
-    pointer = Path(directory) / LATEST
-    if not pointer.is_file():
-        return None
-    path = Path(directory) / pointer.read_text().strip()
-    if not _STEP_DIR.match(path.name) or not (path / ".metadata").is_file():
-        raise CheckpointError(f"{pointer} names {path}, which is not a complete checkpoint; remove {pointer}")
-    return str(path)
+def write_durably(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file, flushed to disk, renamed over it."""
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    with open(partial, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_sum(path: Path) -> dict[str, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return {"bytes": size, "crc32": crc}
+
+
+def problems(path: str | Path, *, checksums: bool = True) -> list[str]:
+    """What is wrong with the checkpoint at ``path`` (nothing: an empty list): a missing or
+    unreadable manifest, a file missing, of another size or (``checksums``) with other bytes
+    than when it was saved."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        if manifest.get("schema") != _MANIFEST_SCHEMA or not isinstance(files, dict):
+            raise ValueError(manifest.get("schema"))
+    except FileNotFoundError:
+        return [
+            f"it has no {MANIFEST} (an unfinished save, or one by a vlmcompile older than checksummed "
+            "checkpoints, which cannot be checked)"
+        ]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"its {MANIFEST} is not one vlmcompile wrote"]
+    out = []
+    for name, saved in files.items():
+        file = path / name
+        if not file.is_file():
+            out.append(f"{name} is missing")
+            continue
+        size = file.stat().st_size
+        if size != saved["bytes"]:
+            out.append(f"{name} has {size} bytes, not the {saved['bytes']} saved")
+        elif checksums and _file_sum(file)["crc32"] != saved["crc32"]:
+            out.append(f"{name} has other bytes than were saved (its CRC-32 differs)")
+    return out
+
+
+def newest(directory: str | Path) -> tuple[Path | None, str]:
+    """The newest checkpoint of a run's directory, checked whole (every file's checksum), and a
+    line saying why it is the one or why there is none. ``latest`` is not trusted for this: a
+    newer step may have been saved after it was last written. A newest checkpoint that is damaged
+    is refused, naming what is wrong and the newest intact one."""
+    root = Path(directory)
+    if not root.exists():
+        return None, f"{root} does not exist"
+    steps = steps_in(root)
+    if not steps:
+        return None, f"{root} holds no checkpoint"
+    step, path = steps[-1]
+    bad = problems(path)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        good = next((p for _, p in reversed(steps[:-1]) if not problems(p)), None)
+        then = (
+            f"the newest intact checkpoint is {good}: move {path.name} out of {root} and resume again"
+            if good
+            else f"{root} holds no intact checkpoint before it: start again without resuming (overwrite)"
+        )
+        raise CheckpointError(f"the newest checkpoint {path} is damaged: {bad[0]}{more}; {then}")
+    why = f"the newest checkpoint in {root}"
+    pointer = root / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if named is None:
+        why += f" (it has no {LATEST} pointer)"
+    elif named != path.name:
+        missing = "" if (root / named).is_dir() else ", which is not there"
+        why += f" ({LATEST} names {named}{missing})"
+    return path, why
+
+
+def _free(root: Path) -> str:
+    """The free space where a save failed: a full disk shows in torch's writer as a bare
+    "unexpected pos" error."""
+    try:
+        return f"{root} has {shutil.disk_usage(root).free / 2**20:.1f} MiB free"
+    except OSError:
+        return f"{root} cannot be read"
+
+
+def _newest_line(root: Path) -> str:
+    """The checkpoint a run would go on from, for an error's last words (its files' sizes
+    checked, not their checksums: an error path reads no checkpoint whole)."""
+    path = next((p for _, p in reversed(steps_in(root)) if not problems(p, checksums=False)), None)
+    return f"the newest checkpoint is {path}" if path else f"{root} holds no checkpoint"
 
 
 def keep_newest(directory: str | Path, keep: int | None) -> list[str]:
     """Remove all but the ``keep`` newest step directories of ``directory`` (call on one rank,
-    after :func:`save` moved the pointer); returns what was removed. The one ``latest`` names is
-    always kept."""
+    after :func:`save`); returns what was removed."""
     if keep is None:
         return []
-    root = Path(directory)
-    pointer = root / LATEST
-    current = pointer.read_text().strip() if pointer.is_file() else None
-    steps = sorted(
-        (int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))
-    )
     removed = []
-    for _, path in steps[:-keep]:
-        if path.name != current:
-            shutil.rmtree(path)
-            removed.append(str(path))
+    for _, path in steps_in(directory)[:-keep]:
+        shutil.rmtree(path)
+        removed.append(str(path))
     return removed
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint's step directory: ``path`` itself, or the one a run directory's ``latest``
-    names."""
+    """A checkpoint's step directory: ``path`` itself, or a run directory's newest intact one;
+    checked whole either way."""
     path = Path(path)
-    if (path / ".metadata").is_file():
+    if _STEP_DIR.match(path.name) or (path / MANIFEST).exists() or (path / ".metadata").exists():
+        bad = problems(path)
+        if bad:
+            raise CheckpointError(f"{path} is not a usable checkpoint: {'; '.join(bad[:3])}")
         return path
-    found = latest(path)
-    if found is not None:
-        return Path(found)
-    steps = sorted(p.name for p in path.iterdir() if _STEP_DIR.match(p.name)) if path.is_dir() else []
-    raise CheckpointError(
-        f"{path} is not a checkpoint: it has no .metadata"
-        + (f" and no {LATEST} pointer (it holds {', '.join(steps)}: give one of them)" if steps else "")
-        + "; give a step_NNNNNN directory or the run's checkpoint directory"
+    found, why = newest(path)
+    if found is None:
+        raise CheckpointError(f"{why}; give a step_NNNNNN directory or a run's checkpoint directory")
+    return found
+
+
+@contextmanager
+def _peers_blamed(runner, what: str) -> Iterator[None]:
+    """DCP's collectives wait on the default group with its timeout: one that times out is a peer
+    lost, reported as the runner's own waits report it (so a rank hung in a save is named)."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise runner._lost(f"waiting for the other ranks while {what}", err, None) from None
+
+
+def _gather(runner, value: Any, what: str) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    with _peers_blamed(runner, f"gathering {what}"):
+        dist.all_gather_object(out, value)
+    return out
+
+
+def _from_rank0(runner, value: Any, what: str) -> Any:
+    """Rank 0's ``value`` on every rank: a decision all must act on alike."""
+    box = [value]
+    with _peers_blamed(runner, f"receiving {what} from rank 0"):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _interrupted(err: CheckpointException) -> None:
+    """A stop signal DCP caught inside a rank's own step (it wraps any BaseException) stops the
+    run at once, as it would anywhere else."""
+    for exc, _ in err.failures.values():
+        if isinstance(exc, KeyboardInterrupt):
+            raise exc from None
+
+
+def _failures(err: CheckpointException) -> str:
+    """DCP's per-rank failures in one line (its own message is every rank's traceback)."""
+    parts = [
+        f"rank {rank}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        for rank, (exc, _) in sorted(err.failures.items())
+    ]
+    return f" on {'; '.join(parts)}" if parts else ""
+
+
+def _refuse_non_finite(runner, step: int) -> None:
+    """No checkpoint holds a NaN or an infinity: they would be resumed from."""
+    bad = sorted(
+        name
+        for name, p in runner.named_state().items()
+        if p.is_floating_point() and not torch.isfinite(p).all()
     )
+    found = [name for share in _gather(runner, bad[:3], f"the finite check of step {step}") for name in share]
+    if found:
+        raise CheckpointError(
+            f"not saving step {step}: parameters hold NaN or infinite values ({', '.join(sorted(set(found))[:5])}); "
+            "the checkpoints saved before stay as they are"
+        )
 
 
 def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None = None) -> int:
     """Load this rank's share of the checkpoint at ``path`` into the runner's parameters, the
-    optimizer and the scheduler (every rank calls it); returns the checkpoint's step."""
+    optimizer and the scheduler (every rank calls it); returns the checkpoint's step. ``path``
+    was checked whole before (:func:`newest` or :func:`resolve`, on one process): here each rank
+    checks only that its files are all there, at their sizes."""
+    # Agreed before DCP's collectives: a rank that refused alone would leave the others waiting.
+    try:
+        bad = problems(path, checksums=False)
+        mine = f"rank {dist.get_rank()}: {bad[0]}" if bad else None
+    except OSError as err:
+        mine = f"rank {dist.get_rank()}: {err}"
+    found = [x for x in _gather(runner, mine, f"the check of {path}") if x]
+    if found:
+        raise CheckpointError(f"the checkpoint {path} changed since it was checked: {found[0]}")
     stored, paths = _entries(path)
     params = runner.named_state()
     model_names = (
@@ -147,7 +385,12 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
             for key, meta in optimizer_entries.get(name, {}).items()
         }
     state["trainer"] = {"step": 0, "scheduler": "", "schedule": "{}"}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        with _peers_blamed(runner, f"loading the checkpoint {path}"):
+            dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as err:
+        _interrupted(err)
+        raise CheckpointError(f"loading the checkpoint {path} failed{_failures(err)}") from None
     saved_schedule = json.loads(state["trainer"]["schedule"])
     if schedule is not None and saved_schedule and saved_schedule != schedule:
         differ = ", ".join(
@@ -181,10 +424,11 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """The whole checkpoint in one process (no torch.distributed needed): ``{"model": state dict
     under the original names, "optimizer": {name: {state: tensor}}, "step": int}``. ``path`` is a
-    step directory, or a run's checkpoint directory (its ``latest`` is read). The model part loads
-    into the original model: ``model.load_state_dict(load_checkpoint(path)["model"])``."""
+    step directory, or a run's checkpoint directory (its newest intact checkpoint is read); every
+    file is checked against the manifest first. The model part loads into the original model:
+    ``model.load_state_dict(load_checkpoint(path)["model"])``."""
     path = resolve(path)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = _read_metadata(path)
     nested: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
         where = nested
@@ -194,7 +438,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         where[leaf] = _placeholder(meta, "cpu")
     with warnings.catch_warnings():  # one process on purpose: DCP warns that it is not distributed
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(nested, checkpoint_id=str(path), no_dist=True)
+        try:
+            dcp.load(nested, checkpoint_id=str(path), no_dist=True)
+        except CheckpointException as err:
+            raise CheckpointError(f"loading the checkpoint {path} failed{_failures(err)}") from None
     return {
         "model": nested.get("model", {}),
         "optimizer": nested.get("optimizer", {}),
@@ -252,9 +499,17 @@ def _scheduler_json(scheduler) -> str:
 def _entries(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple]]:
     """Every stored entry's metadata (tensors, and the Python values an optimizer may keep) and
     its path in the saved state (``("optimizer", name, key)``)."""
-    path = resolve(path)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = _read_metadata(path)
     return dict(metadata.state_dict_metadata), dict(metadata.planner_data)
+
+
+def _read_metadata(path: str | Path):
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - unpickling a damaged file raises anything
+        raise CheckpointError(
+            f"the checkpoint {path} has unreadable metadata: {type(err).__name__}: {err}"
+        ) from None
 
 
 def _placeholder(meta, device) -> torch.Tensor | None:

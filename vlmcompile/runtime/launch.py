@@ -7,10 +7,14 @@ No hang and no orphan, ever:
   rank fails, the others are given ``GRACE_S`` to report what they saw, then killed; a rank
   that hangs is found by the peer that times out waiting for it, and the error blames the hung
   rank, not the one that timed out.
-* SIGINT and SIGTERM of the launching process stop every rank before it exits
+* SIGINT, SIGTERM and SIGUSR1 of the launching process stop every rank before it exits
   (:class:`Interrupted`); the ranks ignore SIGINT (a terminal's Ctrl-C reaches the whole
   process group, and the launcher alone reports it), and a rank whose launcher disappears
-  (SIGKILL) exits on its own.
+  (SIGKILL) exits on its own. A training launch (``forward_stop_requests``) passes SIGTERM and
+  SIGUSR1 on to its ranks instead, as a request to finish the step and save
+  (:mod:`~vlmcompile.runtime.preemption`); a second signal stops them at once.
+* a job paused (Ctrl-Z, SIGSTOP) longer than the timeout makes the ranks time out when it goes
+  on: the error says it was a pause, not a hang.
 * nothing listens beyond this machine: the rendezvous store and gloo bind 127.0.0.1.
 """
 
@@ -33,12 +37,21 @@ from multiprocessing import connection as mp_connection
 from typing import Any
 
 from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int, positive_number
+from vlmcompile.runtime import preemption
+from vlmcompile.runtime.preemption import Interrupted
+
+__all__ = ["GRACE_S", "Interrupted", "LaunchError", "launch"]
 
 GRACE_S = 5.0
 """How long ranks still running after the first failure get to report before they are killed."""
 MAX_LOCAL_RANKS = 64
 """More local ranks than this is a plan for a cluster, not for this machine: use torchrun."""
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+_STOP_REQUEST_HANDLERS = (preemption.note, preemption._note_or_stop)
+LOCAL_RANK_ENV = "VLMCOMPILE_LOCAL_RANK"
+"""Set to "1" in the local launcher's ranks: their stop requests come from it, as SIGUSR1."""
+_PAUSE_S = 1.0
+"""A gap this long in the launcher's 0.1 s watch loop means it was stopped (Ctrl-Z, SIGSTOP)."""
 _COLLECTIVE = -1
 """What a rank's report names as the peer it lost when it waited on a whole group."""
 
@@ -52,22 +65,14 @@ class LaunchError(VlmCompileError, RuntimeError):
         self.exit_codes = exit_codes
 
 
-class Interrupted(KeyboardInterrupt):
-    """The launching process got SIGINT or SIGTERM; every rank was stopped before this was raised."""
-
-    def __init__(self, signum: int):
-        self.signal_name = signal.Signals(signum).name
-        super().__init__(f"interrupted by {self.signal_name}")
-
-
-def interrupt_on_stop_signals() -> dict[int, Any]:
-    """Make SIGINT and SIGTERM raise :class:`Interrupted` in the main thread; returns the previous
-    handlers (give them to :func:`restore_signals`). Installing them again also repairs the C-level
-    SIGINT handler, which native libraries may have left at the default."""
+def interrupt_on_stop_signals(signals: Sequence[int] = _STOP_SIGNALS) -> dict[int, Any]:
+    """Make ``signals`` (SIGINT, SIGTERM, SIGUSR1) raise :class:`Interrupted` in the main thread;
+    returns the previous handlers (give them to :func:`restore_signals`). Installing them again
+    also repairs the C-level SIGINT handler, which native libraries may have left at the default."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     previous = {}
-    for signum in _STOP_SIGNALS:
+    for signum in signals:
         previous[signum] = signal.getsignal(signum)
         signal.signal(signum, _raise_interrupted)
     return previous
@@ -126,6 +131,9 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
     # function to run arrives with the work, not as an argument the child unpickles on start.
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, preemption.note)  # the launcher's stop request (born ignored)
+    if hasattr(signal, "pthread_sigmask"):  # born with the launcher's mask, which held them back
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     try:
         work_bytes = work.recv_bytes()
     except (EOFError, OSError):
@@ -140,6 +148,7 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nprocs),
+        **{LOCAL_RANK_ENV: "1"},
     )
     lo = loopback_interface()
     if lo is not None:
@@ -158,7 +167,7 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
         dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs, timeout=timeout)
         # Plain pickles: torch's reductions would share tensors by file descriptor, which dies
         # with the process that made them.
-        message = pickle.dumps((True, pickle.dumps(fn(payload, *args)), None))
+        message = pickle.dumps((True, pickle.dumps(fn(payload, *args)), None, None))
     except BaseException as err:  # report anything, then exit non-zero
         frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
         where = f" (at {frame.filename}:{frame.lineno})" if frame else ""
@@ -166,7 +175,7 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
         lost = None
         if hasattr(err, "peer"):  # a RankLostError
             lost = _COLLECTIVE if err.peer is None else err.peer
-        message = pickle.dumps((False, f"{type(err).__name__}: {err}{where}", lost))
+        message = pickle.dumps((False, f"{type(err).__name__}: {err}{where}", lost, _as_bytes(err)))
         code = 1
     try:
         report.send_bytes(message)
@@ -176,6 +185,17 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _as_bytes(err: BaseException) -> bytes | None:
+    """A user error itself, for the launcher to raise when every rank raised the same; None for
+    anything else (a bug keeps its rank and line) or what does not pickle."""
+    if not isinstance(err, VlmCompileError) or hasattr(err, "peer"):
+        return None
+    try:
+        return pickle.dumps(err)
+    except Exception:  # noqa: BLE001 - the text report still goes
+        return None
 
 
 def _how(code: int | None) -> str:
@@ -218,6 +238,7 @@ def launch(
     timeout_s: float = 60.0,
     limit_s: float | None = None,
     grace_s: float = GRACE_S,
+    forward_stop_requests: bool = False,
 ) -> list[Any]:
     """Run ``fn(payload, *args)`` on ``nprocs`` local ranks with torch.distributed initialised
     (gloo); return each rank's result, in rank order.
@@ -230,10 +251,16 @@ def launch(
         limit_s: wall-clock bound on the whole run (None: no bound while every rank is healthy).
         grace_s: how long ranks still running after the first failure get to report before they
             are killed.
+        forward_stop_requests: SIGTERM and SIGUSR1 are the caller's stop requests (it handles
+            them, with :func:`~vlmcompile.runtime.preemption.stop_requests`): each is passed on to
+            every rank as SIGUSR1, and the ranks are left to finish. SIGINT stops them at once.
 
     Raises:
         LaunchError: a rank raised, died or had to be killed.
-        Interrupted: SIGINT or SIGTERM arrived; every rank has been stopped.
+        Interrupted: SIGINT, SIGTERM or SIGUSR1 arrived (SIGINT only, or a second stop request,
+            with ``forward_stop_requests``); every rank has been stopped.
+        VlmCompileError: every rank raised the same error (a user error, not a lost peer): that
+            error, once.
     """
     check_launchable(nprocs, timeout_s)
     positive_number("grace_s", grace_s, "the seconds ranks get to report after the first failure")
@@ -245,7 +272,7 @@ def launch(
     work = _work(fn, payload, args, arg_names)
     procs: list[Any] = []
     reports: list[Any] = []
-    previous = interrupt_on_stop_signals()
+    previous = interrupt_on_stop_signals((signal.SIGINT,) if forward_stop_requests else _STOP_SIGNALS)
     try:
         senders = []
         # A stop signal while a rank is being started would cut its start-up data short: it
@@ -286,7 +313,7 @@ def launch(
                 ) from None
             finally:
                 sender.close()
-        return _watch(procs, reports, limit_s, grace_s)
+        return _watch(procs, reports, limit_s, grace_s, timeout_s, forward_stop_requests)
     finally:
         with _signals_held():  # a second Ctrl-C must not cut the clean-up short
             _stop(procs)
@@ -334,46 +361,58 @@ def _signals_held():
 
 @contextlib.contextmanager
 def _children_ignore_sigint():
-    """Processes started inside ignore SIGINT from birth (the disposition survives exec, and Python
-    keeps an ignored SIGINT ignored). Call with the signals held: a SIGINT that comes meanwhile
-    stays pending for the handler restored on leaving (Linux never discards a blocked signal)."""
+    """Processes started inside ignore SIGINT and SIGUSR1 from birth (the disposition survives
+    exec, and Python keeps an ignored signal ignored; a rank listens to SIGUSR1 from its first
+    line). Call with the signals held: one that comes meanwhile stays pending for the handler
+    restored on leaving (Linux never discards a blocked signal)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    if hasattr(signal, "sigpending") and signal.SIGINT in signal.sigpending():
-        raise Interrupted(signal.SIGINT)  # setting SIG_IGN would discard it
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    born_ignoring = (signal.SIGINT, signal.SIGUSR1)
+    pending = signal.sigpending() if hasattr(signal, "sigpending") else set()
+    for signum in born_ignoring:
+        if signum in pending:  # setting SIG_IGN would discard it
+            if signum == signal.SIGUSR1 and signal.getsignal(signum) in _STOP_REQUEST_HANDLERS:
+                preemption.note(signum)  # a training launch's stop request: kept as one
+            else:
+                raise Interrupted(signum)
+    handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in born_ignoring}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, handler)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def _stop(procs: list[Any]) -> None:
-    """Terminate, then kill, every rank still running, and reap them all."""
-    alive = [p for p in procs if p.exitcode is None]
-    for p in alive:
-        p.terminate()
-    deadline = time.monotonic() + 2.0
-    for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in alive:
+    """Kill every rank still running and reap them all. SIGKILL, not SIGTERM: a training rank
+    takes SIGTERM as a request to finish its step, and a rank has nothing to flush (its report is
+    sent or lost)."""
+    for p in procs:
         if p.exitcode is None:
             p.kill()
-            p.join(5)
+    for p in procs:
+        p.join(5)
 
 
-def _watch(procs, reports, limit_s: float | None, grace_s: float) -> list[Any]:
+def _watch(
+    procs, reports, limit_s: float | None, grace_s: float, timeout_s: float, forward_stop: bool = False
+) -> list[Any]:
     nprocs = len(procs)
     start = time.monotonic()
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    raised: dict[int, bytes | None] = {}
     lost: dict[int, int] = {}
     ended: dict[int, float] = {}
     killed: set[int] = set()
     open_reports = dict(enumerate(reports))
     first_failure: float | None = None
     over_limit = False
+    pauses = _Pauses()
+    gave_up: list[float] = []
+    """When each report of a lost peer arrived."""
+    forwarded = 0.0
 
     def collect(wait_s: float) -> None:
         ready = mp_connection.wait(list(open_reports.values()), timeout=wait_s)
@@ -382,19 +421,36 @@ def _watch(procs, reports, limit_s: float | None, grace_s: float) -> list[Any]:
                 continue
             del open_reports[rank]
             try:
-                ok, value, peer = pickle.loads(conn.recv_bytes())
+                ok, value, peer, error = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 continue  # the rank died before or while reporting
             if ok:
                 values[rank] = pickle.loads(value)
             else:
                 errors[rank] = value
+                raised[rank] = error
                 if peer is not None:
                     lost[rank] = peer
+                    gave_up.append(time.monotonic())
 
     while len(ended) < nprocs:
         collect(0.1)
         now = time.monotonic()
+        pauses.watch(now, procs)
+        if forward_stop and preemption.requested() and now - forwarded >= 1.0:
+            if not forwarded:
+                name = signal.Signals(preemption.requested()).name
+                print(
+                    f"vlmcompile: {name}: every rank finishes its step, saves and stops; a second signal stops "
+                    "them at once",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            forwarded = now  # again every second: a rank still starting up ignores it
+            for p in procs:
+                if p.exitcode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGUSR1)
         for rank, p in enumerate(procs):
             if rank not in ended and p.exitcode is not None:
                 ended[rank] = now - start
@@ -417,9 +473,14 @@ def _watch(procs, reports, limit_s: float | None, grace_s: float) -> list[Any]:
     codes = {rank: p.exitcode for rank, p in enumerate(procs)}
     if all(c == 0 for c in codes.values()) and len(values) == nprocs:
         return [values[r] for r in range(nprocs)]
+    same = {_strip_where(e) for e in errors.values()}
+    if len(errors) == nprocs and len(same) == 1 and all(raised.values()):
+        raise pickle.loads(raised[0])  # every rank refused alike: the user's error, once
     failed = [r for r in range(nprocs) if codes[r] != 0 or r not in values]
     first, header = _blame(failed, errors, lost, killed, ended, codes)
-    lines = [header]
+    died_silently = any(r not in errors and r not in killed for r in failed)
+    paused = pauses.explain(min(gave_up), timeout_s) if gave_up and not died_silently else None
+    lines = [paused or header]
     if over_limit and not errors:
         lines.insert(0, f"the ranks ran past the {limit_s:.0f} s limit")
     why_killed = (
@@ -440,6 +501,71 @@ def _watch(procs, reports, limit_s: float | None, grace_s: float) -> list[Any]:
             f"(no rank reported an error; if each printed a RuntimeError about bootstrapping: {_NO_GUARD})"
         )
     raise LaunchError("\n".join(lines), first, codes)
+
+
+def _strip_where(error: str) -> str:
+    return error.rsplit(" (at ", 1)[0]
+
+
+class _Pauses:
+    """What the launcher saw of stopped processes, with when: itself not scheduled for a while
+    (the whole job stopped: Ctrl-Z, SIGSTOP to the process group) and ranks in the stopped
+    state. Only pauses in the timeout before a rank gave up can explain its giving up."""
+
+    def __init__(self):
+        self.last: float | None = None
+        self.job: list[tuple[float, float]] = []
+        self.stopped_since: dict[int, float] = {}
+        self.ranks: dict[int, list[tuple[float, float]]] = {}
+
+    def watch(self, now: float, procs) -> None:
+        if self.last is not None and now - self.last > _PAUSE_S:
+            self.job.append((self.last, now))
+        self.last = now
+        for rank, p in enumerate(procs):
+            if p.exitcode is None and _is_stopped(p.pid):
+                self.stopped_since.setdefault(rank, now)
+            elif rank in self.stopped_since:
+                self.ranks.setdefault(rank, []).append((self.stopped_since.pop(rank), now))
+
+    def explain(self, gave_up_at: float, timeout_s: float) -> str | None:
+        """The header for ranks that gave up waiting at ``gave_up_at`` because of a pause (None:
+        no pause within the timeout before it explains that)."""
+        since = gave_up_at - timeout_s
+
+        def within(spans):
+            return sum(max(0.0, min(end, gave_up_at) - max(start, since)) for start, end in spans)
+
+        def length(spans):
+            return sum(end - start for start, end in spans if end > since)
+
+        if within(self.job) >= 0.5 * timeout_s:
+            return (
+                f"the job was paused for {length(self.job):.0f} s (stopped: Ctrl-Z or SIGSTOP), longer than the "
+                f"{timeout_s:g} s the ranks wait for each other, so they timed out when it went on; no rank "
+                "failed. Resume from the newest checkpoint, and give a timeout longer than any pause"
+            )
+        spans = {r: list(v) for r, v in self.ranks.items()}
+        for rank, began in self.stopped_since.items():  # still stopped when it was killed
+            spans.setdefault(rank, []).append((began, gave_up_at))
+        stopped = sorted(r for r, v in spans.items() if within(v) >= 0.5 * timeout_s)
+        if stopped:
+            return (
+                f"rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} stopped (SIGSTOP or Ctrl-Z) "
+                f"for {max(length(spans[r]) for r in stopped):.0f} s, longer than the {timeout_s:g} s timeout: the "
+                "other ranks gave up waiting for it; resume it with SIGCONT sooner, or give a longer timeout"
+            )
+        return None
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether the process is in the stopped state (Linux's /proc; elsewhere never)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
 
 
 def _blame(failed, errors, lost, killed, ended, codes) -> tuple[int, str]:

@@ -17,9 +17,12 @@ state, no part in the norm or the reductions, and the same bits after any number
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -32,8 +35,10 @@ import torch
 import torch.distributed as dist
 
 from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int, positive_number
-from vlmcompile.runtime import checkpoint
+from vlmcompile.runtime import checkpoint, preemption
+from vlmcompile.runtime.checkpoint_dir import Start, claim, kept_saves
 from vlmcompile.runtime.executor import PipelineRunner
+from vlmcompile.runtime.launch import LOCAL_RANK_ENV
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -65,7 +70,14 @@ class TrainConfig:
     keep_last: int | None = None
     """Keep only this many of the newest checkpoints of the run's directory (None: keep all)."""
     resume: bool = False
-    """Continue from the latest checkpoint in ``checkpoint_dir`` (from step 0 if there is none)."""
+    """Continue from the newest checkpoint in ``checkpoint_dir`` (from step 0 if there is none)."""
+    overwrite: bool = False
+    """Delete the checkpoints ``checkpoint_dir`` holds and start at step 0 (without it, or
+    ``resume``, a directory holding checkpoints is refused)."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is NaN or infinite: stop before the optimizer step,
+    naming the step and the batch's non-finite values ("stop"), or leave the weights, the
+    optimizer and the LR schedule as they are and go on ("skip", counted in the metrics)."""
     log_jsonl: str | None = None
     """Rank 0 appends one JSON object per step here."""
     progress: bool | None = None
@@ -96,8 +108,12 @@ class TrainConfig:
             raise ArgumentError(f"checkpoint_every={self.checkpoint_every} is negative")
         if self.keep_last is not None:
             positive_int("keep_last", self.keep_last, "how many of the newest checkpoints to keep, or None")
-        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
-            raise ArgumentError("checkpoint_every and resume need a checkpoint_dir")
+        if (self.checkpoint_every or self.resume or self.overwrite) and not self.checkpoint_dir:
+            raise ArgumentError("checkpoint_every, resume and overwrite need a checkpoint_dir")
+        if self.resume and self.overwrite:
+            raise ArgumentError("resume and overwrite contradict each other: give one")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ArgumentError(f"on_nonfinite={self.on_nonfinite!r}; give 'stop' or 'skip'")
 
     def lr_factor(self, step: int) -> float:
         """The LR at ``step`` (0-based) over ``lr``: linear warm-up, then the decay to ``min_lr_ratio``."""
@@ -149,8 +165,18 @@ class StepMetrics:
     peak_mem_bytes: tuple[int, ...]
     """Per rank: the most memory it held in the step's forward and backward (GPU: allocated by
     torch; CPU: the process's peak resident set so far, which only grows)."""
+    skipped_steps: int = 0
+    """Steps skipped so far for a non-finite loss or gradient norm (``on_nonfinite="skip"``),
+    this one included."""
+    skipped: bool = False
+    """This step was skipped: the weights, the optimizer and the LR schedule did not move."""
 
     def __str__(self) -> str:
+        if self.skipped:
+            return (
+                f"step {self.step}: skipped: loss {self.loss:.4f}, grad norm {self.grad_norm:.3f} "
+                f"({self.skipped_steps} skipped so far)"
+            )
         return (
             f"step {self.step}: loss {self.loss:.4f}, lr {self.lr:.3g}, grad norm {self.grad_norm:.3f}, "
             f"{self.step_s:.3f} s, {self.samples_per_s:.1f} samples/s, {_rate(self.tokens_per_s)} tokens/s, "
@@ -165,6 +191,13 @@ class TrainResult:
     """The step the run started from (0, or a checkpoint's)."""
     checkpoints: tuple[str, ...] = ()
     """The checkpoints this run saved that are still there (``keep_last`` removes older ones)."""
+    stopped_by: str | None = None
+    """The signal that stopped the run early (SIGTERM, SIGUSR1), after saving; None: it ran
+    every step."""
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.steps[-1].skipped_steps if self.steps else 0
 
     @property
     def losses(self) -> list[float]:
@@ -173,7 +206,7 @@ class TrainResult:
     def medians(self) -> dict[str, float]:
         """The median of each rate over the same steps: all but the first (which pays for warm-up)
         when there are several."""
-        timed = self.steps[1:] or self.steps
+        timed = [m for m in self.steps[1:] or self.steps if not m.skipped] or self.steps
         return {
             key: statistics.median(getattr(m, key) for m in timed)
             for key in ("step_s", "samples_per_s", "tokens_per_s", "mfu")
@@ -191,7 +224,9 @@ class TrainResult:
             f"medians over {which}: step {m['step_s']:.3f} s, {m['samples_per_s']:.2f} samples/s, "
             f"{_rate(m['tokens_per_s'])} tokens/s, MFU {100 * m['mfu']:.1f} %; peak memory {_gib(peak)} GiB "
             "on the busiest rank"
+            + (f"; {self.skipped_steps} steps skipped (non-finite)" if self.skipped_steps else "")
             + (f"; checkpoints: {', '.join(self.checkpoints)}" if self.checkpoints else "")
+            + (f"; stopped early by {self.stopped_by}" if self.stopped_by else "")
         )
 
 
@@ -230,19 +265,49 @@ def train_on_rank(
     throughput: Throughput,
     optimizer: OptimizerFactory | None = None,
     scheduler: SchedulerFactory | None = None,
+    start: Start | None = None,
 ) -> TrainResult:
-    """Train ``config.steps`` steps on this rank (every rank calls it with the same arguments)."""
+    """Train ``config.steps`` steps on this rank (every rank calls it with the same arguments).
+    ``start``: where the run starts, decided by the process that holds the checkpoint directory
+    (the local launcher's); None: this call claims it (rank 0 does, under torchrun)."""
+    with contextlib.ExitStack() as held:
+        if start is None:
+            start = held.enter_context(claim_for(config, None))
+        # On local ranks the launcher passes stop requests on (SIGUSR1) and stops the ranks itself
+        # at a second; a SIGTERM to the job's whole process group reaches them too, as a request.
+        local = os.environ.get(LOCAL_RANK_ENV) == "1"
+        held.enter_context(preemption.stop_requests(second_stops=not local))
+        return _train(runner, data, config, throughput, optimizer, scheduler, start)
+
+
+def claim_for(config: TrainConfig, checkpoint_bytes: int | None, first_step: int = 0):
+    """:func:`~vlmcompile.runtime.checkpoint_dir.claim` of ``config``'s paths, with the number of
+    checkpoints the run keeps at most."""
+    saves = kept_saves(config.steps, first_step, config.checkpoint_every, config.keep_last)
+    return claim(
+        config.checkpoint_dir,
+        resume=config.resume,
+        overwrite=config.overwrite,
+        log_jsonl=config.log_jsonl,
+        checkpoint_bytes=checkpoint_bytes,
+        saves=saves,
+    )
+
+
+def _train(runner, data, config, throughput, optimizer, scheduler, start: Start) -> TrainResult:
     opt = (optimizer or config.adamw)(_optimized_parameters(runner))
     sched = (scheduler or config.scheduler)(opt)
-    start = 0
-    if config.resume:
-        found = checkpoint.latest_on_every_rank(config.checkpoint_dir)
-        if found is not None:
-            start = checkpoint.load(found, runner, opt, sched, config.schedule)
+    first = 0
+    if start.checkpoint is not None:
+        first = checkpoint.load(start.checkpoint, runner, opt, sched, config.schedule)
     log = _StepLog(runner.rank == 0, config, start)
-    out, saved = [], []
-    batches = _batches(data, start)
-    for step in range(start, config.steps):
+    out: list[StepMetrics] = []
+    saved: list[str] = [start.checkpoint] if start.checkpoint else []
+    kept: list[str] = []
+    skipped = 0
+    stopped_by = None
+    batches = _batches(data, first)
+    for step in range(first, config.steps):
         began = time.perf_counter()  # the step's data is part of it, as in Megatron-LM's iteration time
         if runner.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(runner.device)
@@ -250,28 +315,38 @@ def train_on_rank(
         if batch is None:
             raise ArgumentError(f"the data ran out after {step} global batches; config.steps={config.steps}")
         opt.zero_grad(set_to_none=True)
-        loss = runner.step(batch)
-        norm, peak_mem = clip_grad_norm(runner, config.max_grad_norm, _peak_memory(runner))
+        loss = float(runner.step(batch))
+        stats = clip_grad_norm(runner, config.max_grad_norm, _peak_memory(runner), preemption.requested())
         lr = opt.param_groups[0]["lr"]
-        opt.step()
-        sched.step()
+        finite = math.isfinite(loss) and math.isfinite(stats.norm)
+        if finite:
+            opt.step()
+            sched.step()
+        elif config.on_nonfinite == "skip":
+            opt.zero_grad(set_to_none=True)
+            skipped += 1
+        else:  # every rank has the same loss and norm, so every rank stops here, alike
+            raise NonFiniteStepError(_non_finite(runner, step, loss, stats.norm, batch, saved))
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)  # the update's kernels are part of the step
         step_s = time.perf_counter() - began
         metrics = StepMetrics(
             step=step + 1,
-            loss=float(loss),
+            loss=loss,
             lr=float(lr),
-            grad_norm=norm,
+            grad_norm=stats.norm,
             step_s=step_s,
             samples_per_s=throughput.global_batch / step_s,
             tokens_per_s=throughput.global_batch * throughput.tokens_per_sample / step_s,
             mfu=throughput.mfu(step_s),
-            peak_mem_bytes=peak_mem,
+            peak_mem_bytes=stats.peak_mem_bytes,
+            skipped_steps=skipped,
+            skipped=not finite,
         )
         out.append(metrics)
         log.write(metrics)
-        last = step + 1 == config.steps
+        stopped_by = stats.stop_signal
+        last = step + 1 == config.steps or stopped_by is not None
         if config.checkpoint_dir and (
             last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
         ):
@@ -280,10 +355,66 @@ def train_on_rank(
             removed = (
                 checkpoint.keep_newest(config.checkpoint_dir, config.keep_last) if runner.rank == 0 else []
             )
-            saved = [*saved, path][-(config.keep_last or 0) :]  # the ones still there
+            saved.append(path)
+            kept = [*kept, path][-(config.keep_last or 0) :]  # the ones still there
             log.saved(path, time.perf_counter() - began, removed)
+        if stopped_by is not None:
+            log.stopped(stopped_by, step + 1, saved[-1] if saved and config.checkpoint_dir else None)
+            break
     log.close()
-    return TrainResult(tuple(out), start, tuple(saved))
+    return TrainResult(tuple(out), first, tuple(kept), stopped_by)
+
+
+def stop_line(signal_name: str, step: int, steps: int, saved: str | None) -> str:
+    """What a run stopped by a signal says."""
+    then = f"saved {saved}; resume goes on from there" if saved else "nothing saved (no checkpoint directory)"
+    return f"stopped by {signal_name} after step {step} of {steps}: {then}"
+
+
+class NonFiniteStepError(VlmCompileError, ArithmeticError):
+    """A step's loss or gradient norm was NaN or infinite; it was stopped before the optimizer
+    step, so no weight changed."""
+
+
+def _non_finite(runner: PipelineRunner, step: int, loss: float, norm: float, batch, saved: list[str]) -> str:
+    """Why step ``step`` (0-based) stopped: its figures, the batch's non-finite values and the
+    data-parallel rank whose shard holds them, and where to go on from."""
+    global_batch = runner.parallel.dp * runner.plan.num_microbatches * runner.plan.microbatch_size
+    where = _non_finite_values(batch, global_batch, runner.parallel.dp)
+    cause = (
+        f"{where}; fix or drop those samples"
+        if where
+        else "the batch is finite, so the model diverged or overflowed: lower the LR, warm up longer or clip harder"
+    )
+    newest = f"the newest checkpoint is {saved[-1]}" if saved else "no checkpoint was saved"
+    return (
+        f"step {step + 1}: the loss is {loss} and the gradient norm {norm}: stopped before the optimizer step, "
+        f"so no weight changed. {cause}; {newest}. To skip such steps instead, give --skip-nonfinite-steps "
+        "(on_nonfinite='skip')"
+    )
+
+
+def _non_finite_values(batch: Mapping[str, Any], global_batch: int, dp: int) -> str:
+    """Where the batch holds NaN or infinite values: each key, its samples (the first five) and
+    the data-parallel ranks whose shards hold them (a key with several rows per sample, such as
+    several images each, counted by sample)."""
+    parts = []
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() == 0:
+            continue
+        bad = ~torch.isfinite(value).reshape(value.shape[0], -1).all(dim=1)
+        if not bad.any():
+            continue
+        per_sample = max(1, value.shape[0] // global_batch)
+        rows = sorted({r // per_sample for r in bad.nonzero().flatten().tolist()})
+        shard = max(1, global_batch // dp)
+        ranks = sorted({r // shard for r in rows})
+        parts.append(
+            f"batch[{key!r}] holds NaN or infinite values in sample{'s' if len(rows) > 1 else ''} "
+            f"{', '.join(map(str, rows[:5]))}{', ...' if len(rows) > 5 else ''} (the shard of data-parallel "
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+        )
+    return "; ".join(parts)
 
 
 def check_trainable(runner: PipelineRunner) -> None:
@@ -331,12 +462,26 @@ def _peak_memory(runner: PipelineRunner) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What the step's one all-reduce after the backward brings every rank."""
+
+    norm: float
+    """The global gradient norm before clipping."""
+    peak_mem_bytes: tuple[int, ...]
+    """Every rank's peak memory."""
+    stop_signal: str | None
+    """A stop signal some rank received (SIGTERM, SIGUSR1), None if none did: every rank stops
+    after this step."""
+
+
 def clip_grad_norm(
-    runner: PipelineRunner, max_norm: float | None, peak_mem_bytes: int = 0
-) -> tuple[float, tuple[int, ...]]:
+    runner: PipelineRunner, max_norm: float | None, peak_mem_bytes: int = 0, stop_signal: int = 0
+) -> StepStats:
     """Scale this rank's gradients so the norm over the whole model is at most ``max_norm``, as
-    ``torch.nn.utils.clip_grad_norm_`` does on the eager model; returns the norm before, and every
-    rank's ``peak_mem_bytes``: the norm's all-reduce carries them (one collective, not two)."""
+    ``torch.nn.utils.clip_grad_norm_`` does on the eager model; the norm's all-reduce also carries
+    every rank's ``peak_mem_bytes`` and ``stop_signal`` (one collective, not three). A non-finite
+    norm clips nothing: that step is stopped or skipped."""
     owned, all_grads = [], []
     owners = runner.parameter_owners()
     for p in runner.trainable_parameters():
@@ -346,18 +491,27 @@ def clip_grad_norm(
         if owners[id(p)]:
             owned.append(p.grad)
     device = all_grads[0].device if all_grads else runner.device
-    # [sum of squares, each rank's peak memory at its own index]: float64 holds byte counts exactly.
-    sums = torch.zeros(1 + dist.get_world_size(), dtype=torch.float64, device=device)
+    world = dist.get_world_size()
+    # [sum of squares, each rank's peak memory, each rank's stop signal]: float64 holds byte
+    # counts exactly.
+    sums = torch.zeros(1 + 2 * world, dtype=torch.float64, device=device)
     for g in owned:
         sums[0] += g.detach().double().pow(2).sum()
     sums[1 + runner.rank] = peak_mem_bytes
+    sums[1 + world + runner.rank] = stop_signal
     runner._wait(dist.all_reduce(sums, async_op=True), "the gradient-norm all-reduce")
     norm = math.sqrt(float(sums[0]) / runner.parallel.dp)
-    if max_norm is not None and all_grads:
+    if max_norm is not None and all_grads and math.isfinite(norm):
         coefficient = max_norm / (norm + 1e-6)  # clip_grad_norm_'s
         if coefficient < 1:
             torch._foreach_mul_(all_grads, coefficient)
-    return norm, tuple(int(x) for x in sums[1:].tolist())
+    values = sums.tolist()
+    signals = [int(x) for x in values[1 + world :] if x]
+    return StepStats(
+        norm=norm,
+        peak_mem_bytes=tuple(int(x) for x in values[1 : 1 + world]),
+        stop_signal=signal.Signals(signals[0]).name if signals else None,
+    )
 
 
 def _batches(data: Data, start: int) -> Iterator[Mapping[str, Any]]:
@@ -378,14 +532,14 @@ class _StepLog:
     """Rank 0's per-step output: a progress bar with an ETA on a terminal (else a line every
     step), a line per checkpoint saved, and JSON lines on request."""
 
-    def __init__(self, active: bool, config: TrainConfig, start: int):
+    def __init__(self, active: bool, config: TrainConfig, start: Start):
         self.active = active
         self.total = config.steps
         self.times: list[float] = []
         self.bar = active and (config.progress if config.progress is not None else sys.stderr.isatty())
         self.jsonl = open(config.log_jsonl, "a") if active and config.log_jsonl else None  # noqa: SIM115
-        if active and start:
-            print(f"resumed from the checkpoint at step {start}", file=sys.stderr)
+        if active and start.note:
+            print(start.note, file=sys.stderr, flush=True)
 
     def write(self, m: StepMetrics) -> None:
         if not self.active:
@@ -419,6 +573,16 @@ class _StepLog:
             line += f"; removed {', '.join(removed)} (keep_last)"
         print(("\n" if self.bar else "") + line, file=sys.stderr, flush=True)
 
+    def stopped(self, signal_name: str, step: int, saved: str | None) -> None:
+        # On local ranks the launching process got the signal (the ranks, its SIGUSR1): it says so.
+        if not self.active or os.environ.get(LOCAL_RANK_ENV) == "1":
+            return
+        print(
+            ("\n" if self.bar else "") + stop_line(signal_name, step, self.total, saved),
+            file=sys.stderr,
+            flush=True,
+        )
+
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
@@ -433,7 +597,8 @@ def eager_training(
 ) -> list[float]:
     """The losses of ``config.steps`` steps of the eager loop a user would write: the same
     optimizer (AdamW by default) and LR schedule, ``clip_grad_norm_`` over the model, the same
-    batches (on ``device``); ``model`` is trained. What :func:`train_on_rank` must equal."""
+    batches (on ``device``), a step with a non-finite loss or norm skipped when
+    ``config.on_nonfinite`` says so; ``model`` is trained. What :func:`train_on_rank` must equal."""
     optimizer = (optimizer_factory or config.adamw)(list(model.parameters()))
     scheduler = config.scheduler(optimizer)
     batches = _batches(data, 0)
@@ -444,9 +609,10 @@ def eager_training(
         out = model(**batch)
         loss = out if isinstance(out, torch.Tensor) else out.loss  # transformers' ModelOutput
         loss.backward()
-        if config.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
+        losses.append(float(loss.detach()))
+        if config.on_nonfinite == "skip" and not (math.isfinite(losses[-1]) and math.isfinite(norm)):
+            continue  # Megatron-LM's skipped iteration: no update, the LR schedule does not move
         optimizer.step()
         scheduler.step()
-        losses.append(float(loss.detach()))
     return losses
