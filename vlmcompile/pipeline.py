@@ -187,7 +187,10 @@ class CompiledPipeline:
             check_first_batch(runner, data)
         # The checkpoint directory is checked, held and read before any rank starts (on local
         # ranks by this process, under torchrun by rank 0).
-        with claim_for(config, _checkpoint_bytes(runner)) as start:
+        size = checkpoint_bytes(
+            t for stage in runner.stages_all for t in (*stage.parameters(), *stage.buffers())
+        )
+        with claim_for(config, size) as start:
             args = (data, config, throughput, optimizer, scheduler, start)
             if dist.is_initialized():
                 return train_on_rank(runner, *args)
@@ -395,12 +398,6 @@ def check_cluster_size(plan: Plan, compiled_for: Cluster | None = None) -> Paral
                 "for the cluster you run on"
             )
     return parallel
-
-
-def _checkpoint_bytes(runner) -> int:
-    """One checkpoint's estimated size: every stage's parameters and buffers (a tied one once)."""
-    tensors = {id(t): t for stage in runner.stages_all for t in (*stage.parameters(), *stage.buffers())}
-    return checkpoint_bytes({str(k): t for k, t in tensors.items()})
 
 
 def _on_gpu(device: str | torch.device | None) -> bool:

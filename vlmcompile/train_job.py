@@ -160,7 +160,7 @@ def _train(args: argparse.Namespace, plan, device: str, autocast):
     )
     name = args.model or plan.model
     model = models.build(name, seed=args.seed)
-    size = checkpoint_bytes(dict(model.named_parameters()) | dict(model.named_buffers()))
+    size = checkpoint_bytes([*model.parameters(), *model.buffers()])
     # The checkpoint directory and the log are checked (and the directory held) before capture;
     # train() below claims it again, from this claim.
     with claim_for(config, size):

@@ -25,7 +25,7 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,24 +63,15 @@ _HELD: dict[str, _Held] = {}
 """Directories this process holds: a claim inside a claim (the CLI's, then train()'s) shares it."""
 
 
-def checkpoint_bytes(parameters: dict[str, torch.Tensor], trainable: set[str] | None = None) -> int:
-    """About how large one checkpoint is: every parameter and buffer in its dtype, and AdamW's two
-    moments of each trainable floating-point parameter (``trainable``: their names; None: every
-    parameter that requires grad)."""
+def checkpoint_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """About how large one checkpoint of ``tensors`` (a model's parameters and buffers, a tied
+    one counted once) is: each in its dtype, and AdamW's two moments of each floating-point
+    parameter that requires grad."""
     total = 0
-    for name, t in parameters.items():
+    for t in {id(t): t for t in tensors}.values():
         size = t.numel() * t.element_size()
-        total += size
-        trains = t.requires_grad if trainable is None else name in trainable
-        if trains and t.is_floating_point():
-            total += 2 * size
+        total += 3 * size if t.requires_grad and t.is_floating_point() else size
     return total
-
-
-def check_log_file(path: str | None, flag: str = "log_jsonl") -> None:
-    """Refuse a log file that cannot be written, before any work."""
-    if path:
-        check_output_file(path, flag)
 
 
 def check_output_file(path: str | Path, flag: str) -> None:
@@ -133,7 +124,8 @@ def claim(
         outcome: Start | VlmCompileError
         if not distributed or dist.get_rank() == 0:
             try:
-                check_log_file(log_jsonl)
+                if log_jsonl:
+                    check_output_file(log_jsonl, "log_jsonl")
                 outcome = held.enter_context(
                     _claim_here(checkpoint_dir, resume, overwrite, checkpoint_bytes, saves)
                 )

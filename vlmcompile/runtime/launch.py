@@ -47,7 +47,6 @@ GRACE_S = 5.0
 MAX_LOCAL_RANKS = 64
 """More local ranks than this is a plan for a cluster, not for this machine: use torchrun."""
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-_STOP_REQUEST_HANDLERS = (preemption.note, preemption._note_or_stop)
 LOCAL_RANK_ENV = "VLMCOMPILE_LOCAL_RANK"
 """Set to "1" in the local launcher's ranks: their stop requests come from it, as SIGUSR1."""
 _PAUSE_S = 1.0
@@ -372,7 +371,7 @@ def _children_ignore_sigint():
     pending = signal.sigpending() if hasattr(signal, "sigpending") else set()
     for signum in born_ignoring:
         if signum in pending:  # setting SIG_IGN would discard it
-            if signum == signal.SIGUSR1 and signal.getsignal(signum) in _STOP_REQUEST_HANDLERS:
+            if signum == signal.SIGUSR1 and signal.getsignal(signum) in preemption.STOP_REQUEST_HANDLERS:
                 preemption.note(signum)  # a training launch's stop request: kept as one
             else:
                 raise Interrupted(signum)

@@ -53,6 +53,10 @@ def _note_or_stop(signum: int, frame=None) -> None:
     note(signum)
 
 
+STOP_REQUEST_HANDLERS = (note, _note_or_stop)
+"""The handlers that take a signal as a stop request (what a launcher must not discard)."""
+
+
 @contextlib.contextmanager
 def stop_requests(
     signals: Sequence[int] = PREEMPTION_SIGNALS, *, second_stops: bool = True

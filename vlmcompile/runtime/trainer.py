@@ -280,10 +280,10 @@ def train_on_rank(
         return _train(runner, data, config, throughput, optimizer, scheduler, start)
 
 
-def claim_for(config: TrainConfig, checkpoint_bytes: int | None, first_step: int = 0):
+def claim_for(config: TrainConfig, checkpoint_bytes: int | None):
     """:func:`~vlmcompile.runtime.checkpoint_dir.claim` of ``config``'s paths, with the number of
     checkpoints the run keeps at most."""
-    saves = kept_saves(config.steps, first_step, config.checkpoint_every, config.keep_last)
+    saves = kept_saves(config.steps, 0, config.checkpoint_every, config.keep_last)
     return claim(
         config.checkpoint_dir,
         resume=config.resume,
