@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.sim_helpers import make_plan, synthetic_costs  # noqa: E402
 from vlmcompile.cost_models.cluster import Cluster  # noqa: E402
+from vlmcompile.ir.placement import Placement  # noqa: E402
 from vlmcompile.planning.schedules import make_schedule  # noqa: E402
 from vlmcompile.sim.simulator import simulate  # noqa: E402
 
@@ -35,11 +36,14 @@ def closed_form_errors(num_plans: int, seed: int) -> list[tuple[int, int, int, f
         v = rng.choice([1, 2]) if p > 1 else 1
         m = p * rng.randint(1, 2) if v > 1 else rng.randint(1, 8)
         stages = p * v
-        plan = make_plan(make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v=v), stages, v=v)
+        plan = make_plan(
+            make_schedule("interleaved_1f1b" if v > 1 else "1f1b", Placement(p, v), m), stages, v=v
+        )
         fwd = [rng.uniform(0.5, 2) for _ in range(stages)]
         bwd = [rng.uniform(0.5, 4) for _ in range(stages)]
         simulated = simulate(plan, None, cluster, costs=synthetic_costs(plan, fwd, bwd)).step_time_s
-        work = [sum(fwd[k] + bwd[k] for k in range(r, stages, p)) for r in range(p)]
+        placement = Placement(p, v)
+        work = [sum(fwd[k] + bwd[k] for k in placement.stages_on(r)) for r in range(p)]
         closed = ((v * m - 1) * max(work) + sum(fwd) + sum(bwd)) / v
         out.append((p, v, m, (closed - simulated) / simulated))
     return out

@@ -165,11 +165,15 @@ class EncoderPlanRow:
 
 @dataclass(frozen=True, slots=True)
 class BubbleReport:
-    plan: Plan
+    """What the encoder-in-bubbles pass tried and how its plan's bubbles changed (the plan is its
+    result's)."""
+
     request: PlanRequest
     recompute: str
     rows: tuple[EncoderPlanRow, ...]
     chosen: ep.EncoderPlan
+    encoder_parallel: Parallel
+    """The chosen encoder plan's degrees."""
     phased_step_s: float
     """The chosen plan with every encoder forward before the LLM's work and every backward after."""
     step_s: float
@@ -195,8 +199,6 @@ class BubbleReport:
     lengthened a host is not counted)."""
     layer_level_step_s: float | None = None
     """The step before encoder work moved into the TP gaps (None: the same as ``step_s``)."""
-    show_plan: bool = True
-    """Print the plan at the end (off where a report before this one prints the plan chosen)."""
 
     @property
     def hidden_share(self) -> float:
@@ -259,7 +261,7 @@ class BubbleReport:
         )
         head = [
             f"encoder work in the LLM's bubbles for {self.request}: {self.chosen} "
-            f"({self.plan.parallel[ep.ENCODER_GROUP]}), recompute {self.recompute}",
+            f"({self.encoder_parallel}), recompute {self.recompute}",
             f"simulated step {format_ms(self.step_s)} ms; phased (encoder forwards first, backwards last) "
             f"{format_ms(self.phased_step_s)} ms; the LLM alone {format_ms(self.llm_alone_step_s)} ms "
             f"(encoder overhead {self.encoder_overhead:.3f}x)",
@@ -279,7 +281,6 @@ class BubbleReport:
             "",
             "idle per rank by cause, phased -> scheduled (simulated):",
             self.bubbles_table(),
-            *(["", str(self.plan)] if self.show_plan else []),
         ]
         return "\n".join(head)
 
@@ -613,15 +614,13 @@ def _result(
                 {"layer_level_step_s": layer_level_s, "step_s": sim.step_time_s},
             )
         )
-    plan = dataclasses.replace(plan, decisions=(*plan.decisions, *decisions))
-    sim = dataclasses.replace(sim, plan=plan)
     unit = chosen.problem.unit_s
     report = BubbleReport(
-        plan=plan,
         request=request,
         recompute=str(rung),
         rows=rows,
         chosen=chosen.encoder,
+        encoder_parallel=plan.parallel[ep.ENCODER_GROUP],
         phased_step_s=phased_sim.step_time_s,
         step_s=sim.step_time_s,
         llm_alone_step_s=alone_sim.step_time_s,
@@ -634,11 +633,11 @@ def _result(
         gap=solution.gap if solution is not None else None,
         wall_s=time.perf_counter() - started,
         notes=(f"schedule used: {used}",),
-        layer_hidden_share=_share(_layer_level_hidden_s(sim, chosen.costs), encoder_compute),
+        layer_hidden_share=_share(_layer_level_hidden_s(plan, sim, chosen.costs), encoder_compute),
         kernel_hidden_share=_share(kernel_compute, encoder_compute),
         layer_level_step_s=layer_level_s if plan.kernel_level else None,
     )
-    return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung))
+    return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung)).with_decisions(*decisions)
 
 
 def _improve(cand: _Candidate, layer_graph, cluster, layer_settings, kernel_settings) -> None:
@@ -668,12 +667,11 @@ def _improve(cand: _Candidate, layer_graph, cluster, layer_settings, kernel_sett
             cand.plan, cand.sim = plan, sim
 
 
-def _layer_level_hidden_s(sim: SimResult, costs: PlanCosts) -> float:
+def _layer_level_hidden_s(plan: Plan, sim: SimResult, costs: PlanCosts) -> float:
     """Encoder compute run at layer level while its rank's next LLM action could not start yet for
     want of the LLM's own inputs (another LLM stage's output), or after the rank's last LLM action
     while another rank still ran the LLM: the part of the encoder's work that sat in pipeline
     bubbles. What the LLM waited for from the encoder does not count as hidden."""
-    plan = sim.plan
     llm = plan.stages[-1].group
     end = {r.action: (r.end_s, r.rank) for r in sim.runs}
     runs_of: dict[int, list] = {}

@@ -22,7 +22,8 @@ three:
 * one recompute setting for every decoder layer (``--recompute-granularity``: none, selective
   or full with ``--recompute-method uniform --recompute-num-layers 1``) and one on/off switch
   for the vision encoder;
-* 1F1B, or interleaved 1F1B when v > 1, virtual stage k on rank k mod pp.
+* 1F1B, or interleaved 1F1B when v > 1, virtual stage k on rank k mod pp (the ``loop``
+  placement of :mod:`vlmcompile.ir.placement`).
 
 :func:`megatron_layout` writes a plan's LLM split as ``--pipeline-model-parallel-layout``.
 """
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.placement import PlacementStyle, stage_to_rank
 from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute
 from vlmcompile.ir.regions import ENCODER_REGIONS, LANGUAGE_REGIONS, Region
 from vlmcompile.planning.build import build_plan
@@ -80,7 +82,6 @@ def model_parts(layer_graph: LayerGraph) -> ModelParts:
 
 @dataclass(frozen=True, slots=True)
 class MegatronReport:
-    plan: Plan
     layout: str | None
     """``--pipeline-model-parallel-layout`` for the LLM split, if Megatron can express it."""
     layout_note: str
@@ -88,7 +89,7 @@ class MegatronReport:
     def __str__(self) -> str:
         layout = f'--pipeline-model-parallel-layout "{self.layout}"' if self.layout else "not expressible"
         note = f" ({self.layout_note})" if self.layout_note else ""
-        return f"{self.plan}\n\nMegatron layout: {layout}{note}"
+        return f"Megatron layout: {layout}{note}"
 
 
 def recompute_flags(
@@ -139,6 +140,12 @@ def megatron_result(
     decisions: list[Decision],
 ) -> PolicyResult:
     """The plan of a Megatron-LM policy, simulated, with its layout in the report."""
+    par = request.parallel
+    if par.placement is not PlacementStyle.LOOP and par.v > 1:
+        raise NotApplicable(
+            f"Megatron-LM places virtual stage k on rank k mod pp; it has no {par.placement.value!r} placement "
+            "(ask for placement 'loop')"
+        )
     plan = build_plan(
         layer_graph, cluster, request, policy=policy, chunks=chunks, recompute=flags, decisions=decisions
     )
@@ -146,7 +153,7 @@ def megatron_result(
     return PolicyResult(
         plan=plan,
         sim=simulate(plan, layer_graph, cluster),
-        report=MegatronReport(plan, layout, note),
+        report=MegatronReport(layout, note),
         recompute=str(recompute),
     )
 
@@ -363,7 +370,7 @@ def _decoder_split(
             raise PlanError(
                 f"pipeline stage {r} gets {count} decoder layers, not divisible by v={v} model chunks"
             )
-    counts = [per_rank[k % pp] // v for k in range(stages)]
+    counts = [per_rank[stage_to_rank(k, pp)] // v for k in range(stages)]
     return counts, decisions
 
 

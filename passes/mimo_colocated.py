@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Decision, Plan, Reason
+from vlmcompile.ir.plan import Decision, Reason
 from vlmcompile.passes.megatron import model_parts, recompute_decision, recompute_flags
 from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest
@@ -38,10 +38,8 @@ SOURCE = (
 
 @dataclass(frozen=True, slots=True)
 class ColocatedReport:
-    plan: Plan
-
     def __str__(self) -> str:
-        return f"{self.plan}\n\nMegatron MIMO: ModuleLayout.COLOCATED, EQUAL bridge (encoder at the language model's degrees)"
+        return "Megatron MIMO: ModuleLayout.COLOCATED, EQUAL bridge (encoder at the language model's degrees)"
 
 
 def mimo_colocated(
@@ -84,6 +82,6 @@ def mimo_colocated(
     return PolicyResult(
         plan=plan,
         sim=simulate(plan, layer_graph, cluster),
-        report=ColocatedReport(plan),
+        report=ColocatedReport(),
         recompute=str(recompute),
     )

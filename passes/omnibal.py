@@ -32,7 +32,7 @@ from tabulate import tabulate
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute
+from vlmcompile.ir.plan import Decision, Reason, Recompute
 from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import chunks_by_stage, stage_of_counts
 from vlmcompile.planning.problem import PartitionProblem, evaluate, partition_problem
@@ -88,7 +88,6 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class OmniBalReport:
-    plan: Plan
     anchor: tuple[int, ...]
     num_candidates: int
     evaluated: tuple[Candidate, ...]
@@ -111,7 +110,7 @@ class OmniBalReport:
             disable_numparse=True,
         )
         return (
-            f"{self.plan}\n\nanchor cuts {' '.join(map(str, self.anchor))}; {self.num_candidates} candidates; "
+            f"OmniBal: anchor cuts {' '.join(map(str, self.anchor))}; {self.num_candidates} candidates; "
             f"top {len(self.evaluated)} simulated:\n{table}"
         )
 
@@ -133,7 +132,11 @@ def adaptive_recompute(problem: PartitionProblem, stage_of: tuple[int, ...]) -> 
         if not over:
             return flags
         for r in over:
-            options = [i for i, k in enumerate(stage_of) if k % p == r and not flags[i] and saving[i] > 0]
+            options = [
+                i
+                for i, k in enumerate(stage_of)
+                if problem.rank_of_stage[k] == r and not flags[i] and saving[i] > 0
+            ]
             if not options:
                 return None
             flags[max(options, key=lambda i: (saving[i], -i))] = True
@@ -170,7 +173,7 @@ def omnibal(
         return float(((stage_ms - stage_ms.mean()) ** 2).sum() + comm * 1e3)
 
     ranked = sorted(candidates, key=metric)[:top_k]
-    evaluated, best = [], None
+    evaluated, best, best_plan = [], None, None
     for cuts in ranked:
         stage_of = stage_of_counts(np.diff([0, *cuts, n]))
         flags = adaptive_recompute(problem, stage_of)
@@ -193,24 +196,24 @@ def omnibal(
             extra = [
                 i
                 for i, k in enumerate(stage_of)
-                if k % problem.num_ranks in over and not flags[i] and problem.recomputable[i]
+                if problem.rank_of_stage[k] in over and not flags[i] and problem.recomputable[i]
             ]
             if not over or not extra:
                 break
             flags[extra[0]] = True
         evaluated.append(Candidate(cuts, metric(cuts), sim.step_time_s, sim.fits, sum(flags)))
         if sim.fits and (best is None or sim.step_time_s < best.step_time_s):
-            best = sim
+            best, best_plan = sim, plan
     if best is None:
         raise PlanError(
             f"none of OmniBal's top {len(ranked)} partitions fits in {problem.mem_cap_bytes / 2**30:.1f} "
             f"GiB per rank even with recompute on every layer; use more PP or TP or a smaller microbatch"
         )
     return PolicyResult(
-        plan=best.plan,
+        plan=best_plan,
         sim=best,
-        report=OmniBalReport(best.plan, anchor, len(candidates), tuple(evaluated)),
-        recompute=f"per layer ({len(best.plan.recompute)})",
+        report=OmniBalReport(anchor, len(candidates), tuple(evaluated)),
+        recompute=f"per layer ({len(best_plan.recompute)})",
     )
 
 

@@ -69,20 +69,22 @@ class StageRow:
 
 @dataclass(frozen=True, slots=True)
 class PartitionReport:
-    plan: Plan
+    """How the stage cuts and recompute flags were chosen (the plan is its result's)."""
+
     solution: Solution | None
     """None when the solver could not run (the warm start was returned as is)."""
     stages: tuple[StageRow, ...]
-    sim: SimResult
+    simulated_step_s: float
+    """The simulated step of the plan the pass returned."""
     model_step_s: float
-    """The solver model's step time for the plan returned (compare with ``sim.step_time_s``)."""
+    """The solver model's step time for the plan returned (compare with ``simulated_step_s``)."""
     warm_start_step_s: float | None
     """Simulated step of the warm start, when there was one."""
 
     @property
     def model_error(self) -> float:
         """(model - simulated) / simulated for the plan returned."""
-        return (self.model_step_s - self.sim.step_time_s) / self.sim.step_time_s
+        return (self.model_step_s - self.simulated_step_s) / self.simulated_step_s
 
     def stage_table(self) -> str:
         rows = []
@@ -133,10 +135,9 @@ class PartitionReport:
     def __str__(self) -> str:
         solver = self.solution.summary() if self.solution else "solver not run"
         lines = [
-            str(self.plan),
-            "",
+            "stage cuts and recompute (CP-SAT):",
             solver,
-            f"step time: solver model {format_ms(self.model_step_s)} ms, simulator {format_ms(self.sim.step_time_s)} ms "
+            f"step time: solver model {format_ms(self.model_step_s)} ms, simulator {format_ms(self.simulated_step_s)} ms "
             f"(model error {100 * self.model_error:+.1f} %; both predictions of the cost model)",
         ]
         if self.warm_start_step_s is not None:
@@ -203,10 +204,9 @@ def partition(
     stage_of = tuple(plan.stage_of()[n] for n in problem.names)
     flags = tuple(plan.recompute_of(n) is not Recompute.NONE for n in problem.names)
     report = PartitionReport(
-        plan=plan,
         solution=solution,
         stages=_stage_rows(problem, layer_graph, plan, sim),
-        sim=sim,
+        simulated_step_s=sim.step_time_s,
         model_step_s=evaluate(problem, stage_of, flags).step_s,
         warm_start_step_s=warm_s,
     )
@@ -402,7 +402,7 @@ def _no_fit_message(problem: PartitionProblem, request: PlanRequest, solver: Sol
         peak = max(least.evaluation.peak_bytes)
         rank = least.evaluation.peak_bytes.index(peak)
         states = sum(
-            problem.state_bytes[i] for i, k in enumerate(least.stage_of) if k % problem.num_ranks == rank
+            problem.state_bytes[i] for i, k in enumerate(least.stage_of) if problem.rank_of_stage[k] == rank
         )
         # In this mode the solver's objective and bound are bytes.
         exact = (

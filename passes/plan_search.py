@@ -32,7 +32,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tabulate import tabulate
 
@@ -45,7 +45,6 @@ from vlmcompile.ir.plan import Parallel, Plan, Reason
 from vlmcompile.passes.partition import partition
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
 from vlmcompile.planning.result import PolicyResult
-from vlmcompile.sim.simulator import SimResult
 from vlmcompile.sim.units import column_decimals, format_ms
 
 REASON_WIDTH = 90
@@ -65,11 +64,12 @@ class CandidateRow:
 
 @dataclass(frozen=True, slots=True)
 class SearchReport:
+    """Every candidate the search considered and what became of it (the plan chosen is its
+    result's)."""
+
     cluster: str
     candidates: tuple[CandidateRow, ...]
     wall_s: float
-    chosen: Plan | None = None
-    sim: SimResult | None = field(default=None, repr=False)
 
     def table(self, limit: int | None = 40) -> str:
         order = {"chosen": 0, "planned": 1, "failed": 2, "pruned": 3}
@@ -98,14 +98,14 @@ class SearchReport:
         return table + more
 
     def __str__(self) -> str:
-        counts = {k: sum(c.outcome == k for c in self.candidates) for k in ("planned", "pruned", "failed")}
+        counts = {
+            k: sum(c.outcome == k for c in self.candidates) for k in ("chosen", "planned", "pruned", "failed")
+        }
         head = (
             f"plan search on {self.cluster}: {len(self.candidates)} candidates in {self.wall_s:.1f} s "
-            f"({counts['planned'] + 1 if self.chosen else counts['planned']} planned, {counts['pruned']} pruned, "
-            f"{counts['failed']} failed)"
+            f"({counts['planned'] + counts['chosen']} planned, {counts['pruned']} pruned, {counts['failed']} failed)"
         )
-        chosen = f"\n\nchosen:\n{self.chosen}" if self.chosen is not None else ""
-        return f"{head}\n{self.table()}{chosen}"
+        return f"{head}\n{self.table()}"
 
 
 def candidates(
@@ -205,9 +205,7 @@ def plan_search(
     rows[best_request] = dataclasses.replace(
         row, outcome="chosen", reason=f"fastest simulated plan that fits; {row.reason}"
     )
-    report = SearchReport(
-        cluster.name, tuple(rows.values()), time.perf_counter() - start, best.plan, best.sim
-    )
+    report = SearchReport(cluster.name, tuple(rows.values()), time.perf_counter() - start)
     return dataclasses.replace(best, report=report)
 
 

@@ -20,7 +20,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason
-from vlmcompile.passes.bubbles import BubbleReport, bubbles
+from vlmcompile.passes.bubbles import bubbles
 from vlmcompile.passes.megatron import EncoderPlacement, megatron
 from vlmcompile.passes.megatron_balanced import megatron_balanced
 from vlmcompile.passes.mimo_colocated import mimo_colocated
@@ -135,17 +135,12 @@ def _least_recompute_that_fits(run: Callable[[GlobalRecompute], PolicyResult]) -
     verdict = (
         "fits" if result.fits else f"does not fit even with the most recompute (cap {cap / 2**30:.1f} GiB)"
     )
-    said = Decision(
-        "recompute",
-        Reason.GLOBAL_RECOMPUTE,
-        f"auto: least recompute that fits; tried {'; '.join(tried)}; {verdict}",
-    )
-    plan = dataclasses.replace(result.plan, decisions=(*result.plan.decisions, said))
-    return dataclasses.replace(
-        result,
-        plan=plan,
-        sim=dataclasses.replace(result.sim, plan=plan),
-        report=dataclasses.replace(result.report, plan=plan),
+    return result.with_decisions(
+        Decision(
+            "recompute",
+            Reason.GLOBAL_RECOMPUTE,
+            f"auto: least recompute that fits; tried {'; '.join(tried)}; {verdict}",
+        )
     )
 
 
@@ -182,7 +177,7 @@ def with_encoder_in_bubbles(
         said = Decision(
             "encoder plan", Reason.SEPARATE_ENCODER_PLAN, f"no encoder-in-bubbles plan: {'; '.join(errors)}"
         )
-        return _with_decision(result, said)
+        return result.with_decisions(said)
     other = min(tried, key=lambda r: (not r.fits, r.sim.step_time_s))
     ours, theirs = result.sim.step_time_s, other.sim.step_time_s
     if other.fits and (not result.fits or theirs < ours):
@@ -193,7 +188,7 @@ def with_encoder_in_bubbles(
             f"cuts ({format_ms(ours)} ms)",
             {"chain_step_s": ours, "step_s": theirs},
         )
-        return _with_decision(other, said, Reports((result.report, other.report)))
+        return other.with_decisions(said, report=Reports((result.report, other.report)))
     said = Decision(
         "plan",
         Reason.SEPARATE_ENCODER_PLAN,
@@ -202,14 +197,7 @@ def with_encoder_in_bubbles(
         + f") does not beat this chain of stage cuts ({format_ms(ours)} ms)",
         {"bubbles_step_s": theirs, "step_s": ours},
     )
-    return _with_decision(result, said)
-
-
-def _with_decision(result: PolicyResult, said: Decision, report=None) -> PolicyResult:
-    plan = dataclasses.replace(result.plan, decisions=(*result.plan.decisions, said))
-    return dataclasses.replace(
-        result, plan=plan, sim=dataclasses.replace(result.sim, plan=plan), report=report or result.report
-    )
+    return result.with_decisions(said)
 
 
 def compare_baselines(
@@ -308,22 +296,7 @@ def search_and_compare(
         f"{plan.pipeline_parallel}, microbatch {plan.microbatch_size}: fastest simulated of "
         f"{len(searched.candidates)} candidates",
     )
-    plan = dataclasses.replace(plan, decisions=(*plan.decisions, said))
-    searched = dataclasses.replace(searched, chosen=plan)
-    if isinstance(result.report, Reports):
-        # The search's report prints the plan chosen, with every decision: the parts after it
-        # (the encoder-in-bubbles pass's) do not print it again.
-        later = tuple(
-            dataclasses.replace(part, show_plan=False) if isinstance(part, BubbleReport) else part
-            for part in result.report.parts[1:]
-        )
-        report = Reports((searched, *later))
-    else:
-        report = searched
-    return dataclasses.replace(
-        result,
-        plan=plan,
-        sim=dataclasses.replace(result.sim, plan=plan),
-        report=report,
-        baselines=rows,
-    )
+    # The search's report first, then the passes after it (the encoder-in-bubbles pass's).
+    later = result.report.parts[1:] if isinstance(result.report, Reports) else ()
+    report = Reports((searched, *later)) if later else searched
+    return dataclasses.replace(result.with_decisions(said, report=report), baselines=rows)

@@ -24,7 +24,6 @@ every layer (torchtitan's ``activation_checkpoint.mode``: none, selective, full)
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.cluster import Cluster
@@ -74,7 +73,6 @@ def titan_layer_counts(
 
 @dataclass(frozen=True, slots=True)
 class TorchtitanReport:
-    plan: Plan
     first_stage_less_layers: int
     last_stage_less_layers: int
     tried: tuple[tuple[int, float, bool], ...]
@@ -85,7 +83,7 @@ class TorchtitanReport:
             f"{k}: {format_ms(s)} ms{'' if fits else ' (over memory)'}" for k, s, fits in self.tried
         )
         return (
-            f"{self.plan}\n\ntorchtitan settings: pipeline_parallel_first_stage_less_layers = "
+            f"torchtitan settings: pipeline_parallel_first_stage_less_layers = "
             f"{self.first_stage_less_layers}, pipeline_parallel_last_stage_less_layers = {self.last_stage_less_layers}"
             f"\ntried first_stage_less_layers {tried}"
         )
@@ -119,18 +117,19 @@ def torchtitan_vlm(
         runs.append((k, plan, simulate(plan, layer_graph, cluster)))
     k, plan, sim = min(runs, key=lambda r: (not r[2].fits, r[2].step_time_s, r[0]))
     tried = tuple((c, s.step_time_s, s.fits) for c, _, s in runs)
-    if len(runs) > 1:
-        said = Decision(
+    report = TorchtitanReport(k, last_stage_less_layers, tried)
+    result = PolicyResult(plan=plan, sim=sim, report=report, recompute=str(recompute))
+    if len(runs) == 1:
+        return result
+    return result.with_decisions(
+        Decision(
             "first_stage_less_layers",
             Reason.TUNED_KNOB,
             f"{k} of {', '.join(str(c) for c in candidates)}: the fastest simulated plan that fits, as a torchtitan "
             "user tunes it for the encoder on stage 0",
             {"first_stage_less_layers": k},
         )
-        plan = dataclasses.replace(plan, decisions=(*plan.decisions, said))
-        sim = dataclasses.replace(sim, plan=plan)
-    report = TorchtitanReport(plan, k, last_stage_less_layers, tried)
-    return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(recompute))
+    )
 
 
 def _plan(layer_graph, cluster, request, parts, counts, first_less, last_less, recompute, flags) -> Plan:

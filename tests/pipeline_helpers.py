@@ -24,9 +24,11 @@ def even_plan(
     global_batch: int,
     recompute: tuple[int, ...] = (),
     cuts: list[int] | None = None,
+    placement: str = "loop",
 ) -> Plan:
     """pp x v stages of about equal layer counts (or cut before the given layer indices), 1F1B or
-    interleaved 1F1B, full recompute on the layers at the ``recompute`` indices."""
+    interleaved 1F1B (V-shaped 1F1B with ``placement="v"``), full recompute on the layers at the
+    ``recompute`` indices."""
     names = [layer.name for layer in layer_graph.layers]
     k = pp * v
     bounds = [0, *(cuts or [i * len(names) // k for i in range(1, k)]), len(names)]
@@ -41,6 +43,7 @@ def even_plan(
         microbatch_size=microbatch_size,
         sequence_parallel=False,
         zero_stage=0,
+        placement=placement,
     )
     return build_plan(
         layer_graph,

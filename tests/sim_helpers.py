@@ -8,14 +8,21 @@ from vlmcompile.ir.plan import Parallel, Plan, Stage
 
 
 def make_plan(
-    actions: tuple[tuple[Action, ...], ...], num_stages: int, *, schedule: str = "test", v: int = 1
+    actions: tuple[tuple[Action, ...], ...],
+    num_stages: int,
+    *,
+    schedule: str = "test",
+    v: int = 1,
+    placement: str = "loop",
 ) -> Plan:
     p = len(actions)
+    parallel = Parallel(dp=1, tp=1, pp=p, v=v, placement=placement)
+    where = parallel.stage_placement
     return Plan(
         model="synthetic",
         policy="test",
-        stages=tuple(Stage(index=k, rank=k % p, layers=(f"layer{k}",)) for k in range(num_stages)),
-        parallel={"model": Parallel(dp=1, tp=1, pp=p, v=v)},
+        stages=tuple(Stage(index=k, rank=where.rank_of(k), layers=(f"layer{k}",)) for k in range(num_stages)),
+        parallel={"model": parallel},
         microbatch_size=1,
         num_microbatches=1 + max(a.microbatch for acts in actions for a in acts),
         actions=actions,

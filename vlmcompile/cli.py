@@ -190,10 +190,10 @@ def _write_plan_outputs(args: argparse.Namespace, run, graph) -> None:
         from vlmcompile.sim.trace import write_chrome_trace, write_png
 
         if args.trace:
-            write_chrome_trace(run.sim, args.trace)
+            write_chrome_trace(run.plan, run.sim, args.trace)
             print(f"Chrome trace written to {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
         if args.png:
-            write_png(run.sim, args.png)
+            write_png(run.plan, run.sim, args.png)
             print(f"timeline written to {args.png}", file=sys.stderr)
 
 

@@ -128,14 +128,14 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
         progress=progress,
     )
     if coupled:
-        decision = Decision(
-            "microbatches",
-            Reason.LOSS_COUPLED,
-            f"the loss couples the samples of a batch ({check.detail}): "
-            f"one microbatch of {global_batch}, DP = 1",
+        run = run.with_decisions(
+            Decision(
+                "microbatches",
+                Reason.LOSS_COUPLED,
+                f"the loss couples the samples of a batch ({check.detail}): "
+                f"one microbatch of {global_batch}, DP = 1",
+            )
         )
-        plan = dataclasses.replace(run.plan, decisions=(*run.plan.decisions, decision))
-        run = dataclasses.replace(run, plan=plan, sim=dataclasses.replace(run.sim, plan=plan))
     state.planned = run
     state.reports["plan"] = run
 

@@ -113,7 +113,7 @@ def test_a_plan_over_the_memory_cap_names_the_rank_and_step(demo_graph):
     with pytest.raises(
         PlanError, match=r"rank 0 needs .* GiB at step \d+ \(.*\), over the 0.0 GiB a H100-80GB leaves"
     ) as err:
-        sim.check_fits()
+        sim.check_fits(plan)
     assert "<- peak memory" in str(err.value)
     assert simulate(plan, demo_graph, CLUSTER).fits
 

@@ -3,6 +3,8 @@ microbatch on one data-parallel rank, and refused by the runtime when a plan spl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from tests.pipeline_helpers import check_equal_to_eager, even_plan
 from vlmcompile import compile
 from vlmcompile.graph.loss_split import LossSplit, check_loss_split
 from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.plan import Reason
 
 
 def _verdict(name, batch_size=4):
@@ -55,6 +58,18 @@ def test_the_runtime_refuses_a_plan_that_splits_a_coupled_batch():
         PlanError, match=r"splits each batch into 4 parts .* does not split over microbatches"
     ):
         pipe.runner(plan)
+
+
+def test_the_coupled_loss_decision_is_in_the_plan_its_report_and_its_json(tmp_path):
+    # One owner for the plan: the decision added after the search reaches every view of it.
+    model, batch = build("tiny-contrastive", batch_size=4)
+    pipe = compile(model, batch, "cpu:2", log=None)
+    said = [d for d in pipe.plan.decisions if d.reason is Reason.LOSS_COUPLED]
+    assert len(said) == 1
+    assert f"[loss_coupled] {said[0].subject}: {said[0].detail}" in str(pipe.report)
+    pipe.plan.save(tmp_path / "plan.json")
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert [d["detail"] for d in saved["decisions"] if d["reason"] == "loss_coupled"] == [said[0].detail]
 
 
 @pytest.mark.multiproc

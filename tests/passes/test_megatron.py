@@ -19,7 +19,7 @@ from vlmcompile.passes.megatron import megatron, megatron_layout, model_parts
 from vlmcompile.passes.megatron_balanced import megatron_balanced
 from vlmcompile.passes.partition import partition
 from vlmcompile.planning.chunks import balanced_split
-from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
+from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest, SolverOptions
 
 CLUSTER = Cluster.preset("h100x16")
 
@@ -244,12 +244,23 @@ def test_zero_bubble_schedule_gets_the_stages_real_times(demo_graph):
         demo_graph, cluster, PlanRequest.on(cluster, tp=1, pp=4, global_batch=8, schedule="zero_bubble")
     ).plan
     assert plan.split_backward() == frozenset(range(4))
-    with pytest.raises(PlanError, match="with v=2 use interleaved_1f1b"):
+    # With two chunks per rank the list scheduler runs the same rule over the loop placement.
+    looped = megatron(
+        demo_graph, cluster, PlanRequest.on(cluster, tp=1, pp=2, v=2, global_batch=8, schedule="zero_bubble")
+    ).plan
+    assert looped.split_backward() == frozenset(range(4)) and [s.rank for s in looped.stages] == [0, 1, 0, 1]
+    with pytest.raises(PlanError, match="'1f1b' runs one stage per rank; with v=2 use interleaved_1f1b"):
         megatron(
-            demo_graph,
-            cluster,
-            PlanRequest.on(cluster, tp=1, pp=2, v=2, global_batch=8, schedule="zero_bubble"),
+            demo_graph, cluster, PlanRequest.on(cluster, tp=1, pp=2, v=2, global_batch=8, schedule="1f1b")
         )
+
+
+def test_megatron_has_no_v_shaped_placement(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    request = PlanRequest.on(cluster, tp=1, pp=2, v=2, global_batch=8, placement="v")
+    assert request.schedule_name.value == "v_1f1b"
+    with pytest.raises(NotApplicable, match="no 'v' placement"):
+        megatron(demo_graph, cluster, request)
 
 
 @needs_transformers

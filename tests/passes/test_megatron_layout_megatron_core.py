@@ -43,7 +43,7 @@ def test_megatron_core_parses_our_layout_to_our_stages(demo_graph, pp, v, first,
     decoder = model_parts(demo_graph).decoder
     parsed.validate_layer_layout(num_layers=len(decoder), mtp_num_layers=0)
     for stage in plan.stages:
-        theirs = parsed.layout[stage.index % pp][stage.index // pp]
+        theirs = parsed.layout[stage.rank][stage.index // pp]
         assert stage.rank == stage.index % pp
         assert theirs.count(LayerType.decoder) == sum(n in decoder for n in stage.layers), stage
         assert (LayerType.embedding in theirs) == ("llm.embed" in stage.layers)

@@ -65,7 +65,7 @@ def test_omnibal_plan_is_valid_fits_and_explains_itself(demo_graph, h100):
     result = omnibal(demo_graph, h100, PlanRequest.on(h100, tp=1, pp=4, global_batch=16))
     plan = result.plan
     plan.validate(demo_graph)
-    simulate(plan, demo_graph, h100).check_fits()
+    simulate(plan, demo_graph, h100).check_fits(plan)
     assert plan.policy == "omnibal"
     reasons = {d.reason for d in plan.decisions}
     assert {Reason.GREEDY_ANCHOR, Reason.JITTERED_CUTS, Reason.ADAPTIVE_RECOMPUTE} <= reasons

@@ -27,7 +27,7 @@ def test_plan_is_valid_and_within_memory(demo_graph, h100):
     result = partition(demo_graph, h100, PlanRequest.on(h100, tp=1, pp=4, global_batch=16, microbatch_size=1))
     plan = result.plan
     plan.validate(demo_graph)
-    simulate(plan, demo_graph, h100).check_fits()
+    simulate(plan, demo_graph, h100).check_fits(plan)
     assert plan.policy == "vlmcompile"
     assert sorted(n for s in plan.stages for n in s.layers) == sorted(x.name for x in demo_graph.layers)
     sim = simulate(plan, demo_graph, h100)
@@ -50,8 +50,8 @@ def test_two_encoder_branches_keep_inputs_on_earlier_stages(two_encoder_graph, h
 def test_tight_memory_makes_it_recompute_and_still_fit(demo_graph, h100):
     loose = partition(demo_graph, h100, PlanRequest.on(h100, tp=1, pp=2, global_batch=64, microbatch_size=4))
     assert not loose.plan.recompute
-    peak = max(loose.report.sim.peak_mem_bytes)
-    states = max(loose.report.sim.ranks[r].static_bytes for r in range(2))
+    peak = max(loose.sim.peak_mem_bytes)
+    states = max(loose.sim.ranks[r].static_bytes for r in range(2))
     # Room for the model states and a little under half the activations.
     tight = small_memory(h100, (states + 0.45 * (peak - states)) / 0.95)
     result = partition(
@@ -59,10 +59,10 @@ def test_tight_memory_makes_it_recompute_and_still_fit(demo_graph, h100):
     )
     assert result.plan.recompute, "no layer recomputed under a cap that the plain plan exceeds"
     assert all(v is Recompute.FULL for v in result.plan.recompute.values())
-    assert max(result.report.sim.peak_mem_bytes) <= usable_memory_bytes(tight.device.mem_bytes)
+    assert max(result.sim.peak_mem_bytes) <= usable_memory_bytes(tight.device.mem_bytes)
     flagged = [d for d in result.plan.decisions if d.reason is Reason.LAYER_RECOMPUTE]
     assert {d.subject for d in flagged} == set(result.plan.recompute)
-    assert result.report.sim.step_time_s > loose.report.sim.step_time_s
+    assert result.sim.step_time_s > loose.sim.step_time_s
 
 
 def test_no_fit_names_the_least_memory_and_the_knobs(demo_graph, h100):

@@ -8,7 +8,15 @@ from tests.sim_helpers import make_plan, synthetic_costs
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.actions import ActionKind
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.planning.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
+from vlmcompile.ir.placement import Placement
+from vlmcompile.planning.schedules import (
+    gpipe,
+    interleaved_one_f_one_b,
+    make_schedule,
+    one_f_one_b,
+    v_one_f_one_b,
+    zero_bubble,
+)
 from vlmcompile.sim.simulator import simulate
 
 CLUSTER = Cluster.preset("h100x8")
@@ -83,3 +91,31 @@ def test_interleaved_needs_microbatches_in_groups_of_p():
 def test_bad_sizes_are_rejected():
     with pytest.raises(PlanError, match=">= 1 microbatch"):
         one_f_one_b(4, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 6), m=st.integers(1, 24))
+def test_v_shaped_1f1b_is_valid_no_slower_than_1f1b_and_holds_at_most_twice_its_activations(p, m):
+    # The same model work per rank: a chunk is half a 1F1B stage (forward 0.5, backward 1).
+    stages = 2 * p
+    times = {ActionKind.F: (0.5,) * stages, ActionKind.B: (1.0,) * stages}
+    plan = make_plan(v_one_f_one_b(Placement(p, 2, "v"), m, times), stages, v=2, placement="v")
+    plan.validate()
+    assert [s.rank for s in plan.stages] == [*range(p), *reversed(range(p))]
+    v_shaped = simulate(plan, None, CLUSTER, costs=synthetic_costs(plan, [0.5] * stages, [1.0] * stages))
+    _, base = _run(one_f_one_b(p, m), p, 1.0, 2.0, act_bytes=2.0)
+    assert v_shaped.step_time_s <= base.step_time_s + 1e-9
+    assert max(r.peak_mem_bytes for r in v_shaped.ranks) <= 2 * max(r.peak_mem_bytes for r in base.ranks)
+
+
+def test_schedules_that_need_the_loop_placement_refuse_a_v_shaped_one():
+    with pytest.raises(PlanError, match="'interleaved_1f1b' runs the loop placement"):
+        make_schedule("interleaved_1f1b", Placement(2, 2, "v"), 4)
+    with pytest.raises(PlanError, match="v_1f1b runs a V-shaped placement; this one is 'loop'"):
+        make_schedule("v_1f1b", Placement(2, 2), 4)
+
+
+def test_zero_bubble_runs_over_a_v_shaped_placement_too():
+    plan = make_plan(zero_bubble(Placement(3, 2, "v"), 6), 6, v=2, placement="v")
+    plan.validate()
+    assert {a.kind for acts in plan.actions for a in acts} == {ActionKind.F, ActionKind.I, ActionKind.W}

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.placement import Placement
 from vlmcompile.planning.problem import PartitionProblem, evaluate, memory_patterns
 from vlmcompile.planning.request import SolverOptions
 from vlmcompile.planning.schedules import make_schedule
@@ -130,7 +131,7 @@ def problems(draw):
         num_ranks=p,
         v=v,
         num_microbatches=m,
-        actions=make_schedule("interleaved_1f1b" if v > 1 else "1f1b", p, m, v=v),
+        actions=make_schedule("interleaved_1f1b" if v > 1 else "1f1b", Placement(p, v), m),
     )
     # Tight: between the least memory any plan needs and the least without recompute (so that
     # most instances must recompute), sometimes below it (nothing fits).
@@ -188,7 +189,7 @@ def _large_problem(num_layers: int, p: int, m: int) -> PartitionProblem:
         num_ranks=p,
         v=1,
         num_microbatches=m,
-        actions=make_schedule("1f1b", p, m),
+        actions=make_schedule("1f1b", Placement(p), m),
     )
     plain = (sum(base["state_bytes"]) + p * sum(act)) / p
     return PartitionProblem(**base, mem_cap_bytes=0.6 * plain)
@@ -226,7 +227,7 @@ def test_a_timeline_only_solve_needs_a_timeline_share():
 
 def test_memory_patterns_of_1f1b_hold_min_p_minus_s_m():
     p, m = 4, 6
-    patterns = memory_patterns(make_schedule("1f1b", p, m))
+    patterns = memory_patterns(make_schedule("1f1b", Placement(p), m))
     for rank, rank_patterns in enumerate(patterns):
         peak = max(dict(live).get(rank, 0) for live, _ in rank_patterns)
         assert peak == min(p - rank, m)

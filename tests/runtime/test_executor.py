@@ -23,6 +23,7 @@ from tests.pipeline_helpers import (
 )
 from vlmcompile import compile
 from vlmcompile.demo import eager_losses
+from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.runtime.executor import BatchError, PipelineRunner
 from vlmcompile.runtime.launch import LaunchError, launch
@@ -39,6 +40,8 @@ def _pipe(name, batch_size=4):
 CASES = {
     "1f1b": ("tiny", dict(pp=2, recompute=(2, 5))),
     "interleaved": ("tiny", dict(pp=2, v=2, recompute=(1,))),
+    # Rank 1 holds stages 1 and 2 (the turn of the V): activations pass between them in-process.
+    "v-shaped": ("tiny", dict(pp=2, v=2, placement="v", recompute=(2,))),
     "two-encoder": ("tiny-two-encoder", dict(pp=2, recompute=(3,))),
     # Cut after the LLM's embedding: the output layer tied to it is on the other rank.
     "tied-embeddings": ("tiny-tied", dict(pp=2, cuts=[6])),
@@ -365,3 +368,19 @@ def test_receives_are_posted_before_their_action_runs():
     assert any(a.kind.value == "B" for _, posted in first for a in posted), (
         "rank 0 posts gradients' receives ahead"
     )
+
+
+def test_a_v_shaped_plan_is_built_simulated_and_trains_like_eager():
+    from vlmcompile.cost_models.cluster import Cluster
+    from vlmcompile.sim.simulator import simulate
+
+    model, batch, pipe = _pipe("tiny")
+    plan = even_plan(pipe.layer_graph, pp=2, v=2, placement="v", global_batch=4, recompute=(1,))
+    assert plan.schedule == "v_1f1b"
+    assert [s.rank for s in plan.stages] == [0, 1, 1, 0]  # stage 3, with the loss, back on rank 0
+    sim = simulate(plan, pipe.layer_graph, Cluster.preset("cpu:2"))
+    assert sim.fits and sim.step_time_s > 0
+    # The turn of the V (stage 1 -> 2) stays on rank 1: its forward waits for no transfer.
+    runs = {r.action: r for r in sim.runs}
+    assert runs[Action(2, ActionKind.F, 0)].start_s == runs[Action(1, ActionKind.F, 0)].end_s
+    check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))

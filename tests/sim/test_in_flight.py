@@ -1,6 +1,7 @@
 import pytest
 
 from vlmcompile.ir.actions import ActionKind
+from vlmcompile.ir.placement import Placement
 from vlmcompile.planning.schedules import make_schedule
 from vlmcompile.sim.in_flight import in_flight, pattern_bytes
 
@@ -16,7 +17,7 @@ from vlmcompile.sim.in_flight import in_flight, pattern_bytes
 )
 def test_every_microbatch_is_held_from_its_forward_to_its_last_backward(schedule, v, most):
     p, m = 4, 8
-    for rank, actions in enumerate(make_schedule(schedule, p, m, v=v)):
+    for rank, actions in enumerate(make_schedule(schedule, Placement(p, v), m)):
         patterns = list(in_flight(actions))
         assert len(patterns) == len(actions)
         forwards = 0

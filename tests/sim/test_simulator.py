@@ -108,10 +108,14 @@ def test_step_and_idle_time_agree_with_the_reference(case):
 
 
 @pytest.fixture(scope="module")
-def demo_run(demo_graph):
+def demo_plan(demo_graph):
     cluster = Cluster.preset("h100x16")
-    plan = megatron(demo_graph, cluster, PlanRequest.on(cluster, tp=2, pp=4, global_batch=16)).plan
-    return simulate(plan, demo_graph, cluster)
+    return megatron(demo_graph, cluster, PlanRequest.on(cluster, tp=2, pp=4, global_batch=16)).plan
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_graph, demo_plan):
+    return simulate(demo_plan, demo_graph, Cluster.preset("h100x16"))
 
 
 def test_a_real_plan_accounts_for_every_second_on_every_rank(demo_run):
@@ -138,9 +142,9 @@ def test_more_microbatches_shrink_warmup_and_cooldown(demo_graph):
     assert shares[1] < shares[0]
 
 
-def test_chrome_trace_follows_the_trace_event_format(demo_run, tmp_path):
+def test_chrome_trace_follows_the_trace_event_format(demo_plan, demo_run, tmp_path):
     path = tmp_path / "trace.json"
-    write_chrome_trace(demo_run, path)
+    write_chrome_trace(demo_plan, demo_run, path)
     data = json.loads(path.read_text())
     assert set(data) >= {"traceEvents", "displayTimeUnit"}
     assert data["displayTimeUnit"] in ("ms", "ns")
@@ -161,12 +165,12 @@ def test_chrome_trace_follows_the_trace_event_format(demo_run, tmp_path):
     # the last action ends at the step's last compute, in microseconds
     end_us = max(e["ts"] + e["dur"] for e in actions)
     assert end_us == pytest.approx(max(r.end_s for r in demo_run.runs) * 1e6)
-    assert chrome_trace(demo_run)["otherData"]["note"].startswith("simulated")
+    assert chrome_trace(demo_plan, demo_run)["otherData"]["note"].startswith("simulated")
 
 
-def test_png_timeline_is_written(demo_run, tmp_path):
+def test_png_timeline_is_written(demo_plan, demo_run, tmp_path):
     path = tmp_path / "timeline.png"
-    write_png(demo_run, path)
+    write_png(demo_plan, demo_run, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
 
@@ -295,8 +299,8 @@ def test_the_trace_shows_kernel_level_encoder_work_apart(demo_graph, tmp_path):
     cluster, plan = _bubble_plan_with_tp(demo_graph)
     fused, rider, _ = _rider_and_host(plan)
     sim = simulate(fused, demo_graph, cluster)
-    events = chrome_trace(sim)["traceEvents"]
+    events = chrome_trace(fused, sim)["traceEvents"]
     inside = [e for e in events if e.get("cat") == "kernel-level encoder"]
     assert [e["name"] for e in inside] == [str(rider)]
-    write_png(sim, tmp_path / "trace.png")
+    write_png(fused, sim, tmp_path / "trace.png")
     assert (tmp_path / "trace.png").stat().st_size > 10_000

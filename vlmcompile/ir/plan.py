@@ -27,6 +27,7 @@ from tabulate import tabulate
 
 from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order, format_grid
 from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.placement import Placement, PlacementStyle
 
 if TYPE_CHECKING:
     from vlmcompile.ir.layer_graph import LayerGraph
@@ -104,6 +105,9 @@ class Parallel:
     zero_stage: int = 1
     """0: replicated optimizer; 1: optimizer states sharded over DP (Megatron's distributed
     optimizer); 2: and gradients; 3: and parameters."""
+    placement: PlacementStyle = PlacementStyle.LOOP
+    """Which rank holds each virtual stage (:mod:`vlmcompile.ir.placement`): ``loop`` (stage k
+    on rank k mod pp) or ``v`` (V-shaped)."""
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "v"):
@@ -111,6 +115,12 @@ class Parallel:
                 raise PlanError(f"parallel degree {name}={getattr(self, name)} must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage={self.zero_stage}; use 0, 1, 2 or 3")
+        object.__setattr__(self, "placement", PlacementStyle.parse(self.placement))
+
+    @property
+    def stage_placement(self) -> Placement:
+        """Where this group's pp x v virtual stages sit."""
+        return Placement(self.pp, self.v, self.placement)
 
     @property
     def world_size(self) -> int:
@@ -128,7 +138,8 @@ class Parallel:
 
     def __str__(self) -> str:
         sp = ", SP" if self.sequence_parallel and self.tp > 1 else ""
-        return f"DP={self.dp} TP={self.tp} PP={self.pp} V={self.v}{sp}, ZeRO-{self.zero_stage}"
+        shape = ", V-shaped" if self.placement is PlacementStyle.V and self.v > 1 else ""
+        return f"DP={self.dp} TP={self.tp} PP={self.pp} V={self.v}{shape}{sp}, ZeRO-{self.zero_stage}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,6 +426,7 @@ _PARALLEL_FIELDS = {
     "v": (int, 1),
     "sequence_parallel": (bool, True),
     "zero_stage": (int, 1),
+    "placement": (str, "loop"),
 }
 _PRECISION_FIELDS = {
     "param_bytes": (int, 2),

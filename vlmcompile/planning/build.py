@@ -1,5 +1,5 @@
-"""From a policy's choices to a plan: stages from chunks of layers (virtual stage k on rank
-k mod pp, Megatron-LM's interleaved placement), the request's schedule as action lists, and
+"""From a policy's choices to a plan: stages from chunks of layers (each virtual stage on the
+rank the request's placement gives it, :mod:`vlmcompile.ir.placement`), the request's schedule as action lists, and
 the plan validated. Every policy ends here, so their plans differ only in what they chose.
 :func:`build_separate_plan` does the same for a plan whose encoders have degrees of their own
 (:mod:`vlmcompile.planning.encoder_plans`)."""
@@ -38,7 +38,7 @@ def build_plan(
             layer_graph, cluster, par, microbatch_size=request.microbatch_size, recompute=recompute
         )
     }
-    actions = make_schedule(schedule, par.pp, m, v=par.v, stage_times=chunk_action_times(costs, chunks))
+    actions = make_schedule(schedule, par.stage_placement, m, stage_times=chunk_action_times(costs, chunks))
     said = Decision(
         "schedule", Reason.SCHEDULE, f"{schedule} over {par.pp} ranks, {m} microbatches", {"microbatches": m}
     )
@@ -47,7 +47,10 @@ def build_plan(
         fingerprint=layer_graph.fingerprint(),
         policy=policy,
         cluster=cluster.name,
-        stages=tuple(Stage(index=k, rank=k % par.pp, layers=tuple(chunk)) for k, chunk in enumerate(chunks)),
+        stages=tuple(
+            Stage(index=k, rank=par.stage_placement.rank_of(k), layers=tuple(chunk))
+            for k, chunk in enumerate(chunks)
+        ),
         parallel={"model": par},
         microbatch_size=request.microbatch_size,
         num_microbatches=m,
@@ -93,7 +96,7 @@ def build_separate_plan(
             )
         }
         llm_actions = make_schedule(
-            schedule, llm.pp, m, v=llm.v, stage_times=chunk_action_times(llm_costs, llm_chunks)
+            schedule, llm.stage_placement, m, stage_times=chunk_action_times(llm_costs, llm_chunks)
         )
         assignment = assignment or ep.pipeline_of_microbatch(m, encoder.pipelines(llm))
         actions = ep.phased_actions(enc_stages, ep.offset_actions(llm_actions, len(enc_stages)), assignment)

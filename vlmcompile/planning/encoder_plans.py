@@ -143,8 +143,12 @@ def encoder_stages(
 
 
 def llm_stages(chunks: Sequence[Sequence[str]], llm: Parallel, offset: int) -> list[Stage]:
-    """The LLM's virtual stages after ``offset`` encoder stages: virtual stage k on rank k mod PP."""
-    return [Stage(offset + k, k % llm.pp, tuple(chunk), group=LLM_GROUP) for k, chunk in enumerate(chunks)]
+    """The LLM's virtual stages after ``offset`` encoder stages, placed by the LLM's placement."""
+    placement = llm.stage_placement
+    return [
+        Stage(offset + k, placement.rank_of(k), tuple(chunk), group=LLM_GROUP)
+        for k, chunk in enumerate(chunks)
+    ]
 
 
 def offset_actions(actions: Sequence[Sequence[Action]], offset: int) -> list[list[Action]]:

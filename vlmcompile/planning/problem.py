@@ -30,6 +30,7 @@ from vlmcompile.cost_models.stage_costs import (
 )
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.placement import Placement, PlacementStyle
 from vlmcompile.ir.plan import Recompute
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import make_schedule
@@ -67,8 +68,14 @@ class PartitionProblem:
     actions: tuple[tuple[Action, ...], ...]
     """The schedule's action list per rank."""
     mem_cap_bytes: float
+    placement: PlacementStyle = PlacementStyle.LOOP
+    """Which rank holds each stage (:mod:`vlmcompile.ir.placement`)."""
     memory_patterns: tuple[tuple[MemoryPattern, ...], ...] = field(init=False)
     """Per rank, the distinct in-flight patterns of its action list (see :func:`memory_patterns`)."""
+    rank_of_stage: tuple[int, ...] = field(init=False)
+    """Each stage's rank."""
+    stages_on: tuple[tuple[int, ...], ...] = field(init=False)
+    """Per rank, the stages it holds."""
 
     def __post_init__(self):
         n = len(self.names)
@@ -94,6 +101,9 @@ class PartitionProblem:
         if len(self.actions) != self.num_ranks:
             raise ValueError(f"{len(self.actions)} action lists for {self.num_ranks} ranks")
         object.__setattr__(self, "memory_patterns", memory_patterns(self.actions))
+        placement = Placement(self.num_ranks, self.v, self.placement)
+        object.__setattr__(self, "rank_of_stage", placement.ranks())
+        object.__setattr__(self, "stages_on", tuple(placement.stages_on(r) for r in range(self.num_ranks)))
 
     @property
     def most_in_flight(self) -> tuple[int, ...]:
@@ -168,8 +178,8 @@ def stage_figures(
         fig.keep[k] += mem(problem.act_bytes_recompute[i]) if rc else mem(problem.act_bytes[i])
         if rc:
             fig.transient[k] = max(fig.transient[k], mem(problem.transient_bytes[i]))
-        fig.reduce[k % p] += time(problem.reduce_s[i])
-        fig.static[k % p] += mem(problem.state_bytes[i])
+        fig.reduce[problem.rank_of_stage[k]] += time(problem.reduce_s[i])
+        fig.static[problem.rank_of_stage[k]] += mem(problem.state_bytes[i])
         if k < S - 1 and stage_of[i + 1] != k:  # the cut after stage k is right after layer i
             fig.send_fwd[k] = time(problem.send_fwd_s[k][i])
             fig.send_bwd[k] = time(problem.send_bwd_s[k][i])
@@ -253,7 +263,7 @@ def partition_problem(layer_graph: LayerGraph, cluster: Cluster, request: PlanRe
     sends = _cut_sends(layer_graph, cluster, parallel, samples)
     act = [kept_activation_bytes(x, Recompute.NONE, **shard) for x in layers]
     act_rc = [kept_activation_bytes(x, Recompute.FULL, **shard) for x in layers]
-    actions = make_schedule(request.schedule_name, p, request.num_microbatches, v=v)
+    actions = make_schedule(request.schedule_name, parallel.stage_placement, request.num_microbatches)
     return PartitionProblem(
         names=tuple(x.name for x in layers),
         fwd_s=tuple(c.f_s for c in plain),
@@ -272,19 +282,20 @@ def partition_problem(layer_graph: LayerGraph, cluster: Cluster, request: PlanRe
         num_microbatches=request.num_microbatches,
         actions=actions,
         mem_cap_bytes=usable_memory_bytes(cluster.device.mem_bytes),
+        placement=parallel.placement,
     )
 
 
 def _cut_sends(
     layer_graph: LayerGraph, cluster: Cluster, parallel, samples: float
 ) -> list[list[tuple[float, float]]]:
-    """Per cut k between stage k and k + 1 (on ranks k mod p and (k + 1) mod p), per layer:
+    """Per cut k between stage k and k + 1 (on the ranks the placement gives them), per layer:
     (forward, backward) transfer when the cut is right after that layer."""
-    p = parallel.pp
+    placement = parallel.stage_placement
     by_distance: dict[int, list[tuple[float, float]]] = {}
     out = []
-    for k in range(p * parallel.v - 1):
-        a, b = k % p, (k + 1) % p
+    for k in range(placement.num_stages - 1):
+        a, b = placement.rank_of(k), placement.rank_of(k + 1)
         distance = abs(a - b)
         if distance not in by_distance:
             by_distance[distance] = [

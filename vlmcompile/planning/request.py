@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import ClusterError, PlanError, positive_int, positive_number
+from vlmcompile.ir.placement import PlacementStyle
 from vlmcompile.ir.plan import Parallel, Recompute
 from vlmcompile.planning.schedules import Schedule
 
@@ -63,9 +64,11 @@ class PlanRequest:
         schedule: Schedule | str | None = None,
         sequence_parallel: bool = True,
         zero_stage: int | None = None,
+        placement: PlacementStyle | str = PlacementStyle.LOOP,
     ) -> PlanRequest:
         """The request Megatron-LM's flags make on ``cluster``: DP is what TP x PP leave; ZeRO
-        the cluster's (:attr:`Cluster.zero_stage`) unless given."""
+        the cluster's (:attr:`Cluster.zero_stage`) unless given; ``placement`` the virtual
+        stages' (:mod:`vlmcompile.ir.placement`: ``loop``, or ``v`` with the v_1f1b schedule)."""
         for name, value in (("tp", tp), ("pp", pp), ("v", v)):
             positive_int(name, value, f"the {name.upper()} degree")
         dp = cluster.data_parallel_size(tp, pp)
@@ -77,6 +80,7 @@ class PlanRequest:
             v=v,
             sequence_parallel=sequence_parallel,
             zero_stage=cluster.zero_stage if zero_stage is None else zero_stage,
+            placement=placement,
         )
         return cls(
             parallel=parallel, global_batch=global_batch, microbatch_size=microbatch_size, schedule=schedule
@@ -103,7 +107,7 @@ class PlanRequest:
 
     @property
     def schedule_name(self) -> Schedule:
-        return self.schedule or Schedule.default(self.parallel.v)
+        return self.schedule or Schedule.default(self.parallel.v, self.parallel.placement)
 
     def __str__(self) -> str:
         p = self.parallel

@@ -1,16 +1,23 @@
 """What every planning policy returns: :class:`PolicyResult`, its plan simulated, with the
-policy's report and, for ours, every baseline planned at the same request."""
+policy's report and, for ours, every baseline planned at the same request.
+
+The result owns the plan: the simulation and the reports hold no copy of it (a report says what
+its pass did; ``str(result)`` prints the plan with it), and a decision is added to a result with
+:meth:`PolicyResult.with_decisions`, never to a plan held elsewhere."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tabulate import tabulate
 
-from vlmcompile.ir.plan import Plan
+from vlmcompile.ir.plan import Decision, Plan
 from vlmcompile.sim.simulator import SimResult
 from vlmcompile.sim.units import column_decimals, format_ms
+
+ReportT = TypeVar("ReportT")
 
 NOTE_WIDTH = 80
 """Characters per line of a comparison's note column: a longer note wraps, it is never cut."""
@@ -46,7 +53,7 @@ class PolicyRow:
 @dataclass(frozen=True, slots=True)
 class Reports:
     """Several passes' reports behind one plan (the stage-cut search, then the encoder-in-bubbles
-    pass that beat it), printed in order."""
+    pass that beat it), printed in order. Each says what its pass did; the plan is the result's."""
 
     parts: tuple[Any, ...]
 
@@ -62,7 +69,7 @@ class PolicyResult:
     sim: SimResult
     """The simulated step of :attr:`plan` (a prediction of the cost model)."""
     report: Any
-    """The policy's own report (``str()`` prints it)."""
+    """The policy's own report (``str()`` prints it), or :class:`Reports`; none holds the plan."""
     recompute: str
     """The recompute used, in words: none, selective, full, full + vision, or "per layer (n)"."""
     baselines: tuple[PolicyRow, ...] = ()
@@ -72,6 +79,18 @@ class PolicyResult:
     def fits(self) -> bool:
         """Every rank's peak memory within the cap (device memory less the reserve)."""
         return self.sim.fits
+
+    def with_decisions(self, *decisions: Decision, report: Any = None) -> PolicyResult:
+        """This result with ``decisions`` added to its plan (and ``report`` in place of its report,
+        if given): the one way a decision joins a plan after a policy made it."""
+        plan = dataclasses.replace(self.plan, decisions=(*self.plan.decisions, *decisions))
+        return dataclasses.replace(self, plan=plan, report=self.report if report is None else report)
+
+    def report_part(self, kind: type[ReportT]) -> ReportT | None:
+        """The report of type ``kind`` behind this plan (the report itself, or one of its
+        :class:`Reports`' parts), or None."""
+        parts = self.report.parts if isinstance(self.report, Reports) else (self.report,)
+        return next((p for p in parts if isinstance(p, kind)), None)
 
     def comparison_table(self) -> str:
         rows = [*self.baselines, PolicyRow(self.plan.policy, self.sim.step_time_s, self.fits, self.recompute)]
@@ -96,7 +115,7 @@ class PolicyResult:
         )
 
     def __str__(self) -> str:
-        parts = [str(self.report), "", str(self.sim)]
+        parts = [str(self.report), "", str(self.plan), "", str(self.sim)]
         if self.baselines:
             parts += [
                 "",

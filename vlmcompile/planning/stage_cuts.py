@@ -1,8 +1,8 @@
 """Stage cuts and per-layer recompute flags as one integer program (OR-Tools CP-SAT).
 
 The numbers are a :class:`~vlmcompile.planning.problem.PartitionProblem`. Layers go, in
-order, into S = p x v consecutive stages; stage k runs on rank k mod p (Megatron's interleaved
-placement). Per stage its forward F_k and backward B_k (recompute included) are sums of its
+order, into S = p x v consecutive stages; stage k runs on the rank its placement gives it
+(:mod:`vlmcompile.ir.placement`; Megatron's interleaved placement by default). Per stage its forward F_k and backward B_k (recompute included) are sums of its
 layers'; per cut the transfer of the layer it follows.
 
 The step time is modelled twice, and :func:`solve` runs the two models in turn:
@@ -224,10 +224,14 @@ class _Model:
             self.static.append(cp.new_int_var(0, self.mem_horizon, f"M{r}"))
             cp.add(
                 self.static[r]
-                == sum(mem(problem.state_bytes[i]) * b[i, k] for k in range(r, S, p) for i in self.members[k])
+                == sum(
+                    mem(problem.state_bytes[i]) * b[i, k]
+                    for k in problem.stages_on[r]
+                    for i in self.members[k]
+                )
             )
         self.reduce = [
-            sum(t(problem.reduce_s[i]) * b[i, k] for k in range(r, S, p) for i in self.members[k])
+            sum(t(problem.reduce_s[i]) * b[i, k] for k in problem.stages_on[r] for i in self.members[k])
             for r in range(p)
         ]
 
@@ -321,12 +325,12 @@ class _Model:
     def add_closed_form(self) -> None:
         """The closed form of the module docstring, for action lists too long to time."""
         problem, cp = self.problem, self.cp
-        p, v, m, S = problem.num_ranks, problem.v, problem.num_microbatches, problem.num_stages
+        p, v, m = problem.num_ranks, problem.v, problem.num_microbatches
         self.slowest = cp.new_int_var(0, self.horizon, "slowest_rank")
         plain_work = self.plain_work
         cp.add(self.slowest * p >= plain_work)  # redundant: the mean rank's work, for the bound
         for r in range(p):
-            cp.add(self.slowest >= sum(self.fwd[k] + self.bwd[k] for k in range(r, S, p)))
+            cp.add(self.slowest >= sum(self.fwd[k] + self.bwd[k] for k in problem.stages_on[r]))
         reduce_total = sum(self.t(x) for x in problem.reduce_s)
         self.tail = cp.new_int_var(0, reduce_total, "dp_tail")
         if reduce_total:
@@ -384,7 +388,7 @@ class _Model:
                 cp.add_hint(self.start[x.action], int(x.start_s))
             cp.add_hint(self.step, int(timeline_step(fig, timed)))
         elif self.objective == "closed form":
-            work = [sum(fig.fwd[k] + fig.bwd[k] for k in range(r, S, p)) for r in range(p)]
+            work = [sum(fig.fwd[k] + fig.bwd[k] for k in problem.stages_on[r]) for r in range(p)]
             cp.add_hint(self.slowest, max(max(work), -(-self.plain_work // p)))
             cp.add_hint(self.tail, max(0, *(fig.reduce[r] - sum(fig.bwd[: r + 1]) for r in range(p))))
 

@@ -90,7 +90,9 @@ class RankStats:
 
 @dataclass(frozen=True, slots=True)
 class SimResult:
-    plan: Plan
+    """The simulated step of one plan. The plan is its caller's (a policy's result owns it);
+    what needs both takes both (:meth:`check_fits`, :mod:`vlmcompile.sim.trace`)."""
+
     cluster: Cluster
     step_time_s: float
     runs: tuple[ActionRun, ...]
@@ -126,18 +128,19 @@ class SimResult:
         """Every rank's peak memory within :attr:`mem_cap_bytes`."""
         return max(self.peak_mem_bytes) <= self.mem_cap_bytes
 
-    def check_fits(self) -> None:
-        """Raise :class:`PlanError` naming the first rank over the cap, its step and action."""
+    def check_fits(self, plan: Plan) -> None:
+        """Raise :class:`PlanError` naming the first rank over the cap, its step and action in
+        ``plan`` (the plan simulated)."""
         cap = self.mem_cap_bytes
         for rank, peak in enumerate(self.peak_mem_bytes):
             if peak > cap:
                 step = self.peak_step[rank]
                 raise PlanError(
-                    f"rank {rank} needs {peak / 2**30:.1f} GiB at step {step} ({self.plan.actions[rank][step]}), "
+                    f"rank {rank} needs {peak / 2**30:.1f} GiB at step {step} ({plan.actions[rank][step]}), "
                     f"over the {cap / 2**30:.1f} GiB a {self.cluster.device.name} leaves (device memory less "
                     f"the {100 * MEMORY_RESERVE:.0f} % reserve); recompute more layers, use more pipeline or "
                     "tensor parallelism, or fewer microbatches in flight\n"
-                    + self.plan.grid_around(rank, step, "<- peak memory")
+                    + plan.grid_around(rank, step, "<- peak memory")
                 )
 
     def idle_share(self) -> dict[str, float]:
@@ -297,7 +300,7 @@ def simulate(
     capacity = step * group_gpus * peak
     mfu = costs.model_flops / capacity if step > 0 else 0.0
     hfu = (costs.model_flops + costs.recompute_flops) / capacity if step > 0 else 0.0
-    return SimResult(plan, cluster, step, tuple(runs), ranks, mfu, hfu, tuple(dp_events), tuple(bubbles))
+    return SimResult(cluster, step, tuple(runs), ranks, mfu, hfu, tuple(dp_events), tuple(bubbles))
 
 
 def _bwd_of(c, kind: ActionKind) -> float:

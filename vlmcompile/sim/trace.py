@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmcompile.ir.actions import ActionKind
+from vlmcompile.ir.plan import Plan
 from vlmcompile.sim.simulator import SimResult
 
 _COMPUTE, _DP, _BUBBLE, _KERNELS = 0, 1, 2, 3
@@ -33,13 +34,13 @@ _KERNEL_LEVEL = "#E6B800"
 """Encoder kernels run inside an LLM action's communication gaps."""
 
 
-def _colour(result: SimResult, stage: int, kind: ActionKind) -> str:
-    plan = result.plan
+def _colour(plan: Plan, stage: int, kind: ActionKind) -> str:
     encoder = plan.stages[stage].group != plan.stages[-1].group
     return (_ENCODER_COLOURS if encoder else _COLOURS)[kind]
 
 
-def chrome_trace(result: SimResult) -> dict[str, Any]:
+def chrome_trace(plan: Plan, result: SimResult) -> dict[str, Any]:
+    """The trace of ``result``, the simulated step of ``plan``."""
     events: list[dict[str, Any]] = []
     for rank in range(len(result.ranks)):
         events.append(
@@ -117,8 +118,8 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {
-            "plan": result.plan.policy,
-            "model": result.plan.model,
+            "plan": plan.policy,
+            "model": plan.model,
             "cluster": result.cluster.name,
             "step_time_ms": result.step_time_s * 1e3,
             "note": "simulated by the vlmcompile cost model (a prediction, not a measurement)",
@@ -126,11 +127,11 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
     }
 
 
-def write_chrome_trace(result: SimResult, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(chrome_trace(result)))
+def write_chrome_trace(plan: Plan, result: SimResult, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(chrome_trace(plan, result)))
 
 
-def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> None:
+def write_png(plan: Plan, result: SimResult, path: str | Path, *, max_ranks: int = 16) -> None:
     """One row per rank: actions coloured by kind and labelled with their microbatch where
     they are wide enough, TP collectives hatched, bubbles grey; times in milliseconds."""
     import matplotlib
@@ -147,7 +148,7 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
             ax.barh(
                 rank, (end - start) * 1e3, left=start * 1e3, height=0.8, color="#DDDDDD", edgecolor="none"
             )
-    num_stages = result.plan.num_stages
+    num_stages = plan.num_stages
     for run in result.runs:
         if run.rank >= num_ranks:
             continue
@@ -167,14 +168,14 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
                 edgecolor="none",
                 zorder=3,
             )
-        chunk = a.stage // result.plan.num_ranks
-        alpha = 1.0 - 0.45 * chunk / max(1, num_stages // result.plan.num_ranks - 1)
+        chunk = a.stage // plan.num_ranks
+        alpha = 1.0 - 0.45 * chunk / max(1, num_stages // plan.num_ranks - 1)
         ax.barh(
             run.rank,
             width,
             left=start,
             height=0.8,
-            color=_colour(result, a.stage, a.kind),
+            color=_colour(plan, a.stage, a.kind),
             alpha=alpha,
             edgecolor="white",
             linewidth=0.3,
@@ -192,7 +193,7 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
                 linewidth=0,
             )
         # With several stages per rank the stage number matters: 2F0, not F0.
-        label = str(a) if num_stages > result.plan.num_ranks else f"{a.kind.value}{a.microbatch}"
+        label = str(a) if num_stages > plan.num_ranks else f"{a.kind.value}{a.microbatch}"
         if width > step_ms / 70 * len(label) / 2:
             ax.text(
                 start + width / 2,
@@ -209,8 +210,8 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
     ax.set_xlabel("time (ms)")
     share = result.idle_share()
     ax.set_title(
-        f"{result.plan.model}: {result.plan.policy} on {result.cluster.name}, {result.plan.schedule}, "
-        f"{result.plan.num_microbatches} microbatches - simulated step {step_ms:.1f} ms, "
+        f"{plan.model}: {plan.policy} on {result.cluster.name}, {plan.schedule}, "
+        f"{plan.num_microbatches} microbatches - simulated step {step_ms:.1f} ms, "
         f"bubbles {100 * result.bubble_share:.0f} % (PP {100 * (share['pp_warmup'] + share['pp_other'] + share['pp_cooldown']):.0f} %, "
         f"TP {100 * share['tp_comm']:.0f} %, DP {100 * (share['dp_all_gather'] + share['dp_reduce_scatter']):.0f} %)",
         fontsize=9,
@@ -222,12 +223,12 @@ def write_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> No
         Patch(facecolor="white", hatch="///", edgecolor="#333333", label="TP collectives"),
         Patch(color="#DDDDDD", label="bubble"),
     ]
-    if len(result.plan.parallel) > 1:
+    if len(plan.parallel) > 1:
         legend[2:2] = [
             Patch(color=_ENCODER_COLOURS[ActionKind.F], label="encoder forward"),
             Patch(color=_ENCODER_COLOURS[ActionKind.B], label="encoder backward"),
         ]
-    if result.plan.kernel_level:
+    if plan.kernel_level:
         legend.append(Patch(color=_KERNEL_LEVEL, label="encoder kernels in LLM gaps"))
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
     if len(result.ranks) > num_ranks:

@@ -1,0 +1,87 @@
+"""Which pipeline rank holds each virtual stage: the one placement rule.
+
+A pipeline of ``pp`` ranks with ``v`` virtual stages (model chunks) per rank has ``pp x v``
+stages in chain order; stage k belongs to chunk ``k // pp``. torch.distributed.pipelining
+names the two layouts in use (``generate_stage_to_rank_mapping(pp, num_stages, style)``):
+
+* ``loop`` - stage k on rank ``k mod pp``: Megatron-LM's interleaved placement, and plain 1F1B
+  when v = 1;
+* ``v`` - the chunks alternate direction: even chunks go down the ranks, odd chunks come back
+  up, so the last rank holds two consecutive stages and rank 0 holds the first and the last
+  (the V shape of zero-bubble V schedules, Qi et al. 2024). Activations between the two stages
+  at a turn stay on their rank.
+
+With v = 1 the two are the same. Every builder, schedule, solver and baseline asks this module
+where a stage goes; no other module computes a rank from a stage index.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from vlmcompile.ir.errors import PlanError
+
+
+class PlacementStyle(str, enum.Enum):
+    LOOP = "loop"
+    V = "v"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: PlacementStyle | str) -> PlacementStyle:
+        try:
+            return cls(value)
+        except ValueError:
+            raise PlanError(
+                f"placement {value!r} is not a stage placement; choose one of {', '.join(s.value for s in cls)}"
+            ) from None
+
+
+def stage_to_rank(stage: int, pp: int, style: PlacementStyle | str = PlacementStyle.LOOP) -> int:
+    """The pipeline rank of virtual stage ``stage`` among ``pp`` ranks (see the module docstring)."""
+    if pp < 1 or stage < 0:
+        raise PlanError(f"stage {stage} on {pp} pipeline ranks: give pp >= 1 and a stage >= 0")
+    chunk, position = divmod(stage, pp)
+    if PlacementStyle.parse(style) is PlacementStyle.V and chunk % 2:
+        return pp - 1 - position
+    return position
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The placement of ``pp x v`` virtual stages on ``pp`` ranks."""
+
+    pp: int
+    v: int = 1
+    style: PlacementStyle = PlacementStyle.LOOP
+
+    def __post_init__(self):
+        if self.pp < 1 or self.v < 1:
+            raise PlanError(f"a placement needs pp >= 1 and v >= 1 (got pp={self.pp}, v={self.v})")
+        object.__setattr__(self, "style", PlacementStyle.parse(self.style))
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.v
+
+    def rank_of(self, stage: int) -> int:
+        if not 0 <= stage < self.num_stages:
+            raise PlanError(
+                f"stage {stage} is outside the {self.num_stages} stages (pp x v = {self.pp} x {self.v})"
+            )
+        return stage_to_rank(stage, self.pp, self.style)
+
+    def ranks(self) -> tuple[int, ...]:
+        """Each stage's rank, in stage order."""
+        return tuple(self.rank_of(k) for k in range(self.num_stages))
+
+    def stages_on(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` holds, chunk by chunk (its first chunk's stage first)."""
+        return tuple(k for k in range(self.num_stages) if self.rank_of(k) == rank)
+
+    def stage_at(self, rank: int, chunk: int) -> int:
+        """The stage of chunk ``chunk`` on ``rank``."""
+        return self.stages_on(rank)[chunk]
