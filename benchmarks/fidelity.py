@@ -36,8 +36,8 @@ from vlmcompile.compiler import zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import layer_costs
 from vlmcompile.ir.regions import Region
-from vlmcompile.passes.megatron import model_parts
 from vlmcompile.passes.policies import plan_and_simulate
+from vlmcompile.planning.model_parts import model_parts
 from vlmcompile.planning.setups import SETUPS
 
 ROOT = Path(__file__).resolve().parent.parent

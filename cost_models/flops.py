@@ -74,7 +74,3 @@ def decoder_block_fwd_flops(
     total_tokens = batch * tokens
     dense = 2 * total_tokens * (width * q_dim + 2 * width * kv_dim + q_dim * width + mlp_mats * width * mlp)
     return dense + attention_fwd_flops(batch, heads, tokens, tokens, head_dim, head_dim)
-
-
-def linear_fwd_flops(tokens: int, in_features: int, out_features: int) -> int:
-    return 2 * tokens * in_features * out_features

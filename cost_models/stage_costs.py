@@ -17,7 +17,6 @@ from vlmcompile.cost_models.memory import (
     recompute_transient_bytes,
 )
 from vlmcompile.ir.actions import ActionKind
-from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import Layer, LayerGraph
 from vlmcompile.ir.plan import Parallel, Plan, Precision, Recompute, Stage
 
@@ -270,10 +269,6 @@ def group_samples(plan: Plan, group: str, samples: float) -> float:
 
 
 def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCosts:
-    if plan.pieces:
-        raise PlanError(
-            "sub-layer pieces are not costed yet; plans that split layers come with the scheduler"
-        )
     samples = samples_per_microbatch(layer_graph, plan.microbatch_size)
     precision = plan.precision
     stage_costs = []

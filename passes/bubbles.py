@@ -43,11 +43,11 @@ from vlmcompile.ir.actions import dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
-from vlmcompile.passes.megatron import model_parts, recompute_flags
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.build import build_separate_plan
 from vlmcompile.planning.chunks import balanced_split, chunks_of
+from vlmcompile.planning.model_parts import model_parts, recompute_flags
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import CAUSES, SimResult, simulate

@@ -25,137 +25,32 @@ three:
 * 1F1B, or interleaved 1F1B when v > 1, virtual stage k on rank k mod pp (the ``loop``
   placement of :mod:`vlmcompile.ir.placement`).
 
-:func:`megatron_layout` writes a plan's LLM split as ``--pipeline-model-parallel-layout``.
+The plan's ``--pipeline-model-parallel-layout`` is in its report
+(:mod:`vlmcompile.planning.megatron_layout`).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.placement import PlacementStyle, stage_to_rank
-from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute
+from vlmcompile.ir.placement import stage_to_rank
+from vlmcompile.ir.plan import Decision, Reason
 from vlmcompile.ir.regions import ENCODER_REGIONS, LANGUAGE_REGIONS, Region
-from vlmcompile.planning.build import build_plan
-from vlmcompile.planning.chunks import chunks_of
+from vlmcompile.planning.megatron_layout import megatron_result
+from vlmcompile.planning.model_parts import (
+    ModelParts,
+    independent_branches,
+    linearised_decision,
+    model_parts,
+    recompute_decision,
+    recompute_flags,
+    with_ends,
+)
 from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest
 from vlmcompile.planning.result import PolicyResult
-from vlmcompile.sim.simulator import simulate
-
-
-@dataclass(frozen=True, slots=True)
-class ModelParts:
-    """A LayerGraph read the way Megatron's LLaVA model is built."""
-
-    pre: tuple[str, ...]
-    """Encoders, projectors and the LLM embedding: all before the first decoder layer."""
-    decoder: tuple[str, ...]
-    post: tuple[str, ...]
-    """Final norm, output layer and loss."""
-
-
-def model_parts(layer_graph: LayerGraph) -> ModelParts:
-    # A decoder layer is an LLM block by structure, not by its attention kernel: eager
-    # attention (matmul + softmax) counts no attention FLOPs.
-    decoder_idx = [
-        layer.index
-        for layer in layer_graph.layers
-        if layer.region in (Region.LLM, Region.TEXT) and layer.block
-    ]
-    if not decoder_idx:
-        raise NotApplicable(
-            "the model has no LLM decoder layers (transformer blocks in the llm or text region); Megatron's "
-            "pipeline splits decoder layers, so plan it with pp=1 or another policy"
-        )
-    first, last = decoder_idx[0], decoder_idx[-1]
-    names = [layer.name for layer in layer_graph.layers]
-    between = [n for i, n in enumerate(names[first : last + 1], first) if i not in set(decoder_idx)]
-    if between:
-        raise NotApplicable(
-            f"layers {between[:3]} sit between LLM decoder layers; Megatron's split cannot place them"
-        )
-    return ModelParts(tuple(names[:first]), tuple(names[first : last + 1]), tuple(names[last + 1 :]))
-
-
-@dataclass(frozen=True, slots=True)
-class MegatronReport:
-    layout: str | None
-    """``--pipeline-model-parallel-layout`` for the LLM split, if Megatron can express it."""
-    layout_note: str
-
-    def __str__(self) -> str:
-        layout = f'--pipeline-model-parallel-layout "{self.layout}"' if self.layout else "not expressible"
-        note = f" ({self.layout_note})" if self.layout_note else ""
-        return f"Megatron layout: {layout}{note}"
-
-
-def recompute_flags(
-    layer_graph: LayerGraph, parts: ModelParts, recompute: GlobalRecompute
-) -> dict[str, Recompute]:
-    rc = recompute.granularity
-    flags = {n: rc for n in parts.decoder if rc is not Recompute.NONE}
-    if recompute.vision:
-        for layer in layer_graph.in_region(Region.VISION):
-            if layer.block:
-                flags[layer.name] = Recompute.FULL
-    return flags
-
-
-def recompute_decision(parts: ModelParts, recompute: GlobalRecompute) -> Decision:
-    return Decision(
-        "recompute",
-        Reason.GLOBAL_RECOMPUTE,
-        f"{recompute.granularity.value} for all {len(parts.decoder)} decoder layers; vision encoder "
-        f"{'fully recomputed' if recompute.vision else 'not recomputed'}",
-    )
-
-
-def independent_branches(layer_graph: LayerGraph) -> int:
-    """Encoder entry layers: vision-region layers that read no other layer."""
-    g = layer_graph.graph
-    return sum(1 for layer in layer_graph.in_region(Region.VISION) if g.in_degree(layer.name) == 0)
-
-
-def linearised_decision(branches: int, what: str) -> Decision:
-    return Decision(
-        "layer order",
-        Reason.LINEARISED_BRANCHES,
-        f"{branches} encoder branches do not depend on each other; {what} assumes one chain, so they are "
-        "taken in their captured order",
-    )
-
-
-def megatron_result(
-    layer_graph: LayerGraph,
-    cluster: Cluster,
-    request: PlanRequest,
-    *,
-    policy: str,
-    chunks: list[list[str]],
-    recompute: GlobalRecompute,
-    flags: dict[str, Recompute],
-    decisions: list[Decision],
-) -> PolicyResult:
-    """The plan of a Megatron-LM policy, simulated, with its layout in the report."""
-    par = request.parallel
-    if par.placement is not PlacementStyle.LOOP and par.v > 1:
-        raise NotApplicable(
-            f"Megatron-LM places virtual stage k on rank k mod pp; it has no {par.placement.value!r} placement "
-            "(ask for placement 'loop')"
-        )
-    plan = build_plan(
-        layer_graph, cluster, request, policy=policy, chunks=chunks, recompute=flags, decisions=decisions
-    )
-    layout, note = megatron_layout(plan, layer_graph)
-    return PolicyResult(
-        plan=plan,
-        sim=simulate(plan, layer_graph, cluster),
-        report=MegatronReport(layout, note),
-        recompute=str(recompute),
-    )
 
 
 class EncoderPlacement(str, enum.Enum):
@@ -257,14 +152,7 @@ def _llava_chunks(
     layer_graph: LayerGraph, parts: ModelParts, pp: int, v: int, first: int | None, last: int | None
 ) -> tuple[list[list[str]], list[Decision]]:
     counts, decisions = _decoder_split(len(parts.decoder), pp, v, first, last)
-    chunks = chunks_of(parts.decoder, counts)
-    chunks[0] = list(parts.pre) + chunks[0]
-    chunks[-1] = chunks[-1] + list(parts.post)
-    if not all(chunks):
-        empty = [k for k, c in enumerate(chunks) if not c]
-        raise NotApplicable(
-            f"virtual stages {empty} get no layers; lower pp x v ({pp} x {v}) or the first/last counts"
-        )
+    chunks = with_ends(parts, counts, why_empty=f"lower pp x v ({pp} x {v}) or the first/last counts")
     encoder = [n for n in parts.pre if layer_graph[n].region is not Region.LLM]
     decisions.insert(
         0,
@@ -372,37 +260,3 @@ def _decoder_split(
             )
     counts = [per_rank[stage_to_rank(k, pp)] // v for k in range(stages)]
     return counts, decisions
-
-
-def megatron_layout(plan: Plan, layer_graph: LayerGraph) -> tuple[str | None, str]:
-    """``--pipeline-model-parallel-layout`` (E embedding, t decoder layer, L final norm, output
-    layer and loss; virtual stages in order, ``|`` between them), or None and why not: the
-    layout describes the LLM only, so everything else must sit where Megatron's LLaVA puts it.
-    The layout is an export for the user's information: it never fails a plan."""
-    try:
-        parts = model_parts(layer_graph)
-    except PlanError as err:
-        return None, str(err)
-    stage_of = plan.stage_of()
-    pre_llm = [n for n in parts.pre if layer_graph[n].region in (Region.LLM, Region.TEXT)]
-    encoder = [n for n in parts.pre if n not in pre_llm]
-    off_first = [n for n in encoder if stage_of[n] != 0]
-    if off_first:
-        return None, (
-            f"Megatron's LLaVA builds the vision encoder on the first pipeline stage only; this plan puts "
-            f"{off_first[0]} on stage {stage_of[off_first[0]]}"
-        )
-    if any(stage_of[n] != 0 for n in pre_llm):
-        return None, "the LLM embedding is not on the first stage"
-    last = plan.num_stages - 1
-    if any(stage_of[n] != last for n in parts.post):
-        return None, f"the final norm / output layer ({', '.join(parts.post)}) must share the last stage"
-    decoder = set(parts.decoder)
-    symbols = []
-    for stage in plan.stages:
-        s = "E" if any(n in stage.layers for n in pre_llm) else ""
-        s += "t" * sum(n in decoder for n in stage.layers)
-        if stage.index == last:
-            s += "L"
-        symbols.append(s)
-    return "|".join(symbols), ""

@@ -22,15 +22,15 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import layer_costs
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Reason
-from vlmcompile.passes.megatron import (
+from vlmcompile.planning.chunks import balanced_split, chunks_of
+from vlmcompile.planning.megatron_layout import megatron_result
+from vlmcompile.planning.model_parts import (
     independent_branches,
     linearised_decision,
-    megatron_result,
     model_parts,
     recompute_decision,
     recompute_flags,
 )
-from vlmcompile.planning.chunks import balanced_split, chunks_of
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.units import format_ms

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Reason
-from vlmcompile.passes.megatron import model_parts, recompute_decision, recompute_flags
 from vlmcompile.planning.build import build_plan
+from vlmcompile.planning.model_parts import model_parts, recompute_decision, recompute_flags
 from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import simulate

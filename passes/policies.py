@@ -1,11 +1,13 @@
-"""The planning policies by name, and how to run one, compare them, or search the degrees.
+"""The planning policies as data (:data:`POLICIES`, one :class:`~vlmcompile.planning.policy.Policy`
+each), and how to run one, compare them, or search the degrees.
 
 For the policies with one recompute setting for the whole model (Megatron's, torchtitan's, MIMO's)
 ``recompute="auto"`` does what their users do - the least global recompute whose plan fits in
 memory (none, then selective, then full, then full with the vision encoder too). ``omnibal``
-and ``vlmcompile`` choose per-layer recompute themselves.
-``vlmcompile`` first plans every baseline for the same request: the fastest that fits is its
-warm start, and all of them are rows of its report. Every policy is held to the same memory
+and ours choose recompute themselves. ``vlmcompile`` (:func:`vlmcompile`) is ours whole: it
+plans every baseline for the same request (the fastest that fits is its partition's warm start,
+and all are rows of its report), then the stage-cut partition, then the encoder-in-bubbles pass;
+``partition`` is its first pass (with the baselines), ``bubbles`` its second alone. Every policy is held to the same memory
 cap: device memory less :data:`~vlmcompile.cost_models.memory.MEMORY_RESERVE`.
 """
 
@@ -28,6 +30,7 @@ from vlmcompile.passes.omnibal import omnibal
 from vlmcompile.passes.partition import partition
 from vlmcompile.passes.plan_search import plan_search
 from vlmcompile.passes.torchtitan_vlm import torchtitan_vlm
+from vlmcompile.planning.policy import Policy
 from vlmcompile.planning.request import (
     RECOMPUTE_LADDER,
     GlobalRecompute,
@@ -39,17 +42,100 @@ from vlmcompile.planning.request import (
 from vlmcompile.planning.result import PolicyResult, PolicyRow, Reports
 from vlmcompile.sim.units import format_ms
 
-POLICIES: dict[str, Callable[..., PolicyResult]] = {
-    "megatron": megatron,
-    "megatron_balanced": megatron_balanced,
-    "omnibal": omnibal,
-    "torchtitan_vlm": torchtitan_vlm,
-    "mimo_colocated": mimo_colocated,
-    "vlmcompile": partition,
+
+def stage_cuts(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    request: PlanRequest,
+    *,
+    solver: SolverOptions = SolverOptions(),
+) -> PolicyResult:
+    """Our one-chain plan for ``request``: every baseline planned first (the rows of its
+    comparison), then the stage-cut partition warm-started from the fastest that fits (so it is
+    never slower, simulated, than a baseline at this request)."""
+    runs, rows = compare_baselines(layer_graph, cluster, request)
+    warm = fastest_baseline(runs, request)
+    result = partition(layer_graph, cluster, request, solver=solver, warm_start=warm.plan if warm else None)
+    return dataclasses.replace(result, baselines=rows)
+
+
+def vlmcompile(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    request: PlanRequest,
+    *,
+    solver: SolverOptions = SolverOptions(),
+) -> PolicyResult:
+    """Our plan for ``request``: :func:`stage_cuts`, then the encoder-in-bubbles plan where it is
+    faster (:func:`with_encoder_in_bubbles`), the baselines its comparison's rows."""
+    chain = stage_cuts(layer_graph, cluster, request, solver=solver)
+    best = with_encoder_in_bubbles(chain, layer_graph, cluster, request, solver)
+    return dataclasses.replace(best, baselines=chain.baselines)
+
+
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy(
+            "megatron",
+            megatron,
+            "Megatron-LM: the encoder with the first stage (llava) or in one chain with the decoder (chain), "
+            "layers split evenly; the faster of the two in comparisons",
+            options=("recompute", "placement", "first_stage_layers", "last_stage_layers"),
+            baseline=True,
+            global_recompute=True,
+            variants=({"placement": EncoderPlacement.LLAVA}, {"placement": EncoderPlacement.CHAIN}),
+        ),
+        Policy(
+            "megatron_balanced",
+            megatron_balanced,
+            "Megatron-LM with the layers balanced by time (the Optimus appendix B)",
+            options=("recompute",),
+            baseline=True,
+            global_recompute=True,
+        ),
+        Policy(
+            "omnibal", omnibal, "OmniBal: balanced stage cuts, adaptive per-layer recompute", baseline=True
+        ),
+        Policy(
+            "torchtitan_vlm",
+            torchtitan_vlm,
+            "torchtitan's pipeline_vlm: the encoder on stage 0, first_stage_less_layers tuned",
+            options=("recompute",),
+            baseline=True,
+            global_recompute=True,
+        ),
+        Policy(
+            "mimo_colocated",
+            mimo_colocated,
+            "Megatron MIMO's colocated layout: every module on every rank, no pipeline",
+            options=("recompute",),
+            baseline=True,
+            global_recompute=True,
+        ),
+        Policy(
+            "partition",
+            stage_cuts,
+            "ours, one chain: stage cuts and per-layer recompute chosen together by CP-SAT, started from the "
+            "fastest baseline",
+            options=("solver",),
+        ),
+        Policy(
+            "bubbles",
+            bubbles,
+            "ours, the encoders on a plan of their own and their work in the LLM's bubbles",
+            options=("solver",),
+        ),
+        Policy(
+            "vlmcompile",
+            vlmcompile,
+            "ours: the faster of partition and bubbles, the partition started from the fastest baseline",
+            options=("solver",),
+        ),
+    )
 }
-"""Every policy is ``policy(layer_graph, cluster, request, **its_own_options) -> PolicyResult``."""
-BASELINES = ("megatron", "megatron_balanced", "omnibal", "torchtitan_vlm", "mimo_colocated")
-GLOBAL_RECOMPUTE_POLICIES = ("megatron", "megatron_balanced", "torchtitan_vlm", "mimo_colocated")
+"""Every policy by name; a comparison plans the ``baseline`` ones beside ours."""
+BASELINES = tuple(name for name, p in POLICIES.items() if p.baseline)
 
 
 def plan_and_simulate(
@@ -67,61 +153,42 @@ def plan_and_simulate(
     """``policy``'s plan for ``request``, simulated.
 
     Args:
-        recompute: the Megatron policies' global recompute, or "auto": the least that fits.
+        recompute: a global recompute (the policies with ``global_recompute``), or "auto": the
+            least that fits.
         placement: where ``megatron`` puts the encoder (:class:`EncoderPlacement`); None:
             ``uneven`` when first/last stage counts are given, else ``llava``.
         first_stage_layers, last_stage_layers: Megatron's decoder layers on the first and last
             pipeline stage (``--decoder-first/last-pipeline-num-layers``).
-        solver: CP-SAT's limits (``vlmcompile``).
+        solver: CP-SAT's limits (``partition``, ``bubbles``, ``vlmcompile``).
 
     Raises:
         ArgumentError: an unknown policy, or an option the policy does not take.
     """
     if policy not in POLICIES:
         raise ArgumentError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    chosen = POLICIES[policy]
     given = {
-        "recompute": recompute != "auto",
-        "placement": placement is not None,
-        "first_stage_layers": first_stage_layers is not None,
-        "last_stage_layers": last_stage_layers is not None,
-        "solver": solver is not None,
+        name: value
+        for name, value in (
+            ("recompute", None if recompute == "auto" else recompute),
+            ("placement", placement),
+            ("first_stage_layers", first_stage_layers),
+            ("last_stage_layers", last_stage_layers),
+            ("solver", solver),
+        )
+        if value is not None
     }
-    takes = {
-        "megatron": ("recompute", "placement", "first_stage_layers", "last_stage_layers"),
-        "megatron_balanced": ("recompute",),
-        "torchtitan_vlm": ("recompute",),
-        "mimo_colocated": ("recompute",),
-        "omnibal": (),
-        "vlmcompile": ("solver",),
-    }[policy]
-    wrong = [name for name, is_given in given.items() if is_given and name not in takes]
+    wrong = [name for name in given if name not in chosen.options]
     if wrong:
         raise ArgumentError(
             f"policy {policy!r} does not take {', '.join(wrong)}"
             + (" (it chooses recompute per layer)" if "recompute" in wrong else "")
         )
-    if policy == "vlmcompile":
-        return _ours_with_baselines(layer_graph, cluster, request, solver or SolverOptions())
-    if policy == "omnibal":
-        return omnibal(layer_graph, cluster, request)
-    if policy == "megatron":
-
-        def run(rung: GlobalRecompute) -> PolicyResult:
-            return megatron(
-                layer_graph,
-                cluster,
-                request,
-                recompute=rung,
-                placement=placement,
-                first_stage_layers=first_stage_layers,
-                last_stage_layers=last_stage_layers,
-            )
-    else:
-
-        def run(rung: GlobalRecompute) -> PolicyResult:
-            return POLICIES[policy](layer_graph, cluster, request, recompute=rung)
-
-    return run(recompute) if recompute != "auto" else _least_recompute_that_fits(run)
+    if not chosen.global_recompute or "recompute" in given:
+        return chosen.run(layer_graph, cluster, request, **given)
+    return _least_recompute_that_fits(
+        lambda rung: chosen.run(layer_graph, cluster, request, recompute=rung, **given)
+    )
 
 
 def _least_recompute_that_fits(run: Callable[[GlobalRecompute], PolicyResult]) -> PolicyResult:
@@ -141,17 +208,6 @@ def _least_recompute_that_fits(run: Callable[[GlobalRecompute], PolicyResult]) -
             Reason.GLOBAL_RECOMPUTE,
             f"auto: least recompute that fits; tried {'; '.join(tried)}; {verdict}",
         )
-    )
-
-
-def _ours_with_baselines(
-    layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest, solver: SolverOptions
-) -> PolicyResult:
-    runs, rows = compare_baselines(layer_graph, cluster, request)
-    warm = fastest_baseline(runs, request)
-    result = partition(layer_graph, cluster, request, solver=solver, warm_start=warm.plan if warm else None)
-    return dataclasses.replace(
-        with_encoder_in_bubbles(result, layer_graph, cluster, request, solver), baselines=rows
     )
 
 
@@ -209,22 +265,23 @@ def compare_baselines(
     would pick."""
     runs, rows = [], []
     for policy in BASELINES:
-        placements = (EncoderPlacement.LLAVA, EncoderPlacement.CHAIN) if policy == "megatron" else (None,)
+        variants = POLICIES[policy].variants
         tried, errors, applies = [], [], False
-        for placement in placements:
+        for options in variants:
+            said = ", ".join(f"{k} {getattr(v, 'value', v)}" for k, v in options.items())
             try:
-                options = {"placement": placement} if placement else {}
-                tried.append((placement, plan_and_simulate(layer_graph, cluster, policy, request, **options)))
+                tried.append((said, plan_and_simulate(layer_graph, cluster, policy, request, **options)))
             except PlanError as err:
                 applies = applies or not isinstance(err, NotApplicable)
-                errors.append(f"{placement.value}: {err}" if placement else str(err))
+                errors.append(f"{said.split(' ', 1)[-1]}: {err}" if said else str(err))
         if not tried:
             rows.append(PolicyRow(policy, None, False, "-", "; ".join(errors), applies=applies))
             continue
-        placement, run = min(tried, key=lambda pr: (not pr[1].fits, pr[1].sim.step_time_s))
+        said, run = min(tried, key=lambda sr: (not sr[1].fits, sr[1].sim.step_time_s))
         runs.append(run)
-        note = f"placement {placement.value}" if placement else ""
-        rows.append(PolicyRow(policy, run.sim.step_time_s, run.fits, run.recompute, note))
+        rows.append(
+            PolicyRow(policy, run.sim.step_time_s, run.fits, run.recompute, said if len(variants) > 1 else "")
+        )
     return runs, tuple(rows)
 
 

@@ -30,9 +30,8 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason
-from vlmcompile.passes.megatron import model_parts, recompute_decision, recompute_flags
 from vlmcompile.planning.build import build_plan
-from vlmcompile.planning.chunks import chunks_of
+from vlmcompile.planning.model_parts import model_parts, recompute_decision, recompute_flags, with_ends
 from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import simulate
@@ -133,15 +132,12 @@ def torchtitan_vlm(
 
 
 def _plan(layer_graph, cluster, request, parts, counts, first_less, last_less, recompute, flags) -> Plan:
-    chunks = chunks_of(parts.decoder, counts)
-    chunks[0] = list(parts.pre) + chunks[0]
-    chunks[-1] = chunks[-1] + list(parts.post)
-    if not all(chunks):
-        empty = [k for k, c in enumerate(chunks) if not c]
-        raise NotApplicable(
-            f"torchtitan's split leaves virtual stages {empty} without layers; lower pp x v "
-            f"({request.parallel.pp} x {request.parallel.v}) or first_stage_less_layers ({first_less})"
-        )
+    chunks = with_ends(
+        parts,
+        counts,
+        why_empty=f"lower pp x v ({request.parallel.pp} x {request.parallel.v}) or first_stage_less_layers "
+        f"({first_less})",
+    )
     decisions = [
         Decision(
             "stage 0",

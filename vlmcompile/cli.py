@@ -1,9 +1,10 @@
 """Command line.
 
 ``vlmcompile annotate --model NAME [--json FILE]``: capture and annotate a zoo model.
-``vlmcompile plan --model NAME --cluster PRESET --policy megatron|megatron_balanced|omnibal|torchtitan_vlm|mimo_colocated|vlmcompile``:
-plan, simulate and print the step and its bubbles (``--setup NAME`` fills in a paper's
-configuration; ``--search`` lets the plan search choose the degrees).
+``vlmcompile plan --model NAME --cluster PRESET --policy NAME`` (a name of
+:data:`~vlmcompile.passes.policies.POLICIES`): plan, simulate and print the step and its bubbles
+(``--setup NAME`` fills in a paper's configuration; ``--search`` lets the plan search choose the
+degrees).
 ``vlmcompile demo [--json FILE]``: the demo VLM on 2 local CPU ranks, our plan against Megatron-LM's,
 measured and predicted.
 ``vlmcompile run --model NAME --nprocs N``: train a zoo model a few steps on N local CPU ranks.
@@ -136,7 +137,7 @@ def _fill_plan_args(args: argparse.Namespace) -> None:
 
 
 def _plan_run(args: argparse.Namespace, graph, cluster):
-    from vlmcompile.passes.policies import plan_and_simulate, search_and_compare
+    from vlmcompile.passes.policies import POLICIES, plan_and_simulate, search_and_compare
     from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 
     solver = SolverOptions(time_limit_s=args.time_limit)
@@ -150,6 +151,7 @@ def _plan_run(args: argparse.Namespace, graph, cluster):
         global_batch=args.global_batch,
         microbatch_size=args.microbatch_size or 1,
         schedule=args.schedule,
+        placement=args.stage_placement or "loop",
     )
     recompute = (
         "auto"
@@ -168,14 +170,14 @@ def _plan_run(args: argparse.Namespace, graph, cluster):
         placement=args.placement if megatron else None,
         first_stage_layers=args.first_stage_layers if megatron else None,
         last_stage_layers=args.last_stage_layers if megatron else None,
-        solver=solver if args.policy == "vlmcompile" else None,
+        solver=solver if "solver" in POLICIES[args.policy].options else None,
     )
 
 
 def _write_plan_outputs(args: argparse.Namespace, run, graph) -> None:
     import dataclasses
 
-    from vlmcompile.passes.megatron import megatron_layout
+    from vlmcompile.planning.megatron_layout import megatron_layout
 
     if args.json:
         data = {
@@ -203,6 +205,7 @@ _SEARCHED = (
     "v",
     "microbatch_size",
     "schedule",
+    "stage_placement",
     "placement",
     "first_stage_layers",
     "last_stage_layers",
@@ -290,10 +293,26 @@ def _setup_names() -> list[str]:
     return list(SETUPS)
 
 
-def _policy_names() -> list[str]:
+def _policies() -> dict:
     from vlmcompile.passes.policies import POLICIES
 
-    return list(POLICIES)
+    return POLICIES
+
+
+def _policy_names() -> list[str]:
+    return list(_policies())
+
+
+def _schedule_names() -> list[str]:
+    from vlmcompile.planning.schedules import Schedule
+
+    return [s.value for s in Schedule]
+
+
+def _stage_placement_names() -> list[str]:
+    from vlmcompile.ir.placement import PlacementStyle
+
+    return [s.value for s in PlacementStyle]
 
 
 def _placement_names() -> list[str]:
@@ -357,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument(
         "--policy",
         choices=_policy_names(),
-        help="default megatron (vlmcompile with --search); vlmcompile: CP-SAT cuts and per-layer recompute, "
-        "compared with every baseline",
+        help="default megatron (vlmcompile with --search); "
+        + "; ".join(f"{name}: {p.summary}" for name, p in _policies().items()),
     )
     q.add_argument(
         "--search", action="store_true", help="let the plan search choose TP/PP/DP/v/microbatch (vlmcompile)"
@@ -393,7 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument(
         "--last-stage-layers", type=int, help="decoder layers on the last stage (megatron, placement uneven)"
     )
-    q.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+    q.add_argument("--schedule", choices=_schedule_names())
+    q.add_argument(
+        "--stage-placement",
+        choices=_stage_placement_names(),
+        help="which rank holds each virtual stage: loop (stage k on rank k mod pp; the default) or v "
+        "(V-shaped; schedule v_1f1b by default)",
+    )
     q.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     q.add_argument("--json", metavar="FILE", help="write the plan and the simulation as JSON")
     q.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of the simulated step")

@@ -23,9 +23,9 @@ from vlmcompile.passes.bubbles import (
     candidate_encoder_plans,
     llm_alone,
 )
-from vlmcompile.passes.megatron import model_parts
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
+from vlmcompile.planning.model_parts import model_parts
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.setups import SETUPS
 from vlmcompile.sim.simulator import simulate

@@ -15,10 +15,12 @@ from vlmcompile.cost_models.stage_costs import layer_costs
 from vlmcompile.ir.errors import ClusterError, PlanError
 from vlmcompile.ir.plan import Reason, Recompute
 from vlmcompile.ir.regions import Region
-from vlmcompile.passes.megatron import megatron, megatron_layout, model_parts
+from vlmcompile.passes.megatron import megatron
 from vlmcompile.passes.megatron_balanced import megatron_balanced
 from vlmcompile.passes.partition import partition
 from vlmcompile.planning.chunks import balanced_split
+from vlmcompile.planning.megatron_layout import megatron_layout
+from vlmcompile.planning.model_parts import model_parts
 from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest, SolverOptions
 
 CLUSTER = Cluster.preset("h100x16")

@@ -7,7 +7,9 @@ import warnings
 import pytest
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.passes.megatron import megatron, megatron_layout, model_parts
+from vlmcompile.passes.megatron import megatron
+from vlmcompile.planning.megatron_layout import megatron_layout
+from vlmcompile.planning.model_parts import model_parts
 from vlmcompile.planning.request import PlanRequest
 
 with warnings.catch_warnings():  # no Transformer Engine / Apex here: it says so and falls back

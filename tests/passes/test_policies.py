@@ -92,3 +92,34 @@ def test_a_policy_whose_plan_does_not_fit_says_no_not_n_a(demo_graph):
     _, rows = compare_baselines(demo_graph, tiny, PlanRequest.on(tiny, tp=1, pp=2, global_batch=16))
     applying = [r for r in rows if r.policy != "mimo_colocated"]
     assert all(r.applies and r.fits_text == "no" for r in applying), applying
+
+
+def test_the_registry_says_what_each_policy_takes_and_runs(demo_graph):
+    from vlmcompile.ir.errors import ArgumentError
+    from vlmcompile.ir.plan import Reason
+    from vlmcompile.passes.policies import POLICIES
+
+    assert BASELINES == ("megatron", "megatron_balanced", "omnibal", "torchtitan_vlm", "mimo_colocated")
+    assert {n for n, p in POLICIES.items() if p.global_recompute} == {
+        "megatron",
+        "megatron_balanced",
+        "torchtitan_vlm",
+        "mimo_colocated",
+    }
+    cluster = Cluster.preset("h100x8")
+    request = PlanRequest.on(cluster, tp=1, pp=2, global_batch=16)
+    for name, policy in POLICIES.items():  # every option a policy does not take is refused by name
+        if "solver" not in policy.options:
+            with pytest.raises(ArgumentError, match=f"policy '{name}' does not take solver"):
+                plan_and_simulate(demo_graph, cluster, name, request, solver=SolverOptions())
+    with pytest.raises(ArgumentError, match="choose one of megatron, megatron_balanced, omnibal"):
+        plan_and_simulate(demo_graph, cluster, "megatorn", request)
+    # "vlmcompile" is what it runs: the partition, then the encoder-in-bubbles pass, which beats it
+    # here; "partition" is the first alone, with the same comparison.
+    solver = SolverOptions(time_limit_s=2)
+    chain = plan_and_simulate(demo_graph, cluster, "partition", request, solver=solver)
+    ours = plan_and_simulate(demo_graph, cluster, "vlmcompile", request, solver=solver)
+    assert not any(d.reason is Reason.BUBBLE_SCHEDULE for d in chain.plan.decisions)
+    assert any(d.reason is Reason.BUBBLE_SCHEDULE for d in ours.plan.decisions)
+    assert ours.sim.step_time_s < chain.sim.step_time_s
+    assert [r.policy for r in ours.baselines] == [r.policy for r in chain.baselines] == list(BASELINES)

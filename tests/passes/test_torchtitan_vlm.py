@@ -8,8 +8,8 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Reason
 from vlmcompile.ir.regions import Region
-from vlmcompile.passes.megatron import model_parts
 from vlmcompile.passes.torchtitan_vlm import titan_layer_counts, torchtitan_vlm
+from vlmcompile.planning.model_parts import model_parts
 from vlmcompile.planning.request import PlanRequest
 
 CLUSTER = Cluster.preset("h100x16")

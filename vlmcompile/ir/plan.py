@@ -1,13 +1,13 @@
 """Plan: everything the simulator and the runtime need to run one training step.
 
 A plan is a chain of stages (virtual stages when a rank holds several), each a run of
-consecutive pieces of the model placed on one pipeline rank, or replicated on several (an
-encoder stage data-parallel over the LLM's pipeline ranks: each microbatch's work runs on one
-of them, and their gradients are summed); per-layer recompute flags; parallel degrees per
-stage group (the LLM's and each encoder's: Optimus's separate plans over the same GPUs);
-microbatch size and count; and one action list per pipeline rank. A piece is a layer of the LayerGraph, or a named group of FX nodes inside one
-(``pieces``), so encoder work split below layer granularity and placed on any rank is a
-plan of this same format. Every choice a planning pass made is kept as a :class:`Decision`.
+consecutive layers of the model placed on one pipeline rank (where the stage placement says,
+:mod:`vlmcompile.ir.placement`), or replicated on several (an encoder stage data-parallel over
+the LLM's pipeline ranks: each microbatch's work runs on one of them, and their gradients are
+summed); per-layer recompute flags; parallel degrees per stage group (the LLM's and each
+encoder's: Optimus's separate plans over the same GPUs); microbatch size and count; one action
+list per pipeline rank; and the encoder actions that run at kernel level inside LLM actions.
+Every choice a planning pass made is kept as a :class:`Decision`.
 
 ``Plan.validate`` rejects malformed plans with a message that names the rank and step, and
 prints the step x rank grid with the fault marked.
@@ -149,7 +149,7 @@ class Stage:
     rank: int
     """Pipeline rank that runs it (the first of its holders when it is replicated)."""
     layers: tuple[str, ...]
-    """Pieces in order: LayerGraph layer names, or names in ``Plan.pieces``."""
+    """LayerGraph layer names, in order."""
     group: str = "model"
     """Key into ``Plan.parallel``."""
     replicas: tuple[int, ...] = ()
@@ -189,8 +189,6 @@ class Plan:
     schedule: str
     recompute: Mapping[str, Recompute] = field(default_factory=dict)
     """Layer -> recompute flag; layers not named are not recomputed."""
-    pieces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    """Sub-layer pieces: name -> the FX nodes it runs (empty while plans cut at layers)."""
     kernel_level: Mapping[Action, int] = field(default_factory=dict)
     """Encoder actions that run at kernel level -> how many LLM actions they span: their kernels
     run inside the next that many LLM actions of the pipeline's group on their rank (their
@@ -298,7 +296,6 @@ class Plan:
             "precision": asdict(self.precision),
             "stages": [asdict(s) for s in self.stages],
             "recompute": {k: v.value for k, v in self.recompute.items()},
-            "pieces": {k: list(v) for k, v in self.pieces.items()},
             "kernel_level": {str(a): span for a, span in sorted(self.kernel_level.items())},
             "actions": [[str(a) for a in acts] for acts in self.actions],
             "decisions": [
@@ -322,6 +319,10 @@ class Plan:
         r = _Reader(data, "plan")
         if data.get("schema") != SCHEMA:
             raise PlanError(f"not a plan JSON (schema {data.get('schema')!r}, expected {SCHEMA!r})")
+        if data.get("pieces"):
+            raise PlanError(
+                "the plan splits layers into sub-layer pieces, which this vlmcompile does not run; re-plan"
+            )
         if data.get("version") not in READABLE_VERSIONS:
             older = isinstance(data.get("version"), int) and data["version"] < SCHEMA_VERSION
             raise PlanError(
@@ -354,9 +355,6 @@ class Plan:
                 recompute={
                     k: Recompute(_Reader.typed(v, str, f"recompute[{k!r}]"))
                     for k, v in r.get("recompute", dict, {}).items()
-                },
-                pieces={
-                    k: _Reader.strings(v, f"pieces[{k!r}]") for k, v in r.get("pieces", dict, {}).items()
                 },
                 kernel_level={
                     Action.from_str(a): _Reader.typed(span, int, f"kernel_level[{a!r}]")
@@ -594,7 +592,7 @@ def _check_groups(plan: Plan) -> None:
 
 def _check_layers(plan: Plan, layer_graph: LayerGraph) -> None:
     names = [layer.name for layer in layer_graph.layers]
-    expanded = [n for s in plan.stages for piece in s.layers for n in _layers_of(plan, piece)]
+    expanded = [n for s in plan.stages for n in s.layers]
     missing = [n for n in names if n not in set(expanded)]
     if missing:
         raise PlanError(
@@ -612,11 +610,6 @@ def _check_layers(plan: Plan, layer_graph: LayerGraph) -> None:
                 f"layer {expanded[b]} comes after {expanded[a]} in the stage chain but before it in the model; "
                 "stages must hold consecutive layers in pipeline order"
             )
-
-
-def _layers_of(plan: Plan, piece: str) -> list[str]:
-    # A sub-layer piece is named "<layer>#<k>"; it stands for part of that layer.
-    return [piece.split("#", 1)[0]] if piece in plan.pieces else [piece]
 
 
 def _check_actions(plan: Plan) -> None:
