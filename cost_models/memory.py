@@ -15,6 +15,7 @@ them, so it frees nothing here and only costs the attention forward again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.compute import sharded_share
@@ -28,6 +29,20 @@ allocator's fragmentation (a few GiB on an 80 GB GPU). Every policy is held to t
 
 def usable_memory_bytes(device_mem_bytes: float) -> float:
     return device_mem_bytes * (1 - MEMORY_RESERVE)
+
+
+def ranks_over(peaks: Sequence[float], cap: float | Sequence[float]) -> list[int]:
+    """The ranks whose peak is over the cap (one cap for all, or one per rank): the one rule of
+    "fits" that every policy, the solvers' evaluations and the simulator apply."""
+    caps = [cap] * len(peaks) if isinstance(cap, (int, float)) else list(cap)
+    if len(caps) != len(peaks):
+        raise ValueError(f"{len(caps)} memory caps for {len(peaks)} ranks")
+    return [r for r, (peak, limit) in enumerate(zip(peaks, caps)) if peak > limit]
+
+
+def fits(peaks: Sequence[float], cap: float | Sequence[float]) -> bool:
+    """Every rank's peak within the cap (:func:`ranks_over` names the ones that are not)."""
+    return not ranks_over(peaks, cap)
 
 
 @dataclass(frozen=True, slots=True)

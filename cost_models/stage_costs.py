@@ -5,8 +5,9 @@ collectives per layer. The simulator reads only this.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from vlmcompile.cost_models import comm
 from vlmcompile.cost_models.cluster import Cluster
@@ -219,6 +220,17 @@ def layer_state_bytes(cost: LayerCost, par: Parallel, precision: Precision | Non
     ).total
 
 
+def states_per_rank(held: Iterable[tuple[Iterable[int], Any]], num_ranks: int, zero: Any = 0.0) -> list:
+    """Per rank, the model states it holds: ``held`` gives (the ranks holding them, their bytes on
+    each) for every stage or layer. The one sum of model states per rank (the simulator's plans
+    and the stage-cut model's candidate cuts, in bytes or in the solver's units)."""
+    out = [zero] * num_ranks
+    for ranks, state in held:
+        for rank in ranks:
+            out[rank] += state
+    return out
+
+
 def chunk_action_times(
     costs: Mapping[str, LayerCost], chunks: Sequence[Sequence[str]]
 ) -> dict[ActionKind, tuple[float, ...]]:
@@ -305,10 +317,13 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
             _, send_bwd = cut_transfer_s(prev_last, cluster, par, share, stage.rank, _other(prev, stage.rank))
         result.append(StageCost(stage.index, stage.rank, tuple(layers), send_fwd, send_bwd, act, transient))
 
-    static = [0.0] * plan.num_ranks
-    for stage, par, _, layers, _, _ in stage_costs:
-        for rank in stage.ranks:
-            static[rank] += sum(layer_state_bytes(c, par, precision) for c in layers)
+    static = states_per_rank(
+        (
+            (stage.ranks, sum(layer_state_bytes(c, par, precision) for c in layers))
+            for stage, par, _, layers, _, _ in stage_costs
+        ),
+        plan.num_ranks,
+    )
     per_microbatch = samples * plan.num_microbatches
     names = [n for s in plan.stages for n in s.layers]
     model_flops = per_microbatch * sum(layer_graph[n].fwd_flops + layer_graph[n].bwd_flops for n in names)

@@ -15,7 +15,7 @@ For a request (the LLM's DP/TP/PP, v, microbatches and schedule) the pass
    and the fastest go to the CP-SAT model
    (:func:`~vlmcompile.planning.bubble_schedule.solve`), whose schedules are simulated again;
 5. keeps the fastest simulated plan that fits (in the device's memory, or a tighter budget),
-   with the least recompute that lets any plan fit (:data:`RECOMPUTE_LADDER`: none, the
+   with the least recompute that lets any plan fit (:data:`~vlmcompile.planning.model_parts.RECOMPUTE_LADDER`: none, the
    encoder alone, selective, selective + encoder; then, on top of selective + encoder, the
    least share of every rank's LLM layers fully recomputed (bisection over eighths); then
    full, full + encoder).
@@ -42,12 +42,20 @@ from vlmcompile.cost_models.stage_costs import PlanCosts, layer_costs, plan_cost
 from vlmcompile.ir.actions import dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
+from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.build import build_separate_plan
 from vlmcompile.planning.chunks import balanced_split, chunks_of
-from vlmcompile.planning.model_parts import model_parts, recompute_flags
+from vlmcompile.planning.model_parts import (
+    HEAVIER_RUNGS,
+    LIGHTER_RUNGS,
+    PARTIAL_BASE,
+    PARTIAL_SHARES,
+    RecomputeRung,
+    model_parts,
+    recompute_flags,
+)
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import CAUSES, SimResult, simulate
@@ -64,64 +72,6 @@ SCREEN_LAYER, SCREEN_KERNEL = ((8, False),), ((16, True),)
 """The settings every encoder plan is screened with: those that won most often."""
 REFINED_PLANS = 3
 """Encoder plans (the fastest after the screen) the list scheduler tries every setting on."""
-
-
-@dataclass(frozen=True, slots=True)
-class RecomputeRung:
-    """A recompute setting the pass tries: a global one (Megatron-LM's flags), and where
-    ``full_share`` > 0 the first ``full_share`` of every rank's LLM layers (in model order, the
-    rank's first virtual stage first) recomputed fully on top of it: Megatron-LM's
-    ``--recompute-method block`` per rank, so that every rank pays about the same extra time and
-    the stage balance holds."""
-
-    base: GlobalRecompute
-    full_share: float = 0.0
-
-    def __post_init__(self):
-        if not 0.0 <= self.full_share < 1.0:
-            raise PlanError(f"full_share={self.full_share!r}; give a share of a rank's LLM layers in [0, 1)")
-
-    def __str__(self) -> str:
-        if not self.full_share:
-            return str(self.base)
-        return f"{self.base} + full on the first {self.full_share:.1%} of each rank's LLM layers"
-
-    def flags(self, layer_graph: LayerGraph, parts, llm_chunks, llm: Parallel) -> dict[str, Recompute]:
-        """Per-layer flags for an LLM cut into ``llm_chunks`` (placed as :func:`ep.llm_stages` does)."""
-        flags = recompute_flags(layer_graph, parts, self.base)
-        if self.full_share:
-            per_rank: dict[int, list[str]] = {}
-            for stage in ep.llm_stages(llm_chunks, llm, 0):
-                per_rank.setdefault(stage.rank, []).extend(stage.layers)
-            for layers in per_rank.values():
-                for name in layers[: math.ceil(self.full_share * len(layers))]:
-                    flags[name] = Recompute.FULL
-        return flags
-
-
-PARTIAL_BASE = GlobalRecompute(granularity=Recompute.SELECTIVE, vision=True)
-PARTIAL_SHARES = tuple(k / 8 for k in range(1, 8))
-"""Shares of each rank's LLM layers fully recomputed on top of :data:`PARTIAL_BASE`, between
-the global settings that recompute less and those that recompute more; the least share that
-fits is found by bisection (memory falls as the share grows)."""
-LIGHTER_RUNGS = tuple(
-    RecomputeRung(GlobalRecompute(granularity=g, vision=v))
-    for g in (Recompute.NONE, Recompute.SELECTIVE)
-    for v in (False, True)
-)
-HEAVIER_RUNGS = tuple(
-    RecomputeRung(GlobalRecompute(granularity=Recompute.FULL, vision=v)) for v in (False, True)
-)
-RECOMPUTE_LADDER = (
-    *LIGHTER_RUNGS,
-    *(RecomputeRung(PARTIAL_BASE, share) for share in PARTIAL_SHARES),
-    *HEAVIER_RUNGS,
-)
-"""The recompute settings the pass tries, the least first: the encoder alone recomputed comes
-before the LLM's selective, as its activations are the ones this pass keeps longer (forwards
-early in the step, backwards late) and its recompute can run in the LLM's bubbles; between
-selective and full, a share of every rank's LLM layers fully recomputed (a memory budget
-between the two need not pay for full recompute everywhere)."""
 
 
 SOLVED_PLANS = 2
@@ -341,7 +291,7 @@ def bubbles(
     encoder (plan the LLM alone with the other policies) or when no encoder plan fits.
 
     Args:
-        recompute: one global recompute setting; None: the least of :data:`RECOMPUTE_LADDER`
+        recompute: one global recompute setting; None: the least of :data:`~vlmcompile.planning.model_parts.RECOMPUTE_LADDER`
             that lets a plan fit.
         memory_budget_bytes: a per-rank peak to plan within, below the device's cap (e.g. the
             memory a baseline plan needs); None: the device's cap.
@@ -435,7 +385,7 @@ class _Candidate:
     """The fastest layer-level schedule's step (the kernel level's starting point)."""
 
     def fits(self, sim: SimResult) -> bool:
-        return max(sim.peak_mem_bytes) <= self.cap
+        return sim.fits_within(self.cap)
 
 
 def _plan_at(layer_graph, cluster, request, candidates, rung, parts, names, count, solver, started, cap):

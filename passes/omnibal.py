@@ -30,6 +30,7 @@ import numpy as np
 from tabulate import tabulate
 
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import ranks_over
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Reason, Recompute
@@ -117,7 +118,6 @@ class OmniBalReport:
 
 def adaptive_recompute(problem: PartitionProblem, stage_of: tuple[int, ...]) -> list[bool] | None:
     """Fewest recomputed layers per rank that bring every rank within memory (None: impossible)."""
-    p = problem.num_ranks
     in_flight = problem.most_in_flight
     saving = [
         in_flight[k] * (problem.act_bytes[i] - problem.act_bytes_recompute[i])
@@ -128,7 +128,7 @@ def adaptive_recompute(problem: PartitionProblem, stage_of: tuple[int, ...]) -> 
     flags = [False] * problem.num_layers
     while True:
         peaks = evaluate(problem, stage_of, flags).peak_bytes
-        over = [r for r in range(p) if peaks[r] > problem.mem_cap_bytes]
+        over = ranks_over(peaks, problem.mem_cap_bytes)
         if not over:
             return flags
         for r in over:
@@ -192,7 +192,7 @@ def omnibal(
                 decisions=_decisions(layer_graph, anchor, len(candidates), cuts, metric(cuts), recompute),
             )
             sim = simulate(plan, layer_graph, cluster)
-            over = [r for r, x in enumerate(sim.peak_mem_bytes) if x > sim.mem_cap_bytes]
+            over = ranks_over(sim.peak_mem_bytes, sim.mem_cap_bytes)
             extra = [
                 i
                 for i, k in enumerate(stage_of)

@@ -30,9 +30,9 @@ from vlmcompile.passes.omnibal import omnibal
 from vlmcompile.passes.partition import partition
 from vlmcompile.passes.plan_search import plan_search
 from vlmcompile.passes.torchtitan_vlm import torchtitan_vlm
+from vlmcompile.planning.model_parts import GLOBAL_LADDER
 from vlmcompile.planning.policy import Policy
 from vlmcompile.planning.request import (
-    RECOMPUTE_LADDER,
     GlobalRecompute,
     NotApplicable,
     PlanRequest,
@@ -193,7 +193,7 @@ def plan_and_simulate(
 
 def _least_recompute_that_fits(run: Callable[[GlobalRecompute], PolicyResult]) -> PolicyResult:
     tried = []
-    for rung in RECOMPUTE_LADDER:
+    for rung in GLOBAL_LADDER:
         result = run(rung)
         tried.append(f"{rung}: {max(result.sim.peak_mem_bytes) / 2**30:.1f} GiB")
         if result.fits:

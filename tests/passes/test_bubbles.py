@@ -16,8 +16,6 @@ from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Parallel, Plan, Reason, Recompute
 from vlmcompile.ir.regions import Region
 from vlmcompile.passes.bubbles import (
-    PARTIAL_BASE,
-    RecomputeRung,
     _layer_level_hidden_s,
     bubbles,
     candidate_encoder_plans,
@@ -25,7 +23,7 @@ from vlmcompile.passes.bubbles import (
 )
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
-from vlmcompile.planning.model_parts import model_parts
+from vlmcompile.planning.model_parts import PARTIAL_BASE, RecomputeRung, model_parts
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.setups import SETUPS
 from vlmcompile.sim.simulator import simulate

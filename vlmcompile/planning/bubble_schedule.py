@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from vlmcompile.cost_models.memory import fits
 from vlmcompile.cost_models.stage_costs import PlanCosts
 from vlmcompile.ir.actions import Action, ActionKind, dependencies
 from vlmcompile.ir.errors import PlanError
@@ -208,7 +209,7 @@ def evaluate(problem: BubbleProblem, actions: RankActions) -> Evaluation:
     )
     step = max((t.end_s for t in timed), default=0)
     peaks = tuple(rank_peak(problem, acts) for acts in actions)
-    return Evaluation(int(step), peaks, all(p <= lim for p, lim in zip(peaks, problem.mem_limit)))
+    return Evaluation(int(step), peaks, fits(peaks, problem.mem_limit))
 
 
 def rank_peak(problem: BubbleProblem, acts: Sequence[Action]) -> int:

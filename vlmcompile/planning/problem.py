@@ -18,6 +18,7 @@ from typing import Any
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import (
+    fits,
     kept_activation_bytes,
     recompute_transient_bytes,
     usable_memory_bytes,
@@ -27,6 +28,7 @@ from vlmcompile.cost_models.stage_costs import (
     layer_costs,
     layer_state_bytes,
     samples_per_microbatch,
+    states_per_rank,
 )
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.layer_graph import LayerGraph
@@ -161,12 +163,15 @@ def stage_figures(
 ) -> StageFigures:
     p, S = problem.num_ranks, problem.num_stages
     zero_t, zero_m = time(0.0), mem(0.0)
+    ranks = problem.rank_of_stage
     fig = StageFigures(
         fwd=[zero_t] * S,
         bwd=[zero_t] * S,
         keep=[zero_m] * S,
         transient=[zero_m] * S,
-        static=[zero_m] * p,
+        static=states_per_rank(
+            (((ranks[k],), mem(problem.state_bytes[i])) for i, k in enumerate(stage_of)), p, zero_m
+        ),
         reduce=[zero_t] * p,
         send_fwd=[zero_t] * (S - 1),
         send_bwd=[zero_t] * (S - 1),
@@ -178,8 +183,7 @@ def stage_figures(
         fig.keep[k] += mem(problem.act_bytes_recompute[i]) if rc else mem(problem.act_bytes[i])
         if rc:
             fig.transient[k] = max(fig.transient[k], mem(problem.transient_bytes[i]))
-        fig.reduce[problem.rank_of_stage[k]] += time(problem.reduce_s[i])
-        fig.static[problem.rank_of_stage[k]] += mem(problem.state_bytes[i])
+        fig.reduce[ranks[k]] += time(problem.reduce_s[i])
         if k < S - 1 and stage_of[i + 1] != k:  # the cut after stage k is right after layer i
             fig.send_fwd[k] = time(problem.send_fwd_s[k][i])
             fig.send_bwd[k] = time(problem.send_bwd_s[k][i])
@@ -225,7 +229,7 @@ def evaluate(problem: PartitionProblem, stage_of: Sequence[int], recompute: Sequ
     return Evaluation(
         timeline_step(fig, stage_timeline(problem, fig)),
         peaks,
-        all(x <= problem.mem_cap_bytes for x in peaks),
+        fits(peaks, problem.mem_cap_bytes),
     )
 
 

@@ -166,15 +166,6 @@ class GlobalRecompute:
         return f"{self.granularity.value}{' + vision' if self.vision else ''}"
 
 
-RECOMPUTE_LADDER = (
-    GlobalRecompute(),
-    GlobalRecompute(granularity=Recompute.SELECTIVE),
-    GlobalRecompute(granularity=Recompute.FULL),
-    GlobalRecompute(granularity=Recompute.FULL, vision=True),
-)
-"""What a Megatron-LM user tries, in order, until the plan fits: the least recompute first."""
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchSpace:
     """The degrees the plan search may choose from; None: every value the cluster allows."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from tabulate import tabulate
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.cost_models.memory import MEMORY_RESERVE, usable_memory_bytes
+from vlmcompile.cost_models.memory import MEMORY_RESERVE, fits, ranks_over, usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import PlanCosts, StageCost, plan_costs
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
@@ -126,22 +126,28 @@ class SimResult:
     @property
     def fits(self) -> bool:
         """Every rank's peak memory within :attr:`mem_cap_bytes`."""
-        return max(self.peak_mem_bytes) <= self.mem_cap_bytes
+        return fits(self.peak_mem_bytes, self.mem_cap_bytes)
+
+    def fits_within(self, cap_bytes: float) -> bool:
+        """Every rank's peak memory within ``cap_bytes`` (a budget below the device's cap)."""
+        return fits(self.peak_mem_bytes, cap_bytes)
 
     def check_fits(self, plan: Plan) -> None:
         """Raise :class:`PlanError` naming the first rank over the cap, its step and action in
         ``plan`` (the plan simulated)."""
         cap = self.mem_cap_bytes
-        for rank, peak in enumerate(self.peak_mem_bytes):
-            if peak > cap:
-                step = self.peak_step[rank]
-                raise PlanError(
-                    f"rank {rank} needs {peak / 2**30:.1f} GiB at step {step} ({plan.actions[rank][step]}), "
-                    f"over the {cap / 2**30:.1f} GiB a {self.cluster.device.name} leaves (device memory less "
-                    f"the {100 * MEMORY_RESERVE:.0f} % reserve); recompute more layers, use more pipeline or "
-                    "tensor parallelism, or fewer microbatches in flight\n"
-                    + plan.grid_around(rank, step, "<- peak memory")
-                )
+        over = ranks_over(self.peak_mem_bytes, cap)
+        if not over:
+            return
+        rank = over[0]
+        peak, step = self.peak_mem_bytes[rank], self.peak_step[rank]
+        raise PlanError(
+            f"rank {rank} needs {peak / 2**30:.1f} GiB at step {step} ({plan.actions[rank][step]}), "
+            f"over the {cap / 2**30:.1f} GiB a {self.cluster.device.name} leaves (device memory less "
+            f"the {100 * MEMORY_RESERVE:.0f} % reserve); recompute more layers, use more pipeline or "
+            "tensor parallelism, or fewer microbatches in flight\n"
+            + plan.grid_around(rank, step, "<- peak memory")
+        )
 
     def idle_share(self) -> dict[str, float]:
         """Idle time by cause as a share of (step time x ranks)."""
