@@ -448,7 +448,7 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, parts, names, coun
                 verdict=f"pruned: model states {states / 2**30:.1f} GiB over the {cap / 2**30:.1f} GiB cap",
             )
             continue
-        problem = bs.problem_from(phased, costs, cap)
+        problem = bs.problem_from(phased, costs, cap, local_ranks=cluster.ranks_on_this_machine)
         # The phased schedule (Optimus's initial one) is a candidate too: the list scheduler's
         # choices can lose to it where the encoder work is large against the bubbles.
         phased_sim = simulate(phased, layer_graph, cluster, costs=costs)

@@ -40,7 +40,7 @@ from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
 from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import balanced_split, chunks_by_stage, stage_of_counts
-from vlmcompile.planning.problem import PartitionProblem, evaluate, partition_problem
+from vlmcompile.planning.problem import PartitionProblem, model_evaluation_s, partition_problem
 from vlmcompile.planning.request import PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
@@ -207,7 +207,7 @@ def partition(
         solution=solution,
         stages=_stage_rows(problem, layer_graph, plan, sim),
         simulated_step_s=sim.step_time_s,
-        model_step_s=evaluate(problem, stage_of, flags).step_s,
+        model_step_s=model_evaluation_s(problem, stage_of, flags),
         warm_start_step_s=warm_s,
     )
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=f"per layer ({len(plan.recompute)})")

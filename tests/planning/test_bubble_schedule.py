@@ -236,3 +236,41 @@ def test_encoder_work_in_the_bubbles_beats_the_phased_schedule():
     assert found.step < evaluate(problem, phased).step
     assert found.step >= sum(problem.work_per_rank()) / problem.num_ranks
     _check_dependencies(problem, found.actions)
+
+
+@pytest.mark.parametrize(("dp", "zero_stage"), [(1, 1), (4, 1), (4, 0), (8, 3)])
+def test_evaluate_times_the_dp_collectives_as_the_simulator(demo_graph, dp, zero_stage):
+    from dataclasses import replace
+
+    from vlmcompile.cost_models.cluster import Cluster
+    from vlmcompile.cost_models.stage_costs import layer_costs, plan_costs
+    from vlmcompile.planning.bubble_schedule import problem_from
+    from vlmcompile.planning.build import build_separate_plan
+    from vlmcompile.planning.request import PlanRequest
+    from vlmcompile.sim.simulator import simulate
+
+    cluster = Cluster.preset(f"h100x{2 * dp}")
+    request = PlanRequest.on(cluster, tp=1, pp=2, global_batch=4 * dp, zero_stage=zero_stage)
+    encoder = ep.EncoderPlan(pp=1, tp=1, chunks=2)
+    count = ep.encoder_layer_count(demo_graph)
+    names = [layer.name for layer in demo_graph.layers]
+    times = [c.f_s + c.b_s for c in layer_costs(demo_graph, cluster, request.parallel, microbatch_size=1)]
+    plan = build_separate_plan(
+        demo_graph,
+        cluster,
+        request,
+        encoder,
+        policy="test",
+        encoder_pieces=ep.encoder_chunks(demo_graph, encoder, times[:count]),
+        llm_chunks=[names[count:12], names[12:]],
+        recompute={},
+        decisions=[],
+    )
+    costs = plan_costs(plan, demo_graph, cluster)
+    problem = problem_from(plan, costs, 1e15)
+    for actions in (plan.actions, greedy(problem, lookahead=2)):
+        sim = simulate(replace(plan, actions=actions), demo_graph, cluster, costs=costs)
+        if dp > 1:
+            assert sim.idle_share()["dp_reduce_scatter"] + sim.idle_share()["dp_all_gather"] > 0
+        # Action times are rounded to a millionth of the busiest rank's work.
+        assert evaluate(problem, actions).step * problem.unit_s == pytest.approx(sim.step_time_s, rel=1e-4)

@@ -40,8 +40,10 @@ from vlmcompile.cost_models.stage_costs import PlanCosts
 from vlmcompile.ir.actions import Action, ActionKind, dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Plan
+from vlmcompile.sim import dp
 from vlmcompile.sim.in_flight import in_flight, pattern_bytes
 from vlmcompile.sim.kernel_stream import HostFill, KernelStream
+from vlmcompile.sim.simulator import dp_layer
 from vlmcompile.sim.timeline import run_actions
 
 F, B = ActionKind.F, ActionKind.B
@@ -86,6 +88,11 @@ class BubbleProblem:
     """Per rank, the bytes its activations may take (the cap less its model states)."""
     unit_s: float
     """Seconds per time unit."""
+    dp_layers: tuple[tuple[dp.DPLayer, ...], ...] = ()
+    """Per stage, its layers' figures for the DP stream, in units (:mod:`vlmcompile.sim.dp`);
+    empty: no DP collectives."""
+    local_ranks: bool = False
+    """The ranks run on this machine: gradients are reduced after each rank's last action."""
 
     def __post_init__(self):
         if not 0 < self.encoder_stages < len(self.stages):
@@ -141,10 +148,16 @@ class BubbleProblem:
 
 
 def problem_from(
-    plan: Plan, costs: PlanCosts, mem_cap_bytes: float, *, unit_s: float | None = None
+    plan: Plan,
+    costs: PlanCosts,
+    mem_cap_bytes: float,
+    *,
+    unit_s: float | None = None,
+    local_ranks: bool = False,
 ) -> BubbleProblem:
     """The scheduling problem of a plan with a separate encoder group (its stages' costs from
-    :func:`~vlmcompile.cost_models.stage_costs.plan_costs`; ``mem_cap_bytes`` per rank)."""
+    :func:`~vlmcompile.cost_models.stage_costs.plan_costs`; ``mem_cap_bytes`` per rank;
+    ``local_ranks``: the cluster's ranks run on this machine)."""
     groups = [s.group for s in plan.stages]
     first_llm = groups.index(plan.stages[-1].group)
     encoder_groups = sorted(set(groups[:first_llm]))
@@ -184,7 +197,21 @@ def problem_from(
     )
     llm_actions = tuple(tuple(a for a in acts if a.stage >= first_llm) for acts in plan.actions)
     limits = tuple(max(0, math.floor(mem_cap_bytes - static)) for static in costs.static_bytes)
-    return BubbleProblem(figures, first_llm, plan.num_microbatches, llm_actions, limits, unit_s)
+    dp_layers = tuple(tuple(_in_units(dp_layer(c), unit_s) for c in stage.layers) for stage in stage_costs)
+    return BubbleProblem(
+        figures, first_llm, plan.num_microbatches, llm_actions, limits, unit_s, dp_layers, local_ranks
+    )
+
+
+def _in_units(layer: dp.DPLayer, unit_s: float) -> dp.DPLayer:
+    return dp.DPLayer(
+        layer.name,
+        layer.fwd / unit_s,
+        layer.bwd / unit_s,
+        layer.weight_grad / unit_s,
+        layer.gather / unit_s,
+        layer.reduce / unit_s,
+    )
 
 
 # ---- timing any schedule ---------------------------------------------------------------------
@@ -200,16 +227,41 @@ class Evaluation:
 
 
 def evaluate(problem: BubbleProblem, actions: RankActions) -> Evaluation:
-    """The step of per-rank action lists under the problem's rules, and each rank's peak bytes."""
-    timed = run_actions(
-        actions,
-        problem.num_stages,
-        duration=lambda a, _start: problem.duration(a),
-        transfer=problem.transfer,
-    )
-    step = max((t.end_s for t in timed), default=0)
+    """The step of per-rank action lists under the problem's rules, their data-parallel
+    collectives timed as the simulator times them (:mod:`vlmcompile.sim.dp`), and each rank's
+    peak bytes."""
     peaks = tuple(rank_peak(problem, acts) for acts in actions)
-    return Evaluation(int(step), peaks, fits(peaks, problem.mem_limit))
+    return Evaluation(round(_step(problem, actions)), peaks, fits(peaks, problem.mem_limit))
+
+
+def _step(problem: BubbleProblem, actions: RankActions) -> float:
+    if not problem.dp_layers:
+        timed = run_actions(
+            actions, problem.num_stages, duration=lambda a, _s: problem.duration(a), transfer=problem.transfer
+        )
+        return max((t.end_s for t in timed), default=0)
+    gathered, _ = dp.gather_times(actions, problem.dp_layers)
+    rank_of = {a: rank for rank, acts in enumerate(actions) for a in acts}
+    first_forwards: set[tuple[int, int]] = set()
+
+    def duration(a: Action, start: float) -> float:
+        rank = rank_of[a]
+        if a.kind is not F or (rank, a.stage) in first_forwards:
+            return problem.duration(a)
+        first_forwards.add((rank, a.stage))
+        return problem.duration(a) + dp.parameter_wait(problem.dp_layers[a.stage], start, gathered[rank])
+
+    timed = run_actions(actions, problem.num_stages, duration=duration, transfer=problem.transfer)
+    last_end = [0.0] * problem.num_ranks
+    for t in timed:
+        last_end[t.rank] = max(last_end[t.rank], t.end_s)
+    reduced, _ = dp.reduction(
+        [(t.rank, t.action, t.start_s, t.end_s) for t in timed if t.action.kind is B],
+        problem.dp_layers,
+        problem.num_ranks,
+        after_last_action=last_end if problem.local_ranks else None,
+    )
+    return dp.step_end(max(last_end, default=0.0), reduced)
 
 
 def rank_peak(problem: BubbleProblem, acts: Sequence[Action]) -> int:

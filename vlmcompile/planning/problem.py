@@ -36,6 +36,7 @@ from vlmcompile.ir.placement import Placement, PlacementStyle
 from vlmcompile.ir.plan import Recompute
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import make_schedule
+from vlmcompile.sim import dp
 from vlmcompile.sim.in_flight import MemoryPattern, in_flight, pattern_bytes
 from vlmcompile.sim.timeline import Timed, run_actions, transfer_between_stages
 
@@ -58,6 +59,8 @@ class PartitionProblem:
     """Parameters, gradients and optimizer states on one rank."""
     reduce_s: tuple[float, ...]
     """DP gradient reduction of the layer."""
+    gather_s: tuple[float, ...]
+    """DP all-gather of the layer's parameters (the distributed optimizer's)."""
     send_fwd_s: tuple[tuple[float, ...], ...]
     """[k][layer]: sending the activations of stage k to stage k + 1 when the cut between them is
     right after the layer (0 when both stages are on one rank)."""
@@ -72,6 +75,9 @@ class PartitionProblem:
     mem_cap_bytes: float
     placement: PlacementStyle = PlacementStyle.LOOP
     """Which rank holds each stage (:mod:`vlmcompile.ir.placement`)."""
+    local_ranks: bool = False
+    """The ranks run on this machine: our runtime reduces the gradients after each rank's last
+    action (:func:`vlmcompile.sim.dp.reduction`)."""
     memory_patterns: tuple[tuple[MemoryPattern, ...], ...] = field(init=False)
     """Per rank, the distinct in-flight patterns of its action list (see :func:`memory_patterns`)."""
     rank_of_stage: tuple[int, ...] = field(init=False)
@@ -90,6 +96,7 @@ class PartitionProblem:
             "transient_bytes",
             "state_bytes",
             "reduce_s",
+            "gather_s",
             "recomputable",
         ):
             if len(getattr(self, name)) != n:
@@ -201,9 +208,10 @@ def stage_timeline(problem: PartitionProblem, fig: StageFigures) -> list[Timed]:
     )
 
 
-def timeline_step(fig: StageFigures, timed: Sequence[Timed]) -> Any:
-    """The step of a timed schedule: its last action, or a rank's DP gradient reduction started
-    when its last backward starts."""
+def model_step(fig: StageFigures, timed: Sequence[Timed]) -> Any:
+    """The step as the CP-SAT timeline model states it: its last action, or a rank's DP gradient
+    reduction started when its last backward starts (a linear reading of the DP stream of
+    :mod:`vlmcompile.sim.dp`, which :func:`evaluate` applies)."""
     step = max(t.end_s for t in timed)
     last_bwd = {t.rank: t.start_s for t in timed if t.action.kind is ActionKind.B}
     return max([step, *(last_bwd[r] + fig.reduce[r] for r in last_bwd)])
@@ -220,17 +228,67 @@ class Evaluation:
 
 
 def evaluate(problem: PartitionProblem, stage_of: Sequence[int], recompute: Sequence[bool]) -> Evaluation:
-    """Step time and per-rank peak memory of one cut (each layer's stage) and recompute choice."""
+    """Step time and per-rank peak memory of one cut (each layer's stage) and recompute choice:
+    the schedule timed by the simulator's rules (:func:`~vlmcompile.sim.timeline.run_actions`),
+    its data-parallel collectives by the simulator's too (:mod:`vlmcompile.sim.dp`)."""
     fig = stage_figures(problem, stage_of, recompute)
     peaks = tuple(
         fig.static[r] + peak_in_flight(problem.memory_patterns[r], fig.keep, fig.transient)
         for r in range(problem.num_ranks)
     )
     return Evaluation(
-        timeline_step(fig, stage_timeline(problem, fig)),
-        peaks,
-        fits(peaks, problem.mem_cap_bytes),
+        step_with_dp(problem, fig, stage_of, recompute), peaks, fits(peaks, problem.mem_cap_bytes)
     )
+
+
+def model_evaluation_s(
+    problem: PartitionProblem, stage_of: Sequence[int], recompute: Sequence[bool]
+) -> float:
+    """The step the CP-SAT timeline model gives one choice (:func:`model_step`), in seconds: what
+    the partition report compares with the simulator's."""
+    fig = stage_figures(problem, stage_of, recompute)
+    return model_step(fig, stage_timeline(problem, fig))
+
+
+def step_with_dp(
+    problem: PartitionProblem, fig: StageFigures, stage_of: Sequence[int], recompute: Sequence[bool]
+) -> float:
+    """The step of one choice: the schedule timed with each stage's first forward waiting for its
+    parameters and each rank's gradient reductions after its backwards (:mod:`vlmcompile.sim.dp`)."""
+    stage_layers: list[list[dp.DPLayer]] = [[] for _ in range(problem.num_stages)]
+    for i, k in enumerate(stage_of):
+        bwd = problem.bwd_s[i] + (problem.redo_s[i] if recompute[i] else 0.0)
+        stage_layers[k].append(
+            dp.DPLayer(problem.names[i], problem.fwd_s[i], bwd, 0.0, problem.gather_s[i], problem.reduce_s[i])
+        )
+    gathered, _ = dp.gather_times(problem.actions, stage_layers)
+    ranks = problem.rank_of_stage
+    waited: set[int] = set()
+
+    def duration(a: Action, start: float) -> float:
+        if a.kind is ActionKind.B:
+            return fig.bwd[a.stage]
+        if a.stage in waited:  # one holder per stage: its first forward is the stage's first
+            return fig.fwd[a.stage]
+        waited.add(a.stage)
+        return fig.fwd[a.stage] + dp.parameter_wait(stage_layers[a.stage], start, gathered[ranks[a.stage]])
+
+    timed = run_actions(
+        problem.actions,
+        problem.num_stages,
+        duration=duration,
+        transfer=transfer_between_stages(fig.send_fwd, [0, *fig.send_bwd]),
+    )
+    last_end = [0.0] * problem.num_ranks
+    for t in timed:
+        last_end[t.rank] = max(last_end[t.rank], t.end_s)
+    reduced, _ = dp.reduction(
+        [(t.rank, t.action, t.start_s, t.end_s) for t in timed if t.action.kind is ActionKind.B],
+        stage_layers,
+        problem.num_ranks,
+        after_last_action=last_end if problem.local_ranks else None,
+    )
+    return dp.step_end(max(last_end), reduced)
 
 
 def peak_in_flight(patterns: Sequence[MemoryPattern], keep: Sequence, transient: Sequence) -> Any:
@@ -278,6 +336,7 @@ def partition_problem(layer_graph: LayerGraph, cluster: Cluster, request: PlanRe
         transient_bytes=tuple(recompute_transient_bytes(x, Recompute.FULL, **shard) for x in layers),
         state_bytes=tuple(layer_state_bytes(c, parallel) for c in plain),
         reduce_s=tuple(c.dp_reduce_s for c in plain),
+        gather_s=tuple(c.dp_all_gather_s for c in plain),
         send_fwd_s=tuple(tuple(f for f, _ in row) for row in sends),
         send_bwd_s=tuple(tuple(b for _, b in row) for row in sends),
         recomputable=tuple(rc < a for a, rc in zip(act, act_rc)),
@@ -287,6 +346,7 @@ def partition_problem(layer_graph: LayerGraph, cluster: Cluster, request: PlanRe
         actions=actions,
         mem_cap_bytes=usable_memory_bytes(cluster.device.mem_bytes),
         placement=parallel.placement,
+        local_ranks=cluster.ranks_on_this_machine,
     )
 
 

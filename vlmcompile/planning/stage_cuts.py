@@ -45,9 +45,9 @@ from vlmcompile.planning.problem import (
     Evaluation,
     PartitionProblem,
     evaluate,
+    model_step,
     stage_figures,
     stage_timeline,
-    timeline_step,
 )
 from vlmcompile.planning.request import SolverOptions
 from vlmcompile.sim.in_flight import pattern_bytes
@@ -386,7 +386,7 @@ class _Model:
             timed = stage_timeline(problem, fig)
             for x in timed:
                 cp.add_hint(self.start[x.action], int(x.start_s))
-            cp.add_hint(self.step, int(timeline_step(fig, timed)))
+            cp.add_hint(self.step, int(model_step(fig, timed)))
         elif self.objective == "closed form":
             work = [sum(fig.fwd[k] + fig.bwd[k] for k in problem.stages_on[r]) for r in range(p)]
             cp.add_hint(self.slowest, max(max(work), -(-self.plain_work // p)))

@@ -37,11 +37,12 @@ from tabulate import tabulate
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import MEMORY_RESERVE, fits, ranks_over, usable_memory_bytes
-from vlmcompile.cost_models.stage_costs import PlanCosts, StageCost, plan_costs
+from vlmcompile.cost_models.stage_costs import LayerCost, PlanCosts, StageCost, plan_costs
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Plan
+from vlmcompile.sim import dp
 from vlmcompile.sim.in_flight import in_flight, pattern_bytes
 from vlmcompile.sim.kernel_stream import HostFill, host_fills
 from vlmcompile.sim.timeline import Timed, run_actions, transfer_between_stages
@@ -216,19 +217,8 @@ def simulate(
     costs = costs or plan_costs(plan, layer_graph, cluster)
     stages = costs.stages
     num_ranks = plan.num_ranks
-
-    # DP all-gather: every layer of the rank, in the order of first use, one after another (a
-    # replicated stage's holders each gather their own copy).
-    gathered: list[dict[str, float]] = [{} for _ in plan.actions]
-    dp_events: list[tuple[int, str, float, float]] = []
-    for rank, acts in enumerate(plan.actions):
-        clock = 0.0
-        for a in acts:
-            if a.kind is ActionKind.F:
-                for c in stages[a.stage].layers:
-                    if c.name not in gathered[rank]:
-                        gathered[rank][c.name] = clock = clock + c.dp_all_gather_s
-                        dp_events.append((rank, "all_gather", clock - c.dp_all_gather_s, clock))
+    stage_layers = [tuple(dp_layer(c) for c in stage.layers) for stage in stages]
+    gathered, gathers = dp.gather_times(plan.actions, stage_layers)
 
     rank_of = plan.rank_of_action()
     first_fwd_done: set[tuple[int, int]] = set()
@@ -239,7 +229,7 @@ def simulate(
         rank = rank_of[a]
         if a.kind is ActionKind.F and (rank, a.stage) not in first_fwd_done:
             first_fwd_done.add((rank, a.stage))
-            waited[a] = _parameter_wait(stage, start, gathered[rank])
+            waited[a] = dp.parameter_wait(stage_layers[a.stage], start, gathered[rank])
         return stage.action_s(a.kind) + waited.get(a, 0.0)
 
     hosts = plan.hosts_of()
@@ -266,39 +256,20 @@ def simulate(
     if hosts:
         runs = _kernel_level_runs(runs, hosts, fills)
 
-    # DP gradient reduction: a layer's gradients on a rank are complete after the last backward
-    # of its stage there.
-    reduced_end = [0.0] * num_ranks
-    last_bwd: dict[tuple[int, int], ActionRun] = {}
-    for run in runs:
-        if run.action.kind in (ActionKind.B, ActionKind.W):
-            key = (run.action.stage, run.rank)
-            prev = last_bwd.get(key)
-            if prev is None or run.end_s > prev.end_s:
-                last_bwd[key] = run
-    ready_layers = []
-    for (stage_index, rank), run in last_bwd.items():
-        stage = stages[stage_index]
-        # Backward walks the layers in reverse: the last layer's gradients are ready first.
-        t = run.start_s
-        scale = (run.end_s - run.start_s) / max(sum(_bwd_of(c, run.action.kind) for c in stage.layers), 1e-30)
-        for c in reversed(stage.layers):
-            t = min(t + _bwd_of(c, run.action.kind) * scale, run.end_s)  # no rounding past the end
-            ready_layers.append((t, rank, c))
-    if cluster.ranks_on_this_machine:
-        # Our runtime (what a plan for local ranks runs on) reduces the gradients after the rank's
-        # last action, in one collective per group; Megatron-LM overlaps them bucket by bucket.
-        last_end = [max((r.end_s for r in runs if r.rank == k), default=0.0) for k in range(num_ranks)]
-        ready_layers = [(last_end[rank], rank, c) for _, rank, c in ready_layers]
-    stream = [0.0] * num_ranks
-    for t, rank, c in sorted(ready_layers, key=lambda x: x[0]):
-        begin = max(stream[rank], t)
-        stream[rank] = begin + c.dp_reduce_s
-        dp_events.append((rank, "reduce_scatter", begin, stream[rank]))
-        reduced_end[rank] = max(reduced_end[rank], stream[rank])
-
+    backwards = [
+        (r.rank, r.action, r.start_s, r.end_s) for r in runs if r.action.kind in (ActionKind.B, ActionKind.W)
+    ]
+    # Our runtime (what a plan for local ranks runs on) reduces the gradients after the rank's last
+    # action, in one collective per group; Megatron-LM overlaps them bucket by bucket.
+    last_end = [max((r.end_s for r in runs if r.rank == k), default=0.0) for k in range(num_ranks)]
+    reduced_end, reductions = dp.reduction(
+        backwards,
+        stage_layers,
+        num_ranks,
+        after_last_action=last_end if cluster.ranks_on_this_machine else None,
+    )
     compute_end = max(r.end_s for r in runs)
-    step = max(compute_end, max(reduced_end))
+    step = dp.step_end(compute_end, reduced_end)
     bubbles = _bubbles(runs, num_ranks, step, compute_end)
     ranks = _rank_stats(plan, runs, bubbles, costs, hosts)
     peak = cluster.device.peak_flops_per_s
@@ -306,23 +277,19 @@ def simulate(
     capacity = step * group_gpus * peak
     mfu = costs.model_flops / capacity if step > 0 else 0.0
     hfu = (costs.model_flops + costs.recompute_flops) / capacity if step > 0 else 0.0
-    return SimResult(cluster, step, tuple(runs), ranks, mfu, hfu, tuple(dp_events), tuple(bubbles))
+    return SimResult(cluster, step, tuple(runs), ranks, mfu, hfu, (*gathers, *reductions), tuple(bubbles))
 
 
-def _bwd_of(c, kind: ActionKind) -> float:
-    return c.weight_grad_s if kind is ActionKind.W else c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s
-
-
-def _parameter_wait(stage: StageCost, start: float, gathered: dict[str, float]) -> float:
-    """A stage's first forward runs layer by layer, each waiting for its parameters' all-gather."""
-    t, waited = start, 0.0
-    for c in stage.layers:
-        ready = gathered.get(c.name, 0.0)
-        if ready > t:
-            waited += ready - t
-            t = ready
-        t += c.f_s
-    return waited
+def dp_layer(c: LayerCost) -> dp.DPLayer:
+    """A layer's figures for the DP stream (:mod:`vlmcompile.sim.dp`)."""
+    return dp.DPLayer(
+        c.name,
+        fwd=c.f_s,
+        bwd=c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s,
+        weight_grad=c.weight_grad_s,
+        gather=c.dp_all_gather_s,
+        reduce=c.dp_reduce_s,
+    )
 
 
 def _run(timed: Timed, stage: StageCost, dp_wait_s: float) -> ActionRun:
