@@ -40,6 +40,7 @@ from vlmcompile.cost_models.stage_costs import PlanCosts
 from vlmcompile.ir.actions import Action, ActionKind, dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Plan
+from vlmcompile.planning.list_clock import ListClock, Proposal
 from vlmcompile.sim import dp
 from vlmcompile.sim.in_flight import in_flight, pattern_bytes
 from vlmcompile.sim.kernel_stream import HostFill, KernelStream
@@ -292,159 +293,152 @@ def greedy(
     over the rank's next LLM actions until its work is done, and closes early (its rest
     lengthening the host) where the rank's next LLM action would wait for it, directly or
     through the pipeline."""
-    m = problem.num_microbatches
-    ends: dict[Action, tuple[int, int]] = {}  # action -> (end, rank)
-    free = [0] * problem.num_ranks
-    position = [0] * problem.num_ranks
-    out: list[list[Action]] = [[] for _ in range(problem.num_ranks)]
-    pipeline_of: dict[int, int] = {}
-    live = [0] * problem.num_ranks
-    keep = [s.keep for s in problem.stages]
-    first = problem.first_llm_stage
-    sequences = [problem.encoder_actions(j) for j in range(m)]
-    done_enc = [0] * m
-    kernels = _Kernels(problem) if riders is not None else None
+    scheduler = _ListScheduler(
+        problem, lookahead, fill_only, kernels=_Kernels(problem) if riders is not None else None
+    )
+    actions = scheduler.run()
+    if riders is not None:
+        riders.update(scheduler.kernels.spans)
+    return actions
 
-    deps = {}
-    ready: dict[tuple[Action, int], int] = {}  # once every input is committed, it stays put
 
-    def ready_at(a: Action, rank: int) -> int | None:
-        key = (a, rank)
-        if key in ready:
-            return ready[key]
-        if a not in deps:
-            deps[a] = dependencies(a, problem.num_stages)
-        t = 0
-        for d in deps[a]:
-            if d not in ends:
-                return None
-            end, where = ends[d]
-            t = max(t, end + (problem.transfer(d, a) if where != rank else 0))
-        ready[key] = t
-        return t
+class _ListScheduler:
+    """The state of one :func:`greedy` run on the list schedulers' clock
+    (:class:`~vlmcompile.planning.list_clock.ListClock`): each rank's place in its LLM actions,
+    the activation bytes it holds, which encoder pipeline each microbatch went to and how far its
+    encoder actions have got, and the microbatch the first LLM stage needs next."""
 
-    # The encoder actions a rank may run next change only when encoder work starts or ends, or
-    # the first LLM stage moves on: cached per rank between such changes.
-    version = [0]
-    cached: dict[int, tuple[int, int, list[Action]]] = {}
+    def __init__(self, problem: BubbleProblem, lookahead: int, fill_only: bool, *, kernels: _Kernels | None):
+        self.p, self.lookahead, self.fill_only, self.kernels = problem, lookahead, fill_only, kernels
+        self.clock = ListClock(problem.num_ranks, problem.num_stages, transfer=problem.transfer)
+        m = problem.num_microbatches
+        self.position = [0] * problem.num_ranks
+        self.out: list[list[Action]] = [[] for _ in range(problem.num_ranks)]
+        self.pipeline_of: dict[int, int] = {}
+        self.live = [0] * problem.num_ranks
+        self.keep = [s.keep for s in problem.stages]
+        self.first = problem.first_llm_stage
+        self.sequences = [problem.encoder_actions(j) for j in range(m)]
+        self.done_enc = [0] * m
+        self.need = 0
+        """The microbatch the first LLM stage needs next."""
+        # The encoder actions a rank may run next change only when encoder work starts or ends, or
+        # the first LLM stage moves on: cached per rank between such changes.
+        self.version = 0
+        self.cached: dict[int, tuple[int, int, list[Action]]] = {}
+        self.holders = [set(s.ranks) for s in problem.stages]
+        self.total = sum(len(a) for a in problem.llm_actions) + sum(len(seq) for seq in self.sequences)
 
-    def candidates(rank: int) -> list[Action]:
-        hit = cached.get(rank)
-        if hit is None or hit[:2] != (version[0], need):
+    def run(self) -> RankActions:
+        # A rank's proposal changes only when its own state, the inputs of its actions, or the
+        # encoder work on offer change: the clock asks those ranks alone again after each commit.
+        self.clock.run(
+            self.propose,
+            self.commit,
+            done=lambda: len(self.clock.ends) >= self.total,
+            refresh_all=self.encoder_state,
+        )
+        return tuple(tuple(acts) for acts in self.out)
+
+    def encoder_state(self) -> tuple[int, int]:
+        while self.need < self.p.num_microbatches and Action(self.first, F, self.need) in self.clock.ends:
+            self.need += 1
+        return self.version, self.need
+
+    def candidates(self, rank: int) -> list[Action]:
+        hit = self.cached.get(rank)
+        if hit is None or hit[:2] != (self.version, self.need):
             found = _encoder_candidates(
-                problem, rank, sequences, done_enc, pipeline_of, need, lookahead, kernels
+                self.p,
+                rank,
+                self.sequences,
+                self.done_enc,
+                self.pipeline_of,
+                self.need,
+                self.lookahead,
+                self.kernels,
             )
-            hit = cached[rank] = (version[0], need, found)
+            hit = self.cached[rank] = (self.version, self.need, found)
         return hit[2]
 
-    def start_encoder(a: Action, rank: int) -> None:
-        version[0] += 1
-        pipeline_of.setdefault(a.microbatch, problem.stages[a.stage].ranks.index(rank))
-        if a.kind is F:
-            live[rank] += keep[a.stage]
-
-    def finish(a: Action, end: int, rank: int) -> None:
-        ends[a] = (end, rank)
-        if a.stage >= first:
-            position[rank] += 1
-            live[rank] += keep[a.stage] if a.kind is F else -keep[a.stage]
-        else:
-            version[0] += 1
-            done_enc[a.microbatch] += 1
-            if a.kind is B:
-                live[rank] -= keep[a.stage]
-
-    def choose(rank: int) -> tuple[int, int, Action] | None:
+    def propose(self, rank: int) -> Proposal | None:
         """The rank's next action and when it would start: its next LLM action, or ready encoder
         work that starts earlier (or fits before it, with ``fill_only``)."""
-        llm_next = (
-            problem.llm_actions[rank][position[rank]]
-            if position[rank] < len(problem.llm_actions[rank])
-            else None
-        )
-        llm_start = None
-        if llm_next is not None:
-            r = ready_at(llm_next, rank)
-            llm_start = None if r is None else max(free[rank], r)
-        choice: tuple[int, int, Action] | None = None
-        if llm_start is not None:
-            choice = (llm_start, 0, llm_next)
-        for a in candidates(rank):
-            r = ready_at(a, rank)
-            if r is None:
+        p, clock = self.p, self.clock
+        llm = p.llm_actions[rank]
+        llm_next = llm[self.position[rank]] if self.position[rank] < len(llm) else None
+        llm_start = clock.start_at(llm_next, rank) if llm_next is not None else None
+        choice: Proposal | None = (llm_start, 0, llm_next) if llm_start is not None else None
+        for a in self.candidates(rank):
+            start = clock.start_at(a, rank)
+            if start is None:
                 continue
-            start = max(free[rank], r)
-            urgent = a.kind is F and a.microbatch == need
-            if not urgent and a.kind is F and live[rank] + keep[a.stage] > problem.mem_limit[rank]:
+            urgent = a.kind is F and a.microbatch == self.need
+            if not urgent and a.kind is F and self.live[rank] + self.keep[a.stage] > p.mem_limit[rank]:
                 continue  # the one the LLM waits for runs anyway: the evaluation says if it fits
             if llm_start is not None and not urgent:
-                if start + problem.duration(a) > llm_start if fill_only else start >= llm_start:
+                if start + p.duration(a) > llm_start if self.fill_only else start >= llm_start:
                     continue
-            priority = (0 if urgent else 1 if a.kind is B else 2) * (m + 1) + a.microbatch + 1
+            priority = (
+                (0 if urgent else 1 if a.kind is B else 2) * (p.num_microbatches + 1) + a.microbatch + 1
+            )
             if choice is None or (start, priority) < choice[:2]:
                 choice = (start, priority, a)
         return choice
 
-    need = 0  # the microbatch the first LLM stage needs next
-    total = sum(len(a) for a in problem.llm_actions) + sum(len(seq) for seq in sequences)
-    # A rank's choice changes only when its own state, the inputs of its actions, or the encoder
-    # work on offer change: recomputed for those ranks alone after each commit.
-    choices: dict[int, tuple[int, int, Action] | None] = {}
-    dirty = set(range(problem.num_ranks))
-    holders = [set(s.ranks) for s in problem.stages]
-    seen = None  # (encoder state, need) when the choices were made
-    while len(ends) < total:
-        while need < m and Action(first, F, need) in ends:
-            need += 1
-        if (version[0], need) != seen:
-            dirty = set(range(problem.num_ranks))
-            seen = (version[0], need)
-        for rank in dirty:
-            choices[rank] = choose(rank)
-        dirty = set()
-        best: tuple[int, int, int, Action] | None = None  # (start, priority, rank, action)
-        for rank, choice in choices.items():
-            if choice is not None and (best is None or (choice[0], choice[1], rank) < best[:3]):
-                best = (choice[0], choice[1], rank, choice[2])
-        if best is None:
-            raise PlanError("the greedy bubble schedule is stuck: no rank can run its next action")
-        start, _, rank, a = best
-        duration = problem.duration(a)
-        opened: list[Action] = []
-        closed: list[Action] = []
-        if kernels is not None and a.stage >= first:
-            ready_riders = (
-                e
-                for e in list(candidates(rank))
-                if e not in dependencies(a, problem.num_stages)
-                and (r := ready_at(e, rank)) is not None
-                and r <= start
-                and (
-                    e.kind is not F
-                    or (e.microbatch > need and live[rank] + keep[e.stage] <= problem.mem_limit[rank])
-                )
+    def commit(self, rank: int, a: Action, start: float) -> set[int]:
+        p = self.p
+        duration, opened, closed = p.duration(a), [], []
+        if self.kernels is not None and a.stage >= self.first:
+            duration, opened, closed = self.kernels.host(
+                a, rank, self.position[rank], self.need, self.ready_riders(rank, a, start), self.start_encoder
             )
-            duration, opened, closed = kernels.host(
-                a, rank, position[rank], need, ready_riders, start_encoder
-            )
-        elif a.stage < first:
-            start_encoder(a, rank)
+        elif a.stage < self.first:
+            self.start_encoder(a, rank)
         end = start + duration
-        free[rank] = end
-        out[rank].extend(opened)
-        out[rank].append(a)
-        if kernels is not None and a.stage >= first:
-            for e in closed:
-                finish(e, end, rank)
-        finish(a, end, rank)
-        dirty.add(rank)
+        self.out[rank].extend(opened)
+        self.out[rank].append(a)
+        for e in closed:
+            self.finish(e, end, rank)
+        self.finish(a, end, rank)
+        touched: set[int] = set()
         for done in (a, *closed):
             for neighbour in (done.stage - 1, done.stage + 1):
-                if 0 <= neighbour < problem.num_stages:
-                    dirty |= holders[neighbour]
-    if riders is not None:
-        riders.update(kernels.spans)
-    return tuple(tuple(acts) for acts in out)
+                if 0 <= neighbour < p.num_stages:
+                    touched |= self.holders[neighbour]
+        return touched
+
+    def ready_riders(self, rank: int, host: Action, start: float):
+        """Encoder actions that may run inside ``host`` (started at ``start``) on ``rank``."""
+        p = self.p
+        return (
+            e
+            for e in list(self.candidates(rank))
+            if e not in self.clock.inputs(host)
+            and (r := self.clock.ready_at(e, rank)) is not None
+            and r <= start
+            and (
+                e.kind is not F
+                or (e.microbatch > self.need and self.live[rank] + self.keep[e.stage] <= p.mem_limit[rank])
+            )
+        )
+
+    def start_encoder(self, a: Action, rank: int) -> None:
+        self.version += 1
+        self.pipeline_of.setdefault(a.microbatch, self.p.stages[a.stage].ranks.index(rank))
+        if a.kind is F:
+            self.live[rank] += self.keep[a.stage]
+
+    def finish(self, a: Action, end: float, rank: int) -> None:
+        self.clock.commit(a, rank, end)
+        if a.stage >= self.first:
+            self.position[rank] += 1
+            self.live[rank] += self.keep[a.stage] if a.kind is F else -self.keep[a.stage]
+        else:
+            self.version += 1
+            self.done_enc[a.microbatch] += 1
+            if a.kind is B:
+                self.live[rank] -= self.keep[a.stage]
 
 
 class _Kernels:

@@ -20,12 +20,12 @@ Every generator returns ``tuple[tuple[Action, ...], ...]`` indexed by rank.
 from __future__ import annotations
 
 import enum
-import heapq
 from collections.abc import Callable, Mapping
 
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.placement import Placement, PlacementStyle
+from vlmcompile.planning.list_clock import ListClock, Proposal
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741 - torch's letters
 RankActions = tuple[tuple[Action, ...], ...]
@@ -165,87 +165,56 @@ def list_schedule(
         if len(times.get(kind, ())) != S:
             raise PlanError(f"the schedule needs {S} {kind.value} durations, one per stage")
     stages_on = [placement.stages_on(r) for r in range(p)]
-    clock = _Clock(p)
+    clock = ListClock(p, S, split_backward=frozenset(range(S)) if split else frozenset())
     done = {kind: [0] * S for kind in (F, back, W)}  # per stage, the next microbatch of each kind
     acts: list[list[Action]] = [[] for _ in range(p)]
     per_rank = len(prefer) * m * placement.v
 
-    def backward(r: int, t: float) -> Action | None:
-        ready = [
-            Action(s, back, done[back][s])
+    def backward(r: int) -> list[tuple[Action, tuple]]:
+        return [
+            (Action(s, back, done[back][s]), (done[back][s], -s))
             for s in stages_on[r]
             if done[back][s] < done[F][s]
-            and (s == S - 1 or clock.done_by(Action(s + 1, back, done[back][s]), t))
         ]
-        return min(ready, key=lambda a: (a.microbatch, -a.stage), default=None)
 
-    def forward(r: int, t: float) -> Action | None:
+    def forward(r: int) -> list[tuple[Action, tuple]]:
         first = stages_on[r][0]
         holding = done[F][first] - done[W if split else back][first]
-        for s in sorted(stages_on[r], reverse=True):
-            j = done[F][s]
-            if j >= m or (s == first and holding >= admit(r)):
-                continue
-            if s == 0 or clock.done_by(Action(s - 1, F, j), t):
-                return Action(s, F, j)
-        return None
+        return [
+            (Action(s, F, done[F][s]), (-s,))
+            for s in stages_on[r]
+            if done[F][s] < m and not (s == first and holding >= admit(r))
+        ]
 
-    def weight(r: int, _t: float) -> Action | None:
-        ready = [Action(s, W, done[W][s]) for s in stages_on[r] if done[W][s] < done[I][s]]
-        return min(ready, key=lambda a: (a.microbatch, -a.stage), default=None)
+    def weight(r: int) -> list[tuple[Action, tuple]]:
+        return [(Action(s, W, done[W][s]), (done[W][s], -s)) for s in stages_on[r] if done[W][s] < done[I][s]]
 
     pick = {F: forward, B: backward, I: backward, W: weight}
 
-    def choose(r: int, t: float) -> Action | None:
+    def propose(r: int) -> Proposal | None:
+        """The rank's earliest start, and there the first kind in ``prefer`` (a tie: the rank
+        order, as ranks free at one moment take their actions)."""
         if len(acts[r]) == per_rank:
             return None
-        return next((a for a in (pick[kind](r, t) for kind in prefer) if a is not None), None)
+        options = [
+            (start, order, key, a)
+            for order, kind in enumerate(prefer)
+            for a, key in pick[kind](r)
+            if (start := clock.start_at(a, r)) is not None
+        ]
+        if not options:
+            return None
+        start, _, _, a = min(options, key=lambda o: o[:3])
+        return start, r, a
 
-    for r, _start, a in clock.run(choose, lambda a: times[a.kind][a.stage]):
+    def commit(r: int, a: Action, start: float) -> range:
         acts[r].append(a)
         done[a.kind][a.stage] += 1
-    if any(len(a) != per_rank for a in acts):
-        raise PlanError(
-            f"the list scheduler could not schedule all actions for p={p}, v={placement.v}, m={m}"
-        )
+        clock.commit(a, r, start + times[a.kind][a.stage])
+        return range(p)
+
+    clock.run(propose, commit, done=lambda: all(len(x) == per_rank for x in acts))
     return tuple(tuple(a) for a in acts)
-
-
-class _Clock:
-    """Simulated time for list schedulers: each rank, when free, asks ``choose`` for its next
-    action; an action that cannot start yet makes the rank look again when the next running
-    action anywhere ends."""
-
-    def __init__(self, num_ranks: int):
-        self.num_ranks = num_ranks
-        self.finish: dict[Action, float] = {}
-
-    def done_by(self, a: Action, t: float) -> bool:
-        return a in self.finish and self.finish[a] <= t
-
-    def run(self, choose, duration):
-        """Yield (rank, start, action) as ranks take actions, until no rank takes any."""
-        free_at = [0.0] * self.num_ranks
-        events = [(0.0, r) for r in range(self.num_ranks)]
-        heapq.heapify(events)
-        while events:
-            t, r = heapq.heappop(events)
-            if free_at[r] > t:
-                continue
-            a = choose(r, t)
-            if a is None:
-                later = [f for f in self.finish.values() if f > t]
-                if later:
-                    heapq.heappush(events, (min(later), r))
-                continue
-            end = t + duration(a)
-            self.finish[a] = end
-            free_at[r] = end
-            yield r, t, a
-            heapq.heappush(events, (end, r))
-            for other in range(self.num_ranks):  # ranks waiting on this result re-check when it lands
-                if other != r and free_at[other] <= end:
-                    heapq.heappush(events, (end, other))
 
 
 class Schedule(str, enum.Enum):
