@@ -13,7 +13,7 @@ For a request (the LLM's DP/TP/PP, v, microbatches and schedule) the pass
    (:func:`~vlmcompile.planning.bubble_schedule.greedy`, layer level and, where the LLM has TP
    collectives, kernel level), each simulated; the fastest few encoder plans get every setting,
    and the fastest go to the CP-SAT model
-   (:func:`~vlmcompile.planning.bubble_schedule.solve`), whose schedules are simulated again;
+   (:func:`~vlmcompile.planning.bubble_schedule.solve_schedule`), whose schedules are simulated again;
 5. keeps the fastest simulated plan that fits (in the device's memory, or a tighter budget),
    with the least recompute that lets any plan fit (:data:`~vlmcompile.planning.model_parts.RECOMPUTE_LADDER`: none, the
    encoder alone, selective, selective + encoder; then, on top of selective + encoder, the
@@ -493,7 +493,7 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, parts, names, coun
     # CP-SAT places layer-level work only; where the LLM has TP gaps the list scheduler's
     # kernel-level schedules beat its on every Optimus setup, so it solves the fastest plan alone.
     for cand in fitting[: SOLVED_PLANS if llm.tp == 1 else 1]:
-        solution = bs.solve(
+        solution = bs.solve_schedule(
             cand.problem,
             time_limit_s=solver.time_limit_s / SOLVED_PLANS,
             num_workers=solver.num_workers,
@@ -603,7 +603,9 @@ def _improve(cand: _Candidate, layer_graph, cluster, layer_settings, kernel_sett
     ]
     schedules = []
     if layer_schedules:
-        schedules.append((min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate(problem, acts))), {}))
+        schedules.append(
+            (min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate_schedule(problem, acts))), {})
+        )
     for lookahead, fill_only in kernel_settings:
         riders: dict = {}
         actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only, riders=riders)
@@ -666,7 +668,7 @@ def _share(part: float, whole: float) -> float:
     return min(1.0, part / whole) if whole > 0 else 0.0
 
 
-def _rank_key(evaluation: bs.Evaluation) -> tuple[bool, int]:
+def _rank_key(evaluation: bs.ScheduleEvaluation) -> tuple[bool, int]:
     return (not evaluation.fits, evaluation.step)
 
 

@@ -13,10 +13,10 @@ from vlmcompile.ir.plan import Stage
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.bubble_schedule import (
     BubbleProblem,
-    StageFigures,
-    evaluate,
+    StageUnits,
+    evaluate_schedule,
     greedy,
-    solve,
+    solve_schedule,
 )
 from vlmcompile.planning.schedules import one_f_one_b
 
@@ -43,9 +43,9 @@ def make_problem(
     for i, (f, b) in enumerate(enc_times):
         part = i // per_part
         holders = tuple(k * encoder_pp + part for k in range(pipes))
-        stages.append(StageFigures(holders, f, b, send, send, keep, 0))
+        stages.append(StageUnits(holders, f, b, send, send, keep, 0))
     for r, (f, b) in enumerate(llm_times):
-        stages.append(StageFigures((r,), f, b, send, send, keep, 0))
+        stages.append(StageUnits((r,), f, b, send, send, keep, 0))
     n_enc = len(enc_times)
     llm = tuple(
         tuple(Action(a.stage + n_enc, a.kind, a.microbatch) for a in acts)
@@ -196,12 +196,12 @@ def test_cp_sat_finds_the_exhaustive_optimum(case, data, send, tight):
     expected = exhaustive(problem)
     if expected is None:
         with pytest.raises(PlanError, match="within memory"):
-            solve(problem, time_limit_s=20, num_workers=2)
+            solve_schedule(problem, time_limit_s=20, num_workers=2)
         return
-    found = solve(problem, time_limit_s=20, num_workers=2)
+    found = solve_schedule(problem, time_limit_s=20, num_workers=2)
     assert found.status == "OPTIMAL"
     assert found.step == expected == found.objective
-    assert evaluate(problem, found.actions).fits
+    assert evaluate_schedule(problem, found.actions).fits
     _check_dependencies(problem, found.actions)
 
 
@@ -218,7 +218,7 @@ def test_the_greedy_schedule_is_valid_and_no_faster_than_the_optimum():
                 + [a for j in range(3) for a in problem.encoder_actions(j)]
             )
             _check_dependencies(problem, sched)
-            assert evaluate(problem, sched).step >= best
+            assert evaluate_schedule(problem, sched).step >= best
 
 
 def test_encoder_work_in_the_bubbles_beats_the_phased_schedule():
@@ -231,9 +231,9 @@ def test_encoder_work_in_the_bubbles_beats_the_phased_schedule():
     )
     encoder = [Stage(0, 0, ("encoder",), replicas=(1,))]
     phased = ep.phased_actions(encoder, problem.llm_actions, ep.pipeline_of_microbatch(4, 2))
-    found = solve(problem, time_limit_s=20)
+    found = solve_schedule(problem, time_limit_s=20)
     assert found.status == "OPTIMAL"
-    assert found.step < evaluate(problem, phased).step
+    assert found.step < evaluate_schedule(problem, phased).step
     assert found.step >= sum(problem.work_per_rank()) / problem.num_ranks
     _check_dependencies(problem, found.actions)
 
@@ -273,4 +273,6 @@ def test_evaluate_times_the_dp_collectives_as_the_simulator(demo_graph, dp, zero
         if dp > 1:
             assert sim.idle_share()["dp_reduce_scatter"] + sim.idle_share()["dp_all_gather"] > 0
         # Action times are rounded to a millionth of the busiest rank's work.
-        assert evaluate(problem, actions).step * problem.unit_s == pytest.approx(sim.step_time_s, rel=1e-4)
+        assert evaluate_schedule(problem, actions).step * problem.unit_s == pytest.approx(
+            sim.step_time_s, rel=1e-4
+        )

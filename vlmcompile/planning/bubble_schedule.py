@@ -21,9 +21,9 @@ These are the timing rules of :func:`vlmcompile.sim.timeline.run_actions`: the s
 schedule here is the simulator's, less the DP collectives it models per layer.
 
 :func:`greedy` is a list scheduler (each rank runs its next LLM action when it can, and ready
-encoder work when it would otherwise wait); :func:`solve` is the CP-SAT model (interval
+encoder work when it would otherwise wait); :func:`solve_schedule` is the CP-SAT model (interval
 variables per rank, one optional set per encoder pipeline for each microbatch), warm-started
-from the greedy schedule. :func:`evaluate` times any schedule of the problem.
+from the greedy schedule. :func:`evaluate_schedule` times any schedule of the problem.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ UNITS_PER_STEP = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
-class StageFigures:
+class StageUnits:
     """One stage of the chain in integer units (times) and bytes (memory)."""
 
     ranks: tuple[int, ...]
@@ -79,7 +79,7 @@ class StageFigures:
 
 @dataclass(frozen=True, slots=True)
 class BubbleProblem:
-    stages: tuple[StageFigures, ...]
+    stages: tuple[StageUnits, ...]
     encoder_stages: int
     """The chain's first ``encoder_stages`` stages are the encoder's."""
     num_microbatches: int
@@ -183,7 +183,7 @@ def problem_from(
         return max(minimum, round(seconds / unit_s))
 
     figures = tuple(
-        StageFigures(
+        StageUnits(
             ranks=stage.ranks,
             fwd=units(c.action_s(F), 1),
             bwd=units(c.action_s(B), 1),
@@ -217,7 +217,7 @@ def _in_units(layer: dp.DPLayer, unit_s: float) -> dp.DPLayer:
 
 # ---- timing any schedule ---------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class Evaluation:
+class ScheduleEvaluation:
     step: int
     """Units until the last action ends."""
     peak_bytes: tuple[int, ...]
@@ -227,12 +227,12 @@ class Evaluation:
         return self.step * problem.unit_s
 
 
-def evaluate(problem: BubbleProblem, actions: RankActions) -> Evaluation:
+def evaluate_schedule(problem: BubbleProblem, actions: RankActions) -> ScheduleEvaluation:
     """The step of per-rank action lists under the problem's rules, their data-parallel
     collectives timed as the simulator times them (:mod:`vlmcompile.sim.dp`), and each rank's
     peak bytes."""
     peaks = tuple(rank_peak(problem, acts) for acts in actions)
-    return Evaluation(round(_step(problem, actions)), peaks, fits(peaks, problem.mem_limit))
+    return ScheduleEvaluation(round(_step(problem, actions)), peaks, fits(peaks, problem.mem_limit))
 
 
 def _step(problem: BubbleProblem, actions: RankActions) -> float:
@@ -558,7 +558,7 @@ def _encoder_candidates(
 class BubbleSolution:
     actions: RankActions
     step: int
-    """The schedule's step in units (:func:`evaluate`'s)."""
+    """The schedule's step in units (:func:`evaluate_schedule`'s)."""
     status: str
     """CP-SAT's status: OPTIMAL, FEASIBLE (stopped at the time limit), or how it fell back."""
     objective: int
@@ -574,7 +574,7 @@ class BubbleSolution:
         return self.status != "OPTIMAL"
 
 
-def solve(
+def solve_schedule(
     problem: BubbleProblem,
     *,
     time_limit_s: float = 10.0,
@@ -586,7 +586,7 @@ def solve(
     it (default: the greedy schedule). A timeout returns the best schedule found and says so."""
     started = time.perf_counter()
     hint = hint if hint is not None else greedy(problem)
-    model = _Model(problem, memory=memory)
+    model = _ScheduleModel(problem, memory=memory)
     model.add_hint(hint)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -600,7 +600,7 @@ def solve(
     status = solver.solve(model.cp)
     wall = time.perf_counter() - started
     name = solver.status_name(status)
-    hinted = evaluate(problem, hint)
+    hinted = evaluate_schedule(problem, hint)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE:
             raise PlanError(
@@ -612,7 +612,7 @@ def solve(
             hint, hinted.step, f"{name} (the warm start returned)", hinted.step, bound, wall
         )
     actions = model.read(solver)
-    found = evaluate(problem, actions)
+    found = evaluate_schedule(problem, actions)
     if hinted.step < found.step and (hinted.fits or not memory):  # never worse than its start
         actions, found = hint, hinted
     objective = int(round(solver.objective_value))
@@ -621,7 +621,7 @@ def solve(
     )
 
 
-class _Model:
+class _ScheduleModel:
     """Interval variables per action; an encoder action has one optional copy per encoder
     pipeline, present when its microbatch is on that pipeline."""
 
