@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from tabulate import tabulate
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.cost_models.memory import fits, usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import PlanCosts, layer_costs, plan_costs
 from vlmcompile.ir.actions import dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason
+from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.build import build_separate_plan
@@ -52,6 +52,7 @@ from vlmcompile.planning.model_parts import (
     LIGHTER_RUNGS,
     PARTIAL_BASE,
     PARTIAL_SHARES,
+    ModelParts,
     RecomputeRung,
     model_parts,
     recompute_flags,
@@ -304,8 +305,6 @@ def bubbles(
             "the model has no encoder layers before its LLM; there is no encoder work to place in bubbles - "
             "the LLM is planned alone by the other policies"
         )
-    parts = model_parts(layer_graph)
-    names = [layer.name for layer in layer_graph.layers]
     llm = request.parallel
     candidates = encoder_plans or candidate_encoder_plans(layer_graph, request)
     cap = usable_memory_bytes(cluster.device.mem_bytes)
@@ -316,12 +315,21 @@ def bubbles(
             )
         cap = min(cap, memory_budget_bytes)
     errors: list[_NoneFits] = []
+    inputs = _Inputs(
+        layer_graph,
+        cluster,
+        request,
+        tuple(candidates),
+        model_parts(layer_graph),
+        count,
+        solver,
+        started,
+        cap,
+    )
 
     def plan_at(rung: RecomputeRung) -> PolicyResult | None:
         try:
-            return _plan_at(
-                layer_graph, cluster, request, candidates, rung, parts, names, count, solver, started, cap
-            )
+            return _plan_at(inputs, rung)
         except _NoneFits as err:
             errors.append(err)
             return None
@@ -388,111 +396,169 @@ class _Candidate:
         return sim.fits_within(self.cap)
 
 
-def _plan_at(layer_graph, cluster, request, candidates, rung, parts, names, count, solver, started, cap):
-    llm = request.parallel
+@dataclass(frozen=True, slots=True)
+class _Inputs:
+    """What every recompute rung of one pass plans from."""
+
+    layer_graph: LayerGraph
+    cluster: Cluster
+    request: PlanRequest
+    candidates: tuple[ep.EncoderPlan, ...]
+    parts: ModelParts
+    count: int
+    """Encoder layers at the start of the layer order."""
+    solver: SolverOptions
+    started: float
+    cap: float
+    """The per-rank memory a plan must fit in (the device's cap or a tighter budget)."""
+
+    @property
+    def names(self) -> list[str]:
+        return [layer.name for layer in self.layer_graph.layers]
+
+
+def _plan_at(inputs: _Inputs, rung: RecomputeRung) -> PolicyResult:
+    """The pass at one recompute rung: the LLM cut, every encoder plan screened, the fastest
+    refined and solved; raises :class:`_NoneFits` when no encoder plan fits."""
+    llm_chunks, flags = _llm_cut(inputs, rung)
+    rows, scored = _screen(inputs, llm_chunks, flags)
+    fitting = sorted((c for c in scored if c.fits(c.sim)), key=lambda c: c.sim.step_time_s)
+    if not fitting:
+        raise _NoneFits(
+            "; ".join(f"{r.encoder}: {r.verdict or 'over the memory cap'}" for r in rows.values())
+        )
+    _refine(inputs, fitting, rows)
+    fitting.sort(key=lambda c: c.sim.step_time_s)
+    _solve(inputs, fitting, rows)
+    chosen = min(fitting, key=lambda c: c.sim.step_time_s)
+    layer_level = chosen.layer_level_s if chosen.layer_level_s is not None else chosen.sim.step_time_s
+    table = tuple(dataclasses.replace(r, verdict=r.verdict or _verdict(r, chosen)) for r in rows.values())
+    return _result(inputs, rung, chosen, table, layer_level)
+
+
+def _llm_cut(inputs: _Inputs, rung: RecomputeRung) -> tuple[list[list[str]], dict[str, Recompute]]:
+    """The LLM's layers cut into PP x v stages balanced by time (appendix B's program on the LLM
+    alone), and the rung's per-layer recompute flags for that cut."""
+    llm, count = inputs.request.parallel, inputs.count
     llm_costs = layer_costs(
-        layer_graph,
-        cluster,
+        inputs.layer_graph,
+        inputs.cluster,
         llm,
-        microbatch_size=request.microbatch_size,
-        recompute=recompute_flags(layer_graph, parts, rung.base),
+        microbatch_size=inputs.request.microbatch_size,
+        recompute=recompute_flags(inputs.layer_graph, inputs.parts, rung.base),
     )
     llm_chunks = chunks_of(
-        names[count:], balanced_split([c.f_s + c.b_s for c in llm_costs[count:]], llm.pp * llm.v)
+        inputs.names[count:], balanced_split([c.f_s + c.b_s for c in llm_costs[count:]], llm.pp * llm.v)
     )
-    flags = rung.flags(layer_graph, parts, llm_chunks, llm)
+    return llm_chunks, rung.flags(inputs.layer_graph, inputs.parts, llm_chunks, llm)
+
+
+def _screen(
+    inputs: _Inputs, llm_chunks: list[list[str]], flags: dict[str, Recompute]
+) -> tuple[dict[ep.EncoderPlan, EncoderPlanRow], list[_Candidate]]:
+    """Every encoder plan with one setting of each kind of the list scheduler: its row, and its
+    candidate where it could be planned. A finer granularity is tried while it keeps helping: a
+    step no faster than the coarser plan's stops the (pp, tp) pair's refinement (marked by an
+    infinite step)."""
     rows: dict[ep.EncoderPlan, EncoderPlanRow] = {}
     scored: list[_Candidate] = []
     finest: dict[tuple[int, int], tuple[int, float]] = {}  # (pp, tp) -> (chunks, step) of the last tried
-    for encoder in candidates:
+    for encoder in inputs.candidates:
         last = finest.get((encoder.pp, encoder.tp))
         if last is not None and last[0] < encoder.chunks and last[1] == float("inf"):
             rows[encoder] = EncoderPlanRow(
                 encoder, "-", None, verdict=f"skipped: {last[0]} chunks per stage were no faster than fewer"
             )
             continue
-        try:
-            encoder.check_against(llm, request.microbatch_size)
-        except PlanError as err:
-            rows[encoder] = EncoderPlanRow(encoder, "-", None, verdict=f"cannot: {err}", applies=False)
+        rows[encoder], best = _screen_one(inputs, encoder, llm_chunks, flags)
+        if best is None:
             continue
-        enc_par = encoder.parallel(llm)
-        degrees = f"{enc_par.dp}/{enc_par.tp}/{enc_par.pp}"
-        try:
-            enc_costs = layer_costs(
-                layer_graph, cluster, enc_par, microbatch_size=request.microbatch_size, recompute=flags
-            )
-            pieces = ep.encoder_chunks(layer_graph, encoder, [c.f_s + c.b_s for c in enc_costs[:count]])
-            phased = build_separate_plan(
-                layer_graph,
-                cluster,
-                request,
-                encoder,
-                policy="vlmcompile",
-                encoder_pieces=pieces,
-                llm_chunks=llm_chunks,
-                recompute=flags,
-                decisions=[],
-            )
-        except PlanError as err:
-            rows[encoder] = EncoderPlanRow(encoder, degrees, None, verdict=f"cannot: {err}", applies=False)
-            continue
-        costs = plan_costs(phased, layer_graph, cluster)
-        states = max(costs.static_bytes)
-        if states > cap:
-            rows[encoder] = EncoderPlanRow(
-                encoder,
-                degrees,
-                None,
-                peak_gib=states / 2**30,
-                verdict=f"pruned: model states {states / 2**30:.1f} GiB over the {cap / 2**30:.1f} GiB cap",
-            )
-            continue
-        problem = bs.problem_from(phased, costs, cap, local_ranks=cluster.ranks_on_this_machine)
-        # The phased schedule (Optimus's initial one) is a candidate too: the list scheduler's
-        # choices can lose to it where the encoder work is large against the bubbles.
-        phased_sim = simulate(phased, layer_graph, cluster, costs=costs)
-        best = _Candidate(encoder, phased, phased_sim, costs, problem, phased, phased_sim, cap)
-        best.layer_level_s = phased_sim.step_time_s if best.fits(phased_sim) else None
-        _improve(best, layer_graph, cluster, SCREEN_LAYER, SCREEN_KERNEL if llm.tp > 1 else ())
         scored.append(best)
-        # Finer granularity is tried while it keeps helping: a step no faster than the coarser
-        # plan's stops the (pp, tp) pair's refinement (marked by an infinite step).
-        before = finest.get((encoder.pp, encoder.tp))
         step = best.sim.step_time_s if best.fits(best.sim) else float("inf")
         finest[(encoder.pp, encoder.tp)] = (
             encoder.chunks,
-            float("inf") if before is not None and step >= before[1] else step,
+            float("inf") if last is not None and step >= last[1] else step,
         )
-        rows[encoder] = EncoderPlanRow(
+    return rows, scored
+
+
+def _screen_one(
+    inputs: _Inputs, encoder: ep.EncoderPlan, llm_chunks: list[list[str]], flags: dict[str, Recompute]
+) -> tuple[EncoderPlanRow, _Candidate | None]:
+    """One encoder plan: its phased plan (Optimus's initial schedule, a candidate too: the list
+    scheduler's choices can lose to it where the encoder work is large against the bubbles) and
+    the screen's list schedules, the fastest kept."""
+    layer_graph, cluster, request, llm = (
+        inputs.layer_graph,
+        inputs.cluster,
+        inputs.request,
+        inputs.request.parallel,
+    )
+    try:
+        encoder.check_against(llm, request.microbatch_size)
+    except PlanError as err:
+        return EncoderPlanRow(encoder, "-", None, verdict=f"cannot: {err}", applies=False), None
+    enc_par = encoder.parallel(llm)
+    degrees = f"{enc_par.dp}/{enc_par.tp}/{enc_par.pp}"
+    try:
+        enc_costs = layer_costs(
+            layer_graph, cluster, enc_par, microbatch_size=request.microbatch_size, recompute=flags
+        )
+        pieces = ep.encoder_chunks(layer_graph, encoder, [c.f_s + c.b_s for c in enc_costs[: inputs.count]])
+        phased = build_separate_plan(
+            layer_graph,
+            cluster,
+            request,
             encoder,
-            degrees,
-            best.sim.step_time_s,
-            peak_gib=max(best.sim.peak_mem_bytes) / 2**30,
-            fits=best.fits(best.sim),
+            policy="vlmcompile",
+            encoder_pieces=pieces,
+            llm_chunks=llm_chunks,
+            recompute=flags,
+            decisions=[],
         )
-    fitting = sorted((c for c in scored if c.fits(c.sim)), key=lambda c: c.sim.step_time_s)
-    if not fitting:
-        raise _NoneFits(
-            "; ".join(f"{r.encoder}: {r.verdict or 'over the memory cap'}" for r in rows.values())
-        )
-    # The screen ran one setting of each kind per encoder plan; the fastest few get every one.
+    except PlanError as err:
+        return EncoderPlanRow(encoder, degrees, None, verdict=f"cannot: {err}", applies=False), None
+    costs = plan_costs(phased, layer_graph, cluster)
+    states = max(costs.static_bytes)
+    if not fits([states], inputs.cap):
+        verdict = f"pruned: model states {states / 2**30:.1f} GiB over the {inputs.cap / 2**30:.1f} GiB cap"
+        return EncoderPlanRow(encoder, degrees, None, peak_gib=states / 2**30, verdict=verdict), None
+    problem = bs.problem_from(phased, costs, inputs.cap, local_ranks=cluster.ranks_on_this_machine)
+    phased_sim = simulate(phased, layer_graph, cluster, costs=costs)
+    best = _Candidate(encoder, phased, phased_sim, costs, problem, phased, phased_sim, inputs.cap)
+    best.layer_level_s = phased_sim.step_time_s if best.fits(phased_sim) else None
+    _improve(best, layer_graph, cluster, SCREEN_LAYER, SCREEN_KERNEL if llm.tp > 1 else ())
+    row = EncoderPlanRow(
+        encoder,
+        degrees,
+        best.sim.step_time_s,
+        peak_gib=max(best.sim.peak_mem_bytes) / 2**30,
+        fits=best.fits(best.sim),
+    )
+    return row, best
+
+
+def _refine(inputs: _Inputs, fitting: list[_Candidate], rows: dict[ep.EncoderPlan, EncoderPlanRow]) -> None:
+    """The screen ran one setting of each kind per encoder plan; the fastest few get every one."""
     for cand in fitting[:REFINED_PLANS]:
-        if llm.tp > 1:
-            _improve(
-                cand, layer_graph, cluster, GREEDY_SETTINGS[-1:], _unscreened(KERNEL_SETTINGS, SCREEN_KERNEL)
-            )
+        if inputs.request.parallel.tp > 1:
+            layer, kernel = GREEDY_SETTINGS[-1:], _unscreened(KERNEL_SETTINGS, SCREEN_KERNEL)
         else:
-            _improve(cand, layer_graph, cluster, _unscreened(GREEDY_SETTINGS, SCREEN_LAYER), ())
+            layer, kernel = _unscreened(GREEDY_SETTINGS, SCREEN_LAYER), ()
+        _improve(cand, inputs.layer_graph, inputs.cluster, layer, kernel)
         rows[cand.encoder] = dataclasses.replace(
             rows[cand.encoder],
             greedy_step_s=cand.sim.step_time_s,
             peak_gib=max(cand.sim.peak_mem_bytes) / 2**30,
         )
-    fitting.sort(key=lambda c: c.sim.step_time_s)
-    # CP-SAT places layer-level work only; where the LLM has TP gaps the list scheduler's
-    # kernel-level schedules beat its on every Optimus setup, so it solves the fastest plan alone.
-    for cand in fitting[: SOLVED_PLANS if llm.tp == 1 else 1]:
+
+
+def _solve(inputs: _Inputs, fitting: list[_Candidate], rows: dict[ep.EncoderPlan, EncoderPlanRow]) -> None:
+    """CP-SAT schedules the fastest plans (layer-level work only: where the LLM has TP gaps the
+    list scheduler's kernel-level schedules beat its on every Optimus setup, so it solves the
+    fastest plan alone); a faster schedule that fits replaces the candidate's."""
+    solver, tp = inputs.solver, inputs.request.parallel.tp
+    for cand in fitting[: SOLVED_PLANS if tp == 1 else 1]:
         solution = bs.solve_schedule(
             cand.problem,
             time_limit_s=solver.time_limit_s / SOLVED_PLANS,
@@ -500,23 +566,18 @@ def _plan_at(layer_graph, cluster, request, candidates, rung, parts, names, coun
             hint=cand.plan.actions,
         )
         plan = dataclasses.replace(cand.phased, actions=solution.actions)
-        plan.validate(layer_graph)
-        sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
+        plan.validate(inputs.layer_graph)
+        sim = simulate(plan, inputs.layer_graph, inputs.cluster, costs=cand.costs)
         rows[cand.encoder] = dataclasses.replace(rows[cand.encoder], solved_step_s=sim.step_time_s)
         if cand.fits(sim):
             cand.layer_level_s = min(cand.layer_level_s or sim.step_time_s, sim.step_time_s)
         if cand.fits(sim) and sim.step_time_s < cand.sim.step_time_s:
             cand.plan, cand.sim = plan, sim
         cand.solution = solution
-    chosen = min(fitting, key=lambda c: c.sim.step_time_s)
-    layer_level = chosen.layer_level_s if chosen.layer_level_s is not None else chosen.sim.step_time_s
-    table = tuple(dataclasses.replace(r, verdict=r.verdict or _verdict(r, chosen)) for r in rows.values())
-    return _result(layer_graph, cluster, request, rung, chosen, table, started, layer_level)
 
 
-def _result(
-    layer_graph, cluster, request, rung, chosen: _Candidate, rows, started, layer_level_s
-) -> PolicyResult:
+def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, layer_level_s) -> PolicyResult:
+    layer_graph, cluster, request = inputs.layer_graph, inputs.cluster, inputs.request
     plan, sim, solution = chosen.plan, chosen.sim, chosen.solution
     phased_sim = chosen.phased_sim
     alone_sim = simulate(llm_alone(plan), layer_graph, cluster)
@@ -581,7 +642,7 @@ def _result(
         objective_s=solution.objective * unit if solution is not None else None,
         bound_s=solution.bound * unit if solution is not None else None,
         gap=solution.gap if solution is not None else None,
-        wall_s=time.perf_counter() - started,
+        wall_s=time.perf_counter() - inputs.started,
         notes=(f"schedule used: {used}",),
         layer_hidden_share=_share(_layer_level_hidden_s(plan, sim, chosen.costs), encoder_compute),
         kernel_hidden_share=_share(kernel_compute, encoder_compute),

@@ -132,6 +132,27 @@ def v_one_f_one_b(
     return list_schedule(placement, m, prefer=(F, B), admit=lambda r: 2 * p - r, stage_times=stage_times)
 
 
+def _list_inputs(
+    placement: Placement,
+    m: int,
+    prefer: tuple[ActionKind, ...],
+    stage_times: Mapping[ActionKind, tuple[float, ...]] | None,
+) -> Mapping[ActionKind, tuple[float, ...]]:
+    """A list schedule's durations per kind and stage (unit times if none are given), its
+    arguments checked."""
+    _check(placement.pp, m)
+    if set(prefer) not in ({F, I, W}, {F, B}):
+        raise PlanError(
+            f"a list schedule prefers F and B, or F, I and W; got {', '.join(k.value for k in prefer)}"
+        )
+    S = placement.num_stages
+    times = stage_times or {k: (1.0,) * S for k in prefer}
+    for kind in prefer:
+        if len(times.get(kind, ())) != S:
+            raise PlanError(f"the schedule needs {S} {kind.value} durations, one per stage")
+    return times
+
+
 def list_schedule(
     placement: Placement,
     m: int,
@@ -152,18 +173,10 @@ def list_schedule(
         stage_times: per action kind, one duration per stage; unit times if omitted. Transfers
             are not timed (they only shift the order where they would change a choice).
     """
-    _check(placement.pp, m)
-    split = I in prefer
-    if set(prefer) != ({F, I, W} if split else {F, B}):
-        raise PlanError(
-            f"a list schedule prefers F and B, or F, I and W; got {', '.join(k.value for k in prefer)}"
-        )
+    times = _list_inputs(placement, m, prefer, stage_times)
     p, S = placement.pp, placement.num_stages
+    split = I in prefer
     back = I if split else B
-    times = stage_times or {k: (1.0,) * S for k in prefer}
-    for kind in prefer:
-        if len(times.get(kind, ())) != S:
-            raise PlanError(f"the schedule needs {S} {kind.value} durations, one per stage")
     stages_on = [placement.stages_on(r) for r in range(p)]
     clock = ListClock(p, S, split_backward=frozenset(range(S)) if split else frozenset())
     done = {kind: [0] * S for kind in (F, back, W)}  # per stage, the next microbatch of each kind
