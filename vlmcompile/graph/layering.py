@@ -145,9 +145,27 @@ def assign_layers(
     gm: fx.GraphModule, assigner: LayerAssigner, *, strip_prefix: str = ""
 ) -> dict[str, tuple[Region, str]]:
     """Tag every node with its layer and region; return each layer's region and how it was
-    found, in pipeline order."""
+    found, in pipeline order. Four phases: the nodes modules own, the data flow between layers
+    (through the glue nodes no module owns), the layer order, and the glue given to layers."""
     nodes = list(gm.graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
+    own, glue = _owned_nodes(nodes, assigner, strip_prefix)
+    flow, first_seen = _layer_flow(nodes, own, glue)
+    order, regions = _layer_order(flow, first_seen, assigner)
+    rank = {layer: i for i, layer in enumerate(order)}
+    _place_glue(nodes, own, glue, rank, order)
+    for n in nodes:
+        layer = own.get(n)
+        n.meta[LAYER_META] = layer
+        n.meta[REGION_META] = regions[layer][0] if layer else None
+        for p in n.all_input_nodes:
+            assert p not in own or layer is None or rank[own[p]] <= rank[layer], (p, n)
+    return regions
+
+
+def _owned_nodes(
+    nodes: list[fx.Node], assigner: LayerAssigner, strip_prefix: str
+) -> tuple[dict[fx.Node, str], list[fx.Node]]:
+    """Each node a module owns -> its layer; and the glue: the computing nodes no module owns."""
     own: dict[fx.Node, str] = {}
     glue: list[fx.Node] = []
     for n in nodes:
@@ -167,25 +185,30 @@ def assign_layers(
             "no node of the captured graph belongs to a module of the model, so no layers can be "
             "formed; wrap the computation in nn.Module children"
         )
+    return own, glue
 
-    # Glue is transparent: which owned layers does each glue node feed, and which feed it?
-    glue_set = set(glue)
-    consumers: dict[fx.Node, set[str]] = {}
-    for n in reversed(glue):
-        consumers[n] = set().union(
-            *([{own[u]} if u in own else consumers.get(u, set()) for u in n.users] or [set()])
-        )
-    # producers: the owned layers whose values reach a glue node through glue alone.
+
+def _glue_producers(glue: list[fx.Node], own: dict[fx.Node, str]) -> dict[fx.Node, set[str]]:
+    """Per glue node, the owned layers whose values reach it through glue alone."""
     producers: dict[fx.Node, set[str]] = {}
     for n in glue:
         producers[n] = set().union(
             *([{own[p]} if p in own else producers.get(p, set()) for p in n.all_input_nodes] or [set()])
         )
+    return producers
 
+
+def _layer_flow(
+    nodes: list[fx.Node], own: dict[fx.Node, str], glue: list[fx.Node]
+) -> tuple[nx.DiGraph, dict[str, int]]:
+    """Which layer's values another layer reads (glue is transparent), and where each layer is
+    first seen in the graph."""
+    glue_set = set(glue)
+    producers = _glue_producers(glue, own)
     first_seen: dict[str, int] = {}
-    for n in nodes:
+    for i, n in enumerate(nodes):
         if n in own:
-            first_seen.setdefault(own[n], position[n])
+            first_seen.setdefault(own[n], i)
     flow = nx.DiGraph()
     flow.add_nodes_from(first_seen)
     for n, layer in own.items():
@@ -193,6 +216,16 @@ def assign_layers(
             for src in {own[p]} if p in own else producers.get(p, set()) if p in glue_set else set():
                 if src != layer:
                     flow.add_edge(src, layer)
+    return flow, first_seen
+
+
+def _layer_order(
+    flow: nx.DiGraph, first_seen: dict[str, int], assigner: LayerAssigner
+) -> tuple[list[str], dict[str, tuple[Region, str]]]:
+    """The pipeline order of the layers and their regions. Encoder work first wherever the data
+    flow allows: transformers' VLMs embed the text before they run the vision tower, though
+    neither reads the other, and a pipeline whose encoder layers lead can give the encoder a plan
+    of its own (its work in the LLM's bubbles)."""
     try:
         seen_order = list(nx.lexicographical_topological_sort(flow, key=first_seen.__getitem__))
     except nx.NetworkXUnfeasible:
@@ -201,19 +234,26 @@ def assign_layers(
             f"layers exchange values in a cycle {cycle}; the graph cannot be cut into a pipeline "
             "along these layers. Give region_overrides or restructure the modules involved."
         ) from None
-    # Encoder work first wherever the data flow allows: transformers' VLMs embed the text before
-    # they run the vision tower, though neither reads the other, and a pipeline whose encoder
-    # layers lead can give the encoder a plan of its own (its work in the LLM's bubbles).
     regions = regions_by_flow(seen_order, flow, assigner)
     encoder_first = {
         layer: (regions[layer][0] not in ENCODER_SIDE, first_seen[layer]) for layer in seen_order
     }
     order = list(nx.lexicographical_topological_sort(flow, key=encoder_first.__getitem__))
-    rank = {layer: i for i, layer in enumerate(order)}
+    return order, {layer: regions[layer] for layer in order}
 
-    # A glue node joins the earliest layer that reads it. One no layer reads (the loss after
-    # the head, shape checks) joins the latest layer among its inputs', taken in graph order
-    # once the others are placed. Either way every value flows forward in the layer order.
+
+def _place_glue(
+    nodes: list[fx.Node], own: dict[fx.Node, str], glue: list[fx.Node], rank: dict[str, int], order: list[str]
+) -> None:
+    """Give every glue node a layer (in ``own``) so that every value flows forward in the layer
+    order. A glue node joins the earliest layer that reads it; one no layer reads (the loss after
+    the head, shape checks) joins the latest layer among its inputs', taken in graph order once
+    the others are placed."""
+    consumers: dict[fx.Node, set[str]] = {}
+    for n in reversed(glue):
+        consumers[n] = set().union(
+            *([{own[u]} if u in own else consumers.get(u, set()) for u in n.users] or [set()])
+        )
     for n in glue:
         if consumers[n]:
             own[n] = min(consumers[n], key=rank.__getitem__)
@@ -234,15 +274,6 @@ def assign_layers(
             and n.args[0] in own
         ):
             own[n] = own[n.args[0]]
-
-    regions = {layer: regions[layer] for layer in order}
-    for n in nodes:
-        layer = own.get(n)
-        n.meta[LAYER_META] = layer
-        n.meta[REGION_META] = regions[layer][0] if layer else None
-        for p in n.all_input_nodes:
-            assert p not in own or layer is None or rank[own[p]] <= rank[layer], (p, n)
-    return regions
 
 
 _VMAP_ENTER = "_vmap_increment_nesting"

@@ -273,45 +273,8 @@ def launch(
     reports: list[Any] = []
     previous = interrupt_on_stop_signals((signal.SIGINT,) if forward_stop_requests else _STOP_SIGNALS)
     try:
-        senders = []
-        # A stop signal while a rank is being started would cut its start-up data short: it
-        # waits until every rank has started. The ranks are born ignoring SIGINT, so a terminal's
-        # Ctrl-C during their start-up reaches the launcher alone.
-        with _listening_socket() as store_socket, _signals_held(), _children_ignore_sigint():
-            port = store_socket.getsockname()[1]
-            for rank in range(nprocs):
-                work_r, work_w = ctx.Pipe(duplex=False)
-                report_r, report_w = ctx.Pipe(duplex=False)
-                p = ctx.Process(
-                    target=_rank_main,
-                    args=(
-                        rank,
-                        nprocs,
-                        store_socket if rank == 0 else None,
-                        port,
-                        os.getpid(),
-                        work_r,
-                        report_w,
-                        timeout_s,
-                    ),
-                    name=f"vlmcompile-rank{rank}",
-                )
-                p.start()
-                # The rank's ends close here, or a dead rank's pipes would never break.
-                work_r.close()
-                report_w.close()
-                procs.append(p)
-                senders.append(work_w)
-                reports.append(report_r)
-        for rank, sender in enumerate(senders):
-            try:
-                sender.send_bytes(work)
-            except (BrokenPipeError, ConnectionResetError):
-                raise LaunchError(
-                    f"rank {rank} exited before it received its work: {_NO_GUARD}", rank, {}
-                ) from None
-            finally:
-                sender.close()
+        senders = _start_ranks(ctx, nprocs, timeout_s, procs, reports)
+        _send_work(senders, work)
         return _watch(procs, reports, limit_s, grace_s, timeout_s, forward_stop_requests)
     finally:
         with _signals_held():  # a second Ctrl-C must not cut the clean-up short
@@ -319,6 +282,54 @@ def launch(
             for r in reports:
                 r.close()
             restore_signals(previous)  # a signal held meanwhile goes to the caller's handler
+
+
+def _start_ranks(ctx, nprocs: int, timeout_s: float, procs: list[Any], reports: list[Any]) -> list[Any]:
+    """Start the ranks (appended to ``procs``, their report pipes to ``reports``, so that the
+    caller reaps them whatever happens); return the pipes their work goes down. A stop signal
+    while a rank is being started would cut its start-up data short: it waits until every rank
+    has started. The ranks are born ignoring SIGINT, so a terminal's Ctrl-C during their
+    start-up reaches the launcher alone."""
+    senders = []
+    with _listening_socket() as store_socket, _signals_held(), _children_ignore_sigint():
+        port = store_socket.getsockname()[1]
+        for rank in range(nprocs):
+            work_r, work_w = ctx.Pipe(duplex=False)
+            report_r, report_w = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_rank_main,
+                args=(
+                    rank,
+                    nprocs,
+                    store_socket if rank == 0 else None,
+                    port,
+                    os.getpid(),
+                    work_r,
+                    report_w,
+                    timeout_s,
+                ),
+                name=f"vlmcompile-rank{rank}",
+            )
+            p.start()
+            # The rank's ends close here, or a dead rank's pipes would never break.
+            work_r.close()
+            report_w.close()
+            procs.append(p)
+            senders.append(work_w)
+            reports.append(report_r)
+    return senders
+
+
+def _send_work(senders: list[Any], work: bytes) -> None:
+    for rank, sender in enumerate(senders):
+        try:
+            sender.send_bytes(work)
+        except (BrokenPipeError, ConnectionResetError):
+            raise LaunchError(
+                f"rank {rank} exited before it received its work: {_NO_GUARD}", rank, {}
+            ) from None
+        finally:
+            sender.close()
 
 
 def _work(fn: Callable[..., Any], payload: Any, args: Sequence[Any], arg_names: Sequence[str]) -> bytes:
@@ -397,109 +408,151 @@ def _stop(procs: list[Any]) -> None:
 def _watch(
     procs, reports, limit_s: float | None, grace_s: float, timeout_s: float, forward_stop: bool = False
 ) -> list[Any]:
-    nprocs = len(procs)
-    start = time.monotonic()
-    values: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    raised: dict[int, bytes | None] = {}
-    lost: dict[int, int] = {}
-    ended: dict[int, float] = {}
-    killed: set[int] = set()
-    open_reports = dict(enumerate(reports))
-    first_failure: float | None = None
-    over_limit = False
-    pauses = _Pauses()
-    gave_up: list[float] = []
-    """When each report of a lost peer arrived."""
-    forwarded = 0.0
+    """Every rank's result, once all have ended; else the :class:`LaunchError` naming them."""
+    watch = _Watch(procs, reports, limit_s, grace_s, forward_stop)
+    watch.run()
+    if all(c == 0 for c in watch.codes.values()) and len(watch.values) == len(procs):
+        return [watch.values[r] for r in range(len(procs))]
+    same = {_strip_where(e) for e in watch.errors.values()}
+    if len(watch.errors) == len(procs) and len(same) == 1 and all(watch.raised.values()):
+        raise pickle.loads(watch.raised[0])  # every rank refused alike: the user's error, once
+    raise watch.failure(timeout_s)
 
-    def collect(wait_s: float) -> None:
-        ready = mp_connection.wait(list(open_reports.values()), timeout=wait_s)
-        for rank, conn in list(open_reports.items()):
+
+class _Watch:
+    """The launcher's view of its ranks while they run: their reports (results, errors, which
+    peer a rank lost), when each ended, which it killed and why, and the pauses it saw."""
+
+    def __init__(self, procs, reports, limit_s: float | None, grace_s: float, forward_stop: bool):
+        self.procs, self.limit_s, self.grace_s, self.forward_stop = procs, limit_s, grace_s, forward_stop
+        self.start = time.monotonic()
+        self.values: dict[int, Any] = {}
+        self.errors: dict[int, str] = {}
+        self.raised: dict[int, bytes | None] = {}
+        self.lost: dict[int, int] = {}
+        self.ended: dict[int, float] = {}
+        self.killed: set[int] = set()
+        self.open_reports = dict(enumerate(reports))
+        self.first_failure: float | None = None
+        self.over_limit = False
+        self.pauses = _Pauses()
+        self.gave_up: list[float] = []
+        """When each report of a lost peer arrived."""
+        self.forwarded = 0.0
+        self.codes: dict[int, int | None] = {}
+
+    def run(self) -> None:
+        """Poll until every rank has ended (killing them all at the limit, or a grace period
+        after the first failure), then read the reports sent just before exiting."""
+        while len(self.ended) < len(self.procs):
+            self.collect(0.1)
+            now = time.monotonic()
+            self.pauses.watch(now, self.procs)
+            self.pass_on_stop_requests(now)
+            self.note_ended(now)
+            self.over_limit = self.limit_s is not None and now - self.start > self.limit_s
+            if self.over_limit or (
+                self.first_failure is not None and now - self.first_failure > self.grace_s
+            ):
+                self.kill_the_rest()
+        while self.open_reports and mp_connection.wait(list(self.open_reports.values()), timeout=0.2):
+            self.collect(0)
+        self.codes = {rank: p.exitcode for rank, p in enumerate(self.procs)}
+
+    def collect(self, wait_s: float) -> None:
+        ready = mp_connection.wait(list(self.open_reports.values()), timeout=wait_s)
+        for rank, conn in list(self.open_reports.items()):
             if conn not in ready:
                 continue
-            del open_reports[rank]
+            del self.open_reports[rank]
             try:
                 ok, value, peer, error = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 continue  # the rank died before or while reporting
             if ok:
-                values[rank] = pickle.loads(value)
+                self.values[rank] = pickle.loads(value)
             else:
-                errors[rank] = value
-                raised[rank] = error
+                self.errors[rank] = value
+                self.raised[rank] = error
                 if peer is not None:
-                    lost[rank] = peer
-                    gave_up.append(time.monotonic())
+                    self.lost[rank] = peer
+                    self.gave_up.append(time.monotonic())
 
-    while len(ended) < nprocs:
-        collect(0.1)
-        now = time.monotonic()
-        pauses.watch(now, procs)
-        if forward_stop and preemption.requested() and now - forwarded >= 1.0:
-            if not forwarded:
-                name = signal.Signals(preemption.requested()).name
-                print(
-                    f"vlmcompile: {name}: every rank finishes its step, saves and stops; a second signal stops "
-                    "them at once",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            forwarded = now  # again every second: a rank still starting up ignores it
-            for p in procs:
-                if p.exitcode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(p.pid, signal.SIGUSR1)
-        for rank, p in enumerate(procs):
-            if rank not in ended and p.exitcode is not None:
-                ended[rank] = now - start
-                if p.exitcode != 0 and first_failure is None:
-                    first_failure = now
-        if first_failure is None and errors:
-            first_failure = now  # a report arrives just before its process ends
-        over_limit = limit_s is not None and now - start > limit_s
-        given_up = first_failure is not None and now - first_failure > grace_s
-        if over_limit or given_up:
-            for rank, p in enumerate(procs):
-                if p.exitcode is None:
-                    p.kill()
-                    killed.add(rank)
-            for rank, p in enumerate(procs):
-                p.join(5)
-                ended.setdefault(rank, time.monotonic() - start)
-    while open_reports and mp_connection.wait(list(open_reports.values()), timeout=0.2):
-        collect(0)  # reports sent just before exiting
-    codes = {rank: p.exitcode for rank, p in enumerate(procs)}
-    if all(c == 0 for c in codes.values()) and len(values) == nprocs:
-        return [values[r] for r in range(nprocs)]
-    same = {_strip_where(e) for e in errors.values()}
-    if len(errors) == nprocs and len(same) == 1 and all(raised.values()):
-        raise pickle.loads(raised[0])  # every rank refused alike: the user's error, once
-    failed = [r for r in range(nprocs) if codes[r] != 0 or r not in values]
-    first, header = _blame(failed, errors, lost, killed, ended, codes)
-    died_silently = any(r not in errors and r not in killed for r in failed)
-    paused = pauses.explain(min(gave_up), timeout_s) if gave_up and not died_silently else None
-    lines = [paused or header]
-    if over_limit and not errors:
-        lines.insert(0, f"the ranks ran past the {limit_s:.0f} s limit")
-    why_killed = (
-        "at the run's time limit" if over_limit else f"still running {grace_s:g} s after the first failure"
-    )
-    for r in range(nprocs):
-        if r in errors:
-            then = f" (then killed by the launcher, {why_killed})" if r in killed else ""
-            lines.append(f"  rank {r}: {_how(codes[r])} after {ended[r]:.1f} s: {errors[r].strip()}{then}")
-        elif r in killed:
-            lines.append(f"  rank {r}: killed by the launcher, {why_killed}")
-        elif codes[r] != 0:
-            lines.append(f"  rank {r}: {_how(codes[r])} after {ended.get(r, 0):.1f} s without a report")
-        else:
-            lines.append(f"  rank {r}: finished")
-    if all(r not in errors and codes[r] == 1 for r in range(nprocs)) and max(ended.values()) < 60:
-        lines.append(
-            f"(no rank reported an error; if each printed a RuntimeError about bootstrapping: {_NO_GUARD})"
+    def pass_on_stop_requests(self, now: float) -> None:
+        if not (self.forward_stop and preemption.requested() and now - self.forwarded >= 1.0):
+            return
+        if not self.forwarded:
+            name = signal.Signals(preemption.requested()).name
+            print(
+                f"vlmcompile: {name}: every rank finishes its step, saves and stops; a second signal stops "
+                "them at once",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.forwarded = now  # again every second: a rank still starting up ignores it
+        for p in self.procs:
+            if p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGUSR1)
+
+    def note_ended(self, now: float) -> None:
+        for rank, p in enumerate(self.procs):
+            if rank not in self.ended and p.exitcode is not None:
+                self.ended[rank] = now - self.start
+                if p.exitcode != 0 and self.first_failure is None:
+                    self.first_failure = now
+        if self.first_failure is None and self.errors:
+            self.first_failure = now  # a report arrives just before its process ends
+
+    def kill_the_rest(self) -> None:
+        for rank, p in enumerate(self.procs):
+            if p.exitcode is None:
+                p.kill()
+                self.killed.add(rank)
+        for rank, p in enumerate(self.procs):
+            p.join(5)
+            self.ended.setdefault(rank, time.monotonic() - self.start)
+
+    def failure(self, timeout_s: float) -> LaunchError:
+        """The error naming every rank's fate, the one to blame first."""
+        nprocs, codes, errors, killed, ended = (
+            len(self.procs),
+            self.codes,
+            self.errors,
+            self.killed,
+            self.ended,
         )
-    raise LaunchError("\n".join(lines), first, codes)
+        failed = [r for r in range(nprocs) if codes[r] != 0 or r not in self.values]
+        first, header = _blame(failed, errors, self.lost, killed, ended, codes)
+        died_silently = any(r not in errors and r not in killed for r in failed)
+        paused = (
+            self.pauses.explain(min(self.gave_up), timeout_s) if self.gave_up and not died_silently else None
+        )
+        lines = [paused or header]
+        if self.over_limit and not errors:
+            lines.insert(0, f"the ranks ran past the {self.limit_s:.0f} s limit")
+        why_killed = (
+            "at the run's time limit"
+            if self.over_limit
+            else f"still running {self.grace_s:g} s after the first failure"
+        )
+        for r in range(nprocs):
+            if r in errors:
+                then = f" (then killed by the launcher, {why_killed})" if r in killed else ""
+                lines.append(
+                    f"  rank {r}: {_how(codes[r])} after {ended[r]:.1f} s: {errors[r].strip()}{then}"
+                )
+            elif r in killed:
+                lines.append(f"  rank {r}: killed by the launcher, {why_killed}")
+            elif codes[r] != 0:
+                lines.append(f"  rank {r}: {_how(codes[r])} after {ended.get(r, 0):.1f} s without a report")
+            else:
+                lines.append(f"  rank {r}: finished")
+        if all(r not in errors and codes[r] == 1 for r in range(nprocs)) and max(ended.values()) < 60:
+            lines.append(
+                f"(no rank reported an error; if each printed a RuntimeError about bootstrapping: {_NO_GUARD})"
+            )
+        return LaunchError("\n".join(lines), first, codes)
 
 
 def _strip_where(error: str) -> str:
