@@ -287,38 +287,8 @@ def capture(
     eager = root  # what the loss-split check runs: export may wrap root further
     assigner = LayerAssigner(model, overrides)
 
-    # Symbolic tracing fails on every transformers-5 VLM (DESIGN.md): export only, for those.
-    order = ["export"] if method == "auto" and _is_transformers_model(model) else ["fx", "export"]
-    if method != "auto":
-        order = [method]
-    fallbacks: list[Fallback] = []
-    gm = None
-    checks: tuple[str, ...] = ()
-    specialized: Specialization | None = None
-    last_err: BaseException | None = None
-    for attempt in order:
-        try:
-            if attempt == "fx":
-                # The wrapper would hide the blocks' paths from the tracer: trace the bare model.
-                if root is not model:
-                    raise CaptureError(
-                        "fx tracing captures plain-tensor outputs only; the model returns a ModelOutput"
-                    )
-                gm = _output_only_the_loss(_trace_fx(model, batch, assigner.blocks))
-            else:
-                gm, checks, root, specialized = export_specialising(model, root, batch)
-            used: CaptureMethod = attempt  # type: ignore[assignment]
-            break
-        except (SampleBatchError, ModelError, CaptureError):
-            raise
-        except Exception as err:  # each path fails in its own exception types
-            fallbacks.append(Fallback(attempt, describe_failure(err)))  # type: ignore[arg-type]
-            last_err = err
-    if gm is None:
-        tried = "; ".join(f"{f.method}: {f.reason}" for f in fallbacks)
-        raise CaptureError(
-            f"could not capture {type(model).__name__}. {tried}. {DATA_DEPENDENT_HELP}"
-        ) from last_err
+    graph = _first_that_captures(model, root, batch, assigner, method)
+    gm, used, root, specialized = graph.gm, graph.method, graph.root, graph.specialized
     strip = f"{WRAPPED}." if root is not model else ""
 
     regions = assign_layers(gm, assigner, strip_prefix=strip)
@@ -334,32 +304,85 @@ def capture(
     gm.meta[CAPTURE_OPTIONS_META] = {"region_overrides": overrides or None, "method": used}
     gm.meta[WRAPPER_PREFIX_META] = strip
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
-    if check_numerics:
-        loss_split = check_loss_split(lambda b: loss_of(eager(**b)), batch)
-        differ = differs_between_samples(batch, specialized.keys) if specialized else []
-        if differ and loss_split.verdict is LossSplit.PER_SAMPLE:
-            # A microbatch's graph is specialised on its own first samples' values.
-            loss_split = LossSplitCheck(
-                LossSplit.BATCH_COUPLED,
-                f"the graph is specialised on {differ}, whose values differ between the samples of the batch, "
-                "so it holds for the whole batch only",
-            )
-    else:
-        loss_split = LossSplitCheck(LossSplit.UNCHECKED, "check_numerics=False")
-    gm.meta[LOSS_SPLIT_META] = loss_split
+    loss_split = _loss_split(eager, batch, specialized) if check_numerics else None
+    gm.meta[LOSS_SPLIT_META] = loss_split = loss_split or LossSplitCheck(
+        LossSplit.UNCHECKED, "check_numerics=False"
+    )
 
     report = CaptureReport(
         model=type(model).__name__,
         method=used,
-        fallbacks=tuple(fallbacks),
+        fallbacks=graph.fallbacks,
         num_nodes=len(gm.graph.nodes),
         layers=layers,
         numerics=numerics,
         loss_split=loss_split,
-        runtime_checks=checks,
+        runtime_checks=graph.checks,
         specialized=specialized,
     )
     return CaptureResult(gm, report)
+
+
+@dataclass(frozen=True, slots=True)
+class _Captured:
+    gm: fx.GraphModule
+    method: CaptureMethod
+    root: nn.Module
+    """What was captured: the model, or a wrapper of it (transformers' models: its loss)."""
+    checks: tuple[str, ...]
+    specialized: Specialization | None
+    fallbacks: tuple[Fallback, ...]
+
+
+def _first_that_captures(
+    model: nn.Module, root: nn.Module, batch: Mapping[str, Any], assigner: LayerAssigner, method: str
+) -> _Captured:
+    """The graph of the first capture method that works (``auto``: fx, then export; export only
+    for transformers models, as symbolic tracing fails on every transformers-5 VLM), with why the
+    others failed; :class:`CaptureError` naming every failure when none does."""
+    order = ["export"] if method == "auto" and _is_transformers_model(model) else ["fx", "export"]
+    if method != "auto":
+        order = [method]
+    fallbacks: list[Fallback] = []
+    last_err: BaseException | None = None
+    for attempt in order:
+        try:
+            if attempt != "fx":
+                gm, checks, wrapped, specialized = export_specialising(model, root, batch)
+                return _Captured(gm, attempt, wrapped, checks, specialized, tuple(fallbacks))  # type: ignore[arg-type]
+            # The wrapper would hide the blocks' paths from the tracer: trace the bare model.
+            if root is not model:
+                raise CaptureError(
+                    "fx tracing captures plain-tensor outputs only; the model returns a ModelOutput"
+                )
+            gm = _output_only_the_loss(_trace_fx(model, batch, assigner.blocks))
+            return _Captured(gm, "fx", root, (), None, tuple(fallbacks))
+        except (SampleBatchError, ModelError, CaptureError):
+            raise
+        except Exception as err:  # each path fails in its own exception types
+            fallbacks.append(Fallback(attempt, describe_failure(err)))  # type: ignore[arg-type]
+            last_err = err
+    tried = "; ".join(f"{f.method}: {f.reason}" for f in fallbacks)
+    raise CaptureError(
+        f"could not capture {type(model).__name__}. {tried}. {DATA_DEPENDENT_HELP}"
+    ) from last_err
+
+
+def _loss_split(
+    eager: nn.Module, batch: Mapping[str, Any], specialized: Specialization | None
+) -> LossSplitCheck:
+    """Whether the loss splits over microbatches, on the sample batch; a graph specialised on
+    values that differ between the samples holds for the whole batch only (a microbatch's graph
+    would be specialised on its own first samples' values)."""
+    loss_split = check_loss_split(lambda b: loss_of(eager(**b)), batch)
+    differ = differs_between_samples(batch, specialized.keys) if specialized else []
+    if differ and loss_split.verdict is LossSplit.PER_SAMPLE:
+        return LossSplitCheck(
+            LossSplit.BATCH_COUPLED,
+            f"the graph is specialised on {differ}, whose values differ between the samples of the batch, "
+            "so it holds for the whole batch only",
+        )
+    return loss_split
 
 
 def layer_nodes(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:

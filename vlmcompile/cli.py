@@ -342,11 +342,7 @@ def _command(sub, name: str, help: str, description: str | None = None) -> argpa
     return sub.add_parser(name, help=help, description=description or help, formatter_class=_HelpFormatter)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="vlmcompile", description=_plain(__doc__), formatter_class=_HelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_annotate(sub) -> None:
     p = _command(sub, "annotate", "capture and annotate a zoo model; print the report")
     p.add_argument(
         "--model",
@@ -367,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.set_defaults(run=_annotate)
 
+
+def _add_plan(sub) -> None:
     q = _command(sub, "plan", "plan a zoo model on a cluster with a baseline policy; simulate it")
     q.add_argument(
         "--setup", help="a paper configuration (fills the options below): " + ", ".join(_setup_names())
@@ -425,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--png", metavar="FILE", help="write a PNG timeline of the simulated step")
     q.set_defaults(run=_plan)
 
+
+def _add_demo(sub) -> None:
     d = _command(
         sub,
         "demo",
@@ -452,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     d.set_defaults(run=_demo)
 
+
+def _add_run(sub) -> None:
     r = _command(sub, "run", "compile a zoo model for N local CPU ranks and train a few steps on them")
     r.add_argument("--model", default="demo", help="zoo name (default demo)")
     r.add_argument("--nprocs", type=_positive_int, default=2, help="local ranks, one thread each (default 2)")
@@ -467,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.set_defaults(run=_run)
 
+
+def _add_train(sub) -> None:
     t = _command(
         sub,
         "train",
@@ -475,7 +479,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     train_job.add_arguments(t, _positive_int, _positive_float)
     t.set_defaults(run=train_job.run)
-    args = parser.parse_args(argv)
+
+
+def parser() -> argparse.ArgumentParser:
+    """Every command and its flags."""
+    top = argparse.ArgumentParser(
+        prog="vlmcompile", description=_plain(__doc__), formatter_class=_HelpFormatter
+    )
+    sub = top.add_subparsers(dest="command", required=True)
+    for add in (_add_annotate, _add_plan, _add_demo, _add_run, _add_train):
+        add(sub)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     from vlmcompile.ir.errors import VlmCompileError
     from vlmcompile.runtime.launch import Interrupted, interrupt_on_stop_signals, restore_signals
     from vlmcompile.train_job import rank_prefix

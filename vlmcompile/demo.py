@@ -435,6 +435,35 @@ def measured_steps(
     return interleaved_steps(runners, batch, num_steps, lr, on_step=report)
 
 
+def _demo_batch(global_batch: int | None, num_steps: int, full: bool) -> int:
+    """The demo's global batch, its options checked."""
+    if num_steps < DEFAULT_STEPS:
+        raise ValueError(
+            f"num_steps={num_steps}; the demo needs a warm-up step and at least {DEFAULT_STEPS - 1} timed steps"
+        )
+    if full and global_batch not in (None, FULL_GLOBAL_BATCH):
+        raise ValueError(
+            f"full=True runs global batch {FULL_GLOBAL_BATCH}, not {global_batch}; give one of the two"
+        )
+    return global_batch or (FULL_GLOBAL_BATCH if full else DEFAULT_GLOBAL_BATCH)
+
+
+def _compiled(model, batch, model_name: str, global_batch: int, say, log):
+    """The demo VLM compiled for the local ranks from a few of the batch's samples."""
+    sample = take(batch, 0, min(SAMPLE_SIZE, global_batch), rows_per_sample(batch))
+    say(f"compiling the {model_name} VLM for {NUM_RANKS} CPU ranks, global batch {global_batch} ...")
+    return compile(
+        model,
+        sample,
+        cluster=f"cpu:{NUM_RANKS}",
+        model_name=model_name,
+        global_batch=global_batch,
+        profile=True,
+        search_space=SearchSpace(pp_choices=(NUM_RANKS,), microbatch_sizes=(1,)),
+        log=log,
+    )
+
+
 def run_demo(
     *,
     global_batch: int | None = None,
@@ -457,32 +486,13 @@ def run_demo(
             the compile report there, so that it is read while the plans run).
         model_name: the zoo VLM to run (the tests run "tiny").
     """
-    if num_steps < DEFAULT_STEPS:
-        raise ValueError(
-            f"num_steps={num_steps}; the demo needs a warm-up step and at least {DEFAULT_STEPS - 1} timed steps"
-        )
-    if full and global_batch not in (None, FULL_GLOBAL_BATCH):
-        raise ValueError(
-            f"full=True runs global batch {FULL_GLOBAL_BATCH}, not {global_batch}; give one of the two"
-        )
-    global_batch = global_batch or (FULL_GLOBAL_BATCH if full else DEFAULT_GLOBAL_BATCH)
+    global_batch = _demo_batch(global_batch, num_steps, full)
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     say = Progress(log)
     model = models.build(model_name)
     batch = models.sample_batch(model_name, batch_size=global_batch)
-    sample = take(batch, 0, min(SAMPLE_SIZE, global_batch), rows_per_sample(batch))
-    say(f"compiling the {model_name} VLM for {NUM_RANKS} CPU ranks, global batch {global_batch} ...")
     start = time.perf_counter()
-    pipe = compile(
-        model,
-        sample,
-        cluster=f"cpu:{NUM_RANKS}",
-        model_name=model_name,
-        global_batch=global_batch,
-        profile=True,
-        search_space=SearchSpace(pp_choices=(NUM_RANKS,), microbatch_sizes=(1,)),
-        log=log,
-    )
+    pipe = _compiled(model, batch, model_name, global_batch, say, log)
     plans = (("vlmcompile", pipe.plan), *((name, run.plan) for name, run in baselines(pipe, global_batch)))
     say(
         f"compiled in {time.perf_counter() - start:.1f} s; plans to measure: "
