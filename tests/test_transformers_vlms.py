@@ -27,11 +27,35 @@ except ImportError:  # pragma: no cover - without transformers the module is ski
     ATTENTION, BUILDERS = (), {}
 
 FAMILIES = list(BUILDERS)
-LLM_VLM = {Region.VISION, Region.PROJECTOR, Region.LLM, Region.HEAD}
-EXPECTED_REGIONS = {name: LLM_VLM for name in FAMILIES} | {
-    # CLIP: two towers, each with its projection; the contrastive loss joins the last layer.
-    "hf-clip": {Region.VISION, Region.PROJECTOR, Region.TEXT},
+# Where the transformers classes keep each part (their module paths, from their modeling files):
+# a layer's region is that of the longest path it sits under.
+PARTS = {
+    "model.vision_tower": Region.VISION,
+    "model.visual": Region.VISION,
+    "model.vision_model": Region.VISION,
+    "vision_model": Region.VISION,
+    "model.multi_modal_projector": Region.PROJECTOR,
+    "multi_modal_projector": Region.PROJECTOR,
+    "model.connector": Region.PROJECTOR,
+    "model.visual.merger": Region.PROJECTOR,
+    "qformer": Region.PROJECTOR,
+    "language_projection": Region.PROJECTOR,
+    "visual_projection": Region.PROJECTOR,
+    "text_projection": Region.PROJECTOR,
+    "model.language_model": Region.LLM,
+    "model.text_model": Region.LLM,
+    "language_model.model": Region.LLM,
+    "lm_head": Region.HEAD,
+    "language_model.lm_head": Region.HEAD,
+    "text_model": Region.TEXT,  # CLIP's text tower (a generative model's is model.text_model)
 }
+
+
+def expected_region(layer: str) -> Region | None:
+    under = [p for p in PARTS if layer == p or layer.startswith(p + ".")]
+    return PARTS[max(under, key=len)] if under else None
+
+
 CASES = [(name, attn) for name in FAMILIES for attn in ATTENTION]
 
 
@@ -79,9 +103,11 @@ def test_compiles_for_cpu_ranks_with_its_regions(compiled, name, record_property
     record_property("specialised", ", ".join(capture.specialized.keys) if capture.specialized else "")
     record_property("loss_split", capture.loss_split.verdict.value)
     layers = capture.layers
-    assert {lr.region for lr in layers} == EXPECTED_REGIONS[name], [
-        (lr.layer, lr.region.value) for lr in layers
-    ]
+    # Each layer's region, not only the set: PaliGemma's SigLIP pooling head once counted as the
+    # model's output head.
+    misplaced = [(lr.layer, lr.region, expected_region(lr.layer)) for lr in layers]
+    misplaced = [m for m in misplaced if m[1] is not m[2]]
+    assert not misplaced, misplaced
     assert pipe.plan is not None and pipe.plan.pipeline_parallel.tp == 1
     assert pipe.planned.fits
     if name != "hf-clip":  # two towers and a coupled loss: no LLM pipeline to put encoder work into

@@ -34,9 +34,17 @@ def test_jitter_of_radius_one_over_four_stages_gives_the_papers_27_candidates():
     assert set(cands) == {(10 + a, 20 + b, 30 + c) for a, b, c in itertools.product((-1, 0, 1), repeat=3)}
 
 
-def test_jitter_keeps_every_stage_non_empty():
-    for cuts in jittered((1, 2, 3), 4, radius=2, limit=10_000):
-        assert all(a < b for a, b in zip((0, *cuts), (*cuts, 4)))
+def test_jitter_gives_every_valid_cut_within_the_radius_and_no_other():
+    # Cuts near the ends and each other: many offsets would empty a stage.
+    anchor, n, radius = (1, 3, 5), 7, 2
+    got = jittered(anchor, n, radius=radius, limit=10_000)
+    offsets = range(-radius, radius + 1)
+    every = {tuple(c + d for c, d in zip(anchor, ds)) for ds in itertools.product(offsets, repeat=3)}
+    valid = {c for c in every if 0 < c[0] < c[1] < c[2] < n}
+    assert anchor in got and set(got) == valid and len(got) == len(valid) == 19
+    # Above the limit: a sample of them, the anchor always among it, every one valid.
+    sampled = jittered(anchor, n, radius=radius, limit=5)
+    assert anchor in sampled and set(sampled) <= valid and 1 < len(sampled) <= 6
 
 
 @pytest.fixture(scope="module")

@@ -65,12 +65,24 @@ def region_from_keywords(path: str, *, generative: bool = False) -> Region | Non
     """The region a module path names by keyword, innermost component first, or None.
 
     In a generative model (one with an ``lm_head``) a ``text_model`` is the LLM (Idefics3);
-    otherwise it is the text tower of a contrastive pair (CLIP).
+    otherwise it is the text tower of a contrastive pair (CLIP). A ``head`` inside an encoder
+    tower is the tower's (SigLIP's pooling head in PaliGemma's ``vision_tower``), not the model's
+    output head.
     """
-    for component in reversed(path.split(".")):
-        for pattern, region in _KEYWORD_REGIONS:
-            if pattern.match(component):
-                return Region.LLM if generative and region is Region.TEXT else region
+    found = [_keyword_region(component, generative) for component in reversed(path.split("."))]
+    named = [region for region in found if region is not None]
+    if not named:
+        return None
+    if named[0] is Region.HEAD:
+        tower = next((r for r in named[1:] if r in ENCODER_REGIONS or r is Region.TEXT), None)
+        return tower or Region.HEAD
+    return named[0]
+
+
+def _keyword_region(component: str, generative: bool) -> Region | None:
+    for pattern, region in _KEYWORD_REGIONS:
+        if pattern.match(component):
+            return Region.LLM if generative and region is Region.TEXT else region
     return None
 
 
