@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import LayerCost, PlanCosts, StageCost
 from vlmcompile.ir.actions import Action
+from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Parallel, Plan, Stage
 
 
@@ -56,3 +60,43 @@ def synthetic_costs(
     return PlanCosts(
         tuple(stages), (0.0,) * plan.num_ranks, model_flops=0.0, recompute_flops=0.0, samples=1.0
     )
+
+
+def bubble_plan_with_tp(demo_graph):
+    from vlmcompile.passes.bubbles import bubbles
+    from vlmcompile.planning.request import PlanRequest, SolverOptions
+
+    cluster = Cluster.preset("h100x4")
+    request = PlanRequest.on(cluster, tp=2, pp=2, global_batch=4)
+    return cluster, bubbles(
+        demo_graph, cluster, request, solver=SolverOptions(time_limit_s=2, workers=2)
+    ).plan
+
+
+def rider_and_host(plan, kind=None):
+    """An encoder action (of ``kind``) on rank 1 moved right before an LLM action there that it
+    does not feed."""
+    from vlmcompile.ir.actions import dependencies
+
+    acts = list(plan.actions[1])
+    llm = plan.stages[-1].group
+    for e in acts:
+        if plan.stages[e.stage].group == llm or kind not in (None, e.kind):
+            continue
+        for host in acts:
+            if plan.stages[host.stage].group != llm:
+                continue
+            if e in dependencies(host, plan.num_stages) or host in dependencies(e, plan.num_stages):
+                continue
+            rest = [a for a in acts if a != e]
+            at = rest.index(host)
+            moved = rest[:at] + [e] + rest[at:]
+            candidate = dataclasses.replace(
+                plan, actions=(plan.actions[0], tuple(moved)), kernel_level={e: 1}
+            )
+            try:
+                candidate.validate()
+            except PlanError:
+                continue
+            return candidate, e, host
+    raise AssertionError("no encoder action could ride an LLM action on rank 1")

@@ -120,3 +120,14 @@ def test_the_contract_catches_a_wrong_import(tmp_path):
         "def f():\n    from vlmcompile.sim.simulator import simulate\n    import vlmcompile.compiler\n"
     )
     assert _imports(bad) == {"vlmcompile.sim.simulator", "vlmcompile.compiler"}
+
+
+def test_the_tour_and_the_passes_package_name_every_pass():
+    import vlmcompile.passes
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(p.stem for p in (root / "passes").glob("*.py") if p.stem != "__init__")
+    readme = root.joinpath("README.md").read_text()
+    tour = next(line for line in readme.splitlines() if line.startswith("| `passes/` |"))
+    assert [f for f in files if f"`{f}`" not in tour] == []
+    assert [f for f in files if f"{f}.py" not in vlmcompile.passes.__doc__] == []

@@ -13,7 +13,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.ir.actions import Action
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.ir.plan import Parallel, Plan, Reason, Recompute
+from vlmcompile.ir.plan import Plan, Reason, Recompute
 from vlmcompile.ir.regions import Region
 from vlmcompile.passes.bubbles import (
     _layer_level_hidden_s,
@@ -23,7 +23,6 @@ from vlmcompile.passes.bubbles import (
 )
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
-from vlmcompile.planning.model_parts import PARTIAL_BASE, RecomputeRung, model_parts
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.setups import SETUPS
 from vlmcompile.sim.simulator import simulate
@@ -223,24 +222,6 @@ def test_a_memory_budget_is_kept_by_recomputing_the_encoder_first(demo_bubbles, 
         bubbles(demo_graph, CLUSTER, request, solver=FAST, memory_budget_bytes=1024.0)
     with pytest.raises(PlanError, match="memory_budget_bytes=0; give a positive number"):
         bubbles(demo_graph, CLUSTER, request, solver=FAST, memory_budget_bytes=0)
-
-
-def test_a_partial_rung_recomputes_the_first_share_of_every_ranks_llm_layers(demo_graph):
-    parts = model_parts(demo_graph)
-    llm = [n for n in parts.decoder]
-    chunks = [llm[k::4] for k in range(4)]  # virtual stage k on rank k mod 2
-    llm_par = Parallel(dp=1, tp=1, pp=2, v=2)
-    flags = RecomputeRung(PARTIAL_BASE, 0.5).flags(demo_graph, parts, chunks, llm_par)
-    base = RecomputeRung(PARTIAL_BASE).flags(demo_graph, parts, chunks, llm_par)
-    for rank in range(2):
-        layers = [n for k, chunk in enumerate(chunks) if k % 2 == rank for n in chunk]
-        fully = [flags[n] is Recompute.FULL for n in layers]
-        assert fully == [True] * (len(layers) // 2) + [False] * (len(layers) - len(layers) // 2)
-        assert all(base[n] is Recompute.SELECTIVE for n in layers)
-    vision = [n for n in base if n not in llm]
-    assert vision and all(flags[n] is base[n] is Recompute.FULL for n in vision)
-    with pytest.raises(PlanError, match="full_share=1.0; give a share"):
-        RecomputeRung(PARTIAL_BASE, 1.0)
 
 
 @pytest.mark.slow

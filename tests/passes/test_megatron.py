@@ -2,11 +2,8 @@
 brute force, and the errors for splits Megatron cannot make."""
 
 import dataclasses
-import itertools
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from tests.models import needs_transformers
 from vlmcompile import compile
@@ -18,7 +15,6 @@ from vlmcompile.ir.regions import Region
 from vlmcompile.passes.megatron import megatron
 from vlmcompile.passes.megatron_balanced import megatron_balanced
 from vlmcompile.passes.partition import partition
-from vlmcompile.planning.chunks import balanced_split
 from vlmcompile.planning.megatron_layout import megatron_layout
 from vlmcompile.planning.model_parts import model_parts
 from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest, SolverOptions
@@ -172,38 +168,6 @@ def test_splits_megatron_cannot_make_are_refused(demo_graph, kwargs, error, mess
     split = {k: kwargs.pop(k) for k in ("first_stage_layers", "last_stage_layers") if k in kwargs}
     with pytest.raises(error, match=message):
         megatron(demo_graph, CLUSTER, PlanRequest.on(CLUSTER, **({"global_batch": 16} | kwargs)), **split)
-
-
-def _stage_sums(times, counts):
-    bounds = [0, *itertools.accumulate(counts)]
-    return [sum(times[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-
-def _brute_force(times, k):
-    """(least slowest stage, least sum of squares among the splits within 1e-9 of it)."""
-    splits = []
-    for cuts in itertools.combinations(range(1, len(times)), k - 1):
-        bounds = (0, *cuts, len(times))
-        splits.append([sum(times[a:b]) for a, b in zip(bounds, bounds[1:])])
-    best = min(max(s) for s in splits)
-    return best, min(sum(x * x for x in s) for s in splits if max(s) <= best * (1 + 1e-9))
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    times=st.lists(st.floats(0.01, 10.0, allow_nan=False), min_size=1, max_size=9)
-    | st.lists(st.sampled_from([1.0, 0.25]), min_size=1, max_size=10),
-    data=st.data(),
-)
-def test_balanced_split_matches_brute_force(times, data):
-    # Times drawn from {1, 0.25} (decoder and encoder layers) make many splits share the optimum.
-    k = data.draw(st.integers(1, len(times)))
-    counts = balanced_split(times, k)
-    assert len(counts) == k and sum(counts) == len(times) and min(counts) >= 1
-    sums = _stage_sums(times, counts)
-    worst, squares = _brute_force(times, k)
-    assert max(sums) == pytest.approx(worst)
-    assert sum(x * x for x in sums) == pytest.approx(squares)
 
 
 def test_balanced_plan_spreads_the_encoder_and_says_why_megatron_cannot(demo_graph):

@@ -2,14 +2,13 @@
 bubble accounting, and the trace and PNG it exports."""
 
 import dataclasses
-import json
 
 import networkx as nx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.sim_helpers import make_plan, synthetic_costs
+from tests.sim_helpers import bubble_plan_with_tp, make_plan, rider_and_host, synthetic_costs
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.ir.actions import Action, ActionKind
@@ -18,7 +17,6 @@ from vlmcompile.passes.megatron import megatron
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
 from vlmcompile.sim.simulator import CAUSES, simulate
-from vlmcompile.sim.trace import chrome_trace, write_chrome_trace, write_png
 
 CLUSTER = Cluster.preset("h100x8")
 
@@ -142,83 +140,9 @@ def test_more_microbatches_shrink_warmup_and_cooldown(demo_graph):
     assert shares[1] < shares[0]
 
 
-def test_chrome_trace_follows_the_trace_event_format(demo_plan, demo_run, tmp_path):
-    path = tmp_path / "trace.json"
-    write_chrome_trace(demo_plan, demo_run, path)
-    data = json.loads(path.read_text())
-    assert set(data) >= {"traceEvents", "displayTimeUnit"}
-    assert data["displayTimeUnit"] in ("ms", "ns")
-    phases = set()
-    for e in data["traceEvents"]:
-        assert isinstance(e["name"], str) and isinstance(e["pid"], int) and isinstance(e["tid"], int)
-        phases.add(e["ph"])
-        if e["ph"] == "X":
-            assert isinstance(e["ts"], float | int) and e["ts"] >= 0
-            assert isinstance(e["dur"], float | int) and e["dur"] >= 0
-        elif e["ph"] == "M":
-            assert e["name"] in ("process_name", "thread_name", "process_sort_index") and "args" in e
-        else:
-            pytest.fail(f"unexpected phase {e['ph']}")
-    assert phases == {"X", "M"}
-    actions = [e for e in data["traceEvents"] if e["ph"] == "X" and e.get("cat") in ("F", "B", "I", "W")]
-    assert len(actions) == len(demo_run.runs)
-    # the last action ends at the step's last compute, in microseconds
-    end_us = max(e["ts"] + e["dur"] for e in actions)
-    assert end_us == pytest.approx(max(r.end_s for r in demo_run.runs) * 1e6)
-    assert chrome_trace(demo_plan, demo_run)["otherData"]["note"].startswith("simulated")
-
-
-def test_png_timeline_is_written(demo_plan, demo_run, tmp_path):
-    path = tmp_path / "timeline.png"
-    write_png(demo_plan, demo_run, path)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert path.stat().st_size > 10_000
-
-
-# ---- kernel level: encoder actions inside an LLM action's TP gaps -------------------------------
-def _bubble_plan_with_tp(demo_graph):
-    from vlmcompile.passes.bubbles import bubbles
-    from vlmcompile.planning.request import PlanRequest, SolverOptions
-
-    cluster = Cluster.preset("h100x4")
-    request = PlanRequest.on(cluster, tp=2, pp=2, global_batch=4)
-    return cluster, bubbles(
-        demo_graph, cluster, request, solver=SolverOptions(time_limit_s=2, workers=2)
-    ).plan
-
-
-def _rider_and_host(plan, kind=None):
-    """An encoder action (of ``kind``) on rank 1 moved right before an LLM action there that it
-    does not feed."""
-    from vlmcompile.ir.actions import dependencies
-
-    acts = list(plan.actions[1])
-    llm = plan.stages[-1].group
-    for e in acts:
-        if plan.stages[e.stage].group == llm or kind not in (None, e.kind):
-            continue
-        for host in acts:
-            if plan.stages[host.stage].group != llm:
-                continue
-            if e in dependencies(host, plan.num_stages) or host in dependencies(e, plan.num_stages):
-                continue
-            rest = [a for a in acts if a != e]
-            at = rest.index(host)
-            moved = rest[:at] + [e] + rest[at:]
-            candidate = dataclasses.replace(
-                plan, actions=(plan.actions[0], tuple(moved)), kernel_level={e: 1}
-            )
-            try:
-                candidate.validate()
-            except PlanError:
-                continue
-            return candidate, e, host
-    raise AssertionError("no encoder action could ride an LLM action on rank 1")
-
-
 def test_a_kernel_level_encoder_action_shares_its_hosts_interval(demo_graph):
-    cluster, plan = _bubble_plan_with_tp(demo_graph)
-    fused, rider, host = _rider_and_host(plan)
+    cluster, plan = bubble_plan_with_tp(demo_graph)
+    fused, rider, host = rider_and_host(plan)
     assert fused.hosts_of() == {rider: (host,)}
     costs = plan_costs(fused, demo_graph, cluster)
     sim = simulate(fused, demo_graph, cluster, costs=costs)
@@ -238,8 +162,8 @@ def test_a_kernel_level_encoder_action_shares_its_hosts_interval(demo_graph):
 
 
 def test_a_rider_spanning_two_hosts_runs_from_the_first_ones_start_to_the_seconds_end(demo_graph):
-    cluster, plan = _bubble_plan_with_tp(demo_graph)
-    fused, rider, host = _rider_and_host(plan)
+    cluster, plan = bubble_plan_with_tp(demo_graph)
+    fused, rider, host = rider_and_host(plan)
     wide = dataclasses.replace(fused, kernel_level={rider: 2})
     wide.validate()
     first, second = wide.hosts_of()[rider]
@@ -261,8 +185,8 @@ def test_a_rider_spanning_two_hosts_runs_from_the_first_ones_start_to_the_second
 
 
 def test_a_kernel_level_backward_frees_its_activations_after_its_last_host(demo_graph):
-    cluster, plan = _bubble_plan_with_tp(demo_graph)
-    fused, rider, host = _rider_and_host(plan, ActionKind.B)
+    cluster, plan = bubble_plan_with_tp(demo_graph)
+    fused, rider, host = rider_and_host(plan, ActionKind.B)
     costs = plan_costs(fused, demo_graph, cluster)
     layer_level = simulate(dataclasses.replace(fused, kernel_level={}), demo_graph, cluster, costs=costs)
     spanning = dataclasses.replace(fused, kernel_level={rider: 2})
@@ -279,8 +203,8 @@ def test_a_kernel_level_backward_frees_its_activations_after_its_last_host(demo_
 
 
 def test_kernel_level_marks_that_cannot_run_are_refused(demo_graph):
-    _, plan = _bubble_plan_with_tp(demo_graph)
-    fused, rider, host = _rider_and_host(plan)
+    _, plan = bubble_plan_with_tp(demo_graph)
+    fused, rider, host = rider_and_host(plan)
     with pytest.raises(PlanError, match="is marked kernel-level, but it is the pipeline's own work"):
         dataclasses.replace(fused, kernel_level={host: 1}).validate()
     last = plan.actions[1][-1]
@@ -293,14 +217,3 @@ def test_kernel_level_marks_that_cannot_run_are_refused(demo_graph):
         dataclasses.replace(fused, kernel_level={rider: 0}).validate()
     with pytest.raises(PlanError, match="kernel-level action 0F99 is in no rank's action list"):
         dataclasses.replace(fused, kernel_level={Action.from_str("0F99"): 1}).validate()
-
-
-def test_the_trace_shows_kernel_level_encoder_work_apart(demo_graph, tmp_path):
-    cluster, plan = _bubble_plan_with_tp(demo_graph)
-    fused, rider, _ = _rider_and_host(plan)
-    sim = simulate(fused, demo_graph, cluster)
-    events = chrome_trace(fused, sim)["traceEvents"]
-    inside = [e for e in events if e.get("cat") == "kernel-level encoder"]
-    assert [e["name"] for e in inside] == [str(rider)]
-    write_png(fused, sim, tmp_path / "trace.png")
-    assert (tmp_path / "trace.png").stat().st_size > 10_000

@@ -1,0 +1,44 @@
+"""Actions written like torch's (2F0), what each waits for, and action lists run with no time:
+their order, and where a deadlock stops them."""
+
+import pytest
+
+from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order, format_grid
+
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
+
+
+def test_an_action_reads_back_as_written():
+    for text in ("0F0", "12B3", "4I10", "7W2"):
+        assert str(Action.from_str(text)) == text
+    with pytest.raises(ValueError, match="'F0' is not an action; write <stage><F|B|I|W><microbatch>"):
+        Action.from_str("F0")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Action(-1, F, 0)
+
+
+def test_what_each_kind_waits_for():
+    assert dependencies(Action(0, F, 3), 4) == []
+    assert dependencies(Action(2, F, 3), 4) == [Action(1, F, 3)]
+    assert dependencies(Action(2, B, 3), 4) == [Action(2, F, 3), Action(3, B, 3)]
+    assert dependencies(Action(3, B, 3), 4) == [Action(3, F, 3)]  # the last stage: its own forward
+    # With split backwards the stage before waits for the input gradient (I), and W for I.
+    assert dependencies(Action(2, B, 3), 4, frozenset({3})) == [Action(2, F, 3), Action(3, I, 3)]
+    assert dependencies(Action(3, W, 3), 4, frozenset({3})) == [Action(3, I, 3)]
+
+
+def test_lists_run_in_an_order_that_respects_every_dependency_or_stop_at_the_deadlock():
+    good = [[Action(0, F, 0), Action(0, B, 0)], [Action(1, F, 0), Action(1, B, 0)]]
+    order, position = execution_order(good, 2)
+    ran = [a for _, _, a in order]
+    assert position == [2, 2] and all(ran.index(d) < ran.index(a) for a in ran for d in dependencies(a, 2))
+    stuck = [[Action(0, B, 0), Action(0, F, 0)], [Action(1, F, 0), Action(1, B, 0)]]
+    _, position = execution_order(stuck, 2)
+    assert position == [0, 0]
+
+
+def test_the_grid_shows_each_ranks_steps_and_marks():
+    grid = format_grid([[Action(0, F, 0), Action(0, B, 0)], [Action(1, F, 0)]], mark={(1, 0): "<- here"})
+    lines = grid.splitlines()
+    assert lines[0].split() == ["step", "rank", "0", "rank", "1"]
+    assert lines[1].split() == ["0", "0F0", "1F0", "<-", "here"] and lines[2].split() == ["1", "0B0"]

@@ -1,0 +1,46 @@
+"""The one timing rule: an action starts when its rank is free and its inputs have arrived (the
+producer's end, plus the transfer only between ranks); action lists that deadlock are refused."""
+
+import pytest
+
+from vlmcompile.ir.actions import Action, ActionKind
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.sim.timeline import run_actions, transfer_between_stages
+
+F, B = ActionKind.F, ActionKind.B
+
+
+def test_a_two_rank_chain_waits_for_inputs_and_their_transfer():
+    lists = [
+        [Action(0, F, 0), Action(0, F, 1), Action(0, B, 0), Action(0, B, 1)],
+        [Action(1, F, 0), Action(1, B, 0), Action(1, F, 1), Action(1, B, 1)],
+    ]
+    transfer = transfer_between_stages([0.5, 0.0], [0.0, 0.25])
+    timed = {
+        t.action: t
+        for t in run_actions(lists, 2, duration=lambda a, _s: 1.0 if a.kind is F else 2.0, transfer=transfer)
+    }
+    assert timed[Action(1, F, 0)].start_s == 1.5  # 0F0 ends at 1, its activations take 0.5
+    assert timed[Action(1, B, 0)].start_s == 2.5  # right after its own forward: same stage, no transfer
+    assert timed[Action(0, B, 0)].start_s == 4.75  # 1B0 ends at 4.5, its gradients take 0.25
+    assert timed[Action(1, F, 1)].start_s == 4.5  # 0F1 was there at 2.5; rank 1 was busy until 4.5
+    assert [t.step for t in timed.values() if t.rank == 1] == sorted(
+        t.step for t in timed.values() if t.rank == 1
+    )
+
+
+def test_two_stages_on_one_rank_hand_over_without_a_transfer():
+    # A V-shaped turn: stages 1 and 2 on rank 1.
+    lists = [[Action(0, F, 0), Action(3, F, 0)], [Action(1, F, 0), Action(2, F, 0)]]
+    transfer = transfer_between_stages([1.0] * 4, [1.0] * 4)
+    ranks = {0: 0, 3: 0, 1: 1, 2: 1}
+    timed = {t.action: t for t in run_actions(lists, 4, duration=lambda a, _s: 1.0, transfer=transfer)}
+    assert all(t.rank == ranks[a.stage] for a, t in timed.items())
+    assert timed[Action(2, F, 0)].start_s == timed[Action(1, F, 0)].end_s
+    assert timed[Action(3, F, 0)].start_s == timed[Action(2, F, 0)].end_s + 1.0
+
+
+def test_lists_that_deadlock_are_refused_naming_the_next_actions():
+    lists = [[Action(0, B, 0), Action(0, F, 0)], [Action(1, F, 0), Action(1, B, 0)]]
+    with pytest.raises(PlanError, match=r"deadlock \(next actions \['0B0', '1F0'\]\)"):
+        run_actions(lists, 2, duration=lambda a, _s: 1.0, transfer=lambda d, a: 0.0)
