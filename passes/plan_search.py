@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from tabulate import tabulate
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.cost_models.memory import fits, usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import layer_costs, layer_state_bytes
 from vlmcompile.ir.errors import ClusterError, PlanError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph
@@ -308,7 +308,7 @@ def _visit(
     """One candidate: pruned by its bounds, or partitioned from ``warm_starts`` and the plan to
     beat there (``baseline``); its row, and its plan if it has one."""
     lower, states = bounds
-    if states > cap:
+    if not fits([states], cap):
         return CandidateRow(
             request, "pruned", f"model states alone need {states / 2**30:.1f} GiB per rank", lower
         ), None
