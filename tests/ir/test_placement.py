@@ -5,7 +5,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from tests.sim_helpers import make_plan
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.ir.placement import Placement, PlacementStyle, stage_to_rank
+from vlmcompile.ir.placement import Placement, PlacementStyle, replicated_stage_ranks, stage_to_rank
 
 
 @pytest.mark.parametrize("style", ["loop", "v"])
@@ -43,8 +43,14 @@ def test_bad_placements_are_refused_naming_the_value():
 def test_a_plans_stages_sit_where_its_placement_says():
     from vlmcompile.planning.schedules import make_schedule
 
-    placement = Placement(2, 2, "v")
-    plan = make_plan(make_schedule("v_1f1b", placement, 4), 4, v=2, placement="v")
-    plan.validate()
-    assert [s.rank for s in plan.stages] == list(placement.ranks())
+    plan = make_plan(make_schedule("v_1f1b", Placement(2, 2, "v"), 4), 4, v=2, placement="v")
+    plan.validate()  # every action on the rank holding its stage, no deadlock
+    assert [s.rank for s in plan.stages] == [0, 1, 1, 0]
     assert str(plan.pipeline_parallel).startswith("DP=1 TP=1 PP=2 V=2, V-shaped")
+
+
+def test_an_encoder_pipeline_replicated_along_the_llms_ranks():
+    assert replicated_stage_ranks(1, 2, 8) == (1, 3, 5, 7)
+    assert replicated_stage_ranks(0, 1, 4) == (0, 1, 2, 3)
+    with pytest.raises(PlanError, match="3 must divide 4"):
+        replicated_stage_ranks(0, 3, 4)

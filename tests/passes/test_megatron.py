@@ -210,11 +210,14 @@ def test_zero_bubble_schedule_gets_the_stages_real_times(demo_graph):
         demo_graph, cluster, PlanRequest.on(cluster, tp=1, pp=4, global_batch=8, schedule="zero_bubble")
     ).plan
     assert plan.split_backward() == frozenset(range(4))
-    # With two chunks per rank the list scheduler runs the same rule over the loop placement.
-    looped = megatron(
-        demo_graph, cluster, PlanRequest.on(cluster, tp=1, pp=2, v=2, global_batch=8, schedule="zero_bubble")
-    ).plan
-    assert looped.split_backward() == frozenset(range(4)) and [s.rank for s in looped.stages] == [0, 1, 0, 1]
+    with pytest.raises(
+        PlanError, match="'zero_bubble' runs one stage per rank; with v=2 use interleaved_1f1b"
+    ):
+        megatron(
+            demo_graph,
+            cluster,
+            PlanRequest.on(cluster, tp=1, pp=2, v=2, global_batch=8, schedule="zero_bubble"),
+        )
     with pytest.raises(PlanError, match="'1f1b' runs one stage per rank; with v=2 use interleaved_1f1b"):
         megatron(
             demo_graph, cluster, PlanRequest.on(cluster, tp=1, pp=2, v=2, global_batch=8, schedule="1f1b")

@@ -46,6 +46,12 @@ def test_search_returns_the_fastest_planned_candidate_and_reports_every_one(demo
     chosen = next(c for c in report.candidates if c.outcome == "chosen")
     assert plan.parallel["model"] == chosen.request.parallel
     assert result.sim.step_time_s == chosen.step_s
+    fitting = [
+        c
+        for c in report.candidates
+        if c.outcome == "planned" and c.peak_bytes <= usable_memory_bytes(cluster.device.mem_bytes)
+    ]
+    assert fitting and all(chosen.step_s <= c.step_s for c in fitting)
     # Planned apart from the search, every candidate's plan simulates to at least its lower
     # bound, so a candidate pruned by its bound (no better than the best found) had no faster
     # plan; and none of those plans that fits beats the one chosen.

@@ -11,8 +11,9 @@ names the two layouts in use (``generate_stage_to_rank_mapping(pp, num_stages, s
   (the V shape of zero-bubble V schedules, Qi et al. 2024). Activations between the two stages
   at a turn stay on their rank.
 
-With v = 1 the two are the same. Every builder, schedule, solver and baseline asks this module
-where a stage goes; no other module computes a rank from a stage index.
+With v = 1 the two are the same. An encoder's own pipeline replicated along the LLM's ranks is
+placed by :func:`replicated_stage_ranks`. Every builder, schedule, solver and baseline asks this
+module where a stage goes; no other module computes a rank from a stage index.
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ def stage_to_rank(stage: int, pp: int, style: PlacementStyle | str = PlacementSt
     if PlacementStyle.parse(style) is PlacementStyle.V and chunk % 2:
         return pp - 1 - position
     return position
+
+
+def replicated_stage_ranks(stage: int, stages: int, pp: int) -> tuple[int, ...]:
+    """The ranks holding ``stage`` of a pipeline of ``stages`` stages that is replicated along
+    ``pp`` ranks, one copy per run of ``stages`` consecutive ranks: an encoder's own pipelines
+    along the LLM's (Optimus fig. 5: encoder pipeline k runs its stage i on rank k x PP_enc + i)."""
+    if stages < 1 or pp % stages or not 0 <= stage < stages:
+        raise PlanError(
+            f"stage {stage} of {stages} cannot be replicated along {pp} ranks; {stages} must divide {pp}"
+        )
+    return tuple(k * stages + stage for k in range(pp // stages))
 
 
 @dataclass(frozen=True, slots=True)

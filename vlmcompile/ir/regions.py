@@ -73,9 +73,12 @@ def region_from_keywords(path: str, *, generative: bool = False) -> Region | Non
     named = [region for region in found if region is not None]
     if not named:
         return None
-    if named[0] is Region.HEAD:
-        tower = next((r for r in named[1:] if r in ENCODER_REGIONS or r is Region.TEXT), None)
-        return tower or Region.HEAD
+    if (
+        named[0] is Region.HEAD
+        and len(named) > 1
+        and (named[1] in ENCODER_REGIONS or named[1] is Region.TEXT)
+    ):
+        return named[1]  # the nearest enclosing part only: an LLM inside a tower keeps its head
     return named[0]
 
 

@@ -17,8 +17,10 @@ sec. 2.3, challenge 2):
   transient of a running backward within the rank's memory at every step (the simulator's rule,
   :mod:`vlmcompile.sim.in_flight`).
 
-These are the timing rules of :func:`vlmcompile.sim.timeline.run_actions`: the step of a
-schedule here is the simulator's, less the DP collectives it models per layer.
+These are the timing rules of :func:`vlmcompile.sim.timeline.run_actions`, and
+:func:`evaluate_schedule` times the DP collectives as the simulator does
+(:mod:`vlmcompile.sim.dp`): the step of a layer-level schedule here is the simulator's. The
+CP-SAT model leaves the DP collectives out (its objective and bound are the actions' alone).
 
 :func:`greedy` is a list scheduler (each rank runs its next LLM action when it can, and ready
 encoder work when it would otherwise wait); :func:`solve_schedule` is the CP-SAT model (interval
@@ -28,6 +30,7 @@ from the greedy schedule. :func:`evaluate_schedule` times any schedule of the pr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -219,7 +222,8 @@ def _in_units(layer: dp.DPLayer, unit_s: float) -> dp.DPLayer:
 @dataclass(frozen=True, slots=True)
 class ScheduleEvaluation:
     step: int
-    """Units until the last action ends."""
+    """Units until the last action or the last DP gradient reduction ends, and any wait for
+    parameters included (:mod:`vlmcompile.sim.dp`)."""
     peak_bytes: tuple[int, ...]
     fits: bool
 
@@ -236,7 +240,7 @@ def evaluate_schedule(problem: BubbleProblem, actions: RankActions) -> ScheduleE
 
 
 def _step(problem: BubbleProblem, actions: RankActions) -> float:
-    if not problem.dp_layers:
+    if not any(layer.gather or layer.reduce for stage in problem.dp_layers for layer in stage):
         timed = run_actions(
             actions, problem.num_stages, duration=lambda a, _s: problem.duration(a), transfer=problem.transfer
         )
@@ -337,6 +341,7 @@ class _ListScheduler:
             self.commit,
             done=lambda: len(self.clock.ends) >= self.total,
             refresh_all=self.encoder_state,
+            what="the greedy bubble schedule",
         )
         return tuple(tuple(acts) for acts in self.out)
 
@@ -608,9 +613,9 @@ def solve_schedule(
                 "larger encoder PP, or fewer microbatches"
             )
         bound = int(solver.best_objective_bound) if status == cp_model.UNKNOWN else 0
-        return BubbleSolution(
-            hint, hinted.step, f"{name} (the warm start returned)", hinted.step, bound, wall
-        )
+        # The objective is the model's (no DP collectives), as CP-SAT's bound is.
+        objective = round(_step(dataclasses.replace(problem, dp_layers=()), hint))
+        return BubbleSolution(hint, hinted.step, f"{name} (the warm start returned)", objective, bound, wall)
     actions = model.read(solver)
     found = evaluate_schedule(problem, actions)
     if hinted.step < found.step and (hinted.fits or not memory):  # never worse than its start

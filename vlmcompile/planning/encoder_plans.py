@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.placement import replicated_stage_ranks
 from vlmcompile.ir.plan import Parallel, Stage
 from vlmcompile.ir.regions import ENCODER_SIDE  # the projector runs as the encoder's last layer (Optimus)
 from vlmcompile.planning.chunks import balanced_split, chunks_of
@@ -83,7 +84,7 @@ class EncoderPlan:
 
     def holders(self, part: int, llm: Parallel) -> tuple[int, ...]:
         """Pipeline ranks holding encoder stage ``part``: one per encoder pipeline."""
-        return tuple(k * self.pp + part for k in range(self.pipelines(llm)))
+        return replicated_stage_ranks(part, self.pp, llm.pp)
 
     def __str__(self) -> str:
         return f"encoder PP={self.pp} TP={self.tp}" + (

@@ -77,6 +77,7 @@ class ListClock:
         *,
         done: Callable[[], bool],
         refresh_all: Callable[[], Hashable] | None = None,
+        what: str = "the list scheduler",
     ) -> None:
         """Commit proposals until ``done()``.
 
@@ -85,6 +86,7 @@ class ListClock:
             commit: run the chosen action on its rank from its start (and :meth:`commit` it);
                 returns the other ranks whose proposals it may change.
             refresh_all: a value that, when it changes, makes every rank propose again.
+            what: the schedule being made, for the error when no rank can run anything.
         """
         proposals: dict[int, Proposal | None] = {}
         stale = set(range(self.num_ranks))
@@ -99,6 +101,6 @@ class ListClock:
                 default=None,
             )
             if best is None:
-                raise PlanError("the list scheduler is stuck: no rank can run its next action")
+                raise PlanError(f"{what} is stuck: no rank can run its next action")
             start, _, rank, action = best
             stale = {rank, *commit(rank, action, start)}

@@ -2,11 +2,12 @@
 
 A :class:`PartitionProblem` is per layer its forward and backward time, the extra backward
 time if it is recomputed, the activation bytes it keeps per microbatch with and without
-recompute, its model-state bytes, its DP gradient reduction and the transfer time of a cut
-right after it; plus the pipeline shape (p ranks, v virtual stages per rank, m microbatches)
-and, per rank, the activation counts the schedule holds at each step. :func:`partition_problem`
-reads them from the cost model; :func:`evaluate` says what one choice of cuts and recompute
-flags costs in step time and memory. The CP-SAT model (:mod:`vlmcompile.planning.stage_cuts`)
+recompute, its model-state bytes, its DP parameter all-gather and gradient reduction and the
+transfer time of a cut right after it; plus the pipeline shape (p ranks, v virtual stages per
+rank, m microbatches, the placement) and, per rank, the activation counts the schedule holds at
+each step. :func:`partition_problem` reads them from the cost model; :func:`evaluate` says what
+one choice of cuts and recompute flags costs in step time and memory, by the simulator's rules;
+:func:`model_evaluation_s` what the CP-SAT model says it costs. The CP-SAT model (:mod:`vlmcompile.planning.stage_cuts`)
 and the policies that search cuts (ours, OmniBal) all read these.
 """
 
@@ -219,7 +220,7 @@ def model_step(fig: StageFigures, timed: Sequence[Timed]) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Evaluation:
-    """The model's figures for one assignment (floats, no rounding)."""
+    """One assignment's step and memory by the simulator's rules (floats, no rounding)."""
 
     step_s: float
     peak_bytes: tuple[float, ...]

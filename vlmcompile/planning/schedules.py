@@ -9,7 +9,9 @@
   input-gradient (I) and weight-gradient (W) actions; W is deferred into the time a rank would
   otherwise wait, with 1F1B's bound on microbatches in flight (p - r on rank r, counted until W);
 * :func:`v_one_f_one_b` - 1F1B over a V-shaped placement (two or more chunks per rank, every
-  other chunk coming back up the ranks).
+  other chunk coming back up the ranks). Its bound on microbatches in flight (2p - r on rank r,
+  counted on the rank's first chunk until its backward) keeps the V busy where zero_bubble's
+  would not.
 
 The last two are made by one list scheduler (:func:`list_schedule`) over any placement
 (:mod:`vlmcompile.ir.placement`). Which rank holds a stage is always the placement's to say.
@@ -105,13 +107,20 @@ def zero_bubble(
     """ZB-H1-style (Qi et al. 2023): the backward split into I and W, list-scheduled in simulated
     time (:func:`list_schedule`) preferring I (it unblocks the rank before), then F, then W (it
     fills what would be a wait); rank r admits at most p - r microbatches, counted until their W.
-    With a V-shaped placement of two chunks this is a ZB-V-style schedule.
+    One stage per rank: with several, that bound holds microbatches back until their W comes back
+    from the end of the chain, and the pipeline runs them nearly one at a time (2x 1F1B's step at
+    p = 4), so v > 1 is refused until a schedule with its own bound (ZB-V) is written.
 
     Args:
         placement: where the stages sit (an int: p ranks, one stage each).
         stage_times: per action kind, one duration per stage; unit times if omitted.
     """
     placement = placement if isinstance(placement, Placement) else Placement(placement)
+    if placement.v > 1:
+        raise PlanError(
+            f"schedule 'zero_bubble' runs one stage per rank; with v={placement.v} use interleaved_1f1b "
+            "(or v_1f1b for a V-shaped placement)"
+        )
     p = placement.pp
     return list_schedule(placement, m, prefer=(I, F, W), admit=lambda r: p - r, stage_times=stage_times)
 
@@ -226,7 +235,12 @@ def list_schedule(
         clock.commit(a, r, start + times[a.kind][a.stage])
         return range(p)
 
-    clock.run(propose, commit, done=lambda: all(len(x) == per_rank for x in acts))
+    clock.run(
+        propose,
+        commit,
+        done=lambda: all(len(x) == per_rank for x in acts),
+        what=f"the list schedule of {p} ranks, v={placement.v}, {m} microbatches",
+    )
     return tuple(tuple(a) for a in acts)
 
 
@@ -279,7 +293,7 @@ def make_schedule(
     if v > 1 and placement.style is not PlacementStyle.LOOP:
         raise PlanError(
             f"schedule {schedule.value!r} runs the loop placement (stage k on rank k mod pp); a "
-            f"{placement.style.value!r} placement with v={v} runs v_1f1b or zero_bubble"
+            f"{placement.style.value!r} placement with v={v} runs v_1f1b"
         )
     if schedule is Schedule.INTERLEAVED_1F1B:
         return interleaved_one_f_one_b(p, m, v)

@@ -83,7 +83,7 @@ def runnable_degrees(plan: Plan) -> Parallel:
     ):
         raise PlanError(
             "the runtime runs full backward actions (B); this plan splits backwards into I and W "
-            "(zero_bubble) - plan with 1f1b or interleaved_1f1b"
+            "(zero_bubble) - plan with 1f1b, interleaved_1f1b or (a V-shaped placement) v_1f1b"
         )
     return plan.pipeline_parallel
 

@@ -261,13 +261,12 @@ def simulate(
     ]
     # Our runtime (what a plan for local ranks runs on) reduces the gradients after the rank's last
     # action, in one collective per group; Megatron-LM overlaps them bucket by bucket.
-    last_end = [max((r.end_s for r in runs if r.rank == k), default=0.0) for k in range(num_ranks)]
-    reduced_end, reductions = dp.reduction(
-        backwards,
-        stage_layers,
-        num_ranks,
-        after_last_action=last_end if cluster.ranks_on_this_machine else None,
-    )
+    last_end = None
+    if cluster.ranks_on_this_machine:
+        last_end = [0.0] * num_ranks
+        for r in runs:
+            last_end[r.rank] = max(last_end[r.rank], r.end_s)
+    reduced_end, reductions = dp.reduction(backwards, stage_layers, num_ranks, after_last_action=last_end)
     compute_end = max(r.end_s for r in runs)
     step = dp.step_end(compute_end, reduced_end)
     bubbles = _bubbles(runs, num_ranks, step, compute_end)
