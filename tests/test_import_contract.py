@@ -36,8 +36,9 @@ ALLOWED = {
     "sim": {"ir", "cost_models", "sim"},
     "runtime": {"ir", "runtime"},
     "models": {"ir", "models"},
-    "passes": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "passes"},
-    "top": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "models", "passes", "top"},
+    "data": {"ir", "data"},
+    "passes": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "data", "passes"},
+    "top": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "models", "data", "passes", "top"},
 }
 COMPILER_USERS = {"vlmcompile", "vlmcompile.cli", "vlmcompile.demo", "vlmcompile.train_job"}
 """The package's own __init__ (``vlmcompile.compile``), the CLI, the demo and the train command."""

@@ -15,6 +15,11 @@ class SampleBatchError(VlmCompileError):
     """The sample batch does not fit the model's forward signature."""
 
 
+class DataError(VlmCompileError, ValueError):
+    """A sample, dataset or manifest that cannot be planned for or trained on (its message names
+    the sample and what to do)."""
+
+
 class RegionError(VlmCompileError):
     """Regions (vision, projector, llm, head) could not be assigned to the model's layers."""
 
