@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.errors import PlanError, choice
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.placement import stage_to_rank
 from vlmcompile.ir.plan import Decision, Reason
@@ -62,13 +62,7 @@ class EncoderPlacement(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: EncoderPlacement | str) -> EncoderPlacement:
-        try:
-            return cls(value)
-        except ValueError:
-            raise PlanError(
-                f"placement={value!r} is not a Megatron encoder placement; choose one of "
-                f"{', '.join(p.value for p in cls)}"
-            ) from None
+        return choice(cls, value, "Megatron encoder placement")
 
 
 PLACEMENT_SOURCES = {

@@ -32,7 +32,7 @@ def test_every_rank_holds_v_stages_and_every_stage_one_rank():
 
 
 def test_bad_placements_are_refused_naming_the_value():
-    with pytest.raises(PlanError, match="'zigzag' is not a stage placement; choose one of loop, v"):
+    with pytest.raises(PlanError, match="stage placement 'zigzag' is unknown; choose one of loop, v"):
         Placement(2, 2, "zigzag")
     with pytest.raises(PlanError, match="stage 4 is outside the 4 stages"):
         Placement(2, 2).rank_of(4)

@@ -117,7 +117,7 @@ def test_chain_gives_the_remainder_to_the_first_stages(demo_graph):
     [
         (
             {"placement": "ring"},
-            r"placement='ring' is not a Megatron encoder placement; choose one of llava, chain, uneven",
+            r"Megatron encoder placement 'ring' is unknown; choose one of llava, chain, uneven",
         ),
         (
             {"placement": "chain", "v": 4},

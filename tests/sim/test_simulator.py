@@ -105,17 +105,6 @@ def test_step_and_idle_time_agree_with_the_reference(case):
         assert all(v >= 0 for v in r.idle_s.values())
 
 
-@pytest.fixture(scope="module")
-def demo_plan(demo_graph):
-    cluster = Cluster.preset("h100x16")
-    return megatron(demo_graph, cluster, PlanRequest.on(cluster, tp=2, pp=4, global_batch=16)).plan
-
-
-@pytest.fixture(scope="module")
-def demo_run(demo_graph, demo_plan):
-    return simulate(demo_plan, demo_graph, Cluster.preset("h100x16"))
-
-
 def test_a_real_plan_accounts_for_every_second_on_every_rank(demo_run):
     for r in demo_run.ranks:
         assert r.busy_s > 0

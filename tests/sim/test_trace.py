@@ -6,22 +6,8 @@ import json
 import pytest
 
 from tests.sim_helpers import bubble_plan_with_tp, rider_and_host
-from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.passes.megatron import megatron
-from vlmcompile.planning.request import PlanRequest
 from vlmcompile.sim.simulator import simulate
 from vlmcompile.sim.trace import chrome_trace, write_chrome_trace, write_png
-
-
-@pytest.fixture(scope="module")
-def demo_plan(demo_graph):
-    cluster = Cluster.preset("h100x16")
-    return megatron(demo_graph, cluster, PlanRequest.on(cluster, tp=2, pp=4, global_batch=16)).plan
-
-
-@pytest.fixture(scope="module")
-def demo_run(demo_graph, demo_plan):
-    return simulate(demo_plan, demo_graph, Cluster.preset("h100x16"))
 
 
 def test_chrome_trace_follows_the_trace_event_format(demo_plan, demo_run, tmp_path):

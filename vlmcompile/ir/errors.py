@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class VlmCompileError(Exception):
     """Base class of every error vlmcompile raises for bad input."""
@@ -67,3 +69,14 @@ def positive_number(name: str, value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise ArgumentError(f"{name}={value!r}; give {what} (a finite number > 0)")
     return float(value)
+
+
+def choice(kind: type, value: Any, what: str) -> Any:
+    """``value`` as a member of the str enum ``kind``, or a :class:`PlanError` naming it as ``what``
+    and every member to choose from."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise PlanError(
+            f"{what} {value!r} is unknown; choose one of {', '.join(m.value for m in kind)}"
+        ) from None

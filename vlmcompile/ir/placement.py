@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.errors import PlanError, choice
 
 
 class PlacementStyle(str, enum.Enum):
@@ -33,12 +33,7 @@ class PlacementStyle(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: PlacementStyle | str) -> PlacementStyle:
-        try:
-            return cls(value)
-        except ValueError:
-            raise PlanError(
-                f"placement {value!r} is not a stage placement; choose one of {', '.join(s.value for s in cls)}"
-            ) from None
+        return choice(cls, value, "stage placement")
 
 
 def stage_to_rank(stage: int, pp: int, style: PlacementStyle | str = PlacementStyle.LOOP) -> int:

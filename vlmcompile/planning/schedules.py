@@ -25,7 +25,7 @@ import enum
 from collections.abc import Callable, Mapping
 
 from vlmcompile.ir.actions import Action, ActionKind
-from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.errors import PlanError, choice
 from vlmcompile.ir.placement import Placement, PlacementStyle
 from vlmcompile.planning.list_clock import ListClock, Proposal
 
@@ -258,12 +258,7 @@ class Schedule(str, enum.Enum):
 
     @classmethod
     def parse(cls, name: Schedule | str) -> Schedule:
-        try:
-            return cls(name)
-        except ValueError:
-            raise PlanError(
-                f"unknown schedule {name!r}; choose one of {', '.join(s.value for s in cls)}"
-            ) from None
+        return choice(cls, name, "schedule")
 
     @classmethod
     def default(cls, v: int, placement: PlacementStyle | str = PlacementStyle.LOOP) -> Schedule:
