@@ -1,0 +1,131 @@
+"""Packing: samples of any image count and length in fixed-size microbatches, trained exactly
+like the same samples right-padded in one batch (``model(**padded).loss``), on the transformers
+models the families describe."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.models import needs_transformers
+from vlmcompile.data.families import TileFamily, family_of
+from vlmcompile.data.packing import assign_rows, pack, packed_attention_mask, padded_batch, sample_length
+from vlmcompile.data.synthetic import SyntheticDataset
+from vlmcompile.ir.errors import DataError
+
+TINY = TileFamily("llava", image_token_id=100, side=28, channels=3, tokens_per_tile=4, max_tiles=1)
+
+DATASETS = {  # family -> (distribution, pixel scale to the tiny models' 28 px)
+    "hf-llava": ("llava-chat", 28 / 640),
+    "hf-internvl": ("internvl-tiles", 28 / 448),
+    "hf-qwen2-vl": ("qwen-native", 1 / 16),
+    "hf-qwen2.5-vl": ("interleaved", 28 / 640),
+}
+
+
+def _gradients(model):
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_packed_microbatches_train_like_the_padded_batch(name):
+    from vlmcompile.models import hf_tiny
+
+    model = hf_tiny.build(name, batch=1)[0]
+    family = family_of(model)
+    distribution, pixel_scale = DATASETS[name]
+    dataset = SyntheticDataset(
+        distribution, family, 64, seed=1, text_only=0.25, text_scale=1 / 30, pixel_scale=pixel_scale
+    )
+    text_only = next(i for i in range(6, 64) if not dataset.sizes(i).images)
+    samples = [dataset[i] for i in [*range(6), text_only]]
+    rows = [family.vision_rows(s) for s in samples]
+    assert 0 in rows and max(rows) > 0 and len({s["input_ids"].numel() for s in samples}) > 3
+
+    padded = padded_batch(samples, family)
+    expected = model(**padded).loss
+    expected.backward()
+    expected_grads = _gradients(model)
+
+    lengths = [s["input_ids"].numel() for s in samples]
+    budget = max(max(lengths), sum(lengths) // 3) + 5  # room for all 7 in 4 rows
+    packing = pack(samples, family, tokens=budget, num_microbatches=4)
+    assert not packing.deferred and sorted(
+        i for mb in packing.microbatches for row in mb.samples for i in row
+    ) == list(range(7))
+    label_tokens = torch.tensor(packing.label_tokens)
+    total = 0
+    for mb in packing.microbatches:
+        assert mb.inputs["input_ids"].shape == (1, budget)  # static whatever the samples
+        loss = model(**mb.inputs, num_items_in_batch=label_tokens).loss
+        loss.backward()
+        total = total + loss.detach()
+    torch.testing.assert_close(total, expected.detach())
+    grads = _gradients(model)
+    assert grads.keys() == expected_grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[key], msg=key)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=20),
+    rows=st.integers(1, 5),
+    tokens=st.integers(1, 60),
+)
+def test_every_sample_lands_in_one_row_or_is_deferred(lengths, rows, tokens):
+    per_row, deferred = assign_rows(lengths, rows, tokens)
+    placed = [i for row in per_row for i in row]
+    assert sorted(placed + deferred) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= tokens for row in per_row)
+    free = [tokens - sum(lengths[i] for i in row) for row in per_row]
+    assert all(lengths[i] > max(free) for i in deferred)  # deferred only what fits nowhere
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5), pad=st.integers(0, 4))
+def test_no_token_attends_across_samples_or_to_the_future(lengths, pad):
+    segment = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), -1)])[None]
+    mask = packed_attention_mask(segment)[0, 0]
+    q, k = torch.meshgrid(torch.arange(len(segment[0])), torch.arange(len(segment[0])), indexing="ij")
+    s = segment[0]
+    own = (s[q] == s[k]) & (k <= q) & (s[q] >= 0)
+    torch.testing.assert_close(mask, own | (q == k))
+    assert mask.any(-1).all()  # no query without a key: softmax stays finite
+
+
+def _sample(tokens, tiles, image_tokens=None):
+    ids = torch.randint(3, 90, (tokens,))
+    ids[1 : 1 + (4 * tiles if image_tokens is None else image_tokens)] = 100
+    return {
+        "input_ids": ids[None],
+        "labels": ids[None].clone(),
+        "pixel_values": torch.zeros(tiles, 3, 28, 28),
+    }
+
+
+def test_what_fits_in_no_row_is_deferred_to_the_next_step():
+    samples = [_sample(10, 1), _sample(9, 0), _sample(8, 1), _sample(7, 0)]
+    packing = pack(samples, TINY, tokens=12, num_microbatches=2)
+    assert packing.deferred == (2, 3)  # 8 and 7 tokens: 2 and 3 are left in the rows
+    assert [mb.samples for mb in packing.microbatches] == [((0,),), ((1,),)]
+    assert packing.pad_share == pytest.approx(1 - 19 / 24)
+
+
+def test_bad_samples_are_refused_naming_them():
+    with pytest.raises(DataError, match="sample 1 has 3 image tokens .* where its images make 4"):
+        pack([_sample(10, 1), _sample(10, 1, image_tokens=3)], TINY, tokens=16, num_microbatches=1)
+    with pytest.raises(DataError, match="sample 1 takes 30 LLM tokens, more than a microbatch row's 16"):
+        pack([_sample(10, 1), _sample(30, 1)], TINY, tokens=16, num_microbatches=1)
+    with pytest.raises(DataError, match="no samples to pack"):
+        pack([], TINY, tokens=16, num_microbatches=1)
+    foreign = _sample(10, 1) | {"image_grid_thw": torch.tensor([[1, 2, 2]])}
+    with pytest.raises(DataError, match=r"sample 0 holds \['image_grid_thw'\].* another model family"):
+        sample_length(foreign, TINY, 0)
+    with pytest.raises(DataError, match="sample 0 has no labels"):
+        sample_length({"input_ids": torch.ones(1, 4, dtype=torch.long)}, TINY, 0)
+    with pytest.raises(DataError, match=r"pixel_values is \[1, 3, 14, 14\]"):
+        sample_length(_sample(10, 0) | {"pixel_values": torch.zeros(1, 3, 14, 14)}, TINY, 0)

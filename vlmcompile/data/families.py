@@ -1,0 +1,294 @@
+"""How one model family lays out a sample's images, as its transformers processor returns them
+for one example, and the per-sample facts the packer needs from it.
+
+Two layouts cover LLaVA-1.5, InternVL and Qwen2-VL / Qwen2.5-VL:
+* :class:`TileFamily` - ``pixel_values`` of shape (tiles, channels, side, side), every tile the
+  same number of image tokens in ``input_ids`` (LLaVA: one tile an image; InternVL: 1-12 tiles
+  and a thumbnail). The tiles of several samples are joined along the first dimension in
+  token order, as a padded batch of them would hold them.
+* :class:`PatchStreamFamily` - ``pixel_values`` of shape (patches, patch_dim) with one
+  ``image_grid_thw`` row (frames, height, width in patches) per image, one image token per
+  ``merge x merge`` patches, each image between a vision-start and a vision-end token, and 3-D
+  M-RoPE positions (:func:`mrope_positions`).
+
+A sample is a dict of tensors with a leading batch dimension of one for the per-token keys
+(``input_ids``, ``labels``: shape (1, length)), as a processor returns it; a text-only sample
+has no image keys, or image keys with no rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlmcompile.data.images import internvl_grid, qwen2_vl_size
+from vlmcompile.ir.errors import DataError
+from vlmcompile.ir.microbatch import IGNORE_INDEX
+
+Sample = Mapping[str, Any]
+
+
+def tokens_of(sample: Sample, where: str) -> torch.Tensor:
+    """The sample's token ids as one row, or a :class:`DataError` naming ``where``."""
+    ids = sample.get("input_ids") if isinstance(sample, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or (ids.dim() == 2 and ids.shape[0] != 1):
+        got = list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise DataError(
+            f"{where}: input_ids is {got}; a sample holds one example's token ids, shape (1, length) as a "
+            "processor returns them"
+        )
+    if ids.numel() == 0:
+        raise DataError(f"{where} has no tokens; drop it from the dataset")
+    return ids.reshape(-1)
+
+
+def labels_of(sample: Sample, where: str) -> torch.Tensor:
+    """The sample's labels as one row (its token ids, image tokens ignored, where it has none)."""
+    ids = tokens_of(sample, where)
+    labels = sample.get("labels")
+    if labels is None:
+        raise DataError(f"{where} has no labels; give each sample labels (-100 where the loss skips a token)")
+    if not isinstance(labels, torch.Tensor) or labels.numel() != ids.numel():
+        got = list(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise DataError(f"{where}: labels are {got} for {ids.numel()} tokens; give one label a token")
+    return labels.reshape(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class TileFamily:
+    """Images as fixed-size tiles, ``tokens_per_tile`` image tokens each."""
+
+    name: str
+    image_token_id: int
+    side: int
+    """Tile side in pixels."""
+    channels: int
+    tokens_per_tile: int
+    max_tiles: int
+    """Tiles of one image (1 for LLaVA; InternVL: up to 12, and a thumbnail when more than one)."""
+
+    image_keys = ("pixel_values",)
+    token_keys: tuple[str, ...] = ()
+
+    def tiles(self, height: int, width: int) -> int:
+        """Tiles an image of ``height`` x ``width`` pixels becomes."""
+        if self.max_tiles == 1:
+            return 1
+        columns, rows = internvl_grid(height, width, tile=self.side, max_tiles=self.max_tiles)
+        return columns * rows + (1 if columns * rows > 1 else 0)
+
+    def vision_rows(self, sample: Sample) -> int:
+        pixels = sample.get("pixel_values")
+        return 0 if pixels is None else int(pixels.shape[0])
+
+    def expected_image_tokens(self, sample: Sample, where: str) -> int:
+        pixels = sample.get("pixel_values")
+        if pixels is None:
+            return 0
+        shape = (self.channels, self.side, self.side)
+        if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or tuple(pixels.shape[1:]) != shape:
+            got = list(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+            raise DataError(
+                f"{where}: pixel_values is {got}; {self.name} takes tiles of shape (tiles, {', '.join(map(str, shape))})"
+            )
+        return int(pixels.shape[0]) * self.tokens_per_tile
+
+    def join_images(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+        tiles = [s["pixel_values"] for s in samples if self.vision_rows(s)]
+        return {"pixel_values": torch.cat(tiles)} if tiles else {}
+
+    def positions(self, sample: Sample) -> torch.Tensor:
+        return torch.arange(tokens_of(sample, "sample").numel())
+
+    def synthesize(self, text_tokens: int, images: Sequence[tuple[int, int]], generator) -> dict:
+        tiles = [self.tiles(h, w) for h, w in images]
+        blocks = [torch.full((n * self.tokens_per_tile,), self.image_token_id) for n in tiles]
+        sample = _chat(blocks, text_tokens, self.image_token_id, generator)
+        if tiles:
+            sample["pixel_values"] = torch.randn(
+                sum(tiles), self.channels, self.side, self.side, generator=generator
+            )
+        return sample
+
+
+@dataclass(frozen=True, slots=True)
+class PatchStreamFamily:
+    """Images as a stream of flattened patches with a (frames, height, width) grid each."""
+
+    name: str
+    image_token_id: int
+    vision_start_id: int
+    vision_end_id: int
+    patch: int
+    merge: int
+    temporal_patch: int
+    channels: int
+    min_pixels: int
+    max_pixels: int
+
+    image_keys = ("pixel_values", "image_grid_thw")
+    token_keys = ("mm_token_type_ids",)
+
+    @property
+    def patch_dim(self) -> int:
+        return self.channels * self.temporal_patch * self.patch * self.patch
+
+    def grid(self, height: int, width: int) -> tuple[int, int, int]:
+        h, w = qwen2_vl_size(
+            height,
+            width,
+            factor=self.patch * self.merge,
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+        )
+        return 1, h // self.patch, w // self.patch
+
+    def vision_rows(self, sample: Sample) -> int:
+        pixels = sample.get("pixel_values")
+        return 0 if pixels is None else int(pixels.shape[0])
+
+    def expected_image_tokens(self, sample: Sample, where: str) -> int:
+        pixels, grids = sample.get("pixel_values"), sample.get("image_grid_thw")
+        if pixels is None and grids is None:
+            return 0
+        if not isinstance(grids, torch.Tensor) or grids.dim() != 2 or grids.shape[1] != 3:
+            got = list(grids.shape) if isinstance(grids, torch.Tensor) else type(grids).__name__
+            raise DataError(f"{where}: image_grid_thw is {got}; {self.name} takes one (t, h, w) row an image")
+        patches = int(grids.prod(-1).sum())
+        if not isinstance(pixels, torch.Tensor) or tuple(pixels.shape) != (patches, self.patch_dim):
+            got = list(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+            raise DataError(
+                f"{where}: pixel_values is {got}, its image_grid_thw {grids.tolist()} asks for "
+                f"[{patches}, {self.patch_dim}] (one row of {self.patch_dim} values a patch)"
+            )
+        return patches // (self.merge * self.merge)
+
+    def join_images(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+        having = [s for s in samples if self.vision_rows(s)]
+        if not having:
+            return {}
+        return {
+            "pixel_values": torch.cat([s["pixel_values"] for s in having]),
+            "image_grid_thw": torch.cat([s["image_grid_thw"] for s in having]),
+        }
+
+    def positions(self, sample: Sample) -> torch.Tensor:
+        ids = tokens_of(sample, "sample")
+        grids = sample.get("image_grid_thw")
+        rows = [] if grids is None else [tuple(int(v) for v in g) for g in grids.tolist()]
+        return mrope_positions(ids == self.image_token_id, rows, self.merge)
+
+    def synthesize(self, text_tokens: int, images: Sequence[tuple[int, int]], generator) -> dict:
+        grids = [self.grid(h, w) for h, w in images]
+        blocks = [
+            torch.cat(
+                [
+                    torch.tensor([self.vision_start_id]),
+                    torch.full((t * h * w // self.merge**2,), self.image_token_id),
+                    torch.tensor([self.vision_end_id]),
+                ]
+            )
+            for t, h, w in grids
+        ]
+        sample = _chat(blocks, text_tokens, self.image_token_id, generator)
+        ids = sample["input_ids"]
+        sample["mm_token_type_ids"] = (ids == self.image_token_id).long()
+        if grids:
+            patches = sum(t * h * w for t, h, w in grids)
+            sample["pixel_values"] = torch.randn(patches, self.patch_dim, generator=generator)
+            sample["image_grid_thw"] = torch.tensor(grids)
+        return sample
+
+
+Family = TileFamily | PatchStreamFamily
+
+
+def mrope_positions(
+    image_token: torch.Tensor, grids: Sequence[tuple[int, int, int]], merge: int
+) -> torch.Tensor:
+    """Qwen2-VL's 3-D rotary positions (temporal, height, width) of one sample, shape (3, length):
+    a text token advances all three by one; an image's tokens take ``start + (t, h, w)`` over its
+    merged grid, and the text after it starts at ``start + max(h, w) / merge`` (transformers'
+    ``Qwen2VLModel.get_rope_index`` for images, restated so the data path needs no model)."""
+    length = image_token.numel()
+    out = torch.empty(3, length, dtype=torch.long)
+    kinds = image_token.tolist()
+    position, i, image = 0, 0, 0
+    while i < length:
+        j = i
+        while j < length and kinds[j] == kinds[i]:
+            j += 1
+        if not kinds[i]:
+            out[:, i:j] = torch.arange(position, position + j - i)
+            position += j - i
+        else:
+            if image >= len(grids):
+                raise DataError(f"a sample has more image-token runs than its {len(grids)} image grids")
+            t, h, w = grids[image]
+            h, w = h // merge, w // merge
+            if t * h * w != j - i:
+                raise DataError(
+                    f"image {image} of a sample has {j - i} image tokens where its grid {grids[image]} makes {t * h * w}"
+                )
+            out[0, i:j] = position + torch.arange(t).repeat_interleave(h * w)
+            out[1, i:j] = position + torch.arange(h).repeat_interleave(w).repeat(t)
+            out[2, i:j] = position + torch.arange(w).repeat(t * h)
+            position += max(h, w)
+            image += 1
+        i = j
+    return out
+
+
+def _chat(blocks: list[torch.Tensor], text_tokens: int, image_token_id: int, generator) -> dict:
+    """A sample of ``text_tokens`` random text tokens with the image ``blocks`` spread among
+    them (after a first text token); the labels are its text tokens, nothing else."""
+    text = torch.randint(3, max(4, image_token_id - 4), (text_tokens,), generator=generator)
+    cuts = [1 + k * (text_tokens - 1) // max(1, len(blocks)) for k in range(len(blocks))] + [text_tokens]
+    pieces = [(text[: cuts[0]], True)]
+    for k, block in enumerate(blocks):
+        pieces += [(block, False), (text[cuts[k] : cuts[k + 1]], True)]
+    ids = torch.cat([p for p, _ in pieces])
+    labels = torch.cat([p if is_text else torch.full_like(p, IGNORE_INDEX) for p, is_text in pieces])
+    return {"input_ids": ids[None], "labels": labels[None]}
+
+
+def family_of(model: Any) -> Family:
+    """The data family of a transformers VLM, read from its config."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    vision = getattr(config, "vision_config", None)
+    if kind == "llava" and vision is not None:
+        side, patch = _int(vision.image_size), _int(vision.patch_size)
+        extra = 1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0
+        return TileFamily(
+            "llava", config.image_token_id, side, vision.num_channels, (side // patch) ** 2 + extra, 1
+        )
+    if kind == "internvl" and vision is not None:
+        side, patch = _int(vision.image_size), _int(vision.patch_size)
+        tokens = int((side // patch) ** 2 * config.downsample_ratio**2)
+        return TileFamily("internvl", config.image_token_id, side, vision.num_channels, tokens, 12)
+    if kind in ("qwen2_vl", "qwen2_5_vl") and vision is not None:
+        factor = vision.patch_size * vision.spatial_merge_size
+        return PatchStreamFamily(
+            kind.replace("_", "-").replace("2-5", "2.5"),
+            config.image_token_id,
+            config.vision_start_token_id,
+            config.vision_end_token_id,
+            vision.patch_size,
+            vision.spatial_merge_size,
+            vision.temporal_patch_size,
+            vision.in_channels,
+            min_pixels=factor * factor,
+            max_pixels=vision.patch_size**2 * vision.spatial_merge_size**2 * 1280,
+        )
+    raise DataError(
+        f"vlmcompile.data has no sample layout for {type(model).__name__} (model_type {kind!r}); the families it "
+        "packs are LLaVA, InternVL, Qwen2-VL and Qwen2.5-VL"
+    )
+
+
+def _int(value: Any) -> int:
+    return int(value[0] if isinstance(value, (list, tuple)) else value)

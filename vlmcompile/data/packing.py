@@ -1,0 +1,195 @@
+"""Samples of a global batch packed into microbatches of a fixed token budget.
+
+Every microbatch is ``rows`` rows of ``tokens`` LLM tokens whatever its samples, so the LLM's
+stage boundaries never change shape. Inside a row, samples sit one after the other and never
+see each other: the attention mask is block-diagonal and causal per sample (a 4-D boolean mask,
+which transformers models take as it is), positions restart at every sample (Qwen's 3-D M-RoPE
+positions too), and the first label of every sample is ignored, so the last token of one sample
+does not learn to predict the next sample. Padding tokens attend to themselves only and carry no
+label. Loss and gradients then equal those of the same samples right-padded in one batch
+(:func:`padded_batch`, what ``model(**batch).loss`` trains on), tested for every family.
+
+The images of a microbatch are its samples' images joined in token order (the family's layout).
+
+Rules, stated once:
+* A sample longer than ``tokens`` is refused (:class:`DataError` naming it and its length):
+  cutting text or image tokens would train on something else than the dataset holds.
+* Samples go longest first to the emptiest row they fit (a balanced first fit); what fits in
+  no row of this step is *deferred*, returned to the caller to open the next step with,
+  never dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vlmcompile.data.families import Family, PatchStreamFamily, Sample, labels_of, tokens_of
+from vlmcompile.ir.errors import DataError, positive_int
+from vlmcompile.ir.microbatch import IGNORE_INDEX
+
+PAD_TOKEN = 0
+"""Token id of padding: never attended to by a sample's token and never a label."""
+
+
+def sample_length(sample: Sample, family: Family, index: int) -> int:
+    """The sample's LLM tokens, after checking it is one of ``family``'s samples whose image
+    tokens match its images (a :class:`DataError` naming sample ``index`` and the fix)."""
+    where = f"sample {index}"
+    ids = tokens_of(sample, where)
+    labels_of(sample, where)
+    image_keys = {"pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_flags"}
+    foreign = sorted(k for k in sample if k in image_keys and k not in family.image_keys)
+    if foreign:
+        raise DataError(
+            f"{where} holds {foreign}, which {family.name} models do not take: it was made for another model "
+            f"family; build the dataset with the model's own processor (its images go in {list(family.image_keys)})"
+        )
+    found = int((ids == family.image_token_id).sum())
+    expected = family.expected_image_tokens(sample, where)
+    if found != expected:
+        raise DataError(
+            f"{where} has {found} image tokens (id {family.image_token_id}) where its images make {expected}; "
+            "the processor that made it expanded the image placeholders for another image size or model: "
+            "process the sample with this model's processor"
+        )
+    return int(ids.numel())
+
+
+@dataclass(frozen=True, slots=True)
+class PackedMicrobatch:
+    inputs: dict[str, torch.Tensor]
+    """The model's inputs: ``input_ids``, ``labels``, ``position_ids``, a 4-D ``attention_mask``
+    and the images."""
+    samples: tuple[tuple[int, ...], ...]
+    """Per row, the indices (in the packed sample list) of its samples, in order."""
+    tokens: int
+    """Sample tokens in it (the rest is padding)."""
+    vision_rows: int
+    """Rows of image input (tiles or patches) it carries."""
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    microbatches: tuple[PackedMicrobatch, ...]
+    deferred: tuple[int, ...]
+    """Samples that fit in no row of this step, for the next."""
+    tokens_per_row: int
+    label_tokens: int
+    """Label tokens of the packed samples: the loss of the step is their mean, so each
+    microbatch's loss is its sum over this count (transformers' ``num_items_in_batch``)."""
+
+    @property
+    def pad_share(self) -> float:
+        capacity = sum(mb.inputs["input_ids"].numel() for mb in self.microbatches)
+        return 1 - sum(mb.tokens for mb in self.microbatches) / capacity
+
+
+def assign_rows(lengths: Sequence[int], num_rows: int, tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Sample indices per row (longest first, each to the emptiest row it fits; a row keeps its
+    samples in index order) and the indices that fit nowhere."""
+    rows: list[list[int]] = [[] for _ in range(num_rows)]
+    used = [0] * num_rows
+    deferred = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [r for r in range(num_rows) if used[r] + lengths[i] <= tokens]
+        if not fits:
+            deferred.append(i)
+            continue
+        r = min(fits, key=lambda r: (used[r], r))
+        rows[r].append(i)
+        used[r] += lengths[i]
+    return [sorted(r) for r in rows], sorted(deferred)
+
+
+def pack(
+    samples: Sequence[Sample], family: Family, *, tokens: int, num_microbatches: int, rows: int = 1
+) -> Packing:
+    """``samples`` in ``num_microbatches`` microbatches of ``rows`` x ``tokens`` LLM tokens."""
+    positive_int("tokens", tokens, "the LLM tokens of one microbatch row")
+    positive_int("num_microbatches", num_microbatches, "the microbatches of one step")
+    positive_int("rows", rows, "the rows of one microbatch")
+    if not samples:
+        raise DataError("no samples to pack; give a global batch of at least one sample")
+    lengths = [sample_length(s, family, i) for i, s in enumerate(samples)]
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > tokens]
+    if too_long:
+        i, n = max(too_long, key=lambda x: x[1])
+        raise DataError(
+            f"sample {i} takes {n} LLM tokens, more than a microbatch row's {tokens} "
+            f"({len(too_long)} of {len(samples)} samples do); raise the token budget to at least {n}, or leave "
+            "such samples out of the dataset (vlmcompile cuts neither text nor images)"
+        )
+    per_row, deferred = assign_rows(lengths, num_microbatches * rows, tokens)
+    microbatches = tuple(
+        _microbatch(samples, per_row[k * rows : (k + 1) * rows], family, tokens, lengths)
+        for k in range(num_microbatches)
+    )
+    label_tokens = sum(int((mb.inputs["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
+    return Packing(microbatches, tuple(deferred), tokens, label_tokens)
+
+
+def _microbatch(
+    samples: Sequence[Sample], rows: list[list[int]], family: Family, tokens: int, lengths: Sequence[int]
+) -> PackedMicrobatch:
+    n = len(rows)
+    ids = torch.full((n, tokens), PAD_TOKEN, dtype=torch.long)
+    labels = torch.full((n, tokens), IGNORE_INDEX, dtype=torch.long)
+    segment = torch.full((n, tokens), -1, dtype=torch.long)
+    stream = isinstance(family, PatchStreamFamily)
+    positions = torch.zeros((3, n, tokens) if stream else (n, tokens), dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            end = start + lengths[i]
+            ids[r, start:end] = tokens_of(samples[i], f"sample {i}")
+            labels[r, start:end] = labels_of(samples[i], f"sample {i}")
+            labels[r, start] = IGNORE_INDEX  # nothing before it in its sample predicts it
+            segment[r, start:end] = i
+            positions[..., r, start:end] = family.positions(samples[i])
+            start = end
+    inputs = {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": packed_attention_mask(segment),
+        "position_ids": positions,
+    }
+    for key in family.token_keys:
+        inputs[key] = (ids == family.image_token_id).long()
+    in_order = [samples[i] for row in rows for i in row]
+    inputs.update(family.join_images(in_order))
+    return PackedMicrobatch(
+        inputs,
+        tuple(tuple(row) for row in rows),
+        sum(lengths[i] for row in rows for i in row),
+        sum(family.vision_rows(s) for s in in_order),
+    )
+
+
+def packed_attention_mask(segment: torch.Tensor) -> torch.Tensor:
+    """(rows, 1, tokens, tokens) boolean mask, True where a query may attend to a key: earlier or
+    the same position of its own sample (``segment`` holds each token's sample, -1 on padding,
+    which attends to itself alone so that no row of the mask is empty)."""
+    tokens = segment.shape[-1]
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
+    return ((same & causal) | torch.eye(tokens, dtype=torch.bool))[:, None]
+
+
+def padded_batch(samples: Sequence[Sample], family: Family) -> dict[str, torch.Tensor]:
+    """The samples right-padded into one batch, as a transformers training loop feeds them:
+    a 0/1 ``attention_mask``, labels -100 on padding, the images joined in sample order."""
+    lengths = [sample_length(s, family, i) for i, s in enumerate(samples)]
+    longest = max(lengths)
+    ids = torch.full((len(samples), longest), PAD_TOKEN, dtype=torch.long)
+    labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(samples), longest), dtype=torch.long)
+    for i, (s, n) in enumerate(zip(samples, lengths)):
+        ids[i, :n], labels[i, :n], mask[i, :n] = tokens_of(s, f"sample {i}"), labels_of(s, f"sample {i}"), 1
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    for key in family.token_keys:
+        batch[key] = (ids == family.image_token_id).long()
+    batch.update(family.join_images(samples))
+    return batch
