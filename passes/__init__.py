@@ -3,6 +3,7 @@
 | file                 | pass              | kind     | does |
 |----------------------|-------------------|----------|------|
 | capture.py           | capture           | graph    | model + sample batch -> fx.GraphModule, nodes tagged with layer and region; the loss-split check |
+| capture_packed.py    | capture           | graph    | samples of different shapes: one capture for every packed microbatch, checked against eager on all of them |
 | annotate.py          | annotate          | graph    | FLOPs (attention apart), memory traffic, saved bytes, parameter and boundary bytes per node and layer; the LayerGraph |
 | profile.py           | profile           | graph    | every layer's forward and backward timed on the device at hand (the cost model's measured times) |
 | partition.py         | partition         | planning | ours: stage cuts and per-layer recompute chosen together by CP-SAT, under every rank's memory |

@@ -86,12 +86,16 @@ class CaptureReport:
     """Runtime assertions export inserted (they hold on the sample batch; the runtime runs them)."""
     specialized: Specialization | None = None
     """Batch inputs whose values the graph is fixed to, and why."""
+    packed: str | None = None
+    """For packed training data: the one capture's layout and what varies in it."""
 
     def __str__(self) -> str:
         lines = [
             f"capture: {self.model} via {self.method}, {self.num_nodes} nodes, {len(self.layers)} layers"
         ]
         lines += [f"  {f.method} failed first: {f.reason}" for f in self.fallbacks]
+        if self.packed:
+            lines.append(f"  {self.packed}")
         lines.append(f"  numerics: {self.numerics}")
         lines.append(f"  loss over microbatches: {self.loss_split}")
         if self.specialized:
@@ -289,20 +293,7 @@ def capture(
 
     graph = _first_that_captures(model, root, batch, assigner, method)
     gm, used, root, specialized = graph.gm, graph.method, graph.root, graph.specialized
-    strip = f"{WRAPPED}." if root is not model else ""
-
-    regions = assign_layers(gm, assigner, strip_prefix=strip)
-    layer_order = list(regions)
-    layers = tuple(LayerRegion(layer, *found) for layer, found in regions.items())
-    check_regions_detected(
-        {lr.region for lr in layers},
-        overridden=bool(overrides),
-        top_level=[n for n, _ in model.named_children()],
-    )
-    gm.meta[LAYER_ORDER_META] = layer_order
-    gm.meta[BLOCK_LAYERS_META] = frozenset(layer for layer in layer_order if layer in assigner.blocks)
-    gm.meta[CAPTURE_OPTIONS_META] = {"region_overrides": overrides or None, "method": used}
-    gm.meta[WRAPPER_PREFIX_META] = strip
+    layers = _tag_layers(model, gm, root, assigner, overrides, used)
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
     loss_split = _loss_split(eager, batch, specialized) if check_numerics else None
     gm.meta[LOSS_SPLIT_META] = loss_split = loss_split or LossSplitCheck(
@@ -321,6 +312,32 @@ def capture(
         specialized=specialized,
     )
     return CaptureResult(gm, report)
+
+
+def _tag_layers(
+    model: nn.Module,
+    gm: fx.GraphModule,
+    root: nn.Module,
+    assigner: LayerAssigner,
+    overrides: Mapping[str, Region] | None,
+    method: str,
+) -> tuple[LayerRegion, ...]:
+    """Tag every node of ``gm`` with its layer and region and record the layer order and the
+    capture options in ``gm.meta``; returns each layer's region."""
+    strip = f"{WRAPPED}." if root is not model else ""
+    regions = assign_layers(gm, assigner, strip_prefix=strip)
+    layer_order = list(regions)
+    layers = tuple(LayerRegion(layer, *found) for layer, found in regions.items())
+    check_regions_detected(
+        {lr.region for lr in layers},
+        overridden=bool(overrides),
+        top_level=[n for n, _ in model.named_children()],
+    )
+    gm.meta[LAYER_ORDER_META] = layer_order
+    gm.meta[BLOCK_LAYERS_META] = frozenset(layer for layer in layer_order if layer in assigner.blocks)
+    gm.meta[CAPTURE_OPTIONS_META] = {"region_overrides": overrides or None, "method": method}
+    gm.meta[WRAPPER_PREFIX_META] = strip
+    return layers
 
 
 @dataclass(frozen=True, slots=True)

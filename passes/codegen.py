@@ -23,9 +23,16 @@ from tabulate import tabulate
 from torch import nn
 
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.ir.meta_keys import CAPTURE_OPTIONS_META, LAYER_META, LAYER_ORDER_META, WRAPPER_PREFIX_META
+from vlmcompile.ir.meta_keys import (
+    CAPTURE_OPTIONS_META,
+    LAYER_META,
+    LAYER_ORDER_META,
+    PACKED_META,
+    WRAPPER_PREFIX_META,
+)
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
 from vlmcompile.ir.plan import Plan, Recompute, Stage
+from vlmcompile.ir.shape_plan import ShapeFormula
 from vlmcompile.passes.capture import capture
 from vlmcompile.runtime.stage import LayerModule, LayerWiring, StageModule
 
@@ -169,12 +176,27 @@ class _Split:
         self.loss = _loss_node(gm)
         self.placeholders = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "placeholder"}
         self.prefix = gm.meta.get(WRAPPER_PREFIX_META, "")
+        self.packed = gm.meta.get(PACKED_META)
         self.built = dict(zip(gm.meta[LAYER_ORDER_META], layer_modules(gm)))
         self.last_read: dict[fx.Node, int] = {}
         for n, name in self.layer_of.items():
             for p in n.all_input_nodes:
                 if p.op != "placeholder" and self.layer_of[p] != name:
                     self.last_read[p] = max(self.last_read.get(p, -1), self.stage_of_layer[name])
+
+    def _check_shapes_known(self, stage: int, send: list[fx.Node], shapes: tuple[ShapeFormula, ...]) -> None:
+        """A packed pipeline plans every transfer's shape from the microbatch's input sizes: a
+        value whose shape follows from tensor values instead cannot cross ranks."""
+        if self.packed is None:
+            return
+        known = self.packed.input_sizes.symbols
+        for node, shape in zip(send, shapes):
+            unknown = sorted(shape.symbols - known)
+            if unknown:
+                raise PlanError(
+                    f"stage {stage} would send {node.name!r}, whose shape {list(shape.dims)} depends on tensor "
+                    f"values ({unknown}), not on the microbatch's sizes; cut the pipeline elsewhere"
+                )
 
     def stage_of(self, n: fx.Node) -> int | None:
         return None if n.op == "placeholder" else self.stage_of_layer[self.layer_of[n]]
@@ -202,6 +224,8 @@ class _Split:
                 f"the loss is computed on stage {self.stage_of(self.loss)}, not on the last stage"
             )
         read_batch = {p for w in wiring for p in w.inputs if p in self.placeholders}
+        send_shapes = () if is_last else tuple(ShapeFormula.of(p.meta.get("val")) for p in send)
+        self._check_shapes_known(stage.index, send, send_shapes)
         module = StageModule(
             stage.index,
             modules,
@@ -211,6 +235,7 @@ class _Split:
             batch_inputs={p: self.placeholders[p] for p in sorted(read_batch)},
             loss=self.loss.name if is_last else None,
             prefix=self.prefix,
+            send_shapes=send_shapes,
         )
         summary = StageSummary(
             stage.index,

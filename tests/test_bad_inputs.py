@@ -428,7 +428,7 @@ CASES = {
         "API",
         "sample batch is a list",
         compile_batch(lambda b: list(b.values())),
-        "sample_batch is a list; give a dict",
+        "the sample batch is a list of Tensor; give a dict of the model's inputs",
     ),
     "api-batch-missing-key": Case(
         "API",

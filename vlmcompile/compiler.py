@@ -30,16 +30,18 @@ from torch import nn
 
 from vlmcompile import models
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.data.packing import check_samples
 from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
 from vlmcompile.ir.errors import ClusterError, VlmCompileError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, OUTPUT_META
+from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, OUTPUT_META, PACKED_META
 from vlmcompile.ir.plan import Decision, Reason
 from vlmcompile.ir.regions import Region
 from vlmcompile.pass_runner import Pass, PassRunner
 from vlmcompile.passes.annotate import TensorMode, annotate
 from vlmcompile.passes.capture import CaptureMethod, capture
+from vlmcompile.passes.capture_packed import capture_packed
 from vlmcompile.passes.codegen import CodegenResult, codegen_for
 from vlmcompile.passes.policies import search_and_compare
 from vlmcompile.passes.profile import profile
@@ -61,13 +63,42 @@ class CompileState:
     layer_graph: LayerGraph | None = None
     planned: Any = None
     codegen: CodegenResult | None = None
+    samples: list | None = None
+    """Samples of different shapes (a list given as the sample batch): packed capture."""
+    tokens_per_microbatch: int | None = None
+    packing: Any = None
+    """The samples given, packed by the capture pass."""
     reports: dict[str, Any] = field(default_factory=dict)
 
 
 def _capture_pass(state: CompileState, *, region_overrides, method) -> None:
+    if state.samples is not None:
+        packed = capture_packed(
+            state.model, state.samples, tokens=state.tokens_per_microbatch, region_overrides=region_overrides
+        )
+        state.gm, state.sample_batch, state.packing = packed.gm, packed.example, packed.packing
+        state.reports["capture"] = packed.report
+        return
     result = capture(state.model, state.sample_batch, region_overrides=region_overrides, method=method)
     state.gm = result.gm
     state.reports["capture"] = result.report
+
+
+def _packed_rows(state: CompileState) -> tuple[int, Decision]:
+    """Microbatches a step of ``global_batch`` samples needs, at the rate the samples given
+    packed (one microbatch is one row of the token budget)."""
+    used = sum(1 for mb in state.packing.microbatches if mb.tokens)
+    given = len(state.samples)
+    samples = state.global_batch or given
+    rows = max(1, -(-used * samples // given))
+    layout = state.gm.meta[PACKED_META]
+    decision = Decision(
+        "microbatches",
+        Reason.PACKED,
+        f"{samples} samples a step pack into {rows} microbatches of {layout.tokens} LLM tokens (the {given} "
+        f"samples given filled {used}, {1 - state.packing.pad_share:.0%} of their tokens)",
+    )
+    return rows, decision
 
 
 def _annotate_pass(state: CompileState, *, tensor_mode) -> None:
@@ -114,6 +145,11 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
     if state.cluster.ranks_on_this_machine and not RUNTIME.tensor_parallel:
         space = dataclasses.replace(space, tp_choices=(1,))
     global_batch = state.global_batch or int(state.layer_graph.meta.get("batch_size", 1))
+    packed = None
+    if state.samples is not None:
+        # The pipeline's unit is a packed microbatch of one row: plan that many a step.
+        global_batch, packed = _packed_rows(state)
+        space = dataclasses.replace(space, microbatch_sizes=(1,))
     check = state.gm.meta.get(LOSS_SPLIT_META)
     coupled = check is not None and check.verdict is LossSplit.BATCH_COUPLED
     if coupled:
@@ -136,6 +172,8 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
                 f"one microbatch of {global_batch}, DP = 1",
             )
         )
+    if packed is not None:
+        run = run.with_decisions(packed)
     state.planned = run
     state.reports["plan"] = run
 
@@ -174,13 +212,18 @@ def compile(
     solver: SolverOptions | None = None,
     search_space: SearchSpace | None = None,
     profile: bool = False,
+    tokens_per_microbatch: int | None = None,
     log: TextIO | None = sys.stderr,
 ) -> CompiledPipeline:
     """Compile a VLM for training on ``cluster``.
 
     Args:
         model: the VLM (plain PyTorch or transformers); its forward returns the loss.
-        sample_batch: one batch, keyed by ``model.forward``'s argument names (real or meta tensors).
+        sample_batch: one batch, keyed by ``model.forward``'s argument names (real or meta tensors);
+            or a list of samples of different shapes (one dict per example, as a transformers
+            processor returns it: any number of images, any length), for a pipeline captured
+            once that packs every step's samples into microbatches of ``tokens_per_microbatch``
+            LLM tokens (LLaVA, InternVL, Qwen2-VL, Qwen2.5-VL).
         cluster: the cluster to plan for: a :class:`Cluster` or a preset name ("h100x64", "cpu:2").
         region_overrides: module-path prefix -> region ("vision", "projector", "llm", "text", "head").
         capture_method: "auto", "fx" or "export".
@@ -188,6 +231,8 @@ def compile(
         disable_passes: names of passes to skip.
         model_name: shown in reports (default: the model's class name).
         global_batch: samples per training step to plan for (default: the sample batch's size).
+        tokens_per_microbatch: with a list of samples: the LLM tokens of a microbatch (default:
+            the longest sample, rounded up to a multiple of 16).
         solver: CP-SAT's limits per candidate of the plan search (default: 3 s each).
         search_space: the degrees the plan search may choose from, e.g.
             ``SearchSpace(pp_choices=(2,), microbatch_sizes=(1,))`` (default: all the cluster allows).
@@ -203,6 +248,42 @@ def compile(
         global_batch=global_batch,
         solver=solver,
     )
+    passes = _passes(
+        region_overrides=region_overrides,
+        capture_method=capture_method,
+        tensor_mode=tensor_mode,
+        solver=solver,
+        search_space=search_space,
+        progress=log is not None,
+        profile=profile,
+    )
+    samples = None if isinstance(sample_batch, Mapping) else check_samples(sample_batch)
+    state = CompileState(
+        model=model,
+        sample_batch={} if samples is not None else sample_batch,
+        cluster=cluster,
+        model_name=model_name,
+        global_batch=global_batch,
+        samples=samples,
+        tokens_per_microbatch=tokens_per_microbatch,
+    )
+    run = PassRunner(passes, disabled=disable_passes, log=log).run(state)
+    return CompiledPipeline(
+        gm=state.gm,
+        layer_graph=state.layer_graph,
+        report=CompileReport(dict(state.reports), run),
+        cluster=cluster,
+        planned=state.planned,
+        codegen=state.codegen,
+        model=model,
+        sample_batch=dict(state.sample_batch),
+    )
+
+
+def _passes(
+    *, region_overrides, capture_method, tensor_mode, solver, search_space, progress: bool, profile: bool
+) -> list[Pass]:
+    """The pass list of :func:`compile`, in order."""
     passes = [
         Pass(
             "capture",
@@ -214,7 +295,7 @@ def compile(
             functools.partial(
                 _plan_pass,
                 solver=solver or SolverOptions(time_limit_s=3.0),
-                progress=log is not None,
+                progress=progress,
                 space=search_space or SearchSpace(),
             ),
         ),
@@ -222,24 +303,7 @@ def compile(
     ]
     if profile:
         passes.insert(2, Pass("profile", functools.partial(_profile_pass, repeats=5)))
-    state = CompileState(
-        model=model,
-        sample_batch=sample_batch,
-        cluster=cluster,
-        model_name=model_name,
-        global_batch=global_batch,
-    )
-    run = PassRunner(passes, disabled=disable_passes, log=log).run(state)
-    return CompiledPipeline(
-        gm=state.gm,
-        layer_graph=state.layer_graph,
-        report=CompileReport(dict(state.reports), run),
-        cluster=cluster,
-        planned=state.planned,
-        codegen=state.codegen,
-        model=model,
-        sample_batch=dict(sample_batch),
-    )
+    return passes
 
 
 def zoo_layer_graph(model_name: str, *, dtype: Any = None) -> LayerGraph:

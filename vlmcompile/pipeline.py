@@ -23,11 +23,16 @@ import torch.fx as fx
 from torch import nn
 
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.data.families import family_of
+from vlmcompile.data.packed_step import pack_step
+from vlmcompile.data.packing import check_samples
+from vlmcompile.data.steps import PackedSteps
 from vlmcompile.graph.loss_split import LossSplit, coupled_loss_error
-from vlmcompile.ir.errors import ArgumentError, ClusterError, PlanError, SampleBatchError
+from vlmcompile.ir.errors import ArgumentError, ClusterError, DataError, PlanError, SampleBatchError
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, SPECIALIZED_META
+from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, PACKED_META, SPECIALIZED_META
 from vlmcompile.ir.microbatch import rows_per_sample
+from vlmcompile.ir.packed import PackedBatch, PackedLayout
 from vlmcompile.ir.regions import LANGUAGE_REGIONS
 from vlmcompile.pass_runner import RunReport
 from vlmcompile.passes.codegen import CodegenResult, codegen_for
@@ -37,6 +42,7 @@ from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
 from vlmcompile.runtime import preemption
 from vlmcompile.runtime.checkpoint_dir import checkpoint_bytes
+from vlmcompile.runtime.data import GlobalBatches
 from vlmcompile.runtime.executor import PipelineRunner, runnable_degrees
 from vlmcompile.runtime.launch import check_launchable, launch
 from vlmcompile.runtime.trainer import (
@@ -99,11 +105,67 @@ class CompiledPipeline:
             raise ValueError("no plan: compile with a cluster (e.g. cluster='cpu:2'), or pass plan=...")
         return make_runner(self, plan, timeout_s=timeout_s)
 
-    def step(self, batch: Mapping[str, Any]) -> Any:
+    def step(self, batch: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Any:
         """One training step of ``self.plan`` on this rank (under torchrun, every rank calls it
         with the same global batch); returns the loss. Gradients land in the ``.grad`` of
-        ``self.parameters()``."""
-        return self._default_runner().step(batch)
+        ``self.parameters()``. A pipeline compiled for samples of different shapes takes the
+        step's samples as a list (:meth:`pack`)."""
+        runner = self._default_runner()
+        if self.packed is not None and not isinstance(batch, PackedBatch):
+            batch = self.pack(batch, runner.plan)
+            if batch.deferred:
+                raise DataError(
+                    f"{len(batch.deferred)} of the step's samples fit in none of its {len(batch.microbatches)} "
+                    f"microbatches of {self.packed.tokens} LLM tokens (samples {list(batch.deferred)[:8]}); give "
+                    "fewer samples a step, or compile with a larger tokens_per_microbatch"
+                )
+        return runner.step(batch)
+
+    @property
+    def packed(self) -> PackedLayout | None:
+        """How a pipeline compiled for samples of different shapes packs them (None otherwise)."""
+        return self.gm.meta.get(PACKED_META)
+
+    def packed_steps(self, data: Any, plan: Plan | None = None) -> PackedSteps:
+        """Training data of a packed pipeline: step ``k``'s samples packed into ``plan``'s
+        microbatches (:class:`~vlmcompile.data.steps.PackedSteps`). ``data``: a
+        :class:`GlobalBatches` (its samples are kept as a list, not collated), or a function of
+        the step that returns the step's samples."""
+        plan = plan or self.plan
+        if isinstance(data, PackedSteps):
+            return data
+        if isinstance(data, GlobalBatches):
+            data = dataclasses.replace(data, collate=list)
+        elif not callable(data):
+            raise DataError(
+                f"data is a {type(data).__name__}; a pipeline compiled for samples of different shapes trains on "
+                "GlobalBatches(dataset, global_batch) or a function of the step returning its samples"
+            )
+        if plan is None or self.model is None:
+            raise DataError("packing needs a plan and the model: compile with a cluster and real weights")
+        return PackedSteps(
+            data,
+            family_of(self.model),
+            self.packed.tokens,
+            runnable_degrees(plan).dp * plan.num_microbatches,
+        )
+
+    def pack(self, samples: Sequence[Mapping[str, Any]], plan: Plan | None = None) -> PackedBatch:
+        """``samples`` packed into ``plan``'s microbatches (every data-parallel rank's)."""
+        plan = plan or self.plan
+        if self.packed is None:
+            raise DataError(
+                "this pipeline was compiled for one batch shape; it takes a dict batch, not samples"
+            )
+        if plan is None or self.model is None:
+            raise DataError("packing needs a plan and the model: compile with a cluster and real weights")
+        family = family_of(self.model)
+        return pack_step(
+            check_samples(samples),
+            family,
+            tokens=self.packed.tokens,
+            num_microbatches=runnable_degrees(plan).dp * plan.num_microbatches,
+        )
 
     def parameters(self) -> list:
         """This rank's parameters under ``self.plan`` (give them to the optimizer)."""
@@ -165,6 +227,8 @@ class CompiledPipeline:
         ``transfers`` is the runner's (:class:`~vlmcompile.runtime.executor.PipelineRunner`).
         Returns this rank's result (rank 0's when launched)."""
         runner = self.runner(plan, timeout_s=timeout_s)
+        if self.packed is not None:
+            data = self.packed_steps(data, runner.plan)
         on_gpu = _on_gpu(device)
         if on_gpu and not dist.is_initialized():
             raise ArgumentError(
@@ -333,6 +397,7 @@ def make_runner(pipe: CompiledPipeline, plan: Plan, *, timeout_s: float = 60.0) 
         specialized=made.gm.meta.get(SPECIALIZED_META),
         timeout_s=timeout_s,
         state_names=state_names(pipe.model) if pipe.model is not None else None,
+        packed=pipe.packed,
     )
 
 

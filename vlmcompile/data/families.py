@@ -128,6 +128,8 @@ class PatchStreamFamily:
     channels: int
     min_pixels: int
     max_pixels: int
+    window_size: int | None = None
+    """Qwen2.5-VL: the side in pixels of its windowed vision attention (None: every layer full)."""
 
     image_keys = ("pixel_values", "image_grid_thw")
     token_keys = ("mm_token_type_ids",)
@@ -283,10 +285,12 @@ def family_of(model: Any) -> Family:
             vision.in_channels,
             min_pixels=factor * factor,
             max_pixels=vision.patch_size**2 * vision.spatial_merge_size**2 * 1280,
+            window_size=getattr(vision, "window_size", None),
         )
     raise DataError(
         f"vlmcompile.data has no sample layout for {type(model).__name__} (model_type {kind!r}); the families it "
-        "packs are LLaVA, InternVL, Qwen2-VL and Qwen2.5-VL"
+        "packs are LLaVA, InternVL, Qwen2-VL and Qwen2.5-VL. For another model, give one batch dict whose "
+        "samples share one shape (pad or crop them) as the sample batch"
     )
 
 

@@ -21,8 +21,9 @@ Rules, stated once:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,26 @@ from vlmcompile.ir.microbatch import IGNORE_INDEX
 
 PAD_TOKEN = 0
 """Token id of padding: never attended to by a sample's token and never a label."""
+
+
+def check_samples(samples: Any) -> list[Mapping[str, Any]]:
+    """``samples`` as a list of per-sample dicts, or a :class:`DataError` saying what is off."""
+    if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
+        raise DataError(f"samples is a {type(samples).__name__}; give a list of per-sample dicts")
+    if not samples:
+        raise DataError("the sample list is empty; give at least one sample (a dict of its tensors)")
+    bad = next((i for i, s in enumerate(samples) if not isinstance(s, Mapping)), None)
+    if bad == 0:
+        raise DataError(
+            f"the sample batch is a {type(samples).__name__} of {type(samples[0]).__name__}; give a dict of the "
+            "model's inputs (one batch of one shape), or a list of per-sample dicts (samples of different shapes)"
+        )
+    if bad is not None:
+        raise DataError(
+            f"sample {bad} is a {type(samples[bad]).__name__}; give each sample as a dict of its tensors "
+            "(input_ids, labels and its images, as the model's processor returns them for one example)"
+        )
+    return list(samples)
 
 
 def sample_length(sample: Sample, family: Family, index: int) -> int:
@@ -87,13 +108,18 @@ class Packing:
         return 1 - sum(mb.tokens for mb in self.microbatches) / capacity
 
 
-def assign_rows(lengths: Sequence[int], num_rows: int, tokens: int) -> tuple[list[list[int]], list[int]]:
+def assign_rows(
+    lengths: Sequence[int], num_rows: int, tokens: int, *, first: int = 0
+) -> tuple[list[list[int]], list[int]]:
     """Sample indices per row (longest first, each to the emptiest row it fits; a row keeps its
-    samples in index order) and the indices that fit nowhere."""
+    samples in index order) and the indices that fit nowhere. The first ``first`` samples (those
+    a step carries in) are placed before the others."""
     rows: list[list[int]] = [[] for _ in range(num_rows)]
     used = [0] * num_rows
     deferred = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    ahead = sorted(range(first), key=lambda i: (-lengths[i], i))
+    rest = sorted(range(first, len(lengths)), key=lambda i: (-lengths[i], i))
+    for i in [*ahead, *rest]:
         fits = [r for r in range(num_rows) if used[r] + lengths[i] <= tokens]
         if not fits:
             deferred.append(i)
@@ -102,6 +128,16 @@ def assign_rows(lengths: Sequence[int], num_rows: int, tokens: int) -> tuple[lis
         rows[r].append(i)
         used[r] += lengths[i]
     return [sorted(r) for r in rows], sorted(deferred)
+
+
+def fewest_rows(samples: Sequence[Sample], family: Family, tokens: int) -> int:
+    """The fewest rows of ``tokens`` that :func:`pack` fits every sample into (a sample longer
+    than ``tokens`` is refused there)."""
+    lengths = [sample_length(s, family, i) for i, s in enumerate(samples)]
+    rows = max(1, -(-sum(lengths) // tokens))
+    while assign_rows(lengths, rows, tokens)[1] and rows < len(lengths):
+        rows += 1
+    return rows
 
 
 def pack(
@@ -123,9 +159,24 @@ def pack(
             "such samples out of the dataset (vlmcompile cuts neither text nor images)"
         )
     per_row, deferred = assign_rows(lengths, num_microbatches * rows, tokens)
+    return pack_assigned(samples, family, per_row, tokens, rows=rows, deferred=deferred)
+
+
+def pack_assigned(
+    samples: Sequence[Sample],
+    family: Family,
+    per_row: Sequence[Sequence[int]],
+    tokens: int,
+    *,
+    rows: int = 1,
+    deferred: Sequence[int] = (),
+) -> Packing:
+    """The microbatches of an assignment of samples to rows (:func:`assign_rows`'), ``rows``
+    rows a microbatch."""
+    lengths = [sample_length(s, family, i) for i, s in enumerate(samples)]
     microbatches = tuple(
-        _microbatch(samples, per_row[k * rows : (k + 1) * rows], family, tokens, lengths)
-        for k in range(num_microbatches)
+        _microbatch(samples, [list(r) for r in per_row[k : k + rows]], family, tokens, lengths)
+        for k in range(0, len(per_row), rows)
     )
     label_tokens = sum(int((mb.inputs["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
     return Packing(microbatches, tuple(deferred), tokens, label_tokens)

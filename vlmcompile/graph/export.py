@@ -107,9 +107,12 @@ def check_loss(loss: Any) -> Any:
 _RUNTIME_ASSERTS = ("aten._assert_scalar", "aten._assert_async", "aten._functional_assert_async")
 
 
-def export_graph(model: nn.Module, batch: dict[str, Any]) -> tuple[fx.GraphModule, tuple[str, ...]]:
+def export_graph(
+    model: nn.Module, batch: dict[str, Any], dynamic_shapes: Mapping[str, Any] | None = None
+) -> tuple[fx.GraphModule, tuple[str, ...]]:
     """Export, and mark the runtime assertions export inserts (:func:`mark_runtime_checks`);
-    returns the graph and their messages.
+    returns the graph and their messages. ``dynamic_shapes`` (by forward argument name) marks
+    the dimensions the graph must hold for at any size.
 
     A model or batch on meta is exported on fake tensors that claim the CPU: a graph exported
     on meta would name the meta device in its constants (``arange(device=meta)``), and small
@@ -123,9 +126,9 @@ def export_graph(model: nn.Module, batch: dict[str, Any]) -> tuple[fx.GraphModul
         warnings.filterwarnings("ignore", message="The tensor attribute .* was assigned during export")
         meta = on_meta(model, batch)
         if meta:
-            program = _export_on_fake_cpu(model, batch)
+            program = _export_on_fake_cpu(model, batch, dynamic_shapes)
         else:
-            program = torch.export.export(model, (), batch, strict=False)
+            program = torch.export.export(model, (), batch, dynamic_shapes=dynamic_shapes, strict=False)
     sys.stderr.write(buffer.getvalue())
     gm = program.module(check_guards=False)
     if meta:
@@ -133,12 +136,14 @@ def export_graph(model: nn.Module, batch: dict[str, Any]) -> tuple[fx.GraphModul
     return gm, mark_runtime_checks(gm)
 
 
-def _export_on_fake_cpu(model: nn.Module, batch: dict[str, Any]) -> torch.export.ExportedProgram:
+def _export_on_fake_cpu(
+    model: nn.Module, batch: dict[str, Any], dynamic_shapes: Mapping[str, Any] | None
+) -> torch.export.ExportedProgram:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     make = fake_factory(mode)
     fake_batch = {k: make(v) if is_meta(v) else v for k, v in batch.items()}
     with swapped_tensors(model, make), mode:
-        return torch.export.export(model, (), fake_batch, strict=False)
+        return torch.export.export(model, (), fake_batch, dynamic_shapes=dynamic_shapes, strict=False)
 
 
 def _restore_meta_tensors(gm: fx.GraphModule, model: nn.Module) -> None:

@@ -64,6 +64,8 @@ def module_path(node: fx.Node, strip_prefix: str = "") -> str | None:
     if not stack:
         return None
     path = list(stack.values())[-1][0]
+    if path.startswith("_empty_nn_module_stack"):
+        return None  # export's placeholder for code of the captured root itself: glue
     if strip_prefix:
         if path == strip_prefix.rstrip("."):
             return ""

@@ -25,6 +25,10 @@ SPECIALIZED_META = "vlmcompile.specialized"
 """On ``GraphModule.meta``: batch key -> the tensor whose values the graph is specialised on
 (see :mod:`vlmcompile.graph.specialize`); absent when the graph holds for any values."""
 
+PACKED_META = "vlmcompile.packed"
+"""On ``GraphModule.meta``: the :class:`vlmcompile.ir.packed.PackedLayout` of a graph captured
+once for packed microbatches with dynamic image sizes; absent otherwise."""
+
 LOSS_SPLIT_META = "vlmcompile.loss_split"
 """On ``GraphModule.meta``: the :class:`vlmcompile.graph.loss_split.LossSplitCheck` of the
 sample batch (whether microbatch losses add up to the batch's)."""

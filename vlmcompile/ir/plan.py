@@ -81,6 +81,8 @@ class Reason(str, enum.Enum):
     """Encoder work placed into the LLM pipeline's idle time."""
     LOSS_COUPLED = "loss_coupled"
     """The loss couples the samples of a batch: one microbatch on one data-parallel rank."""
+    PACKED = "packed"
+    """Samples of different shapes packed into microbatches of a fixed token budget."""
 
 
 @dataclass(frozen=True, slots=True)

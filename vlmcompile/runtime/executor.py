@@ -38,6 +38,7 @@ import torch.distributed as dist
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError, VlmCompileError
 from vlmcompile.ir.microbatch import label_weights, take
+from vlmcompile.ir.packed import PackedBatch, PackedLayout
 from vlmcompile.ir.plan import Parallel, Plan
 from vlmcompile.runtime.stage import StageModule, move_stage
 from vlmcompile.runtime.transfers import Transfer, transfer_order
@@ -144,6 +145,9 @@ class _StepState:
     """Each microbatch's share of the global batch's label tokens."""
     loss_sum: torch.Tensor
     """This rank's weighted microbatch losses (float64, on the rank's device)."""
+    sizes: list[dict[str, int]] | None = None
+    """Packed pipelines: each microbatch's size symbols, from which every value a stage sends
+    has a known shape before the step (:mod:`vlmcompile.ir.shape_plan`); None: one shape for all."""
     saved: dict[tuple[int, int], tuple[tuple, Any]] = field(default_factory=dict)
     """(stage, microbatch) -> the forward's inputs (leaves) and outputs, until its backward."""
     local_fwd: dict[tuple[int, int], tuple] = field(default_factory=dict)
@@ -182,6 +186,7 @@ class PipelineRunner:
         autocast_dtype: torch.dtype | None = None,
         transfers: str = "auto",
         state_names: Mapping[str, tuple[str, ...]] | None = None,
+        packed: PackedLayout | None = None,
     ):
         if transfers not in ("auto", "tagged", "ordered"):
             raise ValueError(f"transfers={transfers!r}; give 'auto', 'tagged' or 'ordered'")
@@ -210,6 +215,9 @@ class PipelineRunner:
         posted a few actions ahead), ``ordered`` (NCCL: every transfer between two ranks issued in
         one order both follow, :mod:`vlmcompile.runtime.transfers`, in batched isend/irecv
         groups); ``auto``: tagged on gloo, ordered otherwise."""
+        self.packed = packed
+        """The layout of a pipeline captured once for packed microbatches; its steps take a
+        :class:`PackedBatch`."""
         self.state_names = dict(state_names) if state_names is not None else None
         """Original name -> every name the original model's ``state_dict`` gives that tensor (tied
         parameters have several; non-persistent buffers none); None: parameters under their
@@ -392,7 +400,10 @@ class PipelineRunner:
         return out
 
     # ---- one training step -----------------------------------------------------------------
-    def check_batch(self, batch: Mapping[str, Any]) -> None:
+    def check_batch(self, batch: Mapping[str, Any] | PackedBatch) -> None:
+        if self.packed is not None or isinstance(batch, PackedBatch):
+            self._packed_sizes(batch, range(len(getattr(batch, "microbatches", ()))))
+            return
         for key, (shape, dtype) in self.batch_shapes.items():
             if key not in batch:
                 raise BatchError(
@@ -425,19 +436,23 @@ class PipelineRunner:
             for i in range(self.parallel.dp * self.plan.num_microbatches):
                 self._check_specialized(take(batch, i * mbs, mbs, self.sample_rows), i)
 
-    def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Run this rank's actions on ``batch`` (the global batch; every rank gets the same one)
-        and return the global loss (the same on every rank)."""
-        self.check_batch(batch)
-        self.setup()
-        m, mbs = self.plan.num_microbatches, self.plan.microbatch_size
-        shard = take(batch, self.dp_rank * m * mbs, m * mbs, self.sample_rows)
-        weights = label_weights(batch, self.parallel.dp * m)
-        state = _StepState(
-            microbatches=[take(shard, i * mbs, mbs, self.sample_rows) for i in range(m)],
-            weights=weights[self.dp_rank * m : (self.dp_rank + 1) * m],
-            loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
-        )
+    def step(self, batch: Mapping[str, Any] | PackedBatch) -> torch.Tensor:
+        """Run this rank's actions on ``batch`` (the global batch, or a packed pipeline's
+        :class:`PackedBatch`; every rank gets the same one) and return the global loss (the same
+        on every rank)."""
+        if self.packed is not None or isinstance(batch, PackedBatch):
+            state = self._packed_state(batch)
+        else:
+            self.check_batch(batch)
+            self.setup()
+            m, mbs = self.plan.num_microbatches, self.plan.microbatch_size
+            shard = take(batch, self.dp_rank * m * mbs, m * mbs, self.sample_rows)
+            weights = label_weights(batch, self.parallel.dp * m)
+            state = _StepState(
+                microbatches=[take(shard, i * mbs, mbs, self.sample_rows) for i in range(m)],
+                weights=weights[self.dp_rank * m : (self.dp_rank + 1) * m],
+                loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
+            )
         if self.device.type != "cpu":
             state.microbatches = [_to_device(mb, self.device) for mb in state.microbatches]
         self._state = state  # what the on_action hook may look at (tests: the receives posted ahead)
@@ -464,6 +479,68 @@ class PipelineRunner:
         loss = state.loss_sum.clone()
         self._wait(dist.all_reduce(loss, async_op=True), "the loss all-reduce")
         return loss.float()
+
+    def _packed_sizes(self, batch: Any, indices: Sequence[int]) -> list[dict[str, int]]:
+        """The size symbols of the packed microbatches ``indices`` of ``batch``, after checking
+        it is a :class:`PackedBatch` of this pipeline's microbatches."""
+        if self.packed is None or not isinstance(batch, PackedBatch):
+            compiled = "packed microbatches" if self.packed is not None else "one batch shape"
+            raise BatchError(
+                f"the step got a {type(batch).__name__}; this pipeline was compiled for {compiled}: "
+                + (
+                    "give a PackedBatch (CompiledPipeline.step packs a list of samples)"
+                    if self.packed
+                    else "give a dict"
+                )
+            )
+        parallel = runnable_degrees(self.plan)
+        expected = parallel.dp * self.plan.num_microbatches
+        if len(batch.microbatches) != expected:
+            raise BatchError(
+                f"the packed batch holds {len(batch.microbatches)} microbatches; the plan runs DP {parallel.dp} x "
+                f"{self.plan.num_microbatches} microbatches = {expected}"
+            )
+        sizes = []
+        for i in indices:
+            microbatch = batch.microbatches[i]
+            missing = sorted(set(self.packed.input_sizes.inputs) - set(microbatch))
+            if missing:
+                raise BatchError(f"packed microbatch {i} lacks {missing}")
+            try:
+                sizes.append(self.packed.input_sizes.bind(microbatch))
+            except PlanError as err:
+                raise BatchError(f"packed microbatch {i}: {err}") from None
+        return sizes
+
+    def _packed_state(self, batch: Any) -> _StepState:
+        """This rank's microbatches of a :class:`PackedBatch`, each with its size symbols; every
+        microbatch's loss is already its share of the step's (weight 1)."""
+        self.setup()
+        m = self.plan.num_microbatches
+        mine = range(self.dp_rank * m, (self.dp_rank + 1) * m)
+        sizes = self._packed_sizes(batch, mine)
+        return _StepState(
+            microbatches=[batch.microbatches[i] for i in mine],
+            weights=[1.0] * m,
+            loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
+            sizes=sizes,
+        )
+
+    def _planned_shapes(self, stage: int, microbatch: int, state: _StepState) -> list[tuple[int, ...]] | None:
+        """The shapes of what ``stage`` sends for ``microbatch``, known before the step (packed
+        pipelines), or None."""
+        if state.sizes is None:
+            return None
+        return [f.evaluate(state.sizes[microbatch]) for f in self.stages_all[stage].send_shapes]
+
+    def _activation_buffers(self, stage: int, microbatch: int, meta, state: _StepState) -> list[torch.Tensor]:
+        """Receive buffers for ``stage``'s activations of ``microbatch``: dtypes from the stage's
+        shape header, shapes from the shape plan where there is one."""
+        planned = self._planned_shapes(stage, microbatch, state)
+        shapes = planned if planned is not None else [shape for shape, _, _ in meta]
+        return [
+            torch.empty(shape, dtype=dtype, device=self.device) for shape, (_, dtype, _) in zip(shapes, meta)
+        ]
 
     def _forward(self, action: Action, state: _StepState) -> None:
         s, i = action.stage, action.microbatch
@@ -595,6 +672,12 @@ class PipelineRunner:
                 )
         # Python numbers (sizes computed from shapes) travel as 0-d tensors.
         out = tuple(torch.tensor(x, device=self.device) if flag else x for x, flag in zip(out, scalar))
+        planned = self._planned_shapes(s, i, state)
+        if planned is not None and planned != [tuple(x.shape) for x in out]:
+            raise PlanError(
+                f"stage {s} made values of shapes {[list(x.shape) for x in out]} for microbatch {i}, where the shape "
+                f"plan says {[list(p) for p in planned]}: the capture does not hold for this microbatch; report this"
+            )
         works = []
         peer_pp = self._rank_running(s + 1, ActionKind.F, i)
         header = None
@@ -676,7 +759,7 @@ class PipelineRunner:
             meta = self._meta.get((s - 1, sender, self.pp_rank))
             if sender == self.pp_rank or meta is None:
                 return None
-            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta]
+            buffers = self._activation_buffers(s - 1, i, meta, state)
             what = f"{Action(s - 1, ActionKind.F, i)}'s activations"
             return buffers, self._post(buffers, sender, s - 1, "F", i, what)
         if s == self.plan.num_stages - 1 or (s, i) not in state.saved:
@@ -785,7 +868,7 @@ class PipelineRunner:
             meta = self._meta.get((t.stage, t.src, t.dst))
             if meta is None:
                 return None
-            return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta]
+            return self._activation_buffers(t.stage, t.microbatch, meta, state)
         saved = state.saved[(t.stage - 1, t.microbatch)]  # its forward ran: see transfers.py
         return [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in _floats(saved[1])]
 

@@ -17,6 +17,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vlmcompile.ir.shape_plan import ShapeFormula
+
 
 @dataclass(frozen=True, slots=True)
 class LayerWiring:
@@ -43,6 +45,7 @@ class StageModule(nn.Module):
         batch_inputs: Mapping[str, str],
         loss: str | None,
         prefix: str = "",
+        send_shapes: tuple[ShapeFormula, ...] = (),
     ):
         super().__init__()
         self.index = index
@@ -54,6 +57,9 @@ class StageModule(nn.Module):
         """Placeholder node name -> batch key."""
         self.loss = loss
         self.prefix = prefix
+        self.send_shapes = send_shapes
+        """The shape of each value in ``send`` over the microbatch's size symbols (packed
+        pipelines: :mod:`vlmcompile.ir.shape_plan`)."""
 
     def forward(self, received: Sequence[Any], microbatch: Mapping[str, Any]) -> Any:
         env: dict[str, Any] = dict(zip(self.receive, received))

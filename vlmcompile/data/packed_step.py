@@ -1,0 +1,267 @@
+"""One packed microbatch as a transformers VLM trains on it: the inputs the data path completes
+on the host, and :class:`PackedStep`, the module capture exports once for every microbatch.
+
+What varies between microbatches is only the vision side (images, tiles, patches); the LLM side
+is ``rows x tokens`` always. So the step is exported with the vision sizes as dynamic dimensions
+(:func:`dynamic_shapes`), and everything else static. What a model would compute from tensor
+*values* to find shapes - Qwen's vision positions, attention segments and window index - is
+computed here on the host (by transformers' own ``vision_utils`` functions, so it is the model's
+own arithmetic) and enters the graph as inputs, as transformers' exporter does.
+
+Rules the graph relies on, stated once:
+* A microbatch without images gets one dummy image (zeros, the smallest the family takes)
+  whose features are dropped: ``image_token_index`` selects the features that fill the image
+  tokens (all of them, or none). So the vision encoder never runs on zero rows (its reshapes
+  cannot tell an empty batch's sizes apart) and a text-only microbatch costs one small image.
+* Every microbatch's loss is its sum over the label tokens of the whole step
+  (``num_items_in_batch``), so the microbatch losses add up to the step's mean loss with no
+  weights, and a microbatch of padding contributes zero.
+* Qwen's vision attention, which splits per image with a data-dependent ``tolist()``, runs as
+  one attention over the patch stream with a block-diagonal mask made from ``cu_seqlens``
+  (:func:`segment_attention`), registered for the capture only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlmcompile.data.families import Family, PatchStreamFamily
+from vlmcompile.data.packing import PackedMicrobatch, pack
+from vlmcompile.ir.packed import PackedBatch
+
+SEGMENT_ATTENTION = "vlmcompile_flash_segments"
+"""Name of :func:`segment_attention` among transformers' attention functions ("flash" in it
+makes Qwen's vision attention take its ``cu_seqlens`` branch: one call for all images)."""
+
+LLM_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "num_items_in_batch")
+"""Inputs of fixed shape (``num_items_in_batch`` is 0-d)."""
+
+
+def dummy_images(family: Family) -> dict[str, torch.Tensor]:
+    """The smallest image the family takes, as its vision inputs."""
+    if isinstance(family, PatchStreamFamily):
+        merge = family.merge
+        return {
+            "pixel_values": torch.zeros(merge * merge, family.patch_dim),
+            "image_grid_thw": torch.tensor([[1, merge, merge]]),
+        }
+    return {"pixel_values": torch.zeros(1, family.channels, family.side, family.side)}
+
+
+def step_inputs(microbatch: PackedMicrobatch, family: Family, label_tokens: int) -> dict:
+    """The packed microbatch's inputs as :class:`PackedStep` takes them: the images (or a dummy),
+    which image features fill its image tokens, the step's label count, and Qwen's vision
+    positions, attention segments and window index computed from the grids."""
+    inputs = {k: microbatch.inputs[k] for k in ("input_ids", "labels", "attention_mask", "position_ids")}
+    inputs["num_items_in_batch"] = torch.tensor(label_tokens)
+    image_tokens = int((inputs["input_ids"] == family.image_token_id).sum())
+    images = {k: microbatch.inputs[k] for k in family.image_keys if k in microbatch.inputs}
+    inputs.update(images or dummy_images(family))
+    inputs["image_token_index"] = torch.arange(image_tokens)
+    if isinstance(family, PatchStreamFamily):
+        inputs.update(_vision_index_inputs(inputs["image_grid_thw"], family))
+    return inputs
+
+
+MIN_TILES = 2
+"""Tiles of the microbatch a tile family is exported at (see :func:`dynamic_shapes`)."""
+
+
+def export_example(inputs: Mapping[str, torch.Tensor], family: Family) -> dict[str, torch.Tensor]:
+    """``inputs`` fit to be exported at: a tile family's with at least :data:`MIN_TILES` tiles
+    (dummy tiles after the real ones, whose features ``image_token_index`` leaves out)."""
+    out = dict(inputs)
+    if isinstance(family, PatchStreamFamily) or out["pixel_values"].shape[0] >= MIN_TILES:
+        return out
+    more = MIN_TILES - out["pixel_values"].shape[0]
+    out["pixel_values"] = torch.cat([out["pixel_values"], *[dummy_images(family)["pixel_values"]] * more])
+    return out
+
+
+def _vision_index_inputs(grid_thw: torch.Tensor, family: PatchStreamFamily) -> dict[str, torch.Tensor]:
+    """What Qwen's vision tower computes from its grids with ``tolist()`` and loops, computed
+    here by the same transformers functions it calls."""
+    from transformers import vision_utils
+
+    out = {
+        "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid_thw),
+        "vision_position_ids": vision_utils.get_vision_position_ids(grid_thw, family.merge),
+    }
+    if family.window_size:
+        out["window_index"], out["cu_window_seqlens"] = vision_utils.get_vision_window_index(
+            grid_thw, family.merge, family.window_size, family.patch
+        )
+    return out
+
+
+def dynamic_shapes(example: Mapping[str, torch.Tensor], family: Family) -> dict[str, Any]:
+    """``torch.export`` dynamic dimensions of :class:`PackedStep`'s inputs: the vision sizes."""
+    from torch.export import Dim
+
+    shapes: dict[str, Any] = dict.fromkeys(example)
+    shapes["image_token_index"] = {0: Dim("image_tokens", min=0, max=1 << 20)}
+    if not isinstance(family, PatchStreamFamily):
+        # From 2: InternViT's class token is expanded to the tile count, which torch reads as
+        # "not 1" even when sizes 0 and 1 are not assumed away. The graph is the same for one
+        # tile (an expand to 1 is a view), which the packing tests run.
+        shapes["pixel_values"] = {0: Dim("tiles", min=MIN_TILES, max=1 << 16)}
+        return shapes
+    patches = family.merge**2 * Dim("merged_patches", min=1, max=1 << 20)
+    shapes["pixel_values"] = shapes["vision_position_ids"] = {0: patches}
+    shapes["image_grid_thw"] = {0: Dim("images", min=1, max=1 << 14)}
+    shapes["cu_seqlens"] = {0: Dim("segments_1", min=2, max=1 << 15)}
+    if "window_index" in example:
+        shapes["window_index"] = {0: Dim("windowed", min=1, max=1 << 20)}
+        shapes["cu_window_seqlens"] = {0: Dim("windows_1", min=2, max=1 << 20)}
+    return shapes
+
+
+class PackedStep(nn.Module):
+    """The loss of one packed microbatch: the family's image features, the ones ``image_token_index``
+    picks placed at the image tokens, and the model's own forward and loss from there (it takes
+    precomputed encoder outputs as ``mm_encoder_outputs``)."""
+
+    def __init__(self, inner: nn.Module, family: Family):
+        super().__init__()
+        self.inner = inner
+        self.family_name = family.name
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        num_items_in_batch: torch.Tensor,
+        pixel_values: torch.Tensor,
+        image_token_index: torch.Tensor,
+        image_grid_thw: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        vision_position_ids: torch.Tensor | None = None,
+        window_index: torch.Tensor | None = None,
+        cu_window_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Named, not **inputs: torch.export matches dynamic shapes to the parameters' names.
+        inputs = {k: v for k, v in locals().items() if isinstance(v, torch.Tensor)}
+        features = IMAGE_FEATURES[self.family_name](self.inner, inputs)
+        features = features.index_select(0, inputs["image_token_index"])
+        # What the model's own get_image_features returns: a sequence of per-image features
+        # (joined by its forward), or InternVL's one tensor.
+        pooled = features if self.family_name == "internvl" else (features,)
+        out = self.inner(
+            input_ids=inputs["input_ids"],
+            labels=inputs["labels"],
+            attention_mask=inputs["attention_mask"],
+            position_ids=inputs["position_ids"],
+            num_items_in_batch=inputs["num_items_in_batch"],
+            use_cache=False,
+            mm_encoder_outputs={"image": types.SimpleNamespace(pooler_output=pooled)},
+        )
+        return out.loss
+
+
+def _llava_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """LLaVA's ``get_image_features`` without its split into a list of images (a Python list
+    as long as a dynamic size cannot be captured): the selected hidden states, projected."""
+    config, inner = model.config, model.model
+    out = inner.vision_tower(inputs["pixel_values"], output_hidden_states=True)
+    layers = config.vision_feature_layer
+    chosen = [out.hidden_states[k] for k in (layers if isinstance(layers, list) else [layers])]
+    if config.vision_feature_select_strategy == "default":
+        chosen = [h[:, 1:] for h in chosen]
+    return inner.multi_modal_projector(torch.cat(chosen, dim=-1)).flatten(0, 1)
+
+
+def _internvl_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    config = model.config
+    out = model.model.get_image_features(
+        inputs["pixel_values"],
+        vision_feature_layer=config.vision_feature_layer,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+    )
+    return out.pooler_output.flatten(0, 1)
+
+
+def _qwen_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    window = {}
+    if "window_index" in inputs:
+        window = {
+            "window_index": inputs["window_index"],
+            "cu_window_seqlens": inputs["cu_window_seqlens"],
+            "max_window_seqlen": 1,  # read by flash kernels only; segment_attention needs none
+        }
+    out = model.model.visual(
+        inputs["pixel_values"],
+        grid_thw=inputs["image_grid_thw"],
+        cu_seqlens=inputs["cu_seqlens"],
+        position_ids=inputs["vision_position_ids"],
+        max_seqlen=1,
+        **window,
+    )
+    return out.pooler_output
+
+
+IMAGE_FEATURES = {
+    "llava": _llava_features,
+    "internvl": _internvl_features,
+    "qwen2-vl": _qwen_features,
+    "qwen2.5-vl": _qwen_features,
+}
+"""Family -> (model, inputs) -> the image features of every image token, in token order."""
+
+
+def segment_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
+    """Attention over a packed patch stream in which each segment (``cu_seq_lens_q``: an image,
+    or a window of one) attends to itself only: one masked SDPA call instead of one call per
+    segment, so no shape depends on the segments' lengths."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    length = query.shape[-2]
+    segment = torch.searchsorted(
+        cu_seq_lens_q[1:].contiguous(), torch.arange(length, device=query.device), right=True
+    )
+    mask = (segment[:, None] == segment[None, :])[None, None]
+    options = {k: kwargs[k] for k in ("dropout", "scaling") if k in kwargs}
+    return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **options)
+
+
+@contextlib.contextmanager
+def capturable(model: nn.Module, family: Family) -> Iterator[None]:
+    """While capturing: Qwen's vision attention runs as :func:`segment_attention`, and sizes of
+    0 and 1 are not assumed away (a microbatch may hold one image)."""
+    import torch.fx.experimental._config as shape_config
+
+    with shape_config.patch(backed_size_oblivious=True):
+        if not isinstance(family, PatchStreamFamily):
+            yield
+            return
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(SEGMENT_ATTENTION, segment_attention)
+        vision = model.config.vision_config
+        before = vision._attn_implementation
+        vision._attn_implementation = SEGMENT_ATTENTION
+        try:
+            yield
+        finally:
+            vision._attn_implementation = before
+
+
+def pack_step(
+    samples: Sequence[Mapping[str, Any]],
+    family: Family,
+    *,
+    tokens: int,
+    num_microbatches: int,
+) -> PackedBatch:
+    """One step's samples packed into ``num_microbatches`` microbatches (every data-parallel
+    rank's, in rank order) as :class:`PackedStep` takes them; what fits in none is deferred."""
+    packing = pack(samples, family, tokens=tokens, num_microbatches=num_microbatches)
+    microbatches = tuple(step_inputs(mb, family, packing.label_tokens) for mb in packing.microbatches)
+    return PackedBatch(microbatches, len(samples) - len(packing.deferred), packing.deferred)

@@ -1,0 +1,93 @@
+"""Training steps of packed samples: step ``k``'s global batch packed into a pipeline's
+microbatches, the same on every rank, and the padded batch eager trains on for the same step.
+
+A step packs the samples its global batch holds and those the step before deferred (they go
+first, so no sample waits more than one step while the carried ones fit the step's rows); what
+fits in none of its microbatches is deferred to the next step, counted in
+:class:`~vlmcompile.ir.packed.PackedBatch`, never dropped. Which samples a step defers follows
+from the sample lengths alone, so step ``k`` is computed from step 0 on without building the
+tensors of the steps before it (a resumed run replays the lengths, not the steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlmcompile.data.families import Family
+from vlmcompile.data.packed_step import step_inputs
+from vlmcompile.data.packing import assign_rows, pack_assigned, padded_batch, sample_length
+from vlmcompile.ir.errors import DataError, positive_int
+from vlmcompile.ir.packed import PackedBatch
+
+Sample = Mapping[str, Any]
+
+
+@dataclass
+class PackedSteps:
+    """``steps(k)``: step ``k``'s :class:`PackedBatch` for ``num_microbatches`` microbatches of
+    ``tokens`` LLM tokens. ``samples(k)`` gives step ``k``'s global batch as a list of samples
+    (a :class:`~vlmcompile.runtime.data.GlobalBatches` with ``collate=list``)."""
+
+    samples: Callable[[int], Sequence[Sample]]
+    family: Family
+    tokens: int
+    num_microbatches: int
+    _carried: dict[int, list[Sample]] = field(default_factory=lambda: {0: []}, repr=False)
+    """Step -> the samples deferred into it (computed steps only)."""
+
+    def __post_init__(self):
+        positive_int("tokens", self.tokens, "the LLM tokens of a microbatch")
+        positive_int("num_microbatches", self.num_microbatches, "the microbatches of a step")
+
+    def _plan(self, step: int) -> tuple[list[Sample], list[list[int]], list[int]]:
+        """Step ``step``'s samples (carried first), their indices per microbatch, the deferred."""
+        carried = self._carried_into(step)
+        todo = [*carried, *self.samples(step)]
+        if not todo:
+            raise DataError(f"step {step + 1} has no samples; the data gave an empty global batch")
+        lengths = [sample_length(s, self.family, i) for i, s in enumerate(todo)]
+        too_long = next((i for i, n in enumerate(lengths) if n > self.tokens), None)
+        if too_long is not None:
+            raise DataError(
+                f"step {step + 1}: sample {too_long} of its global batch takes {lengths[too_long]} LLM tokens, "
+                f"more than a microbatch's {self.tokens}; compile with tokens_per_microbatch >= "
+                f"{lengths[too_long]}, or leave such samples out of the dataset"
+            )
+        rows, deferred = assign_rows(lengths, self.num_microbatches, self.tokens, first=len(carried))
+        return todo, rows, deferred
+
+    def _carried_into(self, step: int) -> list[Sample]:
+        known = max(k for k in self._carried if k <= step)
+        for k in range(known, step):
+            todo, _, deferred = self._plan(k)
+            self._carried[k + 1] = [todo[i] for i in deferred]
+        return self._carried[step]
+
+    def trained(self, step: int) -> list[Sample]:
+        """The samples step ``step`` trains on (carried in, and its own not deferred)."""
+        todo, rows, _ = self._plan(step)
+        return [todo[i] for row in rows for i in row]
+
+    def __call__(self, step: int) -> PackedBatch:
+        todo, rows, deferred = self._plan(step)
+        self._carried[step + 1] = [todo[i] for i in deferred]
+        packing = pack_assigned(todo, self.family, rows, self.tokens)
+        microbatches = tuple(
+            step_inputs(mb, self.family, packing.label_tokens) for mb in packing.microbatches
+        )
+        return PackedBatch(microbatches, len(todo) - len(deferred), tuple(deferred))
+
+
+@dataclass(frozen=True)
+class PaddedSteps:
+    """``steps(k)``: the samples packed step ``k`` trains on, right-padded in one batch (what an
+    eager loop trains on for the same step: ``model(**batch).loss``)."""
+
+    packed: PackedSteps
+
+    def __call__(self, step: int) -> dict[str, torch.Tensor]:
+        return padded_batch(self.packed.trained(step), self.packed.family)

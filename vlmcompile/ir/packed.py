@@ -1,0 +1,53 @@
+"""What capture, codegen and the runtime share about packed training data: the layout a
+pipeline was captured for (:class:`PackedLayout`) and one step's microbatches
+(:class:`PackedBatch`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vlmcompile.ir.shape_plan import InputSizes
+
+
+@dataclass(frozen=True, slots=True)
+class VaryingDim:
+    """A dimension of a microbatch input that differs between microbatches."""
+
+    key: str
+    dim: int
+    name: str
+    """What it counts (``tiles``, ``merged_patches``, ``image_tokens``)."""
+    low: int
+    high: int
+    """The bounds the capture holds for."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLayout:
+    """A pipeline captured once for packed microbatches of ``tokens`` LLM tokens a row."""
+
+    family: str
+    tokens: int
+    """LLM tokens of a microbatch (its one row): fixed, so the LLM's stage boundaries are."""
+    varying: tuple[VaryingDim, ...]
+    input_sizes: InputSizes
+    """How the size symbols of the captured graph are read off a microbatch."""
+
+    def describe(self) -> str:
+        dims = ", ".join(f"{v.key}[{v.dim}] ({v.name}) {v.low}..{v.high}" for v in self.varying)
+        return f"{self.family} microbatches of {self.tokens} LLM tokens; varying: {dims}"
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBatch:
+    """One step's packed microbatches, the same on every rank: data-parallel rank ``d`` of ``D``
+    runs ``microbatches[d * m : (d + 1) * m]``. Each microbatch's loss is already its share of
+    the step's loss (summed over the step's label tokens), so they add up with no weights."""
+
+    microbatches: tuple[Mapping[str, Any], ...]
+    num_samples: int
+    """Samples packed into them."""
+    deferred: tuple[int, ...] = ()
+    """Indices (in the samples given) of those left for the next step."""
