@@ -12,6 +12,7 @@ samples hold, not one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,9 +101,35 @@ def capture_packed(
         numerics=numerics or "not checked (check_numerics=False)",
         loss_split=loss_split,
         runtime_checks=checks,
-        packed=f"captured once: {gm.meta[PACKED_META].describe()}",
+        packed=f"captured once: {gm.meta[PACKED_META].describe()}\n  {distribution(packing)}",
     )
     return PackedCaptureResult(gm, report, example, family, packing)
+
+
+def distribution(packing: Packing) -> str:
+    """The microbatches the samples packed into: LLM tokens, images and image rows (tiles or
+    patches) per microbatch, mean / p95 / max, and the padding share."""
+    used = [mb for mb in packing.microbatches if mb.tokens]
+
+    def stats(values: list[int]) -> str:
+        ordered = sorted(values)
+        p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+        return f"{sum(values) / len(values):.1f} / {p95} / {ordered[-1]}"
+
+    images = [
+        int(mb.inputs["image_grid_thw"].shape[0]) if "image_grid_thw" in mb.inputs else 0 for mb in used
+    ]
+    columns = [
+        ("LLM tokens", [mb.tokens for mb in used]),
+        ("image rows", [mb.vision_rows for mb in used]),
+    ]
+    if any(images):
+        columns.append(("images", images))
+    shown = "; ".join(f"{name} {stats(values)}" for name, values in columns)
+    return (
+        f"the samples given packed into {len(used)} microbatches (mean / p95 / max a microbatch): {shown}; "
+        f"padding {packing.pad_share:.0%} of the LLM tokens"
+    )
 
 
 def _layout(gm: fx.GraphModule, family: Family, tokens: int, dynamic: Mapping[str, Any]) -> PackedLayout:

@@ -11,7 +11,15 @@ from vlmcompile.data.families import PatchStreamFamily, TileFamily, family_of, m
 from vlmcompile.data.packing import sample_length
 from vlmcompile.ir.errors import DataError
 
-FAMILIES = ["hf-llava", "hf-internvl", "hf-qwen2-vl", "hf-qwen2.5-vl"]
+FAMILIES = [
+    "hf-llava",
+    "hf-llava-next",
+    "hf-internvl",
+    "hf-idefics3",
+    "hf-smolvlm",
+    "hf-qwen2-vl",
+    "hf-qwen2.5-vl",
+]
 
 
 def _model(name):

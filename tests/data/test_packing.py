@@ -17,7 +17,9 @@ TINY = TileFamily("llava", image_token_id=100, side=28, channels=3, tokens_per_t
 
 DATASETS = {  # family -> (distribution, pixel scale to the tiny models' 28 px)
     "hf-llava": ("llava-chat", 28 / 640),
+    "hf-llava-next": ("qwen-native", 1 / 16),  # anyres: crops by image size
     "hf-internvl": ("internvl-tiles", 28 / 448),
+    "hf-idefics3": ("interleaved", 28 / 640),  # image splitting: tiles and a global view
     "hf-qwen2-vl": ("qwen-native", 1 / 16),
     "hf-qwen2.5-vl": ("interleaved", 28 / 640),
 }

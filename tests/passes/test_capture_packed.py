@@ -29,7 +29,9 @@ def _samples(family, seed, count=6):
     return [data[i] for i in range(count)]
 
 
-@pytest.mark.parametrize("name", ["hf-llava", "hf-internvl", "hf-qwen2-vl", "hf-qwen2.5-vl"])
+@pytest.mark.parametrize(
+    "name", ["hf-llava", "hf-llava-next", "hf-internvl", "hf-idefics3", "hf-qwen2-vl", "hf-qwen2.5-vl"]
+)
 def test_one_capture_serves_microbatches_it_never_saw(name):
     model = _model(name)
     family = family_of(model)

@@ -18,8 +18,9 @@ has no image keys, or image keys with no rows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -205,7 +206,221 @@ class PatchStreamFamily:
         return sample
 
 
-Family = TileFamily | PatchStreamFamily
+@dataclass(frozen=True, slots=True)
+class AnyresFamily:
+    """LLaVA-NeXT's "anyres" images: each image a base tile and a grid of crops (its count from
+    the image size and the model's ``image_grid_pinpoints``), ``pixel_values`` of shape (images,
+    crops, channels, side, side) with crops padded to the most of any image, and ``image_sizes``
+    (height, width) per image. Its LLM tokens are the base tile's and the unpadded crop grid's
+    with a newline embedding after each row: where each comes from is read off the model's own
+    ``pack_image_features`` run on feature *indices* (:meth:`feature_index`)."""
+
+    name: str
+    image_token_id: int
+    side: int
+    channels: int
+    tokens_per_crop: int
+    """Features the vision tower gives a crop after the feature selection strategy."""
+    strategy: str
+    config: Any = field(compare=False, repr=False)
+    """The model's config, which ``pack_image_features`` reads."""
+
+    image_keys = ("pixel_values", "image_sizes")
+    token_keys: tuple[str, ...] = ()
+
+    def crops(self, height: int, width: int) -> int:
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        return image_size_to_num_patches((height, width), self.config.image_grid_pinpoints, self.side)
+
+    def feature_index(self, sizes: Sequence[tuple[int, int]], newline: int) -> torch.Tensor:
+        """For images of ``sizes``, whose crops' features are rows ``0, 1, ...`` of a table in
+        order, the table row of each of their image tokens (``newline`` for a newline)."""
+        import types
+
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
+
+        owner = types.SimpleNamespace(config=self.config)
+        out, first = [], 0
+        for h, w in sizes:
+            count = self.crops(h, w) * self.tokens_per_crop
+            rows = torch.arange(first, first + count, dtype=torch.float64).view(-1, self.tokens_per_crop, 1)
+            packed, _ = LlavaNextModel.pack_image_features(
+                owner,
+                [rows],
+                torch.tensor([[h, w]]),
+                self.strategy,
+                torch.tensor([-1.0], dtype=torch.float64),
+            )
+            index = packed[0].view(-1).long()
+            out.append(torch.where(index < 0, newline, index))
+            first += count
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+    def _sizes(self, sample: Sample) -> list[tuple[int, int]]:
+        sizes = sample.get("image_sizes")
+        return [] if sizes is None else [(int(h), int(w)) for h, w in sizes.tolist()]
+
+    def vision_rows(self, sample: Sample) -> int:
+        return sum(self.crops(h, w) for h, w in self._sizes(sample))
+
+    def expected_image_tokens(self, sample: Sample, where: str) -> int:
+        pixels, sizes = sample.get("pixel_values"), sample.get("image_sizes")
+        if pixels is None and sizes is None:
+            return 0
+        if not isinstance(sizes, torch.Tensor) or sizes.dim() != 2 or sizes.shape[1] != 2:
+            got = list(sizes.shape) if isinstance(sizes, torch.Tensor) else type(sizes).__name__
+            raise DataError(
+                f"{where}: image_sizes is {got}; {self.name} takes one (height, width) row an image"
+            )
+        crops = [self.crops(h, w) for h, w in self._sizes(sample)]
+        tile = (self.channels, self.side, self.side)
+        if (
+            not isinstance(pixels, torch.Tensor)
+            or pixels.dim() != 5
+            or pixels.shape[0] != len(crops)
+            or pixels.shape[1] < max(crops)
+            or tuple(pixels.shape[2:]) != tile
+        ):
+            got = list(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+            raise DataError(
+                f"{where}: pixel_values is {got}; its image_sizes ask for [{len(crops)}, >= {max(crops)}, "
+                f"{', '.join(map(str, tile))}] (images, crops, channels, height, width)"
+            )
+        return int(self.feature_index(self._sizes(sample), -1).numel())
+
+    def crop_rows(self, sample: Sample) -> torch.Tensor:
+        """The sample's real crops, one row each (the padding crops dropped)."""
+        pixels = sample["pixel_values"]
+        return torch.cat([pixels[i, : self.crops(h, w)] for i, (h, w) in enumerate(self._sizes(sample))])
+
+    def join_images(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+        having = [s for s in samples if self._sizes(s)]
+        if not having:
+            return {}
+        most = max(s["pixel_values"].shape[1] for s in having)
+        padded = [
+            torch.nn.functional.pad(
+                s["pixel_values"], (0, 0, 0, 0, 0, 0, 0, most - s["pixel_values"].shape[1])
+            )
+            for s in having
+        ]
+        return {
+            "pixel_values": torch.cat(padded),
+            "image_sizes": torch.cat([s["image_sizes"] for s in having]),
+        }
+
+    def step_images(self, joined: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A packed microbatch's images as its step takes them: the real crops, one row each,
+        and the feature table row of each image token (the table is the crops' features, then
+        the newline embedding)."""
+        sizes = self._sizes(joined)
+        rows = self.crop_rows(joined)
+        return {
+            "pixel_values": rows,
+            "image_token_index": self.feature_index(sizes, newline=rows.shape[0] * self.tokens_per_crop),
+        }
+
+    def positions(self, sample: Sample) -> torch.Tensor:
+        return torch.arange(tokens_of(sample, "sample").numel())
+
+    def synthesize(self, text_tokens: int, images: Sequence[tuple[int, int]], generator) -> dict:
+        blocks = [
+            torch.full((int(self.feature_index([size], -1).numel()),), self.image_token_id) for size in images
+        ]
+        sample = _chat(blocks, text_tokens, self.image_token_id, generator)
+        if images:
+            crops = [self.crops(h, w) for h, w in images]
+            pixels = torch.zeros(len(images), max(crops), self.channels, self.side, self.side)
+            for i, n in enumerate(crops):
+                pixels[i, :n] = torch.randn(n, self.channels, self.side, self.side, generator=generator)
+            sample["pixel_values"] = pixels
+            sample["image_sizes"] = torch.tensor(list(images))
+        return sample
+
+
+@dataclass(frozen=True, slots=True)
+class SplitTileFamily:
+    """Idefics3 and SmolVLM: an image split into tiles of ``side`` pixels (and a global view of
+    the whole when it takes more than one), ``pixel_values`` of shape (1, tiles, channels, side,
+    side) a sample (a batch pads with all-zero tiles, which the model drops), ``tokens_per_tile``
+    image tokens a tile after the connector's pixel shuffle."""
+
+    name: str
+    image_token_id: int
+    side: int
+    channels: int
+    tokens_per_tile: int
+    max_split: int = 4
+    """Tiles a side at most (the processor's longest edge over the tile side: 1456 / 364)."""
+
+    image_keys = ("pixel_values", "pixel_attention_mask")
+    token_keys: tuple[str, ...] = ()
+
+    def tiles(self, height: int, width: int) -> int:
+        """Tiles of an image of ``height`` x ``width`` pixels: its longest edge brought to at most
+        ``max_split`` tiles, each side cut into whole tiles, a global view when more than one
+        (our statement of the processor's splitting, for synthetic sizes; the model takes any)."""
+        scale = min(1.0, self.max_split * self.side / max(height, width))
+        rows = max(1, math.ceil(height * scale / self.side))
+        columns = max(1, math.ceil(width * scale / self.side))
+        return rows * columns + (1 if rows * columns > 1 else 0)
+
+    def vision_rows(self, sample: Sample) -> int:
+        pixels = sample.get("pixel_values")
+        return 0 if pixels is None else int(pixels.shape[1])
+
+    def expected_image_tokens(self, sample: Sample, where: str) -> int:
+        pixels = sample.get("pixel_values")
+        if pixels is None:
+            return 0
+        tile = (self.channels, self.side, self.side)
+        if (
+            not isinstance(pixels, torch.Tensor)
+            or pixels.dim() != 5
+            or pixels.shape[0] != 1
+            or tuple(pixels.shape[2:]) != tile
+        ):
+            got = list(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+            raise DataError(
+                f"{where}: pixel_values is {got}; {self.name} takes one example's tiles as (1, tiles, "
+                f"{', '.join(map(str, tile))})"
+            )
+        return int(pixels.shape[1]) * self.tokens_per_tile
+
+    def join_images(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+        having = [s for s in samples if self.vision_rows(s)]
+        if not having:
+            return {}
+        most = max(self.vision_rows(s) for s in having)
+        pad = [(0, 0, 0, 0, 0, 0, 0, most - self.vision_rows(s)) for s in having]
+        return {
+            "pixel_values": torch.cat(
+                [torch.nn.functional.pad(s["pixel_values"], p) for s, p in zip(having, pad)]
+            )
+        }
+
+    def step_images(self, joined: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The real tiles of a packed microbatch, one row each (the all-zero padding dropped)."""
+        pixels = joined["pixel_values"].flatten(0, 1)
+        real = pixels.flatten(1).ne(0).any(1)
+        return {"pixel_values": pixels[real]}
+
+    def positions(self, sample: Sample) -> torch.Tensor:
+        return torch.arange(tokens_of(sample, "sample").numel())
+
+    def synthesize(self, text_tokens: int, images: Sequence[tuple[int, int]], generator) -> dict:
+        tiles = [self.tiles(h, w) for h, w in images]
+        blocks = [torch.full((n * self.tokens_per_tile,), self.image_token_id) for n in tiles]
+        sample = _chat(blocks, text_tokens, self.image_token_id, generator)
+        if tiles:
+            sample["pixel_values"] = torch.randn(
+                1, sum(tiles), self.channels, self.side, self.side, generator=generator
+            )
+        return sample
+
+
+Family = TileFamily | PatchStreamFamily | AnyresFamily | SplitTileFamily
 
 
 def mrope_positions(
@@ -268,6 +483,17 @@ def family_of(model: Any) -> Family:
         return TileFamily(
             "llava", config.image_token_id, side, vision.num_channels, (side // patch) ** 2 + extra, 1
         )
+    if kind == "llava_next" and vision is not None:
+        side, patch = _int(vision.image_size), _int(vision.patch_size)
+        strategy = config.vision_feature_select_strategy
+        tokens = (side // patch) ** 2 + (1 if strategy == "full" else 0)
+        return AnyresFamily(
+            "llava-next", config.image_token_id, side, vision.num_channels, tokens, strategy, config
+        )
+    if kind in ("idefics3", "smolvlm") and vision is not None:
+        side, patch = _int(vision.image_size), _int(vision.patch_size)
+        tokens = (side // patch) ** 2 // config.scale_factor**2
+        return SplitTileFamily(kind, config.image_token_id, side, vision.num_channels, tokens)
     if kind == "internvl" and vision is not None:
         side, patch = _int(vision.image_size), _int(vision.patch_size)
         tokens = int((side // patch) ** 2 * config.downsample_ratio**2)
@@ -289,7 +515,7 @@ def family_of(model: Any) -> Family:
         )
     raise DataError(
         f"vlmcompile.data has no sample layout for {type(model).__name__} (model_type {kind!r}); the families it "
-        "packs are LLaVA, InternVL, Qwen2-VL and Qwen2.5-VL. For another model, give one batch dict whose "
+        "packs are LLaVA, LLaVA-NeXT, InternVL, Idefics3, SmolVLM, Qwen2-VL and Qwen2.5-VL. For another model, give one batch dict whose "
         "samples share one shape (pad or crop them) as the sample batch"
     )
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmcompile.data.families import Family, PatchStreamFamily
+from vlmcompile.data.families import AnyresFamily, Family, PatchStreamFamily, SplitTileFamily
 from vlmcompile.data.packing import PackedMicrobatch, pack
 from vlmcompile.ir.packed import PackedBatch
 
@@ -51,7 +51,7 @@ def dummy_images(family: Family) -> dict[str, torch.Tensor]:
             "pixel_values": torch.zeros(merge * merge, family.patch_dim),
             "image_grid_thw": torch.tensor([[1, merge, merge]]),
         }
-    return {"pixel_values": torch.zeros(1, family.channels, family.side, family.side)}
+    return {"pixel_values": torch.zeros(1, family.channels, family.side, family.side)}  # a tile, a crop
 
 
 def step_inputs(microbatch: PackedMicrobatch, family: Family, label_tokens: int) -> dict:
@@ -64,6 +64,16 @@ def step_inputs(microbatch: PackedMicrobatch, family: Family, label_tokens: int)
     images = {k: microbatch.inputs[k] for k in family.image_keys if k in microbatch.inputs}
     inputs.update(images or dummy_images(family))
     inputs["image_token_index"] = torch.arange(image_tokens)
+    if isinstance(family, AnyresFamily):
+        inputs.pop("image_sizes", None)  # its work is done on the host: crops and feature index
+        if images:
+            inputs.update(family.step_images(images))
+        else:
+            inputs["image_token_index"] = torch.zeros(0, dtype=torch.long)
+    if isinstance(family, SplitTileFamily):
+        inputs.pop("pixel_attention_mask", None)  # whole tiles: every patch attends
+        if images:
+            inputs.update(family.step_images(images))
     if isinstance(family, PatchStreamFamily):
         inputs.update(_vision_index_inputs(inputs["image_grid_thw"], family))
     return inputs
@@ -178,6 +188,35 @@ def _llava_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> tor
     return inner.multi_modal_projector(torch.cat(chosen, dim=-1)).flatten(0, 1)
 
 
+def _llava_next_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """LLaVA-NeXT's crop features, the selected hidden states projected, one row a feature, and
+    its newline embedding as the last row: the table ``image_token_index`` gathers the image
+    tokens from (the unpadding and row ends of ``pack_image_features``, done on the host)."""
+    config, inner = model.config, model.model
+    out = inner.vision_tower(inputs["pixel_values"], output_hidden_states=True)
+    layers = config.vision_feature_layer
+    chosen = torch.cat(
+        [out.hidden_states[k] for k in (layers if isinstance(layers, list) else [layers])], dim=-1
+    )
+    if config.vision_feature_select_strategy == "default":
+        chosen = chosen[:, 1:]
+    features = inner.multi_modal_projector(chosen).flatten(0, 1)
+    return torch.cat([features, inner.image_newline[None].to(features.dtype)])
+
+
+def _split_tile_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Idefics3's / SmolVLM's ``get_image_features`` on tiles that are all real and whole (the
+    host dropped the padding tiles, which the model finds by their values): every patch of
+    every tile attends."""
+    inner, pixels = model.model, inputs["pixel_values"]
+    side = model.config.vision_config.patch_size
+    patches = torch.ones(pixels.shape[0], pixels.shape[2] // side, pixels.shape[3] // side, dtype=torch.bool)
+    hidden = inner.vision_model(
+        pixel_values=pixels, patch_attention_mask=patches.to(pixels.device)
+    ).last_hidden_state
+    return inner.connector(hidden).flatten(0, 1)
+
+
 def _internvl_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     config = model.config
     out = model.model.get_image_features(
@@ -209,6 +248,9 @@ def _qwen_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torc
 
 IMAGE_FEATURES = {
     "llava": _llava_features,
+    "llava-next": _llava_next_features,
+    "idefics3": _split_tile_features,
+    "smolvlm": _split_tile_features,
     "internvl": _internvl_features,
     "qwen2-vl": _qwen_features,
     "qwen2.5-vl": _qwen_features,
