@@ -67,7 +67,8 @@ def capture_packed(
     overrides = parse_overrides(region_overrides)
     check_override_paths(overrides, [p for p, _ in model.named_modules()])
     tokens = tokens or default_tokens(samples, family)
-    packing = pack(samples, family, tokens=tokens, num_microbatches=fewest_rows(samples, family, tokens))
+    lengths = [sample_length(s, family, i) for i, s in enumerate(samples)]
+    packing = pack(samples, family, tokens=tokens, num_microbatches=fewest_rows(lengths, tokens))
     inputs = [step_inputs(mb, family, packing.label_tokens) for mb in packing.microbatches if mb.tokens]
     example = export_example(
         max(inputs, key=lambda b: (b["pixel_values"].shape[0], b["image_token_index"].numel())), family

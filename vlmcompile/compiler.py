@@ -30,7 +30,11 @@ from torch import nn
 
 from vlmcompile import models
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.data.distribution import scan
+from vlmcompile.data.families import family_of
+from vlmcompile.data.manifest import read_manifest
 from vlmcompile.data.packing import check_samples
+from vlmcompile.data.synthetic import ManifestDataset
 from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
 from vlmcompile.ir.errors import ClusterError, VlmCompileError, positive_int
@@ -68,16 +72,30 @@ class CompileState:
     tokens_per_microbatch: int | None = None
     packing: Any = None
     """The samples given, packed by the capture pass."""
+    dataset: Any = None
+    """A dataset of samples to plan for (its scan picks the samples captured)."""
+    scan: Any = None
     reports: dict[str, Any] = field(default_factory=dict)
 
 
 def _capture_pass(state: CompileState, *, region_overrides, method) -> None:
+    if state.dataset is not None:
+        state.scan = scan(
+            state.dataset,
+            family_of(state.model),
+            global_batch=state.global_batch,
+            tokens=state.tokens_per_microbatch,
+        )
+        state.samples = [state.dataset[i] for i in state.scan.largest]
+        state.tokens_per_microbatch = state.scan.tokens
     if state.samples is not None:
         packed = capture_packed(
             state.model, state.samples, tokens=state.tokens_per_microbatch, region_overrides=region_overrides
         )
         state.gm, state.sample_batch, state.packing = packed.gm, packed.example, packed.packing
         state.reports["capture"] = packed.report
+        if state.scan is not None:
+            state.reports["data"] = state.scan
         return
     result = capture(state.model, state.sample_batch, region_overrides=region_overrides, method=method)
     state.gm = result.gm
@@ -85,8 +103,16 @@ def _capture_pass(state: CompileState, *, region_overrides, method) -> None:
 
 
 def _packed_rows(state: CompileState) -> tuple[int, Decision]:
-    """Microbatches a step of ``global_batch`` samples needs, at the rate the samples given
-    packed (one microbatch is one row of the token budget)."""
+    """Microbatches a step of ``global_batch`` samples needs: what the dataset's scan found, or
+    the rate the samples given packed at (one microbatch is one row of the token budget)."""
+    if state.scan is not None:
+        found = state.scan
+        return found.microbatches, Decision(
+            "microbatches",
+            Reason.PACKED,
+            f"{found.global_batch} samples a step pack into at most {found.microbatches} microbatches of "
+            f"{found.tokens} LLM tokens on the dataset's first {found.scanned} samples",
+        )
     used = sum(1 for mb in state.packing.microbatches if mb.tokens)
     given = len(state.samples)
     samples = state.global_batch or given
@@ -200,9 +226,10 @@ def _on_meta(state: CompileState) -> bool:
 
 def compile(
     model: nn.Module,
-    sample_batch: Mapping[str, Any],
+    sample_batch: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
     cluster: Cluster | str | None = None,
     *,
+    dataset: Any = None,
     region_overrides: Mapping[str, str | Region] | None = None,
     capture_method: CaptureMethod | str = "auto",
     tensor_mode: TensorMode = "fake",
@@ -231,8 +258,11 @@ def compile(
         disable_passes: names of passes to skip.
         model_name: shown in reports (default: the model's class name).
         global_batch: samples per training step to plan for (default: the sample batch's size).
-        tokens_per_microbatch: with a list of samples: the LLM tokens of a microbatch (default:
-            the longest sample, rounded up to a multiple of 16).
+        dataset: instead of a sample batch, a dataset of such samples (anything with ``len`` and
+            indexing) or a JSONL manifest of sample sizes (a path): its first samples are
+            scanned and the pipeline planned for them (``global_batch`` samples a step).
+        tokens_per_microbatch: with samples or a dataset: the LLM tokens of a microbatch
+            (default: the longest sample, rounded up to a multiple of 16).
         solver: CP-SAT's limits per candidate of the plan search (default: 3 s each).
         search_space: the degrees the plan search may choose from, e.g.
             ``SearchSpace(pp_choices=(2,), microbatch_sizes=(1,))`` (default: all the cluster allows).
@@ -257,7 +287,7 @@ def compile(
         progress=log is not None,
         profile=profile,
     )
-    samples = None if isinstance(sample_batch, Mapping) else check_samples(sample_batch)
+    samples, dataset = _samples_or_dataset(model, sample_batch, dataset, global_batch)
     state = CompileState(
         model=model,
         sample_batch={} if samples is not None else sample_batch,
@@ -266,16 +296,22 @@ def compile(
         global_batch=global_batch,
         samples=samples,
         tokens_per_microbatch=tokens_per_microbatch,
+        dataset=dataset,
     )
     run = PassRunner(passes, disabled=disable_passes, log=log).run(state)
+    return _pipeline(state, run)
+
+
+def _pipeline(state: CompileState, run) -> CompiledPipeline:
+    """What the passes made, as the pipeline ``compile`` returns."""
     return CompiledPipeline(
         gm=state.gm,
         layer_graph=state.layer_graph,
         report=CompileReport(dict(state.reports), run),
-        cluster=cluster,
+        cluster=state.cluster,
         planned=state.planned,
         codegen=state.codegen,
-        model=model,
+        model=state.model,
         sample_batch=dict(state.sample_batch),
     )
 
@@ -304,6 +340,24 @@ def _passes(
     if profile:
         passes.insert(2, Pass("profile", functools.partial(_profile_pass, repeats=5)))
     return passes
+
+
+def _samples_or_dataset(model: nn.Module, sample_batch: Any, dataset: Any, global_batch: int | None):
+    """(samples, dataset) from what ``compile`` was given; a manifest path becomes a dataset of
+    the model's samples of its sizes."""
+    if dataset is None:
+        if sample_batch is None:
+            raise VlmCompileError(
+                "give a sample batch (a dict), a list of samples of different shapes, or dataset=..."
+            )
+        return (None if isinstance(sample_batch, Mapping) else check_samples(sample_batch)), None
+    if sample_batch is not None:
+        raise VlmCompileError("give either a sample batch or dataset=..., not both")
+    if global_batch is None:
+        raise VlmCompileError("compiling for a dataset needs global_batch= (the samples of a training step)")
+    if isinstance(dataset, (str, os.PathLike)):
+        dataset = ManifestDataset(tuple(read_manifest(dataset)), family_of(model))
+    return None, dataset
 
 
 def zoo_layer_graph(model_name: str, *, dtype: Any = None) -> LayerGraph:

@@ -79,3 +79,58 @@ def test_a_model_without_a_sample_layout_is_refused():
     model = models.build("tiny")
     with pytest.raises(DataError, match="no sample layout for VLM .*give one batch dict"):
         capture_packed(model, [{"input_ids": torch.ones(1, 4, dtype=torch.long)}])
+
+
+def test_compile_plans_for_a_dataset_or_a_manifest(tmp_path):
+    import json
+
+    from vlmcompile import compile
+    from vlmcompile.ir.plan import Reason
+    from vlmcompile.planning.request import SearchSpace
+
+    model = _model("hf-qwen2-vl")
+    family = family_of(model)
+    data = SyntheticDataset(
+        "qwen-native", family, 60, seed=1, text_only=0.1, text_scale=1 / 30, pixel_scale=1 / 16
+    )
+    space = SearchSpace(pp_choices=(2,))
+    pipe = compile(model, dataset=data, cluster="cpu:2", global_batch=12, search_space=space, log=None)
+    found = pipe.report.passes["data"]
+    assert found.scanned == 60 and pipe.packed.tokens == found.tokens
+    assert pipe.plan.num_microbatches == found.microbatches
+    assert any(d.reason is Reason.PACKED for d in pipe.plan.decisions)
+    # Captured at the largest microbatch the scan packed: the memory plan's worst case.
+    assert pipe.sample_batch["pixel_values"].shape[0] == found.image_rows.max
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(
+        "\n".join(json.dumps({"text_tokens": 5 + i, "images": [[56, 84]] * (i % 2)}) for i in range(12))
+    )
+    pipe = compile(
+        model, dataset=str(manifest), cluster="cpu:2", global_batch=4, search_space=space, log=None
+    )
+    assert pipe.report.passes["data"].of == 12
+
+
+def test_compile_refuses_what_it_cannot_plan_for(tmp_path):
+    from vlmcompile import compile
+    from vlmcompile.ir.errors import VlmCompileError
+
+    model = _model("hf-llava")
+    family = family_of(model)
+    data = SyntheticDataset("llava-chat", family, 8, text_scale=1 / 30, pixel_scale=28 / 640)
+    with pytest.raises(VlmCompileError, match="give a sample batch"):
+        compile(model, log=None)
+    with pytest.raises(VlmCompileError, match="not both"):
+        compile(model, [data[0]], dataset=data, global_batch=2, log=None)
+    with pytest.raises(VlmCompileError, match="needs global_batch="):
+        compile(model, dataset=data, log=None)
+    with pytest.raises(DataError, match="the dataset is empty"):
+        compile(model, dataset=[], global_batch=2, log=None)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text_tokens": -3}\n')
+    with pytest.raises(DataError, match="bad.jsonl:1: text_tokens=-3"):
+        compile(model, dataset=str(bad), global_batch=2, log=None)
+    qwen = family_of(_model("hf-qwen2-vl"))
+    other = SyntheticDataset("qwen-native", qwen, 8, text_scale=1 / 30, pixel_scale=1 / 16)
+    with pytest.raises(DataError, match="another model family"):
+        compile(model, dataset=other, global_batch=2, log=None)

@@ -130,10 +130,9 @@ def assign_rows(
     return [sorted(r) for r in rows], sorted(deferred)
 
 
-def fewest_rows(samples: Sequence[Sample], family: Family, tokens: int) -> int:
-    """The fewest rows of ``tokens`` that :func:`pack` fits every sample into (a sample longer
-    than ``tokens`` is refused there)."""
-    lengths = [sample_length(s, family, i) for i, s in enumerate(samples)]
+def fewest_rows(lengths: Sequence[int], tokens: int) -> int:
+    """The fewest rows of ``tokens`` that :func:`assign_rows` fits samples of ``lengths`` into
+    (each at most ``tokens``)."""
     rows = max(1, -(-sum(lengths) // tokens))
     while assign_rows(lengths, rows, tokens)[1] and rows < len(lengths):
         rows += 1

@@ -113,6 +113,17 @@ def draw_sizes(name: str, index: int, *, seed: int = 0, text_only: float = 0.06)
     return ManifestSample(sizes.text_tokens) if rng.random() < text_only else sizes
 
 
+def _scaled(sizes: ManifestSample, text_scale: float, pixel_scale: float) -> ManifestSample:
+    px = [(max(1, round(h * pixel_scale)), max(1, round(w * pixel_scale))) for h, w in sizes.images]
+    return ManifestSample(max(1, round(sizes.text_tokens * text_scale)), tuple(px))
+
+
+def _check_scales(text_scale: float, pixel_scale: float) -> None:
+    for name, value in (("text_scale", text_scale), ("pixel_scale", pixel_scale)):
+        if not value > 0:
+            raise DataError(f"{name}={value}; give a positive factor")
+
+
 @dataclass(frozen=True)
 class SyntheticDataset(torch.utils.data.Dataset):
     """``num_samples`` samples of distribution ``name`` for ``family``'s model. ``text_scale`` and
@@ -130,9 +141,7 @@ class SyntheticDataset(torch.utils.data.Dataset):
     def __post_init__(self):
         positive_int("num_samples", self.num_samples, "the samples of the dataset")
         draw_sizes(self.name, 0, seed=self.seed, text_only=self.text_only)  # checks name and share
-        for field in ("text_scale", "pixel_scale"):
-            if not getattr(self, field) > 0:
-                raise DataError(f"{field}={getattr(self, field)}; give a positive factor")
+        _check_scales(self.text_scale, self.pixel_scale)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -142,12 +151,40 @@ class SyntheticDataset(torch.utils.data.Dataset):
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} of a dataset of {self.num_samples}")
         real = draw_sizes(self.name, index, seed=self.seed, text_only=self.text_only)
-        px = [
-            (max(1, round(h * self.pixel_scale)), max(1, round(w * self.pixel_scale))) for h, w in real.images
-        ]
-        return ManifestSample(max(1, round(real.text_tokens * self.text_scale)), tuple(px))
+        return _scaled(real, self.text_scale, self.pixel_scale)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        sizes = self.sizes(index)
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        return self.family.synthesize(sizes.text_tokens, sizes.images, generator)
+        return synthesized(self.family, self.sizes(index), self.seed, index)
+
+
+@dataclass(frozen=True)
+class ManifestDataset(torch.utils.data.Dataset):
+    """A manifest's samples (:func:`~vlmcompile.data.manifest.read_manifest`) as ``family``'s
+    samples of those sizes with random content: a dataset to plan and rehearse on before the
+    data is at hand. ``text_scale`` and ``pixel_scale`` as in :class:`SyntheticDataset`."""
+
+    samples: tuple[ManifestSample, ...]
+    family: Family
+    seed: int = 0
+    text_scale: float = 1.0
+    pixel_scale: float = 1.0
+
+    def __post_init__(self):
+        if not self.samples:
+            raise DataError("the manifest holds no samples; give one JSON object a line")
+        _check_scales(self.text_scale, self.pixel_scale)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def sizes(self, index: int) -> ManifestSample:
+        return _scaled(self.samples[index], self.text_scale, self.pixel_scale)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return synthesized(self.family, self.sizes(index), self.seed, index)
+
+
+def synthesized(family: Family, sizes: ManifestSample, seed: int, index: int) -> dict[str, torch.Tensor]:
+    """Sample ``index`` of a dataset seeded ``seed``, of ``sizes``, with random content."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return family.synthesize(sizes.text_tokens, sizes.images, generator)
