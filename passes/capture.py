@@ -201,7 +201,23 @@ def _trace_fx(model: nn.Module, batch: dict[str, Any], blocks: set[str]) -> fx.G
     }
     tracer = _BlockLeafTracer(blocks)
     graph = tracer.trace(model, concrete_args=concrete or None)
+    _drop_concrete_placeholders(graph, batch)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _drop_concrete_placeholders(graph: fx.Graph, batch: Mapping[str, Any]) -> None:
+    """fx keeps a placeholder for each argument fixed to its default (``attention_mask=None``),
+    read only by a guard that it is still that value; no batch brings it, so both go."""
+    for n in list(graph.nodes):
+        if n.op != "placeholder" or n.target in batch:
+            continue
+        guards = list(n.users)
+        if all(
+            u.op == "call_function" and getattr(u.target, "__name__", "") == "_assert_is_none" for u in guards
+        ):
+            for u in guards:
+                graph.erase_node(u)
+            graph.erase_node(n)
 
 
 def _output_only_the_loss(gm: fx.GraphModule) -> fx.GraphModule:

@@ -238,7 +238,7 @@ def _drop_labels(b):
 
 
 def _extra_key(b):
-    b["attention_mask"] = torch.ones_like(b["input_ids"])
+    b["token_type_ids"] = torch.ones_like(b["input_ids"])
     return b
 
 
@@ -437,7 +437,7 @@ CASES = {
         "sample_batch lacks ['labels']",
     ),
     "api-batch-unknown-key": Case(
-        "API", "sample batch has a key forward does not take", compile_batch(_extra_key), "attention_mask"
+        "API", "sample batch has a key forward does not take", compile_batch(_extra_key), "token_type_ids"
     ),
     "api-batch-nan": Case(
         "API",
@@ -594,7 +594,7 @@ CASES = {
         "batch",
         "a batch with a key the sample batch had not",
         launch_batch(_extra_key),
-        "the batch has keys ['attention_mask']",
+        "the batch has keys ['token_type_ids']",
     ),
 }
 

@@ -131,3 +131,32 @@ def test_bad_samples_are_refused_naming_them():
         sample_length({"input_ids": torch.ones(1, 4, dtype=torch.long)}, TINY, 0)
     with pytest.raises(DataError, match=r"pixel_values is \[1, 3, 14, 14\]"):
         sample_length(_sample(10, 0) | {"pixel_values": torch.zeros(1, 3, 14, 14)}, TINY, 0)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-two-encoder", "tiny-tied"])
+def test_the_zoos_vlms_pack_like_their_padded_batch(name):
+    """The zoo's own VLMs (one or two encoders, a tied head) take packed microbatches too."""
+    from vlmcompile import models
+    from vlmcompile.data.packed_step import PackedStep, step_inputs
+
+    model = models.build(name)
+    family = family_of(model)
+    assert family.name == "zoo" and family.image_token_id == model.cfg.llm.vocab - 1
+    data = SyntheticDataset(
+        "interleaved", family, 40, seed=1, text_only=0.3, text_scale=1 / 30, pixel_scale=16 / 640
+    )
+    samples = [data[i] for i in range(8)]
+    expected = model(**padded_batch(samples, family))
+    expected.backward()
+    expected_grads = _gradients(model)
+    lengths = [s["input_ids"].numel() for s in samples]
+    packing = pack(samples, family, tokens=max(max(lengths), sum(lengths) // 3), num_microbatches=4)
+    step = PackedStep(model, family)
+    total = 0
+    for mb in packing.microbatches:
+        loss = step(**step_inputs(mb, family, packing.label_tokens))
+        loss.backward()
+        total = total + loss.detach()
+    torch.testing.assert_close(total, expected.detach())
+    for key, grad in _gradients(model).items():
+        torch.testing.assert_close(grad, expected_grads[key], msg=key)

@@ -19,7 +19,8 @@ from vlmcompile.runtime.training import one_step
 
 pytestmark = [needs_transformers, pytest.mark.hf, pytest.mark.multiproc]
 
-DATASETS = {  # model -> (distribution, pixel scale to the tiny models' 28 px tiles)
+DATASETS = {  # model -> (distribution, pixel scale to the tiny models' 28 px tiles, the zoo's 16 px)
+    "tiny": ("interleaved", 16 / 640),  # the zoo's VLM (plain PyTorch)
     "hf-llava": ("llava-chat", 28 / 640),
     "hf-llava-next": ("qwen-native", 1 / 16),  # anyres: crops by image size
     "hf-internvl": ("internvl-tiles", 28 / 448),
@@ -43,14 +44,14 @@ def _dataset(family, name, seed):
 def compiled():
     """Model name -> (model, its family, the samples it compiled with, the pipeline, the dataset
     it trains on). The token budget fits the dataset's longest sample and rows of 1 to 4 samples."""
-    from vlmcompile import compile
+    from vlmcompile import compile, models
     from vlmcompile.data.families import family_of
     from vlmcompile.models import hf_tiny
     from vlmcompile.planning.request import SearchSpace
 
     out = {}
     for name in DATASETS:
-        model = hf_tiny.build(name, batch=1)[0]
+        model = hf_tiny.build(name, batch=1)[0] if name.startswith("hf-") else models.build(name)
         family = family_of(model)
         data = _dataset(family, name, seed=5)
         given = _dataset(family, name, seed=1)

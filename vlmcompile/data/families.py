@@ -70,6 +70,9 @@ class TileFamily:
     tokens_per_tile: int
     max_tiles: int
     """Tiles of one image (1 for LLaVA; InternVL: up to 12, and a thumbnail when more than one)."""
+    empty_images: bool = False
+    """The model takes ``pixel_values`` with no rows for a batch without images (the zoo's VLM,
+    whose forward requires the argument), rather than no ``pixel_values``."""
 
     image_keys = ("pixel_values",)
     token_keys: tuple[str, ...] = ()
@@ -99,6 +102,8 @@ class TileFamily:
 
     def join_images(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
         tiles = [s["pixel_values"] for s in samples if self.vision_rows(s)]
+        if not tiles and self.empty_images:
+            return {"pixel_values": torch.zeros(0, self.channels, self.side, self.side)}
         return {"pixel_values": torch.cat(tiles)} if tiles else {}
 
     def positions(self, sample: Sample) -> torch.Tensor:
@@ -474,6 +479,13 @@ def _chat(blocks: list[torch.Tensor], text_tokens: int, image_token_id: int, gen
 
 def family_of(model: Any) -> Family:
     """The data family of a transformers VLM, read from its config."""
+    zoo = getattr(model, "cfg", None)
+    if getattr(zoo, "encoders", None) and hasattr(model, "image_features"):  # the zoo's VLM
+        first = zoo.encoders[0]
+        tokens = sum((e.grid // p.pixel_shuffle) ** 2 for e, p in zip(zoo.encoders, zoo.projectors))
+        return TileFamily(
+            "zoo", model.image_token_id, first.image_px, first.channels, tokens, 1, empty_images=True
+        )
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     vision = getattr(config, "vision_config", None)
@@ -515,7 +527,7 @@ def family_of(model: Any) -> Family:
         )
     raise DataError(
         f"vlmcompile.data has no sample layout for {type(model).__name__} (model_type {kind!r}); the families it "
-        "packs are LLaVA, LLaVA-NeXT, InternVL, Idefics3, SmolVLM, Qwen2-VL and Qwen2.5-VL. For another model, give one batch dict whose "
+        "packs are LLaVA, LLaVA-NeXT, InternVL, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL and the zoo's VLMs. For another model, give one batch dict whose "
         "samples share one shape (pad or crop them) as the sample batch"
     )
 

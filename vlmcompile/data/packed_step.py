@@ -62,6 +62,8 @@ def step_inputs(microbatch: PackedMicrobatch, family: Family, label_tokens: int)
     inputs["num_items_in_batch"] = torch.tensor(label_tokens)
     image_tokens = int((inputs["input_ids"] == family.image_token_id).sum())
     images = {k: microbatch.inputs[k] for k in family.image_keys if k in microbatch.inputs}
+    if not microbatch.vision_rows:  # no images (a family may still carry an empty pixel_values)
+        images = {}
     inputs.update(images or dummy_images(family))
     inputs["image_token_index"] = torch.arange(image_tokens)
     if isinstance(family, AnyresFamily):
@@ -159,6 +161,16 @@ class PackedStep(nn.Module):
     ) -> torch.Tensor:
         # Named, not **inputs: torch.export matches dynamic shapes to the parameters' names.
         inputs = {k: v for k, v in locals().items() if isinstance(v, torch.Tensor)}
+        if self.family_name == "zoo":  # the zoo's VLM takes packed inputs itself
+            return self.inner(
+                pixel_values,
+                input_ids,
+                labels,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                image_token_index=image_token_index,
+                num_items_in_batch=num_items_in_batch,
+            )
         features = IMAGE_FEATURES[self.family_name](self.inner, inputs)
         features = features.index_select(0, inputs["image_token_index"])
         # What the model's own get_image_features returns: a sequence of per-image features

@@ -94,17 +94,32 @@ class DecoderBlock(nn.Module):
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + _rotate_half(x) * sin
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``attention_mask`` (batch, 1, tokens, tokens), True where a query may attend to a key,
+        and ``position_ids`` (batch, tokens): packed samples (both batch inputs, read by every
+        stage); without them, causal attention over positions 0, 1, ..."""
         batch, tokens, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(batch, tokens, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-        angles = torch.outer(torch.arange(tokens, device=x.device, dtype=torch.float32), self.inv_freq)
+        if position_ids is None:
+            angles = torch.outer(torch.arange(tokens, device=x.device, dtype=torch.float32), self.inv_freq)
+        else:  # (batch, 1, tokens, head_dim / 2): broadcast over the heads
+            angles = (position_ids[:, None, :, None].float() * self.inv_freq).to(x.device)
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        gqa = self.kv_heads != self.heads
+        if attention_mask is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=gqa)
         x = x + self.o_proj(attn.transpose(1, 2).reshape(batch, tokens, -1))
         h = self.mlp_norm(x)
         if self.gated_mlp:

@@ -126,9 +126,14 @@ class DecoderLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.width)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         for block in self.blocks:
-            hidden = block(hidden)
+            hidden = block(hidden, attention_mask, position_ids)
         return self.norm(hidden)
 
 
@@ -141,11 +146,19 @@ class LMHead(nn.Module):
         super().__init__()
         self.proj = nn.Linear(cfg.width, cfg.vocab, bias=False)
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # Only the last labels.shape[1] positions are text: image tokens come first.
+    def forward(
+        self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The mean over the label tokens; with ``num_items_in_batch`` (packed microbatches), the
+        sum over them divided by that count (the step's label tokens)."""
+        # Only the last labels.shape[1] positions are text: image tokens come first (in packed
+        # microbatches they are placeholders in the text, and the labels cover every position).
         text = hidden[:, hidden.shape[1] - labels.shape[1] :]
-        logits = self.proj(text[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        logits = self.proj(text[:, :-1]).flatten(0, 1)
+        if num_items_in_batch is None:
+            return F.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100)
+        total = F.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100, reduction="sum")
+        return total / num_items_in_batch
 
 
 class TextEncoder(nn.Module):

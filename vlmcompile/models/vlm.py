@@ -25,16 +25,77 @@ class VLM(nn.Module):
         if cfg.llm.tie_embeddings:
             self.head.proj.weight = self.llm.embed.weight
 
+    @property
+    def image_token_id(self) -> int:
+        """The placeholder of an image token in packed samples (the vocabulary's last id)."""
+        return self.cfg.llm.vocab - 1
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(images, tokens, width): each image's tokens, every encoder's in order."""
+        parts = [
+            projector(encoder(pixel_values)) for encoder, projector in zip(self.encoders, self.projectors)
+        ]
+        return torch.cat(parts, dim=1)
+
     def forward(
-        self, pixel_values: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor
+        self,
+        pixel_values: torch.Tensor,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        image_token_index: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """pixel_values (batch, images, channels, px, px); input_ids and labels (batch, text tokens)."""
+        """pixel_values (batch, images, channels, px, px); input_ids and labels (batch, text tokens).
+
+        Samples of any image count (:mod:`vlmcompile.data`): pixel_values (images, channels, px,
+        px), each image's tokens at :attr:`image_token_id` placeholders of input_ids, filled
+        with the features ``image_token_index`` picks (all, in order, by default), an
+        ``attention_mask`` of 0/1 per token (right padding) or a 4-D boolean one (packed), and
+        ``position_ids``."""
+        if attention_mask is not None or image_token_index is not None:
+            return self._placeholder_forward(
+                pixel_values,
+                input_ids,
+                labels,
+                attention_mask,
+                position_ids,
+                image_token_index,
+                num_items_in_batch,
+            )
         parts = []
         for encoder, projector in zip(self.encoders, self.projectors):
             tokens = projector(encoder(pixel_values))
             parts.append(tokens.reshape(input_ids.shape[0], -1, tokens.shape[-1]))
         parts.append(self.llm.embed(input_ids))
         return self.head(self.llm(torch.cat(parts, dim=1)), labels)
+
+    def _placeholder_forward(
+        self,
+        pixel_values,
+        input_ids,
+        labels,
+        attention_mask,
+        position_ids,
+        image_token_index,
+        num_items_in_batch,
+    ) -> torch.Tensor:
+        embeds = self.llm.embed(input_ids)
+        if pixel_values is not None and pixel_values.numel():
+            features = self.image_features(pixel_values).flatten(0, 1)
+            if image_token_index is not None:
+                features = features.index_select(0, image_token_index)
+            placeholder = (input_ids == self.image_token_id)[..., None]
+            embeds = embeds.masked_scatter(placeholder, features.to(embeds.dtype))
+        if (
+            attention_mask is not None and attention_mask.dim() == 2
+        ):  # right padding: causal over the real tokens
+            tokens = input_ids.shape[1]
+            causal = torch.ones(tokens, tokens, dtype=torch.bool, device=input_ids.device).tril()
+            keys = attention_mask.bool()[:, None, None, :]
+            attention_mask = (causal & keys) | torch.eye(tokens, dtype=torch.bool, device=input_ids.device)
+        return self.head(self.llm(embeds, attention_mask, position_ids), labels, num_items_in_batch)
 
 
 class ContrastivePair(nn.Module):
