@@ -24,7 +24,7 @@ from torch import nn
 from vlmcompile.data.families import Family, family_of
 from vlmcompile.data.packed_step import PackedStep, capturable, dynamic_shapes, export_example, step_inputs
 from vlmcompile.data.packing import Packing, check_samples, fewest_rows, pack, padded_batch, sample_length
-from vlmcompile.graph.export import WRAPPED, export_graph, loss_of
+from vlmcompile.graph.export import WRAPPED, export_graph, loss_of, on_meta
 from vlmcompile.graph.layering import LayerAssigner
 from vlmcompile.graph.loss_split import LossSplit, LossSplitCheck
 from vlmcompile.ir.errors import CaptureError, DataError, ModelError
@@ -88,7 +88,12 @@ def capture_packed(
     assert WRAPPED == "inner"  # PackedStep holds the model where LossOf does
     layers = _tag_layers(model, gm, root, LayerAssigner(model, overrides), overrides, "export")
     gm.meta[PACKED_META] = _layout(gm, family, tokens, dynamic)
-    numerics = _check_packed_numerics(model, gm, root, samples, family, inputs) if check_numerics else None
+    if on_meta(model, example):
+        numerics = "not checked (meta tensors hold no values)"
+    elif check_numerics:
+        numerics = _check_packed_numerics(model, gm, root, samples, family, inputs)
+    else:
+        numerics = None
     gm.meta[LOSS_SPLIT_META] = loss_split = LossSplitCheck(
         LossSplit.PER_SAMPLE,
         "packed microbatches: each one's loss is its sum over the step's label tokens (num_items_in_batch)",

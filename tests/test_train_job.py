@@ -256,3 +256,57 @@ def test_a_run_saved_under_torchrun_resumes_on_local_ranks_with_the_same_losses(
     again = [json.loads(line) for line in resumed.read_text().splitlines()]
     assert [x["step"] for x in again] == [3, 4]
     torch.testing.assert_close(torch.tensor([x["loss"] for x in again]), torch.tensor(losses[2:]))
+
+
+def test_plan_and_train_with_data_of_any_shape_train_like_eager(tmp_path, capsys):
+    """``plan --data`` and ``train --data`` on local ranks: samples of a synthetic dataset with
+    their images and lengths, packed; the losses equal eager's on the same steps' samples."""
+    from vlmcompile.compiler import compile
+    from vlmcompile.data.families import family_of
+    from vlmcompile.data.steps import PaddedSteps
+    from vlmcompile.data.synthetic import dataset_from_spec
+    from vlmcompile.ir.plan import Plan
+    from vlmcompile.runtime.data import GlobalBatches
+
+    data = ["--data", "synthetic:interleaved", "--text-scale", "0.02", "--data-samples", "64"]
+    plan = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny", "--cluster", "cpu:2", "--tp", "1", "--pp", "2", "--global-batch", "8"]
+    assert main([*argv, *data, "--json", str(plan)]) == 0
+    assert "planned for the dataset" in capsys.readouterr().err
+    log = tmp_path / "steps.jsonl"
+    assert (
+        main(
+            [
+                "train",
+                "--plan",
+                str(plan),
+                *data,
+                "--global-batch",
+                "8",
+                "--steps",
+                "6",
+                "--lr",
+                "3e-3",
+                "--log-jsonl",
+                str(log),
+            ]
+        )
+        == 0
+    )
+    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    model = models.build("tiny")
+    dataset = dataset_from_spec("synthetic:interleaved", family_of(model), num_samples=64, text_scale=0.02)
+    pipe = compile(model, dataset=dataset, global_batch=8, log=None)
+    steps = pipe.packed_steps(GlobalBatches(dataset, 8), Plan.load(str(plan)))
+    expected = eager_training(models.build("tiny"), PaddedSteps(steps), TrainConfig(steps=6, lr=3e-3))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected))
+
+
+def test_bad_data_is_one_line(tmp_path, capsys):
+    plan = _plan_file(tmp_path, "cpu:2", capsys)
+    assert main(["train", "--plan", plan, "--data", "synthetic:coco", "--steps", "1"]) != 0
+    assert "unknown synthetic dataset 'coco'" in capsys.readouterr().err
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"text_tokens": 4}\n{"text_tokens": 5, "images": [[0, 3]]}\n')
+    assert main(["train", "--plan", plan, "--data", str(manifest), "--steps", "1"]) != 0
+    assert "m.jsonl:2: images[0]=[0, 3]" in capsys.readouterr().err

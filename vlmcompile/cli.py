@@ -91,7 +91,10 @@ def _plan(args: argparse.Namespace) -> int:
     _fill_plan_args(args)
     cluster = Cluster.preset(args.cluster)
     print(f"annotating {args.model} ...", file=sys.stderr)
-    graph = zoo_layer_graph(args.model, dtype=_DTYPES[args.dtype])
+    if args.data:
+        graph = _data_layer_graph(args)
+    else:
+        graph = zoo_layer_graph(args.model, dtype=_DTYPES[args.dtype])
     run = _plan_run(args, graph, cluster)
     if args.search:
         print()
@@ -102,6 +105,27 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"\nwarning: the plan does not fit in {cluster.device.name} memory", file=sys.stderr)
     _write_plan_outputs(args, run, graph)
     return 0 if run.fits else 3
+
+
+def _data_layer_graph(args: argparse.Namespace):
+    """The LayerGraph of the packed microbatch a dataset's samples make (``--data``), on meta
+    weights; the plan then takes the microbatches a step needs, one row each."""
+    import vlmcompile
+    from vlmcompile import models
+    from vlmcompile.data.families import family_of
+    from vlmcompile.data.synthetic import dataset_from_spec
+
+    model = models.build(args.model, device="meta", dtype=_DTYPES[args.dtype])
+    data = dataset_from_spec(
+        args.data, family_of(model), num_samples=args.data_samples, text_scale=args.text_scale
+    )
+    pipe = vlmcompile.compile(
+        model, dataset=data, global_batch=args.global_batch, model_name=args.model, log=None
+    )
+    found = pipe.report.passes["data"]
+    print(found, file=sys.stderr)
+    args.global_batch, args.microbatch_size = found.microbatches, 1
+    return pipe.layer_graph
 
 
 def _fill_plan_args(args: argparse.Namespace) -> None:
@@ -418,6 +442,12 @@ def _add_plan(sub) -> None:
         "(V-shaped; schedule v_1f1b by default)",
     )
     q.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    train_job.data_arguments(
+        q,
+        _positive_int,
+        _positive_float,
+        "plan for samples of these sizes, packed (--global-batch: samples a step)",
+    )
     q.add_argument("--json", metavar="FILE", help="write the plan and the simulation as JSON")
     q.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of the simulated step")
     q.add_argument("--png", metavar="FILE", help="write a PNG timeline of the simulated step")

@@ -26,11 +26,37 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in _TORCHRUN_ENV)
 
 
+def data_arguments(parser: argparse.ArgumentParser, positive_int, positive_float, what: str) -> None:
+    """``--data`` and its companions (``plan`` and ``train`` alike)."""
+    parser.add_argument(
+        "--data",
+        metavar="SPEC",
+        help="synthetic:<name> (llava-chat, internvl-tiles, qwen-native, interleaved) or a JSONL manifest "
+        f'of sample sizes ({{"text_tokens": 412, "images": [[768, 1024]]}} a line): {what}',
+    )
+    parser.add_argument(
+        "--data-samples", type=positive_int, default=1024, help="samples of a synthetic:<name> dataset"
+    )
+    parser.add_argument(
+        "--text-scale", type=positive_float, default=1.0, help="scale every sample's text tokens (--data)"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float) -> None:
     parser.add_argument(
         "--plan", required=True, metavar="FILE", help="plan JSON (vlmcompile plan ... --json FILE)"
     )
     parser.add_argument("--model", help="zoo name of the model (default: the plan's)")
+    data_arguments(
+        parser,
+        positive_int,
+        positive_float,
+        "train on samples of these sizes (random content), packed; without it, synthetic batches of the "
+        "model's one shape",
+    )
+    parser.add_argument(
+        "--global-batch", type=positive_int, default=8, help="samples a step (--data; default 8)"
+    )
     parser.add_argument("--steps", type=positive_int, default=10, help="training steps")
     parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate (AdamW)")
     parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
@@ -164,14 +190,32 @@ def _train(args: argparse.Namespace, plan, device: str, autocast):
     # The checkpoint directory and the log are checked (and the directory held) before capture;
     # train() below claims it again, from this claim.
     with claim_for(config, size):
-        pipe = compile(
-            model, models.sample_batch(name, batch_size=1, seed=args.seed), model_name=name, log=None
-        )
-        global_batch = runnable_degrees(plan).dp * plan.num_microbatches * plan.microbatch_size
-        data = SyntheticBatches(name, global_batch, seed=args.seed)
+        if args.data:
+            pipe, data = _packed_data(args, model, name)
+        else:
+            pipe = compile(
+                model, models.sample_batch(name, batch_size=1, seed=args.seed), model_name=name, log=None
+            )
+            global_batch = runnable_degrees(plan).dp * plan.num_microbatches * plan.microbatch_size
+            data = SyntheticBatches(name, global_batch, seed=args.seed)
         return pipe.train(
             data, config, plan=plan, device=device, autocast_dtype=autocast, timeout_s=args.timeout
         )
+
+
+def _packed_data(args: argparse.Namespace, model, name: str):
+    """The pipeline compiled for ``--data``'s samples, and its global batches of them."""
+    from vlmcompile.compiler import compile
+    from vlmcompile.data.families import family_of
+    from vlmcompile.data.synthetic import dataset_from_spec
+    from vlmcompile.runtime.data import GlobalBatches
+
+    samples = max(args.data_samples, args.global_batch)
+    data = dataset_from_spec(
+        args.data, family_of(model), num_samples=samples, seed=args.seed, text_scale=args.text_scale
+    )
+    pipe = compile(model, dataset=data, global_batch=args.global_batch, model_name=name, log=None)
+    return pipe, GlobalBatches(data, args.global_batch, seed=args.seed)
 
 
 def _device(choice: str, plan) -> str:

@@ -483,8 +483,11 @@ def family_of(model: Any) -> Family:
     if getattr(zoo, "encoders", None) and hasattr(model, "image_features"):  # the zoo's VLM
         first = zoo.encoders[0]
         tokens = sum((e.grid // p.pixel_shuffle) ** 2 for e, p in zip(zoo.encoders, zoo.projectors))
+        # OmniBal's InternViT models tile images as InternVL does, up to 4 tiles and a thumbnail
+        # (its max_patch_num, paper_setups.json); the others take one image a tile.
+        tiles = 4 if first.family == "omnibal" else 1
         return TileFamily(
-            "zoo", model.image_token_id, first.image_px, first.channels, tokens, 1, empty_images=True
+            "zoo", model.image_token_id, first.image_px, first.channels, tokens, tiles, empty_images=True
         )
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)

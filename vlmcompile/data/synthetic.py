@@ -188,3 +188,30 @@ def synthesized(family: Family, sizes: ManifestSample, seed: int, index: int) ->
     """Sample ``index`` of a dataset seeded ``seed``, of ``sizes``, with random content."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
     return family.synthesize(sizes.text_tokens, sizes.images, generator)
+
+
+def dataset_from_spec(
+    spec: str,
+    family: Family,
+    *,
+    num_samples: int,
+    seed: int = 0,
+    text_scale: float = 1.0,
+    pixel_scale: float = 1.0,
+) -> SyntheticDataset | ManifestDataset:
+    """``synthetic:<name>`` (one of :data:`DISTRIBUTIONS`, ``num_samples`` of them) or the path of
+    a JSONL manifest, as ``family``'s samples (the CLI's ``--data``)."""
+    from vlmcompile.data.manifest import read_manifest
+
+    if spec.startswith("synthetic:"):
+        name = spec.removeprefix("synthetic:")
+        return SyntheticDataset(
+            name, family, num_samples, seed=seed, text_scale=text_scale, pixel_scale=pixel_scale
+        )
+    if ":" in spec.split("/")[0] and not spec.endswith(".jsonl"):
+        raise DataError(
+            f"--data {spec!r}; give synthetic:<name> ({', '.join(DISTRIBUTIONS)}) or a manifest.jsonl"
+        )
+    return ManifestDataset(
+        tuple(read_manifest(spec)), family, seed=seed, text_scale=text_scale, pixel_scale=pixel_scale
+    )

@@ -31,7 +31,9 @@ class VLM(nn.Module):
         return self.cfg.llm.vocab - 1
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """(images, tokens, width): each image's tokens, every encoder's in order."""
+        """(images, tokens, width): each image's tokens, every encoder's in order (the pixels in
+        the encoders' dtype: data comes as fp32, a model may be bf16)."""
+        pixel_values = pixel_values.to(self.encoders[0].embed.conv.weight.dtype)
         parts = [
             projector(encoder(pixel_values)) for encoder, projector in zip(self.encoders, self.projectors)
         ]

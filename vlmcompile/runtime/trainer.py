@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int, positive_number
+from vlmcompile.ir.packed import PackedBatch
 from vlmcompile.runtime import checkpoint, preemption
 from vlmcompile.runtime.checkpoint_dir import Start, claim, kept_saves
 from vlmcompile.runtime.executor import PipelineRunner
@@ -170,6 +171,9 @@ class StepMetrics:
     this one included."""
     skipped: bool = False
     """This step was skipped: the weights, the optimizer and the LR schedule did not move."""
+    deferred_samples: int = 0
+    """Packed data: samples of this step's global batch that fit in none of its microbatches,
+    moved to the next step."""
 
     def __str__(self) -> str:
         if self.skipped:
@@ -181,6 +185,11 @@ class StepMetrics:
             f"step {self.step}: loss {self.loss:.4f}, lr {self.lr:.3g}, grad norm {self.grad_norm:.3f}, "
             f"{self.step_s:.3f} s, {self.samples_per_s:.1f} samples/s, {_rate(self.tokens_per_s)} tokens/s, "
             f"MFU {100 * self.mfu:.1f} %, peak mem {_gib(max(self.peak_mem_bytes, default=0))} GiB"
+            + (
+                f", {self.deferred_samples} samples deferred to the next step"
+                if self.deferred_samples
+                else ""
+            )
         )
 
 
@@ -336,12 +345,15 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
             lr=float(lr),
             grad_norm=stats.norm,
             step_s=step_s,
-            samples_per_s=throughput.global_batch / step_s,
+            # A packed step's samples are not its microbatches: count the samples it trained.
+            samples_per_s=(batch.num_samples if isinstance(batch, PackedBatch) else throughput.global_batch)
+            / step_s,
             tokens_per_s=throughput.global_batch * throughput.tokens_per_sample / step_s,
             mfu=throughput.mfu(step_s),
             peak_mem_bytes=stats.peak_mem_bytes,
             skipped_steps=skipped,
             skipped=not finite,
+            deferred_samples=len(batch.deferred) if isinstance(batch, PackedBatch) else 0,
         )
         out.append(metrics)
         log.write(metrics)
