@@ -83,6 +83,7 @@ def test_packed_pipelines_train_like_eager_on_any_mix_of_images(compiled):
             rows = pipe.plan.num_microbatches
             plans += [
                 even_plan(pipe.layer_graph, pp=2, v=2, global_batch=rows),  # interleaved 1F1B
+                even_plan(pipe.layer_graph, pp=2, v=2, global_batch=rows, placement="v"),  # V-shaped 1F1B
                 even_plan(pipe.layer_graph, pp=1, dp=2, global_batch=2 * rows),  # each rank its own shapes
             ]
         for plan in plans:

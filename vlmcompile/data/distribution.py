@@ -62,6 +62,7 @@ class DatasetScan:
     def __str__(self) -> str:
         return (
             f"planned for the dataset: its first {self.scanned} of {self.of} samples in steps of {self.global_batch} "
+            "(whole steps only) "
             f"pack into {self.microbatches} microbatches of {self.tokens} LLM tokens a step; per microbatch "
             f"(mean / p95 / max): LLM tokens {self.llm_tokens}, image rows {self.image_rows}; padding "
             f"{self.pad_share:.0%}; captured and memory planned at the largest (samples {list(self.largest)[:8]}), "
@@ -105,8 +106,10 @@ def scan(
             f"(sample {too_long[0]}: {lengths[too_long[0]]}); give at least {max(lengths)}, or leave them out"
         )
     steps = [range(k, min(k + global_batch, count)) for k in range(0, count, global_batch)]
+    if len(steps) > 1 and len(steps[-1]) < global_batch:
+        steps.pop()  # a partial last step would pad rows planned for a whole one
     need = max(fewest_rows([lengths[i] for i in step], budget) for step in steps)
-    per_mb_tokens, per_mb_rows, largest, used = [], [], (), 0
+    per_mb_tokens, per_mb_rows, largest, used, packed = [], [], (), 0, 0
     for step in steps:
         assigned, _ = assign_rows([lengths[i] for i in step], need, budget)
         for row in assigned:
@@ -114,6 +117,7 @@ def scan(
                 continue
             members = tuple(step[j] for j in row)
             per_mb_tokens.append(sum(lengths[i] for i in members))
+            packed += per_mb_tokens[-1]
             per_mb_rows.append(sum(rows[i] for i in members))
             if per_mb_rows[-1] > max(per_mb_rows[:-1], default=-1):
                 largest = members
@@ -126,6 +130,6 @@ def scan(
         global_batch,
         Spread.of(per_mb_tokens),
         Spread.of(per_mb_rows),
-        1 - sum(lengths) / (used * budget),
+        1 - packed / (used * budget),
         largest,
     )
