@@ -41,7 +41,7 @@ from vlmcompile.ir.errors import ClusterError, VlmCompileError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, OUTPUT_META, PACKED_META
 from vlmcompile.ir.plan import Decision, Reason
-from vlmcompile.ir.regions import Region
+from vlmcompile.ir.regions import ENCODER_SIDE, Region
 from vlmcompile.pass_runner import Pass, PassRunner
 from vlmcompile.passes.annotate import TensorMode, annotate
 from vlmcompile.passes.capture import CaptureMethod, capture
@@ -100,6 +100,18 @@ def _capture_pass(state: CompileState, *, region_overrides, method) -> None:
     result = capture(state.model, state.sample_batch, region_overrides=region_overrides, method=method)
     state.gm = result.gm
     state.reports["capture"] = result.report
+
+
+def _expected_time(state: CompileState) -> LayerGraph:
+    """A dataset's plan: memory for the largest microbatch (the graph's, annotated there), time
+    for the mean one (the encoder and projector layers' work scaled by mean / largest image
+    rows)."""
+    if state.scan is None or not state.scan.image_rows.max:
+        return state.layer_graph
+    rows = state.scan.image_rows
+    factor = rows.mean / rows.max
+    why = f"encoder work scaled by {factor:.3f}: mean / largest image rows a microbatch ({rows.mean:.1f} / {rows.max})"
+    return state.layer_graph.with_time_scaled(dict.fromkeys(ENCODER_SIDE, factor), why)
 
 
 def _packed_rows(state: CompileState) -> tuple[int, Decision]:
@@ -171,18 +183,19 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
     if state.cluster.ranks_on_this_machine and not RUNTIME.tensor_parallel:
         space = dataclasses.replace(space, tp_choices=(1,))
     global_batch = state.global_batch or int(state.layer_graph.meta.get("batch_size", 1))
-    packed = None
+    graph, packed = state.layer_graph, None
     if state.samples is not None:
         # The pipeline's unit is a packed microbatch of one row: plan that many a step.
         global_batch, packed = _packed_rows(state)
         space = dataclasses.replace(space, microbatch_sizes=(1,))
+        graph = _expected_time(state)
     check = state.gm.meta.get(LOSS_SPLIT_META)
     coupled = check is not None and check.verdict is LossSplit.BATCH_COUPLED
     if coupled:
         # A loss that couples the samples trains right only on the whole batch at once.
         space = dataclasses.replace(space, microbatch_sizes=(global_batch,), dp_choices=(1,))
     run = search_and_compare(
-        state.layer_graph,
+        graph,
         state.cluster,
         global_batch=global_batch,
         space=space,

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -61,3 +62,33 @@ def test_edges_only_go_forward():
     other = Layer(**{**{f: getattr(layer, f) for f in layer.__slots__}, "index": 1, "name": "b"})
     with pytest.raises(ValueError, match="goes backwards"):
         LayerGraph(layers=(layer, other), edges=(("b", "a", 4),))
+
+
+def test_time_scaled_scales_the_work_of_the_regions_named_and_nothing_else(graph):
+    measured = LayerGraph(
+        tuple(
+            dataclasses.replace(layer, measured=("cpu", 1e-3, 2e-3))
+            if layer.region is Region.VISION
+            else layer
+            for layer in graph.layers
+        ),
+        graph.edges,
+        graph.meta,
+    )
+    scaled = measured.with_time_scaled({Region.VISION: 0.5}, "half the images")
+    assert scaled.meta["time_scaled"] == "half the images" and scaled.fingerprint() == graph.fingerprint()
+    for before, after in zip(measured.layers, scaled.layers):
+        if before.region is Region.VISION:
+            assert after.fwd_flops == round(before.fwd_flops * 0.5) and after.bwd_flops == round(
+                before.bwd_flops * 0.5
+            )
+            assert after.fwd_mem_bytes == round(before.fwd_mem_bytes * 0.5)
+            assert after.measured == ("cpu", 0.5e-3, 1e-3)
+        else:
+            assert after == before
+        # Memory stays the largest microbatch's: the plan must fit it.
+        assert (after.saved_bytes, after.boundary_fwd_bytes, after.param_bytes) == (
+            before.saved_bytes,
+            before.boundary_fwd_bytes,
+            before.param_bytes,
+        )

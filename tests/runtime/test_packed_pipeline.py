@@ -66,6 +66,31 @@ def compiled():
     return out
 
 
+def test_one_capture_serves_microbatches_it_never_saw(compiled):
+    """Each family's one graph on samples it was not compiled with (other image counts and sizes): no new
+    capture, the losses of its microbatches add up to eager's on the samples padded, and every
+    size symbol is read off each microbatch."""
+    from vlmcompile.data.packed_step import step_inputs
+    from vlmcompile.data.packing import pack, padded_batch
+    from vlmcompile.ir.meta_keys import PACKED_META
+
+    for name, (model, family, _, pipe, data) in compiled.items():
+        layout = pipe.gm.meta[PACKED_META]
+        assert {v.key for v in layout.varying} >= {"pixel_values", "image_token_index"}, name
+        assert "captured once" in str(pipe.report.passes["capture"])
+        other = [data[i] for i in range(9)]  # the training dataset's: not the samples compiled with
+        packing = pack(other, family, tokens=layout.tokens, num_microbatches=5)
+        batches = [step_inputs(mb, family, packing.label_tokens) for mb in packing.microbatches]
+        assert len({b["pixel_values"].shape[0] for b in batches}) > 1, name
+        with torch.no_grad():
+            total = sum(pipe.gm(**b) for b in batches)
+            out = model(**padded_batch(other, family))
+        expected = out if isinstance(out, torch.Tensor) else out.loss
+        torch.testing.assert_close(total, expected, msg=lambda m, n=name: f"{n}: {m}")
+        for b in batches:
+            assert set(layout.input_sizes.bind(b)) == layout.input_sizes.symbols, name
+
+
 def _every_step(pairs):
     return [one_step(runner, batch) for runner, batch in pairs]
 

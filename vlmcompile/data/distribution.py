@@ -5,7 +5,7 @@ What the planner takes from it: the token budget (the longest sample, rounded up
 given), the microbatches a step of ``global_batch`` samples needs (the most any scanned step
 needed, so no scanned sample is deferred), and the samples of the microbatch with the most image
 rows, which the pipeline is captured and its memory planned at: the largest microbatch the
-packer emitted on the scan.
+packer emitted on the scan (its times are planned at the mean: ``LayerGraph.with_time_scaled``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class DatasetScan:
             f"pack into {self.microbatches} microbatches of {self.tokens} LLM tokens a step; per microbatch "
             f"(mean / p95 / max): LLM tokens {self.llm_tokens}, image rows {self.image_rows}; padding "
             f"{self.pad_share:.0%}; captured and memory planned at the largest (samples {list(self.largest)[:8]}), "
-            "so the planned times are the largest microbatch's too (pessimistic)"
+            "times at the mean (the encoder's work scaled by mean / largest image rows)"
         )
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,36 @@ class LayerGraph:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def with_time_scaled(self, factors: Mapping[Region, float], why: str) -> LayerGraph:
+        """The same layers with the work of those in ``factors``' regions scaled by their factor:
+        FLOPs, memory traffic and measured times (what a layer's time is made of), its memory
+        (saved bytes, boundaries, parameters) left as it is. A microbatch with ``f`` times the
+        image rows costs an encoder layer about ``f`` times the time (linear: each image's
+        attention is its own) and no more memory than the largest one the graph was annotated
+        at. ``why`` goes into ``meta``."""
+        layers = []
+        for layer in self.layers:
+            f = factors.get(layer.region)
+            if f is None:
+                layers.append(layer)
+                continue
+            measured = layer.measured
+            if measured is not None:
+                measured = (measured[0], measured[1] * f, measured[2] * f)
+            layers.append(
+                replace(
+                    layer,
+                    fwd_flops=round(layer.fwd_flops * f),
+                    bwd_flops=round(layer.bwd_flops * f),
+                    fwd_attn_flops=min(round(layer.fwd_attn_flops * f), round(layer.fwd_flops * f)),
+                    bwd_attn_flops=min(round(layer.bwd_attn_flops * f), round(layer.bwd_flops * f)),
+                    fwd_mem_bytes=round(layer.fwd_mem_bytes * f),
+                    bwd_mem_bytes=round(layer.bwd_mem_bytes * f),
+                    measured=measured,
+                )
+            )
+        return LayerGraph(tuple(layers), self.edges, {**self.meta, "time_scaled": why})
 
     def in_region(self, *regions: Region) -> list[Layer]:
         return [layer for layer in self.layers if layer.region in regions]
