@@ -18,7 +18,7 @@ largest error over the steps. Medians over ``--repeats`` runs (the machine is sh
     python benchmarks/variable_data.py [--repeats 3] [--steps 8] [--global-batch 16] [--readme]
 
 Writes ``benchmarks/results/variable_data.json`` with this machine named; ``--readme`` writes
-the table into docs/benchmarks.md (section ``variable_data``).
+the table into the README (section ``variable_data``).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def _packed_run(name: str, global_batch: int, steps: int) -> dict:
         "prediction_error_median": statistics.median(errors),
         "prediction_error_max": max(errors),
         "plan": f"dp={pipe.plan.pipeline_parallel.dp} pp={pipe.plan.pipeline_parallel.pp}, "
-        f"{pipe.plan.num_microbatches} microbatches of {pipe.packed.tokens} tokens",
+        f"{pipe.plan.pipeline_parallel.dp * pipe.plan.num_microbatches} microbatches of {pipe.packed.tokens} tokens",
     }
 
 

@@ -125,20 +125,30 @@ def candidates(
             if space.dp_choices is not None and dp not in space.dp_choices:
                 continue
             for mbs in space.microbatch_sizes:
-                if global_batch % (dp * mbs):
-                    continue
-                m = global_batch // (dp * mbs)
                 for v in space.v_choices:
-                    if v > 1 and (pp == 1 or m % pp or pp * v > num_layers):
+                    batch = _global_batch_of(global_batch, dp * mbs, pp if v > 1 else 1, space)
+                    if batch is None or (v > 1 and (pp == 1 or pp * v > num_layers)):
                         continue
                     out.append(
                         PlanRequest(
                             parallel=Parallel(dp=dp, tp=tp, pp=pp, v=v, zero_stage=cluster.zero_stage),
-                            global_batch=global_batch,
+                            global_batch=batch,
                             microbatch_size=mbs,
                         )
                     )
-    return out
+    return list(dict.fromkeys(out))
+
+
+def _global_batch_of(
+    global_batch: int, per_microbatch: int, microbatch_multiple: int, space: SearchSpace
+) -> int | None:
+    """The global batch a candidate runs: ``global_batch`` when it divides into microbatches of
+    ``per_microbatch`` samples (over the DP ranks), a multiple of ``microbatch_multiple`` of them;
+    else the next one that does when the space rounds up (packed microbatches), else None."""
+    unit = per_microbatch * microbatch_multiple
+    if global_batch % unit == 0:
+        return global_batch
+    return -(-global_batch // unit) * unit if space.round_up_global_batch else None
 
 
 def plan_search(

@@ -329,6 +329,8 @@ def search_and_compare(
         progress=progress,
     )
     plan = result.plan
+    # The batch the chosen candidate runs (packed microbatches round it up to its degrees).
+    global_batch = plan.pipeline_parallel.dp * plan.num_microbatches * plan.microbatch_size
     request = PlanRequest(
         parallel=plan.pipeline_parallel, global_batch=global_batch, microbatch_size=plan.microbatch_size
     )

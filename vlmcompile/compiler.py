@@ -161,8 +161,13 @@ def _profile_pass(state: CompileState, *, repeats: int) -> None:
     device = state.cluster.device.name if state.cluster is not None else "cpu"
     local = state.cluster is not None and state.cluster.ranks_on_this_machine
     ranks_here = state.cluster.num_gpus if local else 1
-    # One row: the plan search scales per-sample times to its microbatch sizes.
-    microbatch = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in state.sample_batch.items()}
+    # One row: the plan search scales per-sample times to its microbatch sizes. A packed sample
+    # batch is one microbatch of one row already (cutting it would cut its images).
+    microbatch = (
+        dict(state.sample_batch)
+        if state.samples is not None
+        else {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in state.sample_batch.items()}
+    )
     result = profile(
         state.gm,
         state.layer_graph,
@@ -187,7 +192,7 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
     if state.samples is not None:
         # The pipeline's unit is a packed microbatch of one row: plan that many a step.
         global_batch, packed = _packed_rows(state)
-        space = dataclasses.replace(space, microbatch_sizes=(1,))
+        space = dataclasses.replace(space, microbatch_sizes=(1,), round_up_global_batch=True)
         graph = _expected_time(state)
     check = state.gm.meta.get(LOSS_SPLIT_META)
     coupled = check is not None and check.verdict is LossSplit.BATCH_COUPLED

@@ -31,6 +31,22 @@ def test_candidates_respect_the_cluster_and_the_batch(demo_graph):
         assert d.v == 1 or (r.num_microbatches % d.pp == 0 and d.pp > 1)
 
 
+def test_packed_microbatches_round_the_global_batch_up_to_each_candidates_degrees(demo_graph):
+    """5 packed microbatches a step: without rounding no candidate with DP > 1 takes them; with it
+    each takes the next multiple of its DP (x PP for v > 1), never fewer than 5."""
+    cluster = Cluster.preset("h100x8")
+    space = SearchSpace(microbatch_sizes=(1,), dp_choices=(2, 4, 8))
+    assert candidates(demo_graph, cluster, global_batch=5, space=space) == []
+    rounded = candidates(
+        demo_graph, cluster, global_batch=5, space=dataclasses.replace(space, round_up_global_batch=True)
+    )
+    assert rounded
+    for r in rounded:
+        d = r.parallel
+        unit = d.dp * (d.pp if d.v > 1 else 1)
+        assert r.global_batch % unit == 0 and 5 <= r.global_batch < 5 + unit
+
+
 @pytest.mark.slow
 def test_search_returns_the_fastest_planned_candidate_and_reports_every_one(demo_graph):
     cluster = Cluster.preset("h100x8")
