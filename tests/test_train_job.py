@@ -195,6 +195,7 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 26 s: not in .ci/run (CI time); run by the README's test command
 def test_the_gpu_check_runs_dry_on_cpu_ranks(tmp_path):
     """benchmarks/gpu_check.py waits for a GPU; its dry run takes every step of it on CPU ranks
     (plans, torchrun in fp32 and bf16 on 1 and 2 ranks, eager comparison, calibration)."""

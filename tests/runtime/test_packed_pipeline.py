@@ -158,3 +158,31 @@ def test_twenty_adamw_steps_on_variable_data_equal_eager(compiled):
         torch.testing.assert_close(
             torch.tensor(got), torch.tensor(expected[name]), msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+class _NaNImages(torch.utils.data.Dataset):
+    """A dataset whose images are NaN: a step with any image must stop, naming where."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        sample = dict(self.data[i])
+        if "pixel_values" in sample:
+            sample["pixel_values"] = torch.full_like(sample["pixel_values"], float("nan"))
+        return sample
+
+
+def test_a_packed_step_with_nan_images_stops_naming_the_microbatch(compiled):
+    from vlmcompile.runtime.data import GlobalBatches
+    from vlmcompile.runtime.trainer import NonFiniteStepError, TrainConfig
+
+    _, _, _, pipe, data = compiled["tiny"]
+    with pytest.raises(
+        NonFiniteStepError,
+        match=r"step 1: .*packed microbatch \d+ holds NaN or infinite values in \['pixel_values'\]",
+    ):
+        pipe.train(GlobalBatches(_NaNImages(data), 6, seed=2), TrainConfig(steps=2), timeout_s=60)

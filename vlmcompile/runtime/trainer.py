@@ -392,7 +392,10 @@ def _non_finite(runner: PipelineRunner, step: int, loss: float, norm: float, bat
     """Why step ``step`` (0-based) stopped: its figures, the batch's non-finite values and the
     data-parallel rank whose shard holds them, and where to go on from."""
     global_batch = runner.parallel.dp * runner.plan.num_microbatches * runner.plan.microbatch_size
-    where = _non_finite_values(batch, global_batch, runner.parallel.dp)
+    if isinstance(batch, PackedBatch):
+        where = _non_finite_microbatches(batch, runner.plan.num_microbatches)
+    else:
+        where = _non_finite_values(batch, global_batch, runner.parallel.dp)
     cause = (
         f"{where}; fix or drop those samples"
         if where
@@ -404,6 +407,25 @@ def _non_finite(runner: PipelineRunner, step: int, loss: float, norm: float, bat
         f"so no weight changed. {cause}; {newest}. To skip such steps instead, give --skip-nonfinite-steps "
         "(on_nonfinite='skip')"
     )
+
+
+def _non_finite_microbatches(batch: PackedBatch, per_rank: int) -> str:
+    """Where a packed step holds NaN or infinite values: each microbatch and key, and the
+    data-parallel rank that runs it."""
+    parts = []
+    for k, microbatch in enumerate(batch.microbatches):
+        bad = [
+            key
+            for key, value in microbatch.items()
+            if isinstance(value, torch.Tensor)
+            and value.is_floating_point()
+            and not bool(torch.isfinite(value).all())
+        ]
+        if bad:
+            parts.append(
+                f"packed microbatch {k} holds NaN or infinite values in {bad} (data-parallel rank {k // per_rank})"
+            )
+    return "; ".join(parts)
 
 
 def _non_finite_values(batch: Mapping[str, Any], global_batch: int, dp: int) -> str:
