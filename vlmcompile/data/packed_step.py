@@ -190,7 +190,8 @@ class PackedStep(nn.Module):
 
 def _llava_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """LLaVA's ``get_image_features`` without its split into a list of images (a Python list
-    as long as a dynamic size cannot be captured): the selected hidden states, projected."""
+    as long as a dynamic size cannot be captured): the selected hidden states, projected, one
+    row a feature. LLaVA-NeXT's crops are the same."""
     config, inner = model.config, model.model
     out = inner.vision_tower(inputs["pixel_values"], output_hidden_states=True)
     layers = config.vision_feature_layer
@@ -201,19 +202,11 @@ def _llava_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> tor
 
 
 def _llava_next_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """LLaVA-NeXT's crop features, the selected hidden states projected, one row a feature, and
-    its newline embedding as the last row: the table ``image_token_index`` gathers the image
-    tokens from (the unpadding and row ends of ``pack_image_features``, done on the host)."""
-    config, inner = model.config, model.model
-    out = inner.vision_tower(inputs["pixel_values"], output_hidden_states=True)
-    layers = config.vision_feature_layer
-    chosen = torch.cat(
-        [out.hidden_states[k] for k in (layers if isinstance(layers, list) else [layers])], dim=-1
-    )
-    if config.vision_feature_select_strategy == "default":
-        chosen = chosen[:, 1:]
-    features = inner.multi_modal_projector(chosen).flatten(0, 1)
-    return torch.cat([features, inner.image_newline[None].to(features.dtype)])
+    """LLaVA-NeXT's crop features and its newline embedding as the last row: the table
+    ``image_token_index`` gathers the image tokens from (the unpadding and row ends of
+    ``pack_image_features``, done on the host)."""
+    features = _llava_features(model, inputs)
+    return torch.cat([features, model.model.image_newline[None].to(features.dtype)])
 
 
 def _split_tile_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
