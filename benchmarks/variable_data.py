@@ -13,7 +13,10 @@ a second (sample tokens, padding excluded), the padding share of the LLM positio
 the peak resident memory of the busiest rank, and, for ours, the simulator's prediction of each
 step (the plan with the layer times profiled on this machine at the largest microbatch, the
 encoder's scaled to the step's mean image rows) against its measured time: the median and the
-largest error over the steps. Medians over ``--repeats`` runs (the machine is shared).
+largest error over the steps; and the step the plan expects before any data is seen (the same
+layer times scaled to the dataset scan's mean microbatch, ``DatasetScan.expected_time``, what
+``compile`` plans with) against the median measured step. Medians over ``--repeats`` runs (the
+machine is shared).
 
     python benchmarks/variable_data.py [--repeats 3] [--steps 8] [--global-batch 16] [--readme]
 
@@ -126,6 +129,8 @@ def _packed_run(name: str, global_batch: int, steps: int) -> dict:
         search_space=SearchSpace(pp_choices=(1,)),  # DP = 2, as the padded DDP run
         log=None,
     )
+    found = pipe.report.passes["data"]
+    planned = simulate(pipe.plan, found.expected_time(pipe.layer_graph), pipe.cluster).step_time_s
     data = GlobalBatches(dataset, global_batch, seed=2)
     result = pipe.train(data, TrainConfig(steps=steps, lr=1e-4), timeout_s=120)
     packed = pipe.packed_steps(data)
@@ -144,8 +149,12 @@ def _packed_run(name: str, global_batch: int, steps: int) -> dict:
         positions += sum(mb["input_ids"].numel() for mb in batch.microbatches)
         tokens.append(sum(sample_length(s, family, i) for i, s in enumerate(packed.trained(k))))
     later = result.steps[2:]
+    measured = statistics.median(m.step_s for m in later)
     return {
-        "step_s": statistics.median(m.step_s for m in later),
+        "step_s": measured,
+        "planned_step_s": planned,
+        "planned_error": abs(planned - measured) / measured,
+        "deferred_samples": sum(m.deferred_samples for m in result.steps),
         "tokens_per_s": sum(tokens[2:]) / sum(m.step_s for m in later),
         "pad_share": 1 - sum(tokens) / positions,
         "peak_gib": max(max(m.peak_mem_bytes) for m in result.steps) / 2**30,
@@ -162,14 +171,19 @@ def _median(runs: list[dict], key: str) -> float:
 
 def table(results: dict) -> str:
     lines = [
-        "| dataset | training | step s | real tokens/s | padding | peak GiB (busiest rank) | step prediction error (median / max) |",
-        "|---|---|---|---|---|---|---|",
+        "| dataset | training | step s | real tokens/s | padding | peak GiB (busiest rank) | step prediction error (median / max) | planned step s (error) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in results["datasets"].items():
         for kind in ("padded", "packed"):
             runs = row[kind]
             error = (
                 f"{100 * _median(runs, 'prediction_error_median'):.1f} % / {100 * max(r['prediction_error_max'] for r in runs):.1f} %"
+                if kind == "packed"
+                else "-"
+            )
+            planned = (
+                f"{_median(runs, 'planned_step_s'):.3f} ({100 * _median(runs, 'planned_error'):.1f} %)"
                 if kind == "packed"
                 else "-"
             )
@@ -180,7 +194,7 @@ def table(results: dict) -> str:
             )
             lines.append(
                 f"| {name} | {label} | {_median(runs, 'step_s'):.3f} | {_median(runs, 'tokens_per_s'):,.0f} | "
-                f"{100 * _median(runs, 'pad_share'):.0f} % | {_median(runs, 'peak_gib'):.2f} | {error} |"
+                f"{100 * _median(runs, 'pad_share'):.0f} % | {_median(runs, 'peak_gib'):.2f} | {error} | {planned} |"
             )
     return "\n".join(lines)
 

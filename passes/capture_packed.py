@@ -12,7 +12,6 @@ samples hold, not one.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from vlmcompile.data.distribution import Spread
 from vlmcompile.data.families import Family, family_of
 from vlmcompile.data.packed_step import PackedStep, capturable, dynamic_shapes, export_example, step_inputs
 from vlmcompile.data.packing import Packing, check_samples, fewest_rows, pack, padded_batch, sample_length
@@ -117,11 +117,6 @@ def distribution(packing: Packing) -> str:
     patches) per microbatch, mean / p95 / max, and the padding share."""
     used = [mb for mb in packing.microbatches if mb.tokens]
 
-    def stats(values: list[int]) -> str:
-        ordered = sorted(values)
-        p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
-        return f"{sum(values) / len(values):.1f} / {p95} / {ordered[-1]}"
-
     images = [
         int(mb.inputs["image_grid_thw"].shape[0]) if "image_grid_thw" in mb.inputs else 0 for mb in used
     ]
@@ -131,7 +126,7 @@ def distribution(packing: Packing) -> str:
     ]
     if any(images):
         columns.append(("images", images))
-    shown = "; ".join(f"{name} {stats(values)}" for name, values in columns)
+    shown = "; ".join(f"{name} {Spread.of(values)}" for name, values in columns)
     return (
         f"the samples given packed into {len(used)} microbatches (mean / p95 / max a microbatch): {shown}; "
         f"padding {packing.pad_share:.0%} of the LLM tokens"

@@ -109,7 +109,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _data_layer_graph(args: argparse.Namespace):
     """The LayerGraph of the packed microbatch a dataset's samples make (``--data``), on meta
-    weights; the plan then takes the microbatches a step needs, one row each."""
+    weights: memory at the largest microbatch, times at the mean one; the plan then takes the
+    microbatches a step needs, one row each."""
     import vlmcompile
     from vlmcompile import models
     from vlmcompile.data.families import family_of
@@ -125,7 +126,7 @@ def _data_layer_graph(args: argparse.Namespace):
     found = pipe.report.passes["data"]
     print(found, file=sys.stderr)
     args.global_batch, args.microbatch_size = found.microbatches, 1
-    return pipe.layer_graph
+    return found.expected_time(pipe.layer_graph)
 
 
 def _fill_plan_args(args: argparse.Namespace) -> None:

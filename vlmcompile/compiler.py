@@ -41,7 +41,7 @@ from vlmcompile.ir.errors import ClusterError, VlmCompileError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, OUTPUT_META, PACKED_META
 from vlmcompile.ir.plan import Decision, Reason
-from vlmcompile.ir.regions import ENCODER_SIDE, Region
+from vlmcompile.ir.regions import Region
 from vlmcompile.pass_runner import Pass, PassRunner
 from vlmcompile.passes.annotate import TensorMode, annotate
 from vlmcompile.passes.capture import CaptureMethod, capture
@@ -104,14 +104,8 @@ def _capture_pass(state: CompileState, *, region_overrides, method) -> None:
 
 def _expected_time(state: CompileState) -> LayerGraph:
     """A dataset's plan: memory for the largest microbatch (the graph's, annotated there), time
-    for the mean one (the encoder and projector layers' work scaled by mean / largest image
-    rows)."""
-    if state.scan is None or not state.scan.image_rows.max:
-        return state.layer_graph
-    rows = state.scan.image_rows
-    factor = rows.mean / rows.max
-    why = f"encoder work scaled by {factor:.3f}: mean / largest image rows a microbatch ({rows.mean:.1f} / {rows.max})"
-    return state.layer_graph.with_time_scaled(dict.fromkeys(ENCODER_SIDE, factor), why)
+    for the mean one."""
+    return state.layer_graph if state.scan is None else state.scan.expected_time(state.layer_graph)
 
 
 def _packed_rows(state: CompileState) -> tuple[int, Decision]:
@@ -122,8 +116,9 @@ def _packed_rows(state: CompileState) -> tuple[int, Decision]:
         return found.microbatches, Decision(
             "microbatches",
             Reason.PACKED,
-            f"{found.global_batch} samples a step pack into at most {found.microbatches} microbatches of "
-            f"{found.tokens} LLM tokens on the dataset's first {found.scanned} samples",
+            f"{found.global_batch} samples a step pack into {found.microbatches} microbatches of "
+            f"{found.tokens} LLM tokens on the dataset's first {found.scanned} samples, deferring at most "
+            f"{found.deferred.max} samples a step to the next (the busiest step alone needs {found.most_needed})",
         )
     used = sum(1 for mb in state.packing.microbatches if mb.tokens)
     given = len(state.samples)

@@ -19,16 +19,45 @@ def test_spread_is_mean_p95_and_max():
     assert str(Spread.of([3])) == "3.0 / 3 / 3"
 
 
-def test_a_scan_fits_every_scanned_step_and_finds_the_largest_microbatch():
-    data = SyntheticDataset("internvl-tiles", FAMILY, 120, seed=2, text_scale=1 / 50, pixel_scale=28 / 448)
-    found = scan(data, FAMILY, global_batch=10, log=None)
-    lengths = [sample_length(data[i], FAMILY, i) for i in range(120)]
-    assert found.tokens == -(-max(lengths) // 16) * 16 and found.scanned == 120
-    for k in range(0, 120, 10):  # no scanned sample is deferred at the planned microbatch count
-        assert not assign_rows(lengths[k : k + 10], found.microbatches, found.tokens)[1]
+def _carried_over(lengths, global_batch, microbatches, tokens):
+    """Samples deferred by each step, packing steps in order with leftovers carried (as PackedSteps does)."""
+    carried, deferred = [], []
+    for k in range(0, len(lengths) - global_batch + 1, global_batch):
+        todo = [*carried, *lengths[k : k + global_batch]]
+        carried = [todo[i] for i in assign_rows(todo, microbatches, tokens, first=len(carried))[1]]
+        deferred.append(len(carried))
+    return deferred
+
+
+def test_a_scan_plans_the_fewest_microbatches_that_keep_deferral_bounded():
+    data = SyntheticDataset("internvl-tiles", FAMILY, 160, seed=2, text_scale=1 / 50, pixel_scale=28 / 448)
+    found = scan(data, FAMILY, global_batch=16, log=None)
+    lengths = [sample_length(data[i], FAMILY, i) for i in range(160)]
+    assert found.tokens == -(-max(lengths) // 16) * 16 and found.scanned == 160
+    # At the planned count no step defers more than 2 samples (16 / 8); one microbatch fewer would.
+    deferred = _carried_over(lengths, 16, found.microbatches, found.tokens)
+    assert max(deferred) == found.deferred.max <= 2 and sum(deferred) > 0
+    assert max(_carried_over(lengths, 16, found.microbatches - 1, found.tokens)) > 2
+    # Fewer than the busiest step alone needs: planning for it would pad every other step.
+    assert found.microbatches < found.most_needed
     assert sum(lengths[i] for i in found.largest) <= found.tokens
     assert sum(FAMILY.vision_rows(data[i]) for i in found.largest) == found.image_rows.max
-    assert 0 < found.pad_share < 1 and "planned for the dataset" in str(found)
+    trained = found.llm_tokens.mean * 10 * found.microbatches  # every microbatch of the 10 steps
+    assert found.pad_share == pytest.approx(1 - trained / (10 * found.microbatches * found.tokens), rel=0.05)
+    assert "deferred to the next step" in str(found) and "busiest step needs" in str(found)
+    assert found.images is None  # InternVL's tiles do not say which image they belong to
+
+
+def test_a_scan_counts_images_where_the_layout_tells():
+    llava = TileFamily("llava", image_token_id=100, side=28, channels=3, tokens_per_tile=4, max_tiles=1)
+    data = SyntheticDataset("interleaved", llava, 64, seed=1, text_scale=1 / 50, pixel_scale=28 / 640)
+    found = scan(data, llava, global_batch=8, log=None)
+    per_sample = [len(data.sizes(i).images) for i in range(64)]
+    assert found.images.max <= found.image_rows.max and found.images.mean > 0
+    assert (
+        found.images.mean * found.microbatches * 8 >= sum(per_sample) * 0.9
+    )  # most samples' images, counted
+    assert f"images {found.images}" in str(found)
 
 
 def test_a_manifest_is_a_dataset_of_its_sizes(tmp_path):

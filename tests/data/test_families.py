@@ -19,6 +19,7 @@ FAMILIES = [
     "hf-smolvlm",
     "hf-qwen2-vl",
     "hf-qwen2.5-vl",
+    "hf-qwen3-vl",
 ]
 
 
@@ -60,7 +61,7 @@ grids = st.lists(st.tuples(st.just(1), st.integers(1, 4), st.integers(1, 4)), ma
 
 
 @needs_transformers
-@pytest.mark.parametrize("name", ["hf-qwen2-vl", "hf-qwen2.5-vl"])
+@pytest.mark.parametrize("name", ["hf-qwen2-vl", "hf-qwen2.5-vl", "hf-qwen3-vl"])
 @settings(max_examples=25, deadline=None)
 @given(merged=grids, text=st.integers(1, 12), seed=st.integers(0, 1000))
 def test_mrope_positions_are_the_models_own(name, merged, text, seed):

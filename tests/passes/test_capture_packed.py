@@ -107,3 +107,38 @@ def test_compile_refuses_what_it_cannot_plan_for(tmp_path):
     other = SyntheticDataset("qwen-native", qwen, 8, text_scale=1 / 30, pixel_scale=1 / 16)
     with pytest.raises(DataError, match="another model family"):
         compile(model, dataset=other, global_batch=2, log=None)
+
+
+def _released_layout(name, device):
+    """Qwen2.5-VL with the released models' vision windows (56 px over 14 px patches: 2 x 2 merge
+    units a window, which the window index reorders; layer 1 full attention), or Qwen3-VL with its
+    default vision attention, deepstack features and learned position table."""
+    from vlmcompile.models import hf_tiny
+    from vlmcompile.models.hf_tiny.qwen import qwen2_5_vl
+
+    if name == "qwen2.5-vl":
+        return qwen2_5_vl(1, device=device, patch_size=14, window_size=56)[0], 1 / 8
+    return hf_tiny.build("hf-qwen3-vl", batch=1, device=device)[0], 1 / 16
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
+def test_qwen_as_released_captures_once(name, device):
+    """The configurations whose capture stopped at a data-dependent guard (``int(grid_t)`` in the
+    window index, ``lengths.tolist()`` in the vision attention): one capture, equal to eager on
+    every packed microbatch (on real weights), with real and meta weights alike."""
+    model, scale = _released_layout(name, device)
+    family = family_of(model)
+    data = SyntheticDataset(
+        "qwen-native", family, 24, seed=3, text_only=0.2, text_scale=1 / 30, pixel_scale=scale
+    )
+    samples = [data[i] for i in range(8)]
+    result = capture_packed(model, samples)
+    grids = [g for s in samples if "image_grid_thw" in s for g in s["image_grid_thw"].tolist()]
+    assert max(h * w for _, h, w in grids) > 16  # images of several windows (a window is 4 x 4 patches)
+    report = str(result.report)
+    assert "captured once" in report and len(result.packing.microbatches) > 1
+    if device == "cpu":
+        assert "numerics: equal to eager" in report and "max abs diff" in report, report
+    else:
+        assert "not checked (meta tensors hold no values)" in report

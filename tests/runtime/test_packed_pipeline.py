@@ -21,12 +21,15 @@ pytestmark = [needs_transformers, pytest.mark.hf, pytest.mark.multiproc]
 
 DATASETS = {  # model -> (distribution, pixel scale to the tiny models' 28 px tiles, the zoo's 16 px)
     "tiny": ("interleaved", 16 / 640),  # the zoo's VLM (plain PyTorch)
+    "demo": ("interleaved", 224 / 640),  # the zoo's demo: a ViT of 256 patches a tile, 8 LLM layers
     "hf-llava": ("llava-chat", 28 / 640),
     "hf-llava-next": ("qwen-native", 1 / 16),  # anyres: crops by image size
     "hf-internvl": ("internvl-tiles", 28 / 448),
-    "hf-smolvlm": ("interleaved", 28 / 640),  # image splitting (Idefics3's: tests/data, tests/passes)
+    "hf-idefics3": ("interleaved", 28 / 640),  # image splitting: tiles and a global view
+    "hf-smolvlm": ("interleaved", 28 / 640),  # Idefics3's layout in SmolVLM's classes
     "hf-qwen2-vl": ("qwen-native", 1 / 16),
     "hf-qwen2.5-vl": ("interleaved", 28 / 640),
+    "hf-qwen3-vl": ("qwen-native", 1 / 16),  # deepstack features cross the encoder's stage cut
 }
 CONFIG = dict(lr=3e-3, warmup_steps=3, max_grad_norm=0.5, weight_decay=0.1)
 
@@ -155,9 +158,13 @@ def test_twenty_adamw_steps_on_variable_data_equal_eager(compiled):
         expected[name] = eager_training(copy.deepcopy(model), PaddedSteps(pipe.packed_steps(batches)), config)
     losses = launch(_train_every_case, cases, 2, args=(config,), timeout_s=60)[0]
     for name, got in zip(compiled, losses):
-        torch.testing.assert_close(
-            torch.tensor(got), torch.tensor(expected[name]), msg=lambda m, n=name: f"{n}: {m}"
-        )
+        got, want = torch.tensor(got), torch.tensor(expected[name])
+        torch.testing.assert_close(got[:3], want[:3], msg=lambda m, n=name: f"{n}: {m}")
+        # The demo's losses drift apart by rounding as training goes on (measured: exact at step 1,
+        # 6e-6 relative at step 20): its packed rows and the padded batch sum in different orders,
+        # and AdamW scales the last-bit differences of small gradients up to a step of lr.
+        rtol = 3e-5 if name == "demo" else None
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 class _NaNImages(torch.utils.data.Dataset):

@@ -1,11 +1,16 @@
 """A dataset's samples as a pipeline will see them: read the first samples, choose the token
 budget and the microbatches a step needs, and describe the microbatches they pack into.
 
-What the planner takes from it: the token budget (the longest sample, rounded up to 16, unless
-given), the microbatches a step of ``global_batch`` samples needs (the most any scanned step
-needed, so no scanned sample is deferred), and the samples of the microbatch with the most image
-rows, which the pipeline is captured and its memory planned at: the largest microbatch the
-packer emitted on the scan (its times are planned at the mean: ``LayerGraph.with_time_scaled``).
+What the planner takes from it:
+
+* the token budget: the longest sample, rounded up to 16, unless given;
+* the microbatches a step of ``global_batch`` samples gets: the fewest with which packing the
+  scanned steps in order, each step's leftovers carried into the next (as
+  :class:`~vlmcompile.data.steps.PackedSteps` trains), never defers more than
+  :func:`deferral_limit` samples at once. Planning for the step that needs the most would pad
+  every other step to it; planning below the mean would let the backlog grow without end;
+* the samples of the microbatch with the most image rows, which the pipeline is captured and its
+  memory planned at; its times are planned at the mean microbatch (:meth:`DatasetScan.expected_time`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Any, TextIO
 from vlmcompile.data.families import Family
 from vlmcompile.data.packing import assign_rows, fewest_rows, sample_length
 from vlmcompile.ir.errors import DataError, positive_int
+from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.regions import ENCODER_SIDE
 
 SCAN_LIMIT = 2048
 """Samples read at most (a dataset's first ones): enough for a p95, a few seconds here."""
@@ -55,19 +62,60 @@ class DatasetScan:
     """Sample tokens per microbatch."""
     image_rows: Spread
     """Tiles or patches per microbatch."""
+    images: Spread | None
+    """Images per microbatch, where the family's layout tells (None: InternVL's and Idefics3's tiles)."""
     pad_share: float
     largest: tuple[int, ...]
     """Dataset indices of the samples of the microbatch with the most image rows."""
+    most_needed: int
+    """Microbatches the scanned step that needed the most would take to defer nothing."""
+    deferred: Spread
+    """Samples a step defers into the next, over the scanned steps."""
 
     def __str__(self) -> str:
         return (
             f"planned for the dataset: its first {self.scanned} of {self.of} samples in steps of {self.global_batch} "
             "(whole steps only) "
-            f"pack into {self.microbatches} microbatches of {self.tokens} LLM tokens a step; per microbatch "
-            f"(mean / p95 / max): LLM tokens {self.llm_tokens}, image rows {self.image_rows}; padding "
-            f"{self.pad_share:.0%}; captured and memory planned at the largest (samples {list(self.largest)[:8]}), "
-            "times at the mean (the encoder's work scaled by mean / largest image rows)"
+            f"pack into {self.microbatches} microbatches of {self.tokens} LLM tokens a step "
+            f"(the busiest step needs {self.most_needed}; samples deferred to the next step, mean / p95 / max: "
+            f"{self.deferred}); per microbatch (mean / p95 / max): LLM tokens {self.llm_tokens}, image rows "
+            f"{self.image_rows}{'' if self.images is None else f', images {self.images}'}; padding {self.pad_share:.0%}; captured and memory planned at the largest "
+            f"(samples {list(self.largest)[:8]}), times at the mean (the encoder's work scaled by mean / largest "
+            "image rows)"
         )
+
+    def expected_time(self, graph: LayerGraph) -> LayerGraph:
+        """``graph`` (annotated at the largest microbatch) with the times of the mean one: the
+        encoder and projector layers' work scaled by mean / largest image rows (linear in the
+        rows: attention over a microbatch's patches grows faster, which this leaves out)."""
+        rows = self.image_rows
+        if not rows.max:
+            return graph
+        factor = rows.mean / rows.max
+        why = f"encoder work scaled by {factor:.3f}: mean / largest image rows a microbatch ({rows.mean:.1f} / {rows.max})"
+        return graph.with_time_scaled(dict.fromkeys(ENCODER_SIDE, factor), why)
+
+
+def deferral_limit(global_batch: int) -> int:
+    """Samples a step may defer at once under the planned microbatches: an eighth of a step."""
+    return max(1, global_batch // 8)
+
+
+def _carried_over(
+    steps: Sequence[Sequence[int]], lengths: Sequence[int], microbatches: int, budget: int
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Packing ``steps`` (dataset indices) in order into ``microbatches`` rows of ``budget``
+    tokens, what one step cannot place carried into the next first: every microbatch's samples,
+    and the samples each step deferred."""
+    carried: list[int] = []
+    rows, deferred = [], []
+    for step in steps:
+        todo = [*carried, *step]
+        assigned, left = assign_rows([lengths[i] for i in todo], microbatches, budget, first=len(carried))
+        rows += [tuple(todo[j] for j in row) for row in assigned]
+        carried = [todo[j] for j in left]
+        deferred.append(len(carried))
+    return rows, deferred
 
 
 def scan(
@@ -91,11 +139,12 @@ def scan(
     if size == 0:
         raise DataError("the dataset is empty; give one with at least one sample")
     count = min(size, limit)
-    lengths, rows = [], []
+    lengths, rows, images = [], [], []
     for i in range(count):
         sample = dataset[i]
         lengths.append(sample_length(sample, family, i))
         rows.append(family.vision_rows(sample))
+        images.append(family.images(sample))
         if log is not None and count > 200 and (i + 1) % 500 == 0:
             print(f"scanning the dataset: {i + 1}/{count} samples", file=log, flush=True)
     budget = tokens or -(-max(lengths) // 16) * 16
@@ -108,20 +157,17 @@ def scan(
     steps = [range(k, min(k + global_batch, count)) for k in range(0, count, global_batch)]
     if len(steps) > 1 and len(steps[-1]) < global_batch:
         steps.pop()  # a partial last step would pad rows planned for a whole one
-    need = max(fewest_rows([lengths[i] for i in step], budget) for step in steps)
-    per_mb_tokens, per_mb_rows, largest, used, packed = [], [], (), 0, 0
-    for step in steps:
-        assigned, _ = assign_rows([lengths[i] for i in step], need, budget)
-        for row in assigned:
-            if not row:
-                continue
-            members = tuple(step[j] for j in row)
-            per_mb_tokens.append(sum(lengths[i] for i in members))
-            packed += per_mb_tokens[-1]
-            per_mb_rows.append(sum(rows[i] for i in members))
-            if per_mb_rows[-1] > max(per_mb_rows[:-1], default=-1):
-                largest = members
-        used += need
+    most = max(fewest_rows([lengths[i] for i in step], budget) for step in steps)
+    least = max(1, -(-sum(lengths[i] for step in steps for i in step) // (len(steps) * budget)))
+    for need in range(least, most + 1):
+        microbatches, deferred = _carried_over(steps, lengths, need, budget)
+        if max(deferred) <= deferral_limit(global_batch):
+            break
+    filled = [m for m in microbatches if m]
+    per_mb_tokens = [sum(lengths[i] for i in m) for m in filled]
+    per_mb_rows = [sum(rows[i] for i in m) for m in filled]
+    counted = None not in images
+    largest = filled[max(range(len(filled)), key=lambda k: (per_mb_rows[k], -k))]
     return DatasetScan(
         count,
         size,
@@ -130,6 +176,9 @@ def scan(
         global_batch,
         Spread.of(per_mb_tokens),
         Spread.of(per_mb_rows),
-        1 - packed / (used * budget),
+        Spread.of([sum(images[i] for i in m) for m in filled]) if counted else None,
+        1 - sum(per_mb_tokens) / (len(steps) * need * budget),
         largest,
+        most,
+        Spread.of(deferred),
     )

@@ -46,6 +46,11 @@ def tokens_of(sample: Sample, where: str) -> torch.Tensor:
     return ids.reshape(-1)
 
 
+def sequential_positions(sample: Sample) -> torch.Tensor:
+    """Positions 0, 1, ... over a sample's tokens (every family but Qwen's)."""
+    return torch.arange(tokens_of(sample, "sample").numel())
+
+
 def labels_of(sample: Sample, where: str) -> torch.Tensor:
     """The sample's labels as one row (its token ids, image tokens ignored, where it has none)."""
     ids = tokens_of(sample, where)
@@ -84,6 +89,11 @@ class TileFamily:
         columns, rows = internvl_grid(height, width, tile=self.side, max_tiles=self.max_tiles)
         return columns * rows + (1 if columns * rows > 1 else 0)
 
+    def images(self, sample: Sample) -> int | None:
+        """Images of the sample, where its layout tells (one tile an image); None for InternVL's
+        tiles, which do not say which image they belong to."""
+        return self.vision_rows(sample) if self.max_tiles == 1 else None
+
     def vision_rows(self, sample: Sample) -> int:
         pixels = sample.get("pixel_values")
         return 0 if pixels is None else int(pixels.shape[0])
@@ -106,8 +116,11 @@ class TileFamily:
             return {"pixel_values": torch.zeros(0, self.channels, self.side, self.side)}
         return {"pixel_values": torch.cat(tiles)} if tiles else {}
 
-    def positions(self, sample: Sample) -> torch.Tensor:
-        return torch.arange(tokens_of(sample, "sample").numel())
+    def step_images(self, joined: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A packed microbatch's images as its step takes them: the tiles as they are."""
+        return {"pixel_values": joined["pixel_values"]}
+
+    positions = staticmethod(sequential_positions)
 
     def synthesize(self, text_tokens: int, images: Sequence[tuple[int, int]], generator) -> dict:
         tiles = [self.tiles(h, w) for h, w in images]
@@ -136,6 +149,9 @@ class PatchStreamFamily:
     max_pixels: int
     window_size: int | None = None
     """Qwen2.5-VL: the side in pixels of its windowed vision attention (None: every layer full)."""
+    position_grid: int | None = None
+    """Qwen3-VL: the side of its learned position-embedding table, resampled to each image's
+    grid (None: rotary positions only)."""
 
     image_keys = ("pixel_values", "image_grid_thw")
     token_keys = ("mm_token_type_ids",)
@@ -153,6 +169,11 @@ class PatchStreamFamily:
             max_pixels=self.max_pixels,
         )
         return 1, h // self.patch, w // self.patch
+
+    def images(self, sample: Sample) -> int | None:
+        """Images of the sample: one grid row each."""
+        grids = sample.get("image_grid_thw")
+        return 0 if grids is None else int(grids.shape[0])
 
     def vision_rows(self, sample: Sample) -> int:
         pixels = sample.get("pixel_values")
@@ -182,6 +203,35 @@ class PatchStreamFamily:
             "pixel_values": torch.cat([s["pixel_values"] for s in having]),
             "image_grid_thw": torch.cat([s["image_grid_thw"] for s in having]),
         }
+
+    def step_images(self, joined: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The patch stream and its grids, and what Qwen's vision tower computes from the grids
+        with ``tolist()`` and loops (positions, attention segments, window index, position-table
+        resampling), computed here by the transformers functions it calls."""
+        from transformers import vision_utils
+
+        grids = joined["image_grid_thw"]
+        out = {
+            "pixel_values": joined["pixel_values"],
+            "image_grid_thw": grids,
+            "cu_seqlens": vision_utils.get_vision_cu_seqlens(grids),
+            "vision_position_ids": vision_utils.get_vision_position_ids(grids, self.merge),
+        }
+        if self.window_size:
+            out["window_index"], out["cu_window_seqlens"] = vision_utils.get_vision_window_index(
+                grids, self.merge, self.window_size, self.patch
+            )
+        if self.position_grid:  # Qwen3-VL's own settings (Qwen3VLVisionModel.__init__)
+            out["interp_indices"], out["interp_weights"] = (
+                vision_utils.get_vision_interpolation_indices_and_weights(
+                    grids,
+                    self.position_grid,
+                    mode="bilinear",
+                    align_corners=True,
+                    spatial_merge_size=self.merge,
+                )
+            )
+        return out
 
     def positions(self, sample: Sample) -> torch.Tensor:
         ids = tokens_of(sample, "sample")
@@ -266,6 +316,10 @@ class AnyresFamily:
         sizes = sample.get("image_sizes")
         return [] if sizes is None else [(int(h), int(w)) for h, w in sizes.tolist()]
 
+    def images(self, sample: Sample) -> int | None:
+        """Images of the sample: one size row each."""
+        return len(self._sizes(sample))
+
     def vision_rows(self, sample: Sample) -> int:
         return sum(self.crops(h, w) for h, w in self._sizes(sample))
 
@@ -326,8 +380,7 @@ class AnyresFamily:
             "image_token_index": self.feature_index(sizes, newline=rows.shape[0] * self.tokens_per_crop),
         }
 
-    def positions(self, sample: Sample) -> torch.Tensor:
-        return torch.arange(tokens_of(sample, "sample").numel())
+    positions = staticmethod(sequential_positions)
 
     def synthesize(self, text_tokens: int, images: Sequence[tuple[int, int]], generator) -> dict:
         blocks = [
@@ -371,6 +424,10 @@ class SplitTileFamily:
         columns = max(1, math.ceil(width * scale / self.side))
         return rows * columns + (1 if rows * columns > 1 else 0)
 
+    def images(self, sample: Sample) -> int | None:
+        """None: the tiles of a sample do not say which image they belong to."""
+        return None
+
     def vision_rows(self, sample: Sample) -> int:
         pixels = sample.get("pixel_values")
         return 0 if pixels is None else int(pixels.shape[1])
@@ -411,8 +468,7 @@ class SplitTileFamily:
         real = pixels.flatten(1).ne(0).any(1)
         return {"pixel_values": pixels[real]}
 
-    def positions(self, sample: Sample) -> torch.Tensor:
-        return torch.arange(tokens_of(sample, "sample").numel())
+    positions = staticmethod(sequential_positions)
 
     def synthesize(self, text_tokens: int, images: Sequence[tuple[int, int]], generator) -> dict:
         tiles = [self.tiles(h, w) for h, w in images]
@@ -513,8 +569,9 @@ def family_of(model: Any) -> Family:
         side, patch = _int(vision.image_size), _int(vision.patch_size)
         tokens = int((side // patch) ** 2 * config.downsample_ratio**2)
         return TileFamily("internvl", config.image_token_id, side, vision.num_channels, tokens, 12)
-    if kind in ("qwen2_vl", "qwen2_5_vl") and vision is not None:
+    if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") and vision is not None:
         factor = vision.patch_size * vision.spatial_merge_size
+        table = getattr(vision, "num_position_embeddings", None)
         return PatchStreamFamily(
             kind.replace("_", "-").replace("2-5", "2.5"),
             config.image_token_id,
@@ -527,10 +584,11 @@ def family_of(model: Any) -> Family:
             min_pixels=factor * factor,
             max_pixels=vision.patch_size**2 * vision.spatial_merge_size**2 * 1280,
             window_size=getattr(vision, "window_size", None),
+            position_grid=int(table**0.5) if table else None,
         )
     raise DataError(
         f"vlmcompile.data has no sample layout for {type(model).__name__} (model_type {kind!r}); the families it "
-        "packs are LLaVA, LLaVA-NeXT, InternVL, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL and the zoo's VLMs. For another model, give one batch dict whose "
+        "packs are LLaVA, LLaVA-NeXT, InternVL, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and the zoo's VLMs. For another model, give one batch dict whose "
         "samples share one shape (pad or crop them) as the sample batch"
     )
 

@@ -4,9 +4,10 @@ on the host, and :class:`PackedStep`, the module capture exports once for every 
 What varies between microbatches is only the vision side (images, tiles, patches); the LLM side
 is ``rows x tokens`` always. So the step is exported with the vision sizes as dynamic dimensions
 (:func:`dynamic_shapes`), and everything else static. What a model would compute from tensor
-*values* to find shapes - Qwen's vision positions, attention segments and window index - is
-computed here on the host (by transformers' own ``vision_utils`` functions, so it is the model's
-own arithmetic) and enters the graph as inputs, as transformers' exporter does.
+*values* to find shapes - Qwen's vision positions, attention segments, window index and
+position-table resampling - is computed on the host by each family's ``step_images`` (with
+transformers' own ``vision_utils`` functions, so it is the model's own arithmetic) and enters
+the graph as inputs, as transformers' exporter does.
 
 Rules the graph relies on, stated once:
 * A microbatch without images gets one dummy image (zeros, the smallest the family takes)
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmcompile.data.families import AnyresFamily, Family, PatchStreamFamily, SplitTileFamily
+from vlmcompile.data.families import Family, PatchStreamFamily
 from vlmcompile.data.packing import PackedMicrobatch, pack
 from vlmcompile.ir.packed import PackedBatch
 
@@ -44,40 +45,32 @@ LLM_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "num_items_
 
 
 def dummy_images(family: Family) -> dict[str, torch.Tensor]:
-    """The smallest image the family takes, as its vision inputs."""
+    """The smallest image the family takes, as its step's vision inputs."""
     if isinstance(family, PatchStreamFamily):
         merge = family.merge
-        return {
-            "pixel_values": torch.zeros(merge * merge, family.patch_dim),
-            "image_grid_thw": torch.tensor([[1, merge, merge]]),
-        }
+        return family.step_images(
+            {
+                "pixel_values": torch.zeros(merge * merge, family.patch_dim),
+                "image_grid_thw": torch.tensor([[1, merge, merge]]),
+            }
+        )
     return {"pixel_values": torch.zeros(1, family.channels, family.side, family.side)}  # a tile, a crop
 
 
 def step_inputs(microbatch: PackedMicrobatch, family: Family, label_tokens: int) -> dict:
-    """The packed microbatch's inputs as :class:`PackedStep` takes them: the images (or a dummy),
-    which image features fill its image tokens, the step's label count, and Qwen's vision
-    positions, attention segments and window index computed from the grids."""
+    """The packed microbatch's inputs as :class:`PackedStep` takes them: its images as the
+    family's step takes them (or a dummy image), which image features fill its image tokens,
+    and the step's label count."""
     inputs = {k: microbatch.inputs[k] for k in ("input_ids", "labels", "attention_mask", "position_ids")}
     inputs["num_items_in_batch"] = torch.tensor(label_tokens)
-    image_tokens = int((inputs["input_ids"] == family.image_token_id).sum())
-    images = {k: microbatch.inputs[k] for k in family.image_keys if k in microbatch.inputs}
-    if not microbatch.vision_rows:  # no images (a family may still carry an empty pixel_values)
-        images = {}
-    inputs.update(images or dummy_images(family))
-    inputs["image_token_index"] = torch.arange(image_tokens)
-    if isinstance(family, AnyresFamily):
-        inputs.pop("image_sizes", None)  # its work is done on the host: crops and feature index
-        if images:
-            inputs.update(family.step_images(images))
-        else:
-            inputs["image_token_index"] = torch.zeros(0, dtype=torch.long)
-    if isinstance(family, SplitTileFamily):
-        inputs.pop("pixel_attention_mask", None)  # whole tiles: every patch attends
-        if images:
-            inputs.update(family.step_images(images))
-    if isinstance(family, PatchStreamFamily):
-        inputs.update(_vision_index_inputs(inputs["image_grid_thw"], family))
+    if microbatch.vision_rows:  # (a family may carry an empty pixel_values when it has none)
+        inputs.update(
+            family.step_images({k: microbatch.inputs[k] for k in family.image_keys if k in microbatch.inputs})
+        )
+    else:
+        inputs.update(dummy_images(family))
+    if "image_token_index" not in inputs:  # every feature fills an image token, in order
+        inputs["image_token_index"] = torch.arange(int((inputs["input_ids"] == family.image_token_id).sum()))
     return inputs
 
 
@@ -96,28 +89,15 @@ def export_example(inputs: Mapping[str, torch.Tensor], family: Family) -> dict[s
     return out
 
 
-def _vision_index_inputs(grid_thw: torch.Tensor, family: PatchStreamFamily) -> dict[str, torch.Tensor]:
-    """What Qwen's vision tower computes from its grids with ``tolist()`` and loops, computed
-    here by the same transformers functions it calls."""
-    from transformers import vision_utils
-
-    out = {
-        "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid_thw),
-        "vision_position_ids": vision_utils.get_vision_position_ids(grid_thw, family.merge),
-    }
-    if family.window_size:
-        out["window_index"], out["cu_window_seqlens"] = vision_utils.get_vision_window_index(
-            grid_thw, family.merge, family.window_size, family.patch
-        )
-    return out
-
-
 def dynamic_shapes(example: Mapping[str, torch.Tensor], family: Family) -> dict[str, Any]:
     """``torch.export`` dynamic dimensions of :class:`PackedStep`'s inputs: the vision sizes."""
     from torch.export import Dim
 
     shapes: dict[str, Any] = dict.fromkeys(example)
-    shapes["image_token_index"] = {0: Dim("image_tokens", min=0, max=1 << 20)}
+    # At most every LLM token (Qwen3-VL's deepstack adds features at the image tokens' places,
+    # which export bounds by the tokens there are).
+    tokens = example["input_ids"].numel()
+    shapes["image_token_index"] = {0: Dim("image_tokens", min=0, max=tokens)}
     if not isinstance(family, PatchStreamFamily):
         # From 2: InternViT's class token is expanded to the tile count, which torch reads as
         # "not 1" even when sizes 0 and 1 are not assumed away. The graph is the same for one
@@ -131,6 +111,8 @@ def dynamic_shapes(example: Mapping[str, torch.Tensor], family: Family) -> dict[
     if "window_index" in example:
         shapes["window_index"] = {0: Dim("windowed", min=1, max=1 << 20)}
         shapes["cu_window_seqlens"] = {0: Dim("windows_1", min=2, max=1 << 20)}
+    if "interp_indices" in example:
+        shapes["interp_indices"] = shapes["interp_weights"] = {0: patches}
     return shapes
 
 
@@ -158,6 +140,8 @@ class PackedStep(nn.Module):
         vision_position_ids: torch.Tensor | None = None,
         window_index: torch.Tensor | None = None,
         cu_window_seqlens: torch.Tensor | None = None,
+        interp_indices: torch.Tensor | None = None,
+        interp_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Named, not **inputs: torch.export matches dynamic shapes to the parameters' names.
         inputs = {k: v for k, v in locals().items() if isinstance(v, torch.Tensor)}
@@ -171,11 +155,18 @@ class PackedStep(nn.Module):
                 image_token_index=image_token_index,
                 num_items_in_batch=num_items_in_batch,
             )
-        features = IMAGE_FEATURES[self.family_name](self.inner, inputs)
-        features = features.index_select(0, inputs["image_token_index"])
+        features, deepstack = IMAGE_FEATURES[self.family_name](self.inner, inputs), None
+        if isinstance(features, tuple):  # Qwen3-VL: features, then those of its deepstack layers
+            features, deepstack = features
+        pick = inputs["image_token_index"]
         # What the model's own get_image_features returns: a sequence of per-image features
         # (joined by its forward), or InternVL's one tensor.
-        pooled = features if self.family_name == "internvl" else (features,)
+        features = features.index_select(0, pick)
+        encoded = types.SimpleNamespace(
+            pooler_output=features if self.family_name == "internvl" else (features,)
+        )
+        if deepstack is not None:
+            encoded.deepstack_features = [(layer.index_select(0, pick),) for layer in deepstack]
         out = self.inner(
             input_ids=inputs["input_ids"],
             labels=inputs["labels"],
@@ -183,7 +174,7 @@ class PackedStep(nn.Module):
             position_ids=inputs["position_ids"],
             num_items_in_batch=inputs["num_items_in_batch"],
             use_cache=False,
-            mm_encoder_outputs={"image": types.SimpleNamespace(pooler_output=pooled)},
+            mm_encoder_outputs={"image": encoded},
         )
         return out.loss
 
@@ -232,23 +223,28 @@ def _internvl_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> 
     return out.pooler_output.flatten(0, 1)
 
 
-def _qwen_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    window = {}
+def _qwen_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]):
+    """The merged patch features of Qwen's vision tower, given what the host computed from the
+    grids; Qwen3-VL's with its deepstack layers' features."""
+    given = {}
     if "window_index" in inputs:
-        window = {
+        given = {
             "window_index": inputs["window_index"],
             "cu_window_seqlens": inputs["cu_window_seqlens"],
             "max_window_seqlen": 1,  # read by flash kernels only; segment_attention needs none
         }
+    if "interp_indices" in inputs:
+        given = {"interp_indices": inputs["interp_indices"], "interp_weights": inputs["interp_weights"]}
     out = model.model.visual(
         inputs["pixel_values"],
         grid_thw=inputs["image_grid_thw"],
         cu_seqlens=inputs["cu_seqlens"],
         position_ids=inputs["vision_position_ids"],
         max_seqlen=1,
-        **window,
+        **given,
     )
-    return out.pooler_output
+    deepstack = getattr(out, "deepstack_features", None)
+    return out.pooler_output if deepstack is None else (out.pooler_output, deepstack)
 
 
 IMAGE_FEATURES = {
@@ -259,8 +255,10 @@ IMAGE_FEATURES = {
     "internvl": _internvl_features,
     "qwen2-vl": _qwen_features,
     "qwen2.5-vl": _qwen_features,
+    "qwen3-vl": _qwen_features,
 }
-"""Family -> (model, inputs) -> the image features of every image token, in token order."""
+"""Family -> (model, inputs) -> the image features of every image token, in token order (and
+Qwen3-VL's deepstack layers' features, the same rows each)."""
 
 
 def segment_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):

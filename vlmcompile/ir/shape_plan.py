@@ -45,16 +45,22 @@ class ShapeFormula:
         return frozenset(str(s) for d in self.dims if isinstance(d, str) for s in _parsed(d).free_symbols)
 
     def evaluate(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
-        out = []
-        for d in self.dims:
-            if isinstance(d, int):
-                out.append(d)
-                continue
-            value = _parsed(d).subs(sizes)
-            if not value.is_Integer:
-                raise PlanError(f"the shape formula {d} gives {value} for sizes {dict(sizes)}; report this")
-            out.append(int(value))
-        return tuple(out)
+        return _evaluated(self.dims, tuple(sorted(sizes.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _evaluated(dims: tuple[int | str, ...], sizes: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
+    # Cached: every transfer of a step evaluates its formulas, at sizes a step repeats.
+    out = []
+    for d in dims:
+        if isinstance(d, int):
+            out.append(d)
+            continue
+        value = _parsed(d).subs(dict(sizes))
+        if not value.is_Integer:
+            raise PlanError(f"the shape formula {d} gives {value} for sizes {dict(sizes)}; report this")
+        out.append(int(value))
+    return tuple(out)
 
 
 def _dim(d: Any) -> int | str:
@@ -77,37 +83,44 @@ class InputSizes:
     def bind(self, microbatch: Mapping[str, Any]) -> dict[str, int]:
         """Symbol -> its size in ``microbatch``; a :class:`PlanError` names an input whose fixed
         dimensions differ from the compiled ones, or whose sizes contradict each other."""
-        import sympy
+        formulas = tuple((key, f.dims) for key, f in self.inputs.items())
+        return dict(_bound(formulas, tuple(tuple(microbatch[key].shape) for key in self.inputs)))
 
-        sizes: dict[str, int] = {}
-        for key, formula in self.inputs.items():
-            shape = tuple(microbatch[key].shape)
-            if len(shape) != len(formula.dims):
-                raise PlanError(
-                    f"microbatch input {key!r} is {list(shape)}; the pipeline takes {len(formula.dims)} dims"
-                )
-            for k, (dim, size) in enumerate(zip(formula.dims, shape)):
-                if isinstance(dim, int):
-                    if dim != size:
-                        raise PlanError(
-                            f"microbatch input {key!r} is {list(shape)}: dimension {k} is fixed at {dim} in the "
-                            "compiled pipeline (the token budget and the image size are fixed; images and patches vary)"
-                        )
-                    continue
-                expr = _parsed(dim).subs(sizes)
-                free = sorted(expr.free_symbols, key=str)
-                if not free:
-                    if int(expr) != size:
-                        raise PlanError(
-                            f"microbatch input {key!r} is {list(shape)}: dimension {k} should be {int(expr)} "
-                            "from the other inputs' sizes (they describe the same images)"
-                        )
-                    continue
-                solved = sympy.solve(sympy.Eq(expr, size), free[0])
-                if len(solved) != 1 or not solved[0].is_Integer or solved[0] < 0:
+
+@functools.lru_cache(maxsize=4096)
+def _bound(
+    formulas: tuple[tuple[str, tuple[int | str, ...]], ...], shapes: tuple[tuple[int, ...], ...]
+) -> tuple[tuple[str, int], ...]:
+    # Cached: sympy's solve takes milliseconds, and the trainer's check and the step read the
+    # same microbatches' sizes.
+    import sympy
+
+    sizes: dict[str, int] = {}
+    for (key, dims), shape in zip(formulas, shapes):
+        if len(shape) != len(dims):
+            raise PlanError(f"microbatch input {key!r} is {list(shape)}; the pipeline takes {len(dims)} dims")
+        for k, (dim, size) in enumerate(zip(dims, shape)):
+            if isinstance(dim, int):
+                if dim != size:
                     raise PlanError(
-                        f"microbatch input {key!r} is {list(shape)}: dimension {k} must be {dim} (a whole "
-                        "number of the family's units), which no size gives"
+                        f"microbatch input {key!r} is {list(shape)}: dimension {k} is fixed at {dim} in the "
+                        "compiled pipeline (the token budget and the image size are fixed; images and patches vary)"
                     )
-                sizes[str(free[0])] = int(solved[0])
-        return sizes
+                continue
+            expr = _parsed(dim).subs(sizes)
+            free = sorted(expr.free_symbols, key=str)
+            if not free:
+                if int(expr) != size:
+                    raise PlanError(
+                        f"microbatch input {key!r} is {list(shape)}: dimension {k} should be {int(expr)} "
+                        "from the other inputs' sizes (they describe the same images)"
+                    )
+                continue
+            solved = sympy.solve(sympy.Eq(expr, size), free[0])
+            if len(solved) != 1 or not solved[0].is_Integer or solved[0] < 0:
+                raise PlanError(
+                    f"microbatch input {key!r} is {list(shape)}: dimension {k} must be {dim} (a whole "
+                    "number of the family's units), which no size gives"
+                )
+            sizes[str(free[0])] = int(solved[0])
+    return tuple(sizes.items())

@@ -60,17 +60,25 @@ def qwen2_vl(batch: int = 2, *, attn_implementation: str = "sdpa", device="cpu")
 
 # --------------------------------------------------------------------------------------------------
 # Qwen2.5-VL: patch 7 on 28 px; window_size 14 -> each 2x2 merge unit is its own window in layer 0;
-# layer 1 is full attention (fullatt_block_indexes=[1]).
+# layer 1 is full attention (fullatt_block_indexes=[1]). ``patch_size=14, window_size=56`` is the
+# released models' layout: windows of 2 x 2 merge units, which the window index reorders.
 # --------------------------------------------------------------------------------------------------
-def qwen2_5_vl(batch: int = 2, *, attn_implementation: str = "sdpa", device="cpu"):
+def qwen2_5_vl(
+    batch: int = 2,
+    *,
+    attn_implementation: str = "sdpa",
+    device="cpu",
+    patch_size: int = 7,
+    window_size: int = 14,
+):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     vision = dict(
         **_VISION,
         intermediate_size=64,
         out_hidden_size=32,
-        patch_size=7,
-        window_size=14,
+        patch_size=patch_size,
+        window_size=window_size,
         fullatt_block_indexes=[1],
     )
     cfg = Qwen2_5_VLConfig(
@@ -79,7 +87,7 @@ def qwen2_5_vl(batch: int = 2, *, attn_implementation: str = "sdpa", device="cpu
         **_TOKEN_IDS,
     )
     model = build_model(Qwen2_5_VLForConditionalGeneration, cfg, attn_implementation, device)
-    return finish(model, _qwen_batch(batch, 7), device)
+    return finish(model, _qwen_batch(batch, patch_size), device)
 
 
 # --------------------------------------------------------------------------------------------------
