@@ -20,6 +20,7 @@ DATASETS = {  # family -> (distribution, pixel scale to the tiny models' 28 px)
     "hf-llava-next": ("qwen-native", 1 / 16),  # anyres: crops by image size
     "hf-internvl": ("internvl-tiles", 28 / 448),
     "hf-idefics3": ("interleaved", 28 / 640),  # image splitting: tiles and a global view
+    "hf-smolvlm": ("interleaved", 28 / 640),  # the same, in SmolVLM's classes
     "hf-qwen2-vl": ("qwen-native", 1 / 16),
     "hf-qwen2.5-vl": ("interleaved", 28 / 640),
     "hf-qwen3-vl": ("qwen-native", 1 / 16),  # deepstack features and a learned position table

@@ -25,8 +25,7 @@ DATASETS = {  # model -> (distribution, pixel scale to the tiny models' 28 px ti
     "hf-llava": ("llava-chat", 28 / 640),
     "hf-llava-next": ("qwen-native", 1 / 16),  # anyres: crops by image size
     "hf-internvl": ("internvl-tiles", 28 / 448),
-    "hf-idefics3": ("interleaved", 28 / 640),  # image splitting: tiles and a global view
-    "hf-smolvlm": ("interleaved", 28 / 640),  # Idefics3's layout in SmolVLM's classes
+    "hf-idefics3": ("interleaved", 28 / 640),  # image splitting (SmolVLM's code: tests/data)
     "hf-qwen2-vl": ("qwen-native", 1 / 16),
     "hf-qwen2.5-vl": ("interleaved", 28 / 640),
     "hf-qwen3-vl": ("qwen-native", 1 / 16),  # deepstack features cross the encoder's stage cut
