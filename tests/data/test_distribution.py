@@ -48,6 +48,17 @@ def test_a_scan_plans_the_fewest_microbatches_that_keep_deferral_bounded():
     assert found.images is None  # InternVL's tiles do not say which image they belong to
 
 
+def test_a_backlog_that_grows_step_after_step_is_not_planned_for():
+    """One scanned step: deferring under the limit once is not enough; the step replayed must
+    not build a backlog either."""
+    data = SyntheticDataset("internvl-tiles", FAMILY, 64, seed=4, text_scale=1 / 50, pixel_scale=28 / 448)
+    found = scan(data, FAMILY, global_batch=64, log=None)
+    lengths = [sample_length(data[i], FAMILY, i) for i in range(64)]
+    replayed = lengths * 16
+    assert max(_carried_over(replayed, 64, found.microbatches, found.tokens)) <= 8
+    assert max(_carried_over(replayed, 64, found.microbatches - 1, found.tokens)) > 8
+
+
 def test_a_scan_counts_images_where_the_layout_tells():
     llava = TileFamily("llava", image_token_id=100, side=28, channels=3, tokens_per_tile=4, max_tiles=1)
     data = SyntheticDataset("interleaved", llava, 64, seed=1, text_scale=1 / 50, pixel_scale=28 / 640)

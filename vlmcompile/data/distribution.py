@@ -5,9 +5,9 @@ What the planner takes from it:
 
 * the token budget: the longest sample, rounded up to 16, unless given;
 * the microbatches a step of ``global_batch`` samples gets: the fewest with which packing the
-  scanned steps in order, each step's leftovers carried into the next (as
-  :class:`~vlmcompile.data.steps.PackedSteps` trains), never defers more than
-  :func:`deferral_limit` samples at once. Planning for the step that needs the most would pad
+  scanned steps in order (again in turn, to :data:`REPLAYED_STEPS` steps at least), each step's
+  leftovers carried into the next (as :class:`~vlmcompile.data.steps.PackedSteps` trains),
+  never defers more than :func:`deferral_limit` samples at once. Planning for the step that needs the most would pad
   every other step to it; planning below the mean would let the backlog grow without end;
 * the samples of the microbatch with the most image rows, which the pipeline is captured and its
   memory planned at; its times are planned at the mean microbatch (:meth:`DatasetScan.expected_time`).
@@ -29,6 +29,8 @@ from vlmcompile.ir.regions import ENCODER_SIDE
 
 SCAN_LIMIT = 2048
 """Samples read at most (a dataset's first ones): enough for a p95, a few seconds here."""
+REPLAYED_STEPS = 16
+"""Steps packed at least when choosing the microbatches (the scanned ones, again in turn)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +161,11 @@ def scan(
         steps.pop()  # a partial last step would pad rows planned for a whole one
     most = max(fewest_rows([lengths[i] for i in step], budget) for step in steps)
     least = max(1, -(-sum(lengths[i] for step in steps for i in step) // (len(steps) * budget)))
+    # Steps the scan saw, replayed in turn: a backlog that grows step after step shows (one scanned
+    # step alone cannot show it).
+    replayed = [steps[k % len(steps)] for k in range(max(len(steps), REPLAYED_STEPS))]
     for need in range(least, most + 1):
-        microbatches, deferred = _carried_over(steps, lengths, need, budget)
+        microbatches, deferred = _carried_over(replayed, lengths, need, budget)
         if max(deferred) <= deferral_limit(global_batch):
             break
     filled = [m for m in microbatches if m]
@@ -177,7 +182,7 @@ def scan(
         Spread.of(per_mb_tokens),
         Spread.of(per_mb_rows),
         Spread.of([sum(images[i] for i in m) for m in filled]) if counted else None,
-        1 - sum(per_mb_tokens) / (len(steps) * need * budget),
+        1 - sum(per_mb_tokens) / (len(replayed) * need * budget),
         largest,
         most,
         Spread.of(deferred),
