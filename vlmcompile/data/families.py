@@ -51,6 +51,14 @@ def sequential_positions(sample: Sample) -> torch.Tensor:
     return torch.arange(tokens_of(sample, "sample").numel())
 
 
+def sized_in_tiles(family, sizes) -> tuple[int, int]:
+    """LLM tokens and tiles of a tile family's sample of ``sizes`` (a
+    :class:`~vlmcompile.data.manifest.ManifestSample`), as its ``synthesize`` makes it, without
+    making it."""
+    tiles = sum(family.tiles(h, w) for h, w in sizes.images)
+    return sizes.text_tokens + tiles * family.tokens_per_tile, tiles
+
+
 def labels_of(sample: Sample, where: str) -> torch.Tensor:
     """The sample's labels as one row (its token ids, image tokens ignored, where it has none)."""
     ids = tokens_of(sample, where)
@@ -131,6 +139,8 @@ class TileFamily:
                 sum(tiles), self.channels, self.side, self.side, generator=generator
             )
         return sample
+
+    sized = sized_in_tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +269,12 @@ class PatchStreamFamily:
             sample["pixel_values"] = torch.randn(patches, self.patch_dim, generator=generator)
             sample["image_grid_thw"] = torch.tensor(grids)
         return sample
+
+    def sized(self, sizes) -> tuple[int, int]:
+        """LLM tokens and patches of a sample of ``sizes`` (a :class:`~vlmcompile.data.manifest.ManifestSample`),
+        as :meth:`synthesize` makes it, without making it."""
+        patches = [t * h * w for t, h, w in (self.grid(*size) for size in sizes.images)]
+        return sizes.text_tokens + sum(n // self.merge**2 + 2 for n in patches), sum(patches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,6 +495,8 @@ class SplitTileFamily:
                 1, sum(tiles), self.channels, self.side, self.side, generator=generator
             )
         return sample
+
+    sized = sized_in_tiles
 
 
 Family = TileFamily | PatchStreamFamily | AnyresFamily | SplitTileFamily

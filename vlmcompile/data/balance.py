@@ -1,0 +1,273 @@
+"""Balanced mini-batches: OmniBal's Iterative Sampling and Filtering (ISF, its Algorithm 1) as a
+``torch.utils.data`` batch sampler, and the two measures it is judged by.
+
+A sample is two sizes here: its LLM tokens (text and image tokens: what the LLM runs) and its
+vision rows (tiles or patches: what the vision encoder runs). ISF groups samples so that both
+sums land near targets, in rounds:
+
+* sampling: walk the remaining samples in random order, adding each to the current group; a
+  sample that would take the group past the vision target ``Q_v`` or the text target ``Q_t``
+  closes the group and starts the next one;
+* filtering: keep a group whose vision rows reach ``Q'_v`` or whose tokens reach ``Q'_t``, and
+  take its samples out of the pool; the other groups go back to the pool for the next round.
+
+Targets from the dataset's statistics, as OmniBal's section 5.1 sets them: ``Q_t`` is the longest
+sample's tokens, ``Q_v`` follows from the dataset's ratio of vision rows to tokens
+(``Q_v = Q_t * rows / tokens``), ``Q'_v = Q_v`` and ``Q'_t = Q_t - 128`` at the paper's
+``Q_t`` = 4K: we keep that slack as the same share (1/32) of ``Q_t`` for datasets of other lengths.
+
+What no round could place is not lost: it is grouped without the filter at the end of the epoch
+(its own, unbalanced, mini-batches; :attr:`BalancedEpoch.unbalanced` counts them), so every
+sample trains once an epoch.
+
+Measures (OmniBal, eq. 1 and 2), each for the LLM and for the vision encoder:
+
+* Pad Ratio: within a mini-batch, the share of padding when every sample is padded to the
+  largest: ``sum(t_max - t_i) / (t_max * B)``, averaged over mini-batches;
+* Dist Ratio: across ``dp`` devices taking one mini-batch each per step, the share of idle work:
+  ``sum(T_max - T_i) / (T_max * N)``, averaged over steps. ``T_i`` is the mini-batch's padded
+  tokens for the LLM (``B * t_max``) and its vision rows summed for the encoder (an image's tiles
+  are never padded).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from vlmcompile.data.families import Family
+from vlmcompile.data.packing import sample_length
+from vlmcompile.ir.errors import DataError, positive_int
+
+TEXT_SLACK = 128 / 4096
+"""``Q_t - Q'_t`` as a share of ``Q_t``: OmniBal's 128 tokens at ``Q_t`` = 4K (its Table 6)."""
+ROUNDS = 8
+"""Sampling-and-filtering rounds an epoch at most (OmniBal's ``T``)."""
+
+
+@dataclass(frozen=True)
+class SampleSizes:
+    """Per sample: LLM tokens and vision rows."""
+
+    llm_tokens: np.ndarray
+    vision_rows: np.ndarray
+
+    def __post_init__(self):
+        if len(self.llm_tokens) != len(self.vision_rows):
+            raise DataError(f"{len(self.llm_tokens)} token counts for {len(self.vision_rows)} vision counts")
+
+    def __len__(self) -> int:
+        return len(self.llm_tokens)
+
+    @staticmethod
+    def of(dataset: Any, family: Family, *, log: TextIO | None = sys.stderr) -> SampleSizes:
+        """The sizes of every sample of ``dataset``: from its ``sizes(i)`` where it has them (a
+        synthetic dataset or a manifest: no sample is built), else from each sample."""
+        count = len(dataset)
+        tokens, rows = np.zeros(count, dtype=np.int64), np.zeros(count, dtype=np.int64)
+        sized = hasattr(dataset, "sizes") and hasattr(family, "sized")
+        for i in range(count):
+            if sized:
+                tokens[i], rows[i] = family.sized(dataset.sizes(i))
+            else:
+                sample = dataset[i]
+                tokens[i], rows[i] = sample_length(sample, family, i), family.vision_rows(sample)
+            if log is not None and count >= 100_000 and (i + 1) % 100_000 == 0:
+                print(f"reading sample sizes: {i + 1}/{count}", file=log, flush=True)
+        return SampleSizes(tokens, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class IsfTargets:
+    vision: int
+    """``Q_v``: a group's vision rows at most."""
+    text: int
+    """``Q_t``: a group's LLM tokens at most."""
+    vision_floor: int
+    """``Q'_v``: a group is kept when its vision rows reach this ..."""
+    text_floor: int
+    """``Q'_t``: ... or its LLM tokens reach this."""
+
+    @staticmethod
+    def from_statistics(sizes: SampleSizes) -> IsfTargets:
+        """OmniBal's rule (section 5.1): see the module docstring."""
+        if not len(sizes):
+            raise DataError("the dataset is empty; give one with at least one sample")
+        text = int(sizes.llm_tokens.max())
+        vision = max(1, round(text * int(sizes.vision_rows.sum()) / max(1, int(sizes.llm_tokens.sum()))))
+        return IsfTargets(vision, text, vision, text - math.ceil(text * TEXT_SLACK))
+
+    def __str__(self) -> str:
+        return (
+            f"Q_v {self.vision} vision rows (kept from {self.vision_floor}), Q_t {self.text} LLM tokens "
+            f"(kept from {self.text_floor})"
+        )
+
+
+def _sampled_groups(order: np.ndarray, sizes: SampleSizes, targets: IsfTargets) -> list[list[int]]:
+    """ISF's sampling stage over ``order``."""
+    tokens, rows = sizes.llm_tokens, sizes.vision_rows
+    groups, group, used_tokens, used_rows = [], [], 0, 0
+    for i in order.tolist():
+        t, v = int(tokens[i]), int(rows[i])
+        if group and (used_tokens + t > targets.text or used_rows + v > targets.vision):
+            groups.append(group)
+            group, used_tokens, used_rows = [], 0, 0
+        group.append(i)
+        used_tokens += t
+        used_rows += v
+    if group:
+        groups.append(group)
+    return groups
+
+
+@dataclass(frozen=True)
+class BalancedEpoch:
+    batches: tuple[tuple[int, ...], ...]
+    """Mini-batches in the order they train: the balanced ones, then the unbalanced ones."""
+    balanced: int
+    """Mini-batches ISF kept; the rest (``len(batches) - balanced``) are the epoch's leftovers."""
+    rounds: int
+
+    @property
+    def unbalanced(self) -> int:
+        return len(self.batches) - self.balanced
+
+    @property
+    def balanced_share(self) -> float:
+        """Share of the epoch's samples that trained in balanced mini-batches."""
+        total = sum(len(b) for b in self.batches)
+        return sum(len(b) for b in self.batches[: self.balanced]) / total
+
+
+def isf_epoch(
+    sizes: SampleSizes,
+    targets: IsfTargets,
+    *,
+    seed: int,
+    first: Sequence[int] = (),
+    rounds: int = ROUNDS,
+) -> BalancedEpoch:
+    """One epoch of ISF over every sample: rounds of sampling and filtering, then the samples no
+    round placed, grouped by the sampling stage alone. ``first`` (the last epoch's leftovers)
+    lead the first round's order."""
+    positive_int("rounds", rounds, "the sampling-and-filtering rounds of an epoch")
+    rng = np.random.default_rng(seed)
+    ahead = np.asarray(list(first), dtype=np.int64)
+    pool = np.setdiff1d(np.arange(len(sizes)), ahead)
+    kept: list[list[int]] = []
+    done = 0
+    while done < rounds:
+        done += 1
+        order = np.concatenate([rng.permutation(ahead), rng.permutation(pool)])
+        ahead = np.zeros(0, dtype=np.int64)
+        placed, back = [], []
+        for group in _sampled_groups(order, sizes, targets):
+            rows = int(sizes.vision_rows[group].sum())
+            tokens = int(sizes.llm_tokens[group].sum())
+            (placed if rows >= targets.vision_floor or tokens >= targets.text_floor else back).append(group)
+        kept += placed
+        pool = np.asarray([i for g in back for i in g], dtype=np.int64)
+        if not placed or not len(pool):
+            break
+    rest = _sampled_groups(rng.permutation(pool), sizes, targets) if len(pool) else []
+    order = rng.permutation(len(kept))
+    batches = tuple(tuple(kept[k]) for k in order) + tuple(tuple(g) for g in rest)
+    return BalancedEpoch(batches, len(kept), done)
+
+
+class IsfBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """OmniBal's ISF as a batch sampler: each mini-batch a group of samples whose vision rows and
+    LLM tokens are near the targets (see the module docstring). ``set_epoch(e)`` picks the epoch;
+    an epoch's leftovers (the samples ISF could not place in a balanced group) train at its end,
+    unbalanced, and lead the next epoch's first round."""
+
+    def __init__(
+        self,
+        sizes: SampleSizes,
+        *,
+        targets: IsfTargets | None = None,
+        seed: int = 0,
+        rounds: int = ROUNDS,
+    ):
+        self.sizes = sizes
+        self.targets = targets or IsfTargets.from_statistics(sizes)
+        self.seed = seed
+        self.rounds = rounds
+        self.epoch = 0
+        self._epochs: dict[int, BalancedEpoch] = {}
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def plan(self, epoch: int) -> BalancedEpoch:
+        """Epoch ``epoch``'s mini-batches (every earlier epoch is planned first: its leftovers lead)."""
+        for e in range(len(self._epochs), epoch + 1):
+            before = self._epochs.get(e - 1)
+            first = () if before is None else [i for b in before.batches[before.balanced :] for i in b]
+            self._epochs[e] = isf_epoch(
+                self.sizes, self.targets, seed=self.seed * 1_000_003 + e, first=first, rounds=self.rounds
+            )
+        return self._epochs[epoch]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (list(b) for b in self.plan(self.epoch).batches)
+
+    def __len__(self) -> int:
+        return len(self.plan(self.epoch).batches)
+
+
+@dataclass(frozen=True, slots=True)
+class BalanceMeasures:
+    pad_ratio_llm: float
+    pad_ratio_vision: float
+    dist_ratio_llm: float
+    dist_ratio_vision: float
+    samples_per_batch: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "pad_ratio": self.pad_ratio_llm,
+            "pad_ratio_vision": self.pad_ratio_vision,
+            "dist_ratio_llm": self.dist_ratio_llm,
+            "dist_ratio_vision": self.dist_ratio_vision,
+            "samples_per_batch": self.samples_per_batch,
+        }
+
+
+def _pad_ratio(values: np.ndarray) -> float:
+    top = int(values.max())
+    return 0.0 if top == 0 else float((top - values).sum() / (top * len(values)))
+
+
+def _dist_ratio(loads: np.ndarray) -> float:
+    top = float(loads.max())
+    return 0.0 if top == 0 else float((top - loads).sum() / (top * len(loads)))
+
+
+def measure(batches: Sequence[Sequence[int]], sizes: SampleSizes, *, dp: int) -> BalanceMeasures:
+    """Pad Ratio and Dist Ratio of ``batches`` taken ``dp`` at a time (one per device), for the
+    LLM and the vision encoder, and the mean samples a mini-batch (a last partial step is left out
+    of the Dist Ratio)."""
+    positive_int("dp", dp, "the data-parallel devices the Dist Ratio is taken over")
+    if not batches:
+        raise DataError("no mini-batches to measure")
+    groups = [np.asarray(b, dtype=np.int64) for b in batches]
+    tokens = [sizes.llm_tokens[g] for g in groups]
+    rows = [sizes.vision_rows[g] for g in groups]
+    padded_llm = np.asarray([len(t) * int(t.max()) for t in tokens], dtype=np.float64)
+    vision = np.asarray([int(r.sum()) for r in rows], dtype=np.float64)
+    steps = range(0, len(groups) - dp + 1, dp)
+    return BalanceMeasures(
+        float(np.mean([_pad_ratio(t) for t in tokens])),
+        float(np.mean([_pad_ratio(r) for r in rows])),
+        float(np.mean([_dist_ratio(padded_llm[k : k + dp]) for k in steps])) if len(steps) else 0.0,
+        float(np.mean([_dist_ratio(vision[k : k + dp]) for k in steps])) if len(steps) else 0.0,
+        float(np.mean([len(g) for g in groups])),
+    )
