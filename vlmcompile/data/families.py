@@ -611,5 +611,21 @@ def family_of(model: Any) -> Family:
     )
 
 
+RELEASED: dict[str, Family] = {
+    # InternVL2/2.5: 448 px tiles, 14 px patches, pixel shuffle 0.5 -> 256 tokens, 1-12 tiles.
+    "internvl": TileFamily("internvl", 1, 448, 3, 256, 12),
+    # LLaVA-1.5: CLIP ViT-L/14 at 336 px, the class token dropped -> 576 tokens an image.
+    "llava": TileFamily("llava", 1, 336, 3, 576, 1),
+    # Qwen2-VL: 14 px patches, 2 x 2 merge, 2 frames; its processor's min and max pixels.
+    "qwen2-vl": PatchStreamFamily(
+        "qwen2-vl", 1, 2, 3, 14, 2, 2, 3, min_pixels=56 * 56, max_pixels=28 * 28 * 1280
+    ),
+    # Idefics3: 364 px tiles, 14 px patches, pixel shuffle 2 -> 169 tokens, longest edge 4 tiles.
+    "idefics3": SplitTileFamily("idefics3", 1, 364, 3, 169),
+}
+"""Image layouts of released models, by family name: sizes for data without a model at hand
+(``benchmarks/data_balance.py --family``). Token ids are placeholders."""
+
+
 def _int(value: Any) -> int:
     return int(value[0] if isinstance(value, (list, tuple)) else value)
