@@ -19,7 +19,8 @@ mini-batch on average. The Dist Ratio is taken over ``--dp`` devices, one mini-b
 
 Writes ``benchmarks/results/data_balance.json`` (or ``--json``): one row per dataset and method
 with ``method``, ``pad_ratio`` (the LLM's), ``pad_ratio_vision``, ``dist_ratio_vision``,
-``dist_ratio_llm``, ``samples_per_batch``, and for ISF the seconds it took and the share of the
+``dist_ratio_llm``, ``dist_ratio_llm_packed`` (a packed LLM's: tokens summed, no padding),
+``samples_per_batch``, and for ISF the seconds it took and the share of the
 samples it placed in balanced mini-batches.
 """
 
@@ -100,13 +101,13 @@ def compare(name: str, sizes: SampleSizes, dp: int, seed: int = 0) -> list[dict]
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| dataset | method | Pad Ratio (LLM) | Dist Ratio (vision) | Dist Ratio (LLM) | samples a mini-batch |",
-        "|---|---|---|---|---|---|",
+        "| dataset | method | Pad Ratio (LLM) | Dist Ratio (vision) | Dist Ratio (LLM) | Dist Ratio (LLM, packed) | samples a mini-batch |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['dataset']} | {r['method']} | {r['pad_ratio']:.3f} | {r['dist_ratio_vision']:.3f} | "
-            f"{r['dist_ratio_llm']:.3f} | {r['samples_per_batch']:.2f} |"
+            f"{r['dist_ratio_llm']:.3f} | {r['dist_ratio_llm_packed']:.3f} | {r['samples_per_batch']:.2f} |"
         )
     return "\n".join(lines)
 

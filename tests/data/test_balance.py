@@ -72,6 +72,7 @@ def test_the_measures_are_omnibals():
     assert got.dist_ratio_llm == pytest.approx((8 - 6) / (8 * 2))  # padded 2 x 4 against 2 x 3
     assert got.dist_ratio_vision == pytest.approx((4 - 1) / (4 * 2))
     assert got.samples_per_batch == 2
+    assert got.dist_ratio_llm_packed == pytest.approx(0)  # 4 + 2 against 3 + 3 tokens
     with pytest.raises(ArgumentError, match="dp=0"):
         measure([[0]], sizes, dp=0)
 

@@ -27,7 +27,7 @@ Measures (OmniBal, eq. 1 and 2), each for the LLM and for the vision encoder:
 * Dist Ratio: across ``dp`` devices taking one mini-batch each per step, the share of idle work:
   ``sum(T_max - T_i) / (T_max * N)``, averaged over steps. ``T_i`` is the mini-batch's padded
   tokens for the LLM (``B * t_max``) and its vision rows summed for the encoder (an image's tiles
-  are never padded).
+  are never padded); and, for a packed LLM (vlmcompile's), its tokens summed.
 """
 
 from __future__ import annotations
@@ -230,6 +230,8 @@ class BalanceMeasures:
     dist_ratio_llm: float
     dist_ratio_vision: float
     samples_per_batch: float
+    dist_ratio_llm_packed: float
+    """The LLM's Dist Ratio when a mini-batch is packed (its load its tokens summed, no padding)."""
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -238,6 +240,7 @@ class BalanceMeasures:
             "dist_ratio_llm": self.dist_ratio_llm,
             "dist_ratio_vision": self.dist_ratio_vision,
             "samples_per_batch": self.samples_per_batch,
+            "dist_ratio_llm_packed": self.dist_ratio_llm_packed,
         }
 
 
@@ -263,11 +266,17 @@ def measure(batches: Sequence[Sequence[int]], sizes: SampleSizes, *, dp: int) ->
     rows = [sizes.vision_rows[g] for g in groups]
     padded_llm = np.asarray([len(t) * int(t.max()) for t in tokens], dtype=np.float64)
     vision = np.asarray([int(r.sum()) for r in rows], dtype=np.float64)
+    packed_llm = np.asarray([int(t.sum()) for t in tokens], dtype=np.float64)
     steps = range(0, len(groups) - dp + 1, dp)
+
+    def dist(loads: np.ndarray) -> float:
+        return float(np.mean([_dist_ratio(loads[k : k + dp]) for k in steps])) if len(steps) else 0.0
+
     return BalanceMeasures(
         float(np.mean([_pad_ratio(t) for t in tokens])),
         float(np.mean([_pad_ratio(r) for r in rows])),
-        float(np.mean([_dist_ratio(padded_llm[k : k + dp]) for k in steps])) if len(steps) else 0.0,
-        float(np.mean([_dist_ratio(vision[k : k + dp]) for k in steps])) if len(steps) else 0.0,
+        dist(padded_llm),
+        dist(vision),
         float(np.mean([len(g) for g in groups])),
+        dist(packed_llm),
     )
