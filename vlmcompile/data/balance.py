@@ -208,12 +208,17 @@ class IsfBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def plan(self, epoch: int) -> BalancedEpoch:
         """Epoch ``epoch``'s mini-batches (every earlier epoch is planned first: its leftovers lead)."""
-        for e in range(len(self._epochs), epoch + 1):
+        known = max((e for e in self._epochs if e <= epoch), default=-1)
+        for e in range(known + 1, epoch + 1):
             before = self._epochs.get(e - 1)
             first = () if before is None else [i for b in before.batches[before.balanced :] for i in b]
             self._epochs[e] = isf_epoch(
                 self.sizes, self.targets, seed=self.seed * 1_000_003 + e, first=first, rounds=self.rounds
             )
+            # Two epochs kept (the one asked for and the one before): an epoch of 1M samples
+            # holds 1M indices, and a run of many epochs would keep them all.
+            for old in [k for k in self._epochs if k < e - 1]:
+                del self._epochs[old]
         return self._epochs[epoch]
 
     def __iter__(self) -> Iterator[list[int]]:

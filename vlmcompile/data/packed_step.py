@@ -234,7 +234,7 @@ def _qwen_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]):
             "max_window_seqlen": 1,  # read by flash kernels only; segment_attention needs none
         }
     if "interp_indices" in inputs:
-        given = {"interp_indices": inputs["interp_indices"], "interp_weights": inputs["interp_weights"]}
+        given |= {"interp_indices": inputs["interp_indices"], "interp_weights": inputs["interp_weights"]}
     out = model.model.visual(
         inputs["pixel_values"],
         grid_thw=inputs["image_grid_thw"],
