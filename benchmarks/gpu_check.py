@@ -13,7 +13,9 @@ On a machine with CUDA it
 2. trains the 1-GPU plan once more in bf16 autocast (the plan's precision) and reports the loss
    gap to fp32 and the peak memory;
 3. times every layer of the demo in bf16 on the GPU (the profile pass) and fits the device's
-   efficiencies (``cost_models/calibrate.py``), printing the fit and its error.
+   efficiencies (``cost_models/calibrate.py``), printing the fit and its error;
+4. does the same for each ``--calibrate-at`` model cut to two layers a tower (paper widths: the
+   demo's layers are too narrow to keep a GPU busy, so its fit measures launch overhead).
 
 The figures go to ``benchmarks/results/gpu_check_<device>.json`` with the device named.
 ``--device cpu`` runs the same steps on CPU ranks over gloo: a dry run of this script on a
@@ -23,6 +25,7 @@ machine without a GPU (what the test suite and CI can do), not a GPU measurement
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import re
@@ -45,6 +48,9 @@ from vlmcompile.runtime.trainer import TrainConfig, eager_training
 MODEL = "demo"
 """The model checked (``--model`` takes another zoo model: the test suite's dry run uses ``tiny``)."""
 GLOBAL_BATCH = 8
+PAPER_WIDTHS = ("InternVL-Chat-1.5", "Optimus-Model-A")
+"""Paper models whose widths the GPU fit is made at (InternViT-6B + InternLM2-20B, ViT-11B + LLAMA-70B)."""
+SHALLOW_DEPTH = 2
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -57,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="result JSON (default benchmarks/results/gpu_check_<device>.json)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per layer in the calibration")
     parser.add_argument("--model", default=MODEL, help=f"zoo model to check (default {MODEL})")
+    parser.add_argument(
+        "--calibrate-at",
+        nargs="*",
+        default=list(PAPER_WIDTHS),
+        help="zoo models whose layers, two a tower, are timed and fitted too (default: "
+        + ", ".join(PAPER_WIDTHS)
+        + "; none on --device cpu)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: this machine has no CUDA device; nothing measured (--device cpu for a dry run)")
@@ -100,10 +114,16 @@ def main(argv: list[str] | None = None) -> int:
                     except AssertionError as err:
                         run["equals_eager"], run["mismatch"] = False, str(err)
                 run["max_abs_loss_diff_to_eager_fp32"] = max(abs(a - b) for a, b in zip(run["losses"], eager))
+                run.update(_prediction_error(plan, run))
                 print(f"  {cluster} {precision}: {run['summary']}", flush=True)
                 result["runs"].append(run)
     result["calibration"] = calibrate_layers(args.device, cluster_of, args.repeats, args.model)
-    print(f"  {result['calibration']['summary']}")
+    print(f"  {args.model}: {result['calibration']['summary']}", flush=True)
+    result["calibration_at_paper_widths"] = {}
+    for name in args.calibrate_at if args.device == "cuda" else ():
+        fit = calibrate_layers(args.device, cluster_of, args.repeats, shallow(name))
+        result["calibration_at_paper_widths"][name] = fit
+        print(f"  {name} ({SHALLOW_DEPTH} layers a tower): {fit['summary']}", flush=True)
     out = Path(args.out) if args.out else RESULTS / f"gpu_check_{_slug(name)}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"written to {out}")
@@ -114,19 +134,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def calibrate_layers(device: str, cluster_of: str, repeats: int, model_name: str = MODEL) -> dict:
-    """Time the demo's layers in bf16 on ``device`` and fit the device's efficiencies."""
+def shallow(name: str, depth: int = SHALLOW_DEPTH, images: int = 1) -> models.VLMConfig:
+    """A zoo VLM at its own widths and sequence length with ``depth`` layers a tower and
+    ``images`` images a sample: what fits one GPU and still times the paper's kernels."""
+    cfg = models.config(name)
+    if not isinstance(cfg, models.VLMConfig):
+        raise SystemExit(f"gpu_check: --calibrate-at takes VLMs; {name!r} is a {type(cfg).__name__}")
+    encoders = tuple(dataclasses.replace(e, depth=min(depth, e.depth)) for e in cfg.encoders)
+    return dataclasses.replace(
+        cfg,
+        name=f"{name}-{depth}-layers",
+        encoders=encoders,
+        llm=dataclasses.replace(cfg.llm, depth=min(depth, cfg.llm.depth)),
+        images_per_sample=min(images, cfg.images_per_sample),
+    )
+
+
+def calibrate_layers(
+    device: str, cluster_of: str, repeats: int, model: str | models.VLMConfig = MODEL
+) -> dict:
+    """Time a model's layers in bf16 on ``device`` and fit the device's efficiencies."""
     dtype = torch.bfloat16
-    model = models.build(model_name, seed=0, dtype=dtype)
-    batch = models.sample_batch(model_name, batch_size=1, dtype=dtype)
-    pipe = compile(model, batch, model_name=model_name, log=None)
-    pipe.gm.to(device)
+    model_name = model if isinstance(model, str) else model.name
+    # Captured on meta and given random values on the device: building paper-width layers on the
+    # host takes longer than timing them, and a layer's time does not depend on its values.
+    meta = models.sample_batch(model, batch_size=1, dtype=dtype, device="meta")
+    pipe = compile(models.build(model, dtype=dtype, device="meta"), meta, model_name=model_name, log=None)
+    pipe.gm.to_empty(device=device)
+    generator = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for tensor in [*pipe.gm.parameters(), *pipe.gm.buffers()]:
+            if tensor.is_floating_point():
+                tensor.normal_(0.0, 0.02, generator=generator)
+            else:
+                tensor.zero_()
+    batch = models.sample_batch(model, batch_size=1, dtype=dtype)
     microbatch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     spec = Cluster.preset(f"{cluster_of}1" if cluster_of == "cpu:" else f"{cluster_of}x1").device
     measured = profile(pipe.gm, pipe.layer_graph, microbatch, device_name=spec.name, repeats=repeats)
-    report = calibrate(spec, measured.report.measurements)
+    report = calibrate(spec, measured.report.measurements, host_overhead=True)
     e = report.device.efficiency
     return {
+        "model": model_name,
         "device_spec": spec.name,
         "layers": len(measured.report.measurements),
         "fitted_efficiency": {"matmul": e.matmul, "attention": e.attention, "memory": e.memory},
@@ -136,6 +185,7 @@ def calibrate_layers(device: str, cluster_of: str, repeats: int, model_name: str
             "memory": report.prior.memory,
         },
         "median_abs_error_after_fit": report.median_abs_error,
+        "host_overhead_s_per_layer": report.overhead_s,
         "layer_times_s": [
             {"layer": m.layer.name, "fwd_s": m.fwd_s, "bwd_s": m.bwd_s} for m in measured.report.measurements
         ],
@@ -179,6 +229,20 @@ def _torchrun(n: int, plan: str, args, precision: str, tmp: Path) -> dict:
         "peak_mem_bytes_per_rank": [max(col) for col in zip(*(s["peak_mem_bytes"] for s in steps))],
         "wall_s": time.perf_counter() - start,
         "summary": done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "",
+    }
+
+
+def _prediction_error(plan: str, run: dict) -> dict:
+    """The plan's simulated step and peak memory per rank against the run's measured ones
+    (the plan is made for bf16, so the bf16 run is the like-for-like one)."""
+    simulated = json.loads(Path(plan).read_text())["simulation"]
+    predicted_mem = [r["peak_mem_bytes"] for r in simulated["ranks"]]
+    measured_mem = run["peak_mem_bytes_per_rank"]
+    return {
+        "predicted_step_s": simulated["step_time_s"],
+        "step_error": simulated["step_time_s"] / run["median_step_s_after_first"] - 1,
+        "predicted_peak_mem_bytes_per_rank": predicted_mem,
+        "peak_mem_error_per_rank": [p / m - 1 if m else None for p, m in zip(predicted_mem, measured_mem)],
     }
 
 

@@ -23,6 +23,26 @@ def test_fit_recovers_the_efficiencies_behind_the_times(demo_graph):
     assert f"matmul 0.62 (prior {device.efficiency.matmul:.2f})" in str(report)
 
 
+def test_a_host_overhead_per_layer_is_fitted_apart_from_the_efficiencies(demo_graph):
+    # Layers timed one by one pay a launch-and-sync cost that swamps a norm's kernel: fitted
+    # without a constant it drags the efficiencies; with one, both come back.
+    device = Cluster.preset("h100x8").device
+    truth = device.with_efficiency(Efficiency(matmul=0.55, attention=0.4, memory=0.6))
+    overhead = 150e-6
+    measured = [
+        LayerMeasurement(layer, t.fwd_s + overhead, t.bwd_s + overhead)
+        for layer in demo_graph.layers
+        if (t := layer_time(layer, truth)).fwd_s > 0
+    ]
+    plain = calibrate(device, measured)
+    assert plain.median_abs_error > 0.05 and plain.overhead_s is None
+    report = calibrate(device, measured, host_overhead=True)
+    e = report.device.efficiency
+    assert (e.matmul, e.attention, e.memory) == pytest.approx((0.55, 0.4, 0.6), rel=1e-6)
+    assert report.overhead_s == pytest.approx(overhead, rel=1e-6)
+    assert report.median_abs_error < 1e-9 and "host overhead 150 us a layer" in str(report)
+
+
 def test_classes_without_work_keep_their_prior(demo_graph):
     device = Cluster.preset("h100x8").device
     norm = demo_graph["llm.norm"]  # memory-bound only
