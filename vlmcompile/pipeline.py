@@ -37,6 +37,7 @@ from vlmcompile.ir.regions import LANGUAGE_REGIONS
 from vlmcompile.pass_runner import RunReport
 from vlmcompile.passes.codegen import CodegenResult, codegen_for
 from vlmcompile.passes.policies import plan_and_simulate
+from vlmcompile.planning.per_batch import RowsScheduler, per_batch_scheduler
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
@@ -215,6 +216,7 @@ class CompiledPipeline:
         autocast_dtype: torch.dtype | Literal["auto"] | None = "auto",
         transfers: str = "auto",
         timeout_s: float = 60.0,
+        per_batch_schedule: bool | None = None,
     ) -> TrainResult:
         """Train ``plan`` (default ``self.plan``) for ``config.steps`` steps on ``data`` (global
         batches: a function of the step, or an iterable); see :mod:`vlmcompile.runtime.trainer`.
@@ -225,10 +227,12 @@ class CompiledPipeline:
         (module-level functions, functools.partial). ``autocast_dtype``: "auto" runs bf16
         autocast on a GPU when the plan's parameters are 2 bytes (its precision), else fp32;
         ``transfers`` is the runner's (:class:`~vlmcompile.runtime.executor.PipelineRunner`).
-        Returns this rank's result (rank 0's when launched)."""
+        ``per_batch_schedule``: re-plan the encoder-in-bubbles schedule for every batch
+        (:mod:`vlmcompile.planning.per_batch`); None: where the pipeline is packed and its plan
+        gives the encoders a plan of their own. Returns this rank's result (rank 0's when
+        launched)."""
         runner = self.runner(plan, timeout_s=timeout_s)
-        if self.packed is not None:
-            data = self.packed_steps(data, runner.plan)
+        data = self._training_data(runner, data, per_batch_schedule)
         on_gpu = _on_gpu(device)
         if on_gpu and not dist.is_initialized():
             raise ArgumentError(
@@ -277,6 +281,42 @@ class CompiledPipeline:
                 last = result.steps[-1].step if result.steps else result.resumed_from
                 print(stop_line(result.stopped_by, last, config.steps, saved), file=sys.stderr, flush=True)
             return result
+
+    def _training_data(self, runner: PipelineRunner, data: Data, per_batch_schedule: bool | None) -> Data:
+        """A packed pipeline's steps (each with its own schedule where it re-plans), else ``data``."""
+        if self.packed is not None:
+            data = self.packed_steps(data, runner.plan)
+        if self._re_plans(runner.plan, per_batch_schedule):
+            data = dataclasses.replace(data, schedule=self.rows_scheduler(runner.plan))
+            runner.per_batch_schedules = True
+        return data
+
+    def rows_scheduler(self, plan: Plan | None = None, *, time_limit_s: float | None = None) -> RowsScheduler:
+        """What re-plans ``plan``'s encoder-in-bubbles schedule for a packed step's microbatches
+        (their image rows -> the step's :class:`~vlmcompile.ir.packed.BatchPlan`)."""
+        plan = plan or self.plan
+        self._re_plans(plan, True)
+        rows = int(self.sample_batch[family_of(self.model).image_keys[0]].shape[0])
+        scheduler = per_batch_scheduler(plan, self.layer_graph, self.cluster, time_limit_s=time_limit_s)
+        return RowsScheduler(scheduler, rows, runnable_degrees(plan).dp)
+
+    def _re_plans(self, plan: Plan, asked: bool | None) -> bool:
+        """Whether steps of ``plan`` get schedules of their own; asked for where none can be made:
+        an :class:`ArgumentError` saying why."""
+        if asked is False:
+            return False
+        why = None
+        if self.packed is None:
+            why = "the pipeline was compiled for one batch shape (every batch costs the same)"
+        elif len({s.group for s in plan.stages}) < 2:
+            why = f"the plan ({plan.policy}) gives the encoders no plan of their own to schedule into bubbles"
+        elif self.cluster is None or self.model is None:
+            why = "re-planning needs the cluster and the model the pipeline was compiled with"
+        if why is not None and asked:
+            raise ArgumentError(
+                f"per_batch_schedule=True: {why}; train with per_batch_schedule=None or False"
+            )
+        return why is None
 
     def throughput(self, runner: PipelineRunner, *, on_gpu: bool = False) -> Throughput:
         """What turns the runner's step times into samples/s and MFU: the model's FLOPs per sample

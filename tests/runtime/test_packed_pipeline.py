@@ -134,16 +134,20 @@ def test_packed_pipelines_train_like_eager_on_any_mix_of_images(compiled):
 
 
 def _train_every_case(cases, config):
-    return [
-        train_on_rank(runner, steps, config, throughput, start=Start()).losses
-        for runner, steps, throughput in cases
-    ]
+    out = []
+    for runner, steps, throughput in cases:
+        result = train_on_rank(runner, steps, config, throughput, start=Start())
+        out.append((result.losses, [m.schedule for m in result.steps]))
+    return out
 
 
 def test_twenty_adamw_steps_on_variable_data_equal_eager(compiled):
     """GlobalBatches of a synthetic dataset (text-only samples in it): every step other samples,
     image counts and sizes, through the trainer (AdamW, warm-up and cosine, global clip); the
-    per-step losses equal eager's on the same steps' samples padded in one batch."""
+    per-step losses equal eager's on the same steps' samples padded in one batch. The demo's plan
+    puts its encoder in the LLM's bubbles, and it trains on a schedule re-planned for every batch
+    (:mod:`vlmcompile.planning.per_batch`): the steps run different schedules, none hangs, and
+    the losses are eager's all the same."""
     from vlmcompile.data.steps import PaddedSteps
     from vlmcompile.runtime.data import GlobalBatches
     from vlmcompile.runtime.trainer import TrainConfig, eager_training
@@ -156,10 +160,21 @@ def test_twenty_adamw_steps_on_variable_data_equal_eager(compiled):
         rows = {tuple(mb["pixel_values"].shape[0] for mb in steps(k).microbatches) for k in range(20)}
         assert len(rows) > 5, (name, rows)  # image rows per microbatch change from step to step
         runner = pipe.runner(timeout_s=60)
-        cases.append((runner, pipe.packed_steps(batches), pipe.throughput(runner)))
+        steps = pipe.packed_steps(batches)
+        if name == "demo":
+            assert len({s.group for s in pipe.plan.stages}) == 2, "the demo's encoder has a plan of its own"
+            steps.schedule = pipe.rows_scheduler(time_limit_s=60)
+            schedules = {steps.schedule(steps._image_rows(k)).actions for k in range(20)}
+            assert len(schedules) > 2, "batches of other image rows get other schedules"
+            runner.per_batch_schedules = True
+        cases.append((runner, steps, pipe.throughput(runner)))
         expected[name] = eager_training(copy.deepcopy(model), PaddedSteps(pipe.packed_steps(batches)), config)
-    losses = launch(_train_every_case, cases, 2, args=(config,), timeout_s=60)[0]
-    for name, got in zip(compiled, losses):
+    results = launch(_train_every_case, cases, 2, args=(config,), timeout_s=60)[0]
+    for name, (got, schedules) in zip(compiled, results):
+        if name == "demo":  # no limit to overrun here: every step re-planned (or its plan's own kept)
+            assert "re-planned" in schedules and set(schedules) <= {"re-planned", "static"}, schedules
+        else:
+            assert schedules == [None] * 20, (name, schedules)
         got, want = torch.tensor(got), torch.tensor(expected[name])
         torch.testing.assert_close(got[:3], want[:3], msg=lambda m, n=name: f"{n}: {m}")
         # The demo's losses drift apart by rounding as training goes on (measured: exact at step 1,

@@ -12,16 +12,18 @@ tensors of the steps before it (a resumed run replays the lengths, not the steps
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from vlmcompile.data.families import Family
 from vlmcompile.data.packed_step import step_inputs
 from vlmcompile.data.packing import assign_rows, pack_assigned, padded_batch, sample_length
 from vlmcompile.ir.errors import DataError, positive_int
-from vlmcompile.ir.packed import PackedBatch
+from vlmcompile.ir.packed import BatchPlan, PackedBatch
 
 Sample = Mapping[str, Any]
 
@@ -36,12 +38,22 @@ class PackedSteps:
     family: Family
     tokens: int
     num_microbatches: int
+    schedule: Callable[[Sequence[int]], BatchPlan] | None = None
+    """Image rows per microbatch (all of a step's, every replica's in turn) -> the step's own
+    schedule. Solved on global rank 0 alone (the runner sends rank 0's to every rank), for step
+    ``k + 1`` while step ``k`` trains."""
     _carried: dict[int, list[Sample]] = field(default_factory=lambda: {0: []}, repr=False)
     """Step -> the samples deferred into it (computed steps only)."""
+    _ahead: dict[int, Future] = field(default_factory=dict, repr=False)
+    _solver: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def __post_init__(self):
         positive_int("tokens", self.tokens, "the LLM tokens of a microbatch")
         positive_int("num_microbatches", self.num_microbatches, "the microbatches of a step")
+
+    def __getstate__(self) -> dict:
+        # Pickled for the local launcher's ranks: a solver thread and its futures stay here.
+        return {**self.__dict__, "_ahead": {}, "_solver": None}
 
     def _plan(self, step: int) -> tuple[list[Sample], list[list[int]], list[int]]:
         """Step ``step``'s samples (carried first), their indices per microbatch, the deferred."""
@@ -73,13 +85,31 @@ class PackedSteps:
         return [todo[i] for row in rows for i in row]
 
     def __call__(self, step: int) -> PackedBatch:
+        ahead = self._ahead.pop(step, None)
+        if ahead is not None:
+            ahead.result()  # the solve shares this object's state: let it finish first
         todo, rows, deferred = self._plan(step)
         self._carried[step + 1] = [todo[i] for i in deferred]
         packing = pack_assigned(todo, self.family, rows, self.tokens)
         microbatches = tuple(
             step_inputs(mb, self.family, packing.label_tokens) for mb in packing.microbatches
         )
-        return PackedBatch(microbatches, len(todo) - len(deferred), tuple(deferred))
+        schedule = None
+        if self.schedule is not None and _plans_here():
+            schedule = ahead.result() if ahead is not None else self.schedule(self._image_rows(step))
+            if self._solver is None:
+                self._solver = ThreadPoolExecutor(1, thread_name_prefix="batch-schedule")
+            self._ahead = {step + 1: self._solver.submit(self._solve_ahead, step + 1)}
+        return PackedBatch(microbatches, len(todo) - len(deferred), tuple(deferred), schedule)
+
+    def _image_rows(self, step: int) -> list[int]:
+        """Image rows each of step ``step``'s microbatches carries, as its inputs count them
+        (a microbatch without images runs the encoder on the family's smallest)."""
+        todo, rows, _ = self._plan(step)
+        return [max(1, sum(self.family.vision_rows(todo[i]) for i in row)) for row in rows]
+
+    def _solve_ahead(self, step: int) -> BatchPlan:
+        return self.schedule(self._image_rows(step))
 
 
 @dataclass(frozen=True)
@@ -91,3 +121,8 @@ class PaddedSteps:
 
     def __call__(self, step: int) -> dict[str, torch.Tensor]:
         return padded_batch(self.packed.trained(step), self.packed.family)
+
+
+def _plans_here() -> bool:
+    """Whether this process makes the steps' schedules: global rank 0, or no ranks at all."""
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -97,6 +97,10 @@ class BubbleProblem:
     empty: no DP collectives."""
     local_ranks: bool = False
     """The ranks run on this machine: gradients are reduced after each rank's last action."""
+    work: tuple[tuple[float, float], ...] = ()
+    """Per microbatch, its (encoder, LLM) work over the stages' figures (variable data: a
+    microbatch of half the image rows the stages were costed at is 0.5 on the encoder); empty:
+    every microbatch as costed. Memory stays at the figures (the plan's bound)."""
 
     def __post_init__(self):
         if not 0 < self.encoder_stages < len(self.stages):
@@ -107,6 +111,23 @@ class BubbleProblem:
         counts = {len(self.stages[s].ranks) for s in range(self.encoder_stages)}
         if len(counts) != 1:
             raise PlanError(f"encoder stages held by different numbers of ranks {sorted(counts)}")
+        if self.work and len(self.work) != self.num_microbatches:
+            raise PlanError(
+                f"work is given for {len(self.work)} microbatches; the schedule has {self.num_microbatches}"
+            )
+        if any(not (math.isfinite(f) and f >= 0) for pair in self.work for f in pair):
+            raise PlanError(f"work factors must be finite and at least 0; got {self.work}")
+
+    def with_work(self, work: Sequence[tuple[float, float]]) -> BubbleProblem:
+        """The same schedule problem for microbatches of ``work`` (see :attr:`work`)."""
+        return dataclasses.replace(self, work=tuple((float(e), float(m)) for e, m in work))
+
+    def factor(self, a: Action) -> float:
+        """Action ``a``'s work over its stage's figures."""
+        if not self.work:
+            return 1.0
+        encoder, llm = self.work[a.microbatch]
+        return encoder if a.stage < self.encoder_stages else llm
 
     @property
     def num_ranks(self) -> int:
@@ -126,7 +147,8 @@ class BubbleProblem:
 
     def duration(self, a: Action) -> int:
         s = self.stages[a.stage]
-        return s.fwd if a.kind is F else s.bwd
+        units = s.fwd if a.kind is F else s.bwd
+        return units if not self.work else max(1, round(units * self.factor(a)))
 
     def transfer(self, dep: Action, action: Action) -> int:
         """Units from ``dep``'s end until ``action`` may start, when they run on different ranks."""
@@ -146,7 +168,7 @@ class BubbleProblem:
 
     def work_per_rank(self) -> list[int]:
         """Each rank's LLM work plus an even share of the encoder's (a lower bound's ingredients)."""
-        enc = sum(s.fwd + s.bwd for s in self.stages[: self.encoder_stages]) * self.num_microbatches
+        enc = sum(self.duration(a) for j in range(self.num_microbatches) for a in self.encoder_actions(j))
         llm = [sum(self.duration(a) for a in acts) for acts in self.llm_actions]
         return [w + enc // self.num_ranks for w in llm]
 
@@ -522,8 +544,9 @@ def _forward_needs(problem: BubbleProblem) -> dict[Action, int]:
 def _split(problem: BubbleProblem, a: Action) -> tuple[int, int]:
     """(TP collectives, compute) of an action, in units."""
     fig = problem.stages[a.stage]
-    total, tp = (fig.fwd, fig.fwd_tp) if a.kind is F else (fig.bwd, fig.bwd_tp)
-    return tp, total - tp
+    tp = round((fig.fwd_tp if a.kind is F else fig.bwd_tp) * problem.factor(a))
+    total = problem.duration(a)
+    return min(tp, total), total - min(tp, total)
 
 
 def _encoder_candidates(
@@ -633,8 +656,11 @@ class _ScheduleModel:
     def __init__(self, problem: BubbleProblem, *, memory: bool):
         self.p = problem
         cp = self.cp = cp_model.CpModel()
-        horizon = (
-            sum(s.fwd + s.bwd + s.send_fwd + s.send_bwd for s in problem.stages) * problem.num_microbatches
+        heaviest = max((f for pair in problem.work for f in pair), default=1.0)
+        horizon = math.ceil(
+            sum(s.fwd + s.bwd + s.send_fwd + s.send_bwd for s in problem.stages)
+            * problem.num_microbatches
+            * max(1.0, heaviest)
         )
         self.horizon = horizon
         m, pipes = problem.num_microbatches, problem.pipelines

@@ -25,6 +25,7 @@ model's loss is a mean over label tokens. Gradients accumulate into ``.grad`` as
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import functools
 import time
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError, VlmCompileError
 from vlmcompile.ir.microbatch import label_weights, take
-from vlmcompile.ir.packed import PackedBatch, PackedLayout
+from vlmcompile.ir.packed import BatchPlan, PackedBatch, PackedLayout
 from vlmcompile.ir.plan import Parallel, Plan
 from vlmcompile.runtime.stage import StageModule, move_stage
 from vlmcompile.runtime.transfers import Transfer, transfer_order
@@ -218,6 +219,9 @@ class PipelineRunner:
         self.packed = packed
         """The layout of a pipeline captured once for packed microbatches; its steps take a
         :class:`PackedBatch`."""
+        self.per_batch_schedules = False
+        """Each step runs the schedule of the batch global rank 0 holds (``PackedBatch.schedule``,
+        broadcast by rank 0 at the step's start; none: the plan's actions). Every rank must agree."""
         self.state_names = dict(state_names) if state_names is not None else None
         """Original name -> every name the original model's ``state_dict`` gives that tensor (tied
         parameters have several; non-persistent buffers none); None: parameters under their
@@ -270,6 +274,8 @@ class PipelineRunner:
             for stage in self.stages.values():
                 move_stage(stage, self.device)
         self.actions = self.plan.actions[self.pp_rank]
+        self._step_plan = self.plan
+        """The plan whose actions the steps run now (:meth:`use_schedule`)."""
         self._channels = transfer_order(self.plan).get(self.pp_rank, {}) if self.ordered else {}
         """Peer pipeline rank -> the transfers between us in the order both issue them (ordered)."""
         t = self.parallel
@@ -453,6 +459,8 @@ class PipelineRunner:
                 weights=weights[self.dp_rank * m : (self.dp_rank + 1) * m],
                 loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
             )
+        if self.per_batch_schedules:
+            self.use_schedule(self._agreed_schedule(batch))
         if self.device.type != "cpu":
             state.microbatches = [_to_device(mb, self.device) for mb in state.microbatches]
         self._state = state  # what the on_action hook may look at (tests: the receives posted ahead)
@@ -479,6 +487,42 @@ class PipelineRunner:
         loss = state.loss_sum.clone()
         self._wait(dist.all_reduce(loss, async_op=True), "the loss all-reduce")
         return loss.float()
+
+    def _agreed_schedule(self, batch: Any) -> BatchPlan | None:
+        """Global rank 0's schedule for this step, on every rank."""
+        sent = [getattr(batch, "schedule", None) if self.rank == 0 else None]
+        try:
+            dist.broadcast_object_list(sent, src=0)
+        except RuntimeError as err:
+            raise self._lost("the step's schedule from rank 0", err, 0) from err
+        return sent[0]
+
+    def use_schedule(self, schedule: BatchPlan | None) -> None:
+        """Run ``schedule``'s actions from the next step on (None: the plan's). They are checked
+        as a plan's are (every action once, no deadlock) before any runs."""
+        self.setup()
+        if schedule is None:
+            actions = self.plan.actions
+        elif len(schedule.actions) != self.parallel.dp:
+            raise PlanError(
+                f"the batch's schedule is for {len(schedule.actions)} data-parallel replicas; the plan has "
+                f"{self.parallel.dp}"
+            )
+        else:
+            actions = schedule.actions[self.dp_rank]
+        if tuple(actions[self.pp_rank]) == tuple(self.actions) and actions == self._step_plan.actions:
+            return
+        plan = dataclasses.replace(self.plan, actions=tuple(tuple(a) for a in actions), kernel_level={})
+        plan.validate()
+        channels = transfer_order(plan).get(self.pp_rank, {}) if self.ordered else {}
+        if set(channels) - set(self._pair_groups):
+            raise PlanError(
+                f"the batch's schedule has pipeline rank {self.pp_rank} exchange values with pipeline ranks "
+                f"{sorted(set(channels) - set(self._pair_groups))}, which the plan's never do (ordered "
+                "transfers open a communicator per pair at set-up); re-plan within the plan's pairs"
+            )
+        self._step_plan, self.actions, self._channels = plan, plan.actions[self.pp_rank], channels
+        self.rank_of_action = plan.rank_of_action()
 
     def _packed_sizes(self, batch: Any, indices: Sequence[int]) -> list[dict[str, int]]:
         """The size symbols of the packed microbatches ``indices`` of ``batch``, after checking

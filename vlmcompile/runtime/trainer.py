@@ -174,6 +174,13 @@ class StepMetrics:
     deferred_samples: int = 0
     """Packed data: samples of this step's global batch that fit in none of its microbatches,
     moved to the next step."""
+    schedule: str | None = None
+    """Where the step's schedule came from (``re-planned``, ``static``, ``last good``: see
+    :class:`~vlmcompile.ir.packed.BatchPlan`); None: the plan's, not re-planned."""
+    planned_step_s: float | None = None
+    """The cost model's step for this batch under its schedule (a prediction)."""
+    solve_s: float | None = None
+    """Host seconds its schedule took to make (one step ahead, beside the step before)."""
 
     def __str__(self) -> str:
         if self.skipped:
@@ -188,6 +195,12 @@ class StepMetrics:
             + (
                 f", {self.deferred_samples} samples deferred to the next step"
                 if self.deferred_samples
+                else ""
+            )
+            + (
+                f", schedule {self.schedule} (predicted {self.planned_step_s:.3f} s, made in "
+                f"{1e3 * self.solve_s:.0f} ms)"
+                if self.schedule is not None
                 else ""
             )
         )
@@ -289,6 +302,13 @@ def train_on_rank(
         return _train(runner, data, config, throughput, optimizer, scheduler, start)
 
 
+def _schedule_metrics(batch: Any) -> dict[str, Any]:
+    planned = getattr(batch, "schedule", None)
+    if planned is None:
+        return {}
+    return {"schedule": planned.source, "planned_step_s": planned.step_s, "solve_s": planned.solve_s}
+
+
 def claim_for(config: TrainConfig, checkpoint_bytes: int | None):
     """:func:`~vlmcompile.runtime.checkpoint_dir.claim` of ``config``'s paths, with the number of
     checkpoints the run keeps at most."""
@@ -354,6 +374,7 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
             skipped_steps=skipped,
             skipped=not finite,
             deferred_samples=len(batch.deferred) if isinstance(batch, PackedBatch) else 0,
+            **_schedule_metrics(batch),
         )
         out.append(metrics)
         log.write(metrics)

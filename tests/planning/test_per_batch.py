@@ -1,0 +1,106 @@
+"""Per-batch schedules: re-planned for a batch's own microbatch costs, never slower than the
+plan's actions on the same batch, numbered by packed microbatch, and the last good schedule
+used (and counted) when re-planning overruns its limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.planning.test_bubble_schedule import make_problem
+from vlmcompile.ir.errors import PlanError
+from vlmcompile.planning import bubble_schedule as bs
+from vlmcompile.planning.per_batch import PerBatchScheduler, ordered, packed_work, relabel
+
+
+def _problem(microbatches=6):
+    return make_problem(
+        ranks=2,
+        microbatches=microbatches,
+        encoder_pp=1,
+        enc_times=[(3, 6)],
+        llm_times=[(4, 8), (4, 8)],
+        send=1,
+    )
+
+
+def _static(problem):
+    return bs.greedy(problem, lookahead=8)
+
+
+def _same_actions(a: bs.RankActions, b: bs.RankActions) -> bool:
+    return sorted(x for acts in a for x in acts) == sorted(x for acts in b for x in acts)
+
+
+def test_work_factors_scale_each_microbatch_on_its_own_side():
+    problem = _problem().with_work([(0.0, 1.0), (2.0, 1.0), (1.0, 0.5), (1, 1), (1, 1), (1, 1)])
+    enc, llm = problem.stages[0], problem.stages[1]
+    durations = {a: problem.duration(a) for j in range(3) for a in problem.encoder_actions(j)}
+    assert [durations[a] for a in problem.encoder_actions(1)] == [2 * enc.fwd, 2 * enc.bwd]
+    assert [durations[a] for a in problem.encoder_actions(0)] == [1, 1]  # never below one unit
+    half = bs.Action(1, bs.B, 2)
+    assert problem.duration(half) == round(0.5 * llm.bwd)
+    with pytest.raises(PlanError, match="work is given for 2 microbatches"):
+        _problem().with_work([(1, 1), (1, 1)])
+    with pytest.raises(PlanError, match="finite and at least 0"):
+        _problem(2).with_work([(1, 1), (-1, 1)])
+
+
+def test_a_batch_of_uneven_encoder_work_is_re_planned_faster_than_the_static_schedule():
+    problem = _problem()
+    static = _static(problem)
+    scheduler = PerBatchScheduler(problem, static, time_limit_s=60)
+    heavy_first = [(4.0, 1.0), (3.0, 1.0), (0.2, 1.0), (0.2, 1.0), (0.2, 1.0), (0.2, 1.0)]
+    batch = scheduler.schedule([heavy_first])
+    assert batch.source == "re-planned" and batch.step_s < batch.static_step_s
+    (actions,) = batch.actions
+    assert _same_actions(actions, static)  # the same actions, numbered by packed microbatch
+    timed = bs.evaluate_schedule(problem.with_work(heavy_first), actions)
+    assert timed.step_s(problem) == pytest.approx(batch.step_s) and timed.fits
+    # The heavy microbatches no longer open the pipeline: its LLM starts on a light one.
+    assert batch.order[0][0] not in (0, 1)
+
+
+def test_the_static_schedule_is_kept_where_nothing_times_better():
+    problem = _problem()
+    static = _static(problem)
+    batch = PerBatchScheduler(problem, static, time_limit_s=60).schedule([[(1.0, 1.0)] * 6])
+    assert batch.step_s <= batch.static_step_s
+    if batch.source == "static":
+        assert batch.actions == (static,)
+
+
+def test_a_re_planning_over_its_time_limit_runs_the_last_good_schedule_and_is_counted():
+    problem = _problem()
+    scheduler = PerBatchScheduler(problem, _static(problem), time_limit_s=0.0)
+    first = scheduler.schedule([[(2.0, 1.0)] + [(0.5, 1.0)] * 5])
+    assert first.source != "last good"  # nothing good yet: its own schedule, late
+    second = scheduler.schedule([[(0.5, 1.0)] * 5 + [(2.0, 1.0)]])
+    assert second.source == "last good" and second.actions == first.actions
+    assert (scheduler.timed_out, scheduler.planned) == (1, 2)
+    expected = bs.evaluate_schedule(problem.with_work([(0.5, 1.0)] * 5 + [(2.0, 1.0)]), first.actions[0])
+    assert second.step_s == pytest.approx(expected.step_s(problem))
+
+
+def test_replicas_get_schedules_of_their_own():
+    problem = _problem()
+    scheduler = PerBatchScheduler(problem, _static(problem), time_limit_s=60)
+    even, skewed = [(1.0, 1.0)] * 6, [(3.0, 1.0), (0.1, 1.0)] * 3
+    batch = scheduler.schedule([even, skewed])
+    assert len(batch.actions) == 2 and len(batch.order) == 2
+    with pytest.raises(PlanError, match="each replica runs 6 microbatches"):
+        scheduler.schedule([even[:5]])
+
+
+def test_orders_and_relabelling_are_permutations():
+    work = [(w, 1.0) for w in (5, 1, 4, 2, 3, 0)]
+    assert ordered(work, "ascending") == (5, 1, 3, 4, 2, 0)
+    ends = ordered(work, "light ends")
+    assert sorted(ends) == list(range(6)) and work[ends[0]][0] == 0 and work[ends[-1]][0] == 1
+    assert max(range(6), key=lambda k: work[ends[k]][0]) in (2, 3)  # the heaviest in the middle
+    with pytest.raises(PlanError, match="unknown microbatch order"):
+        ordered(work, "random")
+    actions = ((bs.Action(0, bs.F, 0), bs.Action(0, bs.F, 1)),)
+    assert relabel(actions, (1, 0)) == ((bs.Action(0, bs.F, 1), bs.Action(0, bs.F, 0)),)
+    assert packed_work([4, 0, 8], 8) == [(0.5, 1.0), (0.0, 1.0), (1.0, 1.0)]
+    with pytest.raises(PlanError, match="reference_rows=0"):
+        packed_work([1], 0)
