@@ -599,6 +599,39 @@ CASES = {
 }
 
 ELSEWHERE = {
+    "isf-dataset-too-small": (
+        "data",
+        "ISF on a dataset holding less than one balanced mini-batch",
+        "tests/data/test_balance.py::test_a_dataset_too_small_for_one_balanced_batch_is_said_and_trains_unbalanced",
+        "(IsfWarning) the dataset holds 450 LLM tokens and 3 vision rows in all, less than one balanced mini-batch "
+        "needs (...): every epoch is the sampling stage alone, unbalanced",
+    ),
+    "isf-targets-unmet": (
+        "data",
+        "ISF targets no group can meet, or samples over them",
+        "tests/data/test_balance.py::test_targets_no_group_can_meet_are_refused_or_said",
+        "ISF targets: text_floor=5000 must lie in 0..text=4096; (IsfWarning) 20 of 60 samples alone exceed the "
+        "targets (...): each trains in a mini-batch of its own",
+    ),
+    "microbatch-assignment-unknown": (
+        "data",
+        "an unknown microbatch assignment",
+        "tests/data/test_microbatches.py::test_bad_requests_are_refused",
+        "unknown microbatch assignment 'lpt'; use one of tokens, greedy, cp-sat",
+    ),
+    "per-batch-schedule-late": (
+        "train",
+        "a batch whose re-planning overruns its time limit",
+        "tests/planning/test_per_batch.py::test_a_re_planning_over_its_time_limit_runs_the_last_good_schedule_and_is_counted",
+        "(no error) the last good schedule runs; StepMetrics.schedule says 'last good' and the scheduler counts it",
+    ),
+    "per-batch-schedule-impossible": (
+        "train",
+        "a schedule per batch asked of a plan without an encoder plan of its own",
+        "tests/planning/test_per_batch.py::test_re_planning_a_plan_without_an_encoder_plan_of_its_own_is_refused",
+        "per_batch_schedule=True: the plan (vlmcompile) gives the encoders no plan of their own to schedule into "
+        "bubbles; train with per_batch_schedule=None or False",
+    ),
     "train-more-ranks-than-torchrun": (
         "train",
         "a plan for more ranks than torchrun started",

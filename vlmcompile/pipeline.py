@@ -144,11 +144,9 @@ class CompiledPipeline:
             )
         if plan is None or self.model is None:
             raise DataError("packing needs a plan and the model: compile with a cluster and real weights")
+        dp = runnable_degrees(plan).dp
         return PackedSteps(
-            data,
-            family_of(self.model),
-            self.packed.tokens,
-            runnable_degrees(plan).dp * plan.num_microbatches,
+            data, family_of(self.model), self.packed.tokens, dp * plan.num_microbatches, replicas=dp
         )
 
     def pack(self, samples: Sequence[Mapping[str, Any]], plan: Plan | None = None) -> PackedBatch:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from vlmcompile.data.balance import (
     IsfBatchSampler,
     IsfTargets,
+    IsfWarning,
     SampleSizes,
     isf_epoch,
     measure,
@@ -160,3 +161,26 @@ def test_the_benchmark_measures_a_manifest_as_the_issue_asks(tmp_path):
         [sys.executable, str(script), "--manifest", str(manifest)], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "--manifest needs --family" in bad.stderr
+
+
+def test_a_dataset_too_small_for_one_balanced_batch_is_said_and_trains_unbalanced():
+    sizes = SampleSizes(np.asarray([100, 200, 150]), np.asarray([1, 0, 2]))
+    targets = IsfTargets(vision=40, text=4096, vision_floor=40, text_floor=3968)
+    with pytest.warns(IsfWarning, match="less than one balanced mini-batch needs .* sampling stage alone"):
+        sampler = IsfBatchSampler(sizes, targets=targets)
+    epoch = sampler.plan(0)
+    assert epoch.balanced == 0 and sorted(i for b in epoch.batches for i in b) == [0, 1, 2]
+
+
+def test_targets_no_group_can_meet_are_refused_or_said():
+    with pytest.raises(DataError, match="text_floor=5000 must lie in 0..text=4096"):
+        IsfTargets(vision=10, text=4096, vision_floor=10, text_floor=5000)
+    with pytest.raises(ArgumentError, match="vision=0"):
+        IsfTargets(vision=0, text=4096, vision_floor=0, text_floor=10)
+    sizes = SampleSizes(np.asarray([5000, 300, 300] * 20), np.asarray([1, 2, 3] * 20))
+    targets = IsfTargets(vision=8, text=4096, vision_floor=4, text_floor=3968)
+    with pytest.warns(
+        IsfWarning, match="20 of 60 samples alone exceed the targets .* a mini-batch of its own"
+    ):
+        sampler = IsfBatchSampler(sizes, targets=targets)
+    assert sorted(i for b in sampler.plan(0).batches for i in b) == list(range(60))

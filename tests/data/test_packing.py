@@ -135,11 +135,23 @@ def test_bad_samples_are_refused_naming_them():
         sample_length(_sample(10, 0) | {"pixel_values": torch.zeros(1, 3, 14, 14)}, TINY, 0)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-two-encoder", "tiny-tied"])
-def test_the_zoos_vlms_pack_like_their_padded_batch(name):
-    """The zoo's own VLMs (one or two encoders, a tied head) take packed microbatches too."""
+@pytest.mark.parametrize(
+    "name, assignment",
+    [
+        ("tiny", "tokens"),
+        ("tiny-two-encoder", "tokens"),
+        ("tiny-tied", "tokens"),
+        ("tiny", "greedy"),
+        ("tiny", "cp-sat"),
+    ],
+)
+def test_the_zoos_vlms_pack_like_their_padded_batch(name, assignment):
+    """The zoo's own VLMs (one or two encoders, a tied head) take packed microbatches too, the
+    samples assigned to microbatches by tokens or by image rows and tokens (no numerics change)."""
     from vlmcompile import models
+    from vlmcompile.data.microbatches import assign
     from vlmcompile.data.packed_step import PackedStep, step_inputs
+    from vlmcompile.data.packing import pack_assigned
 
     model = models.build(name)
     family = family_of(model)
@@ -152,7 +164,11 @@ def test_the_zoos_vlms_pack_like_their_padded_batch(name):
     expected.backward()
     expected_grads = _gradients(model)
     lengths = [s["input_ids"].numel() for s in samples]
-    packing = pack(samples, family, tokens=max(max(lengths), sum(lengths) // 3), num_microbatches=4)
+    budget = max(max(lengths), sum(lengths) // 3)
+    vision = [family.vision_rows(s) for s in samples]
+    made = assign(lengths, vision, 4, budget, replicas=2, method=assignment)
+    assert made.method.startswith(assignment) and not made.deferred
+    packing = pack_assigned(samples, family, made.rows, budget)
     step = PackedStep(model, family)
     total = 0
     for mb in packing.microbatches:

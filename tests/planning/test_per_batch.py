@@ -48,7 +48,7 @@ def test_work_factors_scale_each_microbatch_on_its_own_side():
 def test_a_batch_of_uneven_encoder_work_is_re_planned_faster_than_the_static_schedule():
     problem = _problem()
     static = _static(problem)
-    scheduler = PerBatchScheduler(problem, static, time_limit_s=60)
+    scheduler = PerBatchScheduler(problem, (static, {}), time_limit_s=60)
     heavy_first = [(4.0, 1.0), (3.0, 1.0), (0.2, 1.0), (0.2, 1.0), (0.2, 1.0), (0.2, 1.0)]
     batch = scheduler.schedule([heavy_first])
     assert batch.source == "re-planned" and batch.step_s < batch.static_step_s
@@ -63,7 +63,7 @@ def test_a_batch_of_uneven_encoder_work_is_re_planned_faster_than_the_static_sch
 def test_the_static_schedule_is_kept_where_nothing_times_better():
     problem = _problem()
     static = _static(problem)
-    batch = PerBatchScheduler(problem, static, time_limit_s=60).schedule([[(1.0, 1.0)] * 6])
+    batch = PerBatchScheduler(problem, (static, {}), time_limit_s=60).schedule([[(1.0, 1.0)] * 6])
     assert batch.step_s <= batch.static_step_s
     if batch.source == "static":
         assert batch.actions == (static,)
@@ -71,7 +71,7 @@ def test_the_static_schedule_is_kept_where_nothing_times_better():
 
 def test_a_re_planning_over_its_time_limit_runs_the_last_good_schedule_and_is_counted():
     problem = _problem()
-    scheduler = PerBatchScheduler(problem, _static(problem), time_limit_s=0.0)
+    scheduler = PerBatchScheduler(problem, (_static(problem), {}), time_limit_s=0.0)
     first = scheduler.schedule([[(2.0, 1.0)] + [(0.5, 1.0)] * 5])
     assert first.source != "last good"  # nothing good yet: its own schedule, late
     second = scheduler.schedule([[(0.5, 1.0)] * 5 + [(2.0, 1.0)]])
@@ -83,7 +83,7 @@ def test_a_re_planning_over_its_time_limit_runs_the_last_good_schedule_and_is_co
 
 def test_replicas_get_schedules_of_their_own():
     problem = _problem()
-    scheduler = PerBatchScheduler(problem, _static(problem), time_limit_s=60)
+    scheduler = PerBatchScheduler(problem, (_static(problem), {}), time_limit_s=60)
     even, skewed = [(1.0, 1.0)] * 6, [(3.0, 1.0), (0.1, 1.0)] * 3
     batch = scheduler.schedule([even, skewed])
     assert len(batch.actions) == 2 and len(batch.order) == 2
@@ -104,3 +104,32 @@ def test_orders_and_relabelling_are_permutations():
     assert packed_work([4, 0, 8], 8) == [(0.5, 1.0), (0.0, 1.0), (1.0, 1.0)]
     with pytest.raises(PlanError, match="reference_rows=0"):
         packed_work([1], 0)
+
+
+def test_re_planning_a_plan_without_an_encoder_plan_of_its_own_is_refused():
+    from vlmcompile import compile, models
+    from vlmcompile.data.families import family_of
+    from vlmcompile.data.synthetic import SyntheticDataset
+    from vlmcompile.ir.errors import ArgumentError
+    from vlmcompile.planning.request import SearchSpace
+
+    model = models.build("tiny")
+    data = SyntheticDataset(
+        "interleaved", family_of(model), 8, seed=1, text_scale=1 / 30, pixel_scale=16 / 640
+    )
+    samples = [data[i] for i in range(8)]
+    tokens = max(s["input_ids"].numel() for s in samples) * 3
+    pipe = compile(
+        model,
+        samples,
+        "cpu:2",
+        search_space=SearchSpace(pp_choices=(2,)),
+        tokens_per_microbatch=tokens,
+        log=None,
+    )
+    assert len({s.group for s in pipe.plan.stages}) == 1
+    with pytest.raises(
+        ArgumentError, match="gives the encoders no plan of their own to schedule into bubbles"
+    ):
+        pipe.rows_scheduler()
+    assert pipe._re_plans(pipe.plan, None) is False  # not asked: trains on the plan's schedule

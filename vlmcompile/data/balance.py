@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -102,6 +103,17 @@ class IsfTargets:
         text = int(sizes.llm_tokens.max())
         vision = max(1, round(text * int(sizes.vision_rows.sum()) / max(1, int(sizes.llm_tokens.sum()))))
         return IsfTargets(vision, text, vision, text - math.ceil(text * TEXT_SLACK))
+
+    def __post_init__(self):
+        for name in ("vision", "text"):
+            positive_int(name, getattr(self, name), f"the {name} target of an ISF mini-batch")
+        for floor, target in (("vision_floor", "vision"), ("text_floor", "text")):
+            low, high = getattr(self, floor), getattr(self, target)
+            if not 0 <= low <= high:
+                raise DataError(
+                    f"ISF targets: {floor}={low} must lie in 0..{target}={high} (a group is kept once it "
+                    f"reaches its floor, and never holds more than its target)"
+                )
 
     def __str__(self) -> str:
         return (
@@ -182,6 +194,30 @@ def isf_epoch(
     return BalancedEpoch(batches, len(kept), done)
 
 
+class IsfWarning(UserWarning):
+    """ISF cannot balance this dataset as asked; the message names the rule it falls back on."""
+
+
+def _unmet(sizes: SampleSizes, targets: IsfTargets) -> list[str]:
+    """Why no or not every group can meet ``targets`` on ``sizes``, each with the fallback."""
+    notes = []
+    over = int(((sizes.llm_tokens > targets.text) | (sizes.vision_rows > targets.vision)).sum())
+    if over:
+        notes.append(
+            f"{over} of {len(sizes)} samples alone exceed the targets ({targets}): each trains in a "
+            "mini-batch of its own, over the targets; raise the targets to the largest sample's sizes "
+            "(IsfTargets.from_statistics does) to balance them too"
+        )
+    tokens, rows = int(sizes.llm_tokens.sum()), int(sizes.vision_rows.sum())
+    if tokens < targets.text_floor and rows < targets.vision_floor:
+        notes.append(
+            f"the dataset holds {tokens} LLM tokens and {rows} vision rows in all, less than one balanced "
+            f"mini-batch needs ({targets}): every epoch is the sampling stage alone, unbalanced; give "
+            "more samples or lower targets"
+        )
+    return notes
+
+
 class IsfBatchSampler(torch.utils.data.Sampler[list[int]]):
     """OmniBal's ISF as a batch sampler: each mini-batch a group of samples whose vision rows and
     LLM tokens are near the targets (see the module docstring). ``set_epoch(e)`` picks the epoch;
@@ -198,6 +234,10 @@ class IsfBatchSampler(torch.utils.data.Sampler[list[int]]):
     ):
         self.sizes = sizes
         self.targets = targets or IsfTargets.from_statistics(sizes)
+        self.notes = _unmet(sizes, self.targets)
+        """What the targets cannot do with this dataset, and the rule ISF falls back on (also warned)."""
+        for note in self.notes:
+            warnings.warn(note, IsfWarning, stacklevel=2)
         self.seed = seed
         self.rounds = rounds
         self.epoch = 0

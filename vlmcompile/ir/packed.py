@@ -74,6 +74,9 @@ class BatchPlan:
     source: str
     """``re-planned``, ``static`` (the plan's own actions timed best) or ``last good`` (the
     re-planning overran its time limit)."""
+    kernel_level: tuple[Mapping[Action, int], ...] = ()
+    """Per replica, its encoder actions run inside LLM actions' TP gaps (see
+    ``Plan.kernel_level``); empty: none."""
 
     @property
     def gain(self) -> float:

@@ -20,8 +20,9 @@ counted. The solve runs on the host, one batch ahead of the step that runs it
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vlmcompile.cost_models.cluster import Cluster
@@ -33,6 +34,7 @@ from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.packed import BatchPlan
 from vlmcompile.ir.plan import Plan
 from vlmcompile.planning import bubble_schedule as bs
+from vlmcompile.sim.simulator import simulate
 
 SETTINGS = ((8, False), (1, False), (2, True), (16, False))
 """(lookahead, fill_only) of the list scheduler, tried in turn while time is left: the setting
@@ -45,32 +47,46 @@ SOLVE_SHARE = 0.05
 """The default time limit of one batch's re-planning: this share of the planned step."""
 
 
+Schedule = tuple[bs.RankActions, Mapping[Action, int]]
+"""Per pipeline rank its actions, and the encoder actions run at kernel level (-> LLM actions spanned)."""
+Evaluate = Callable[[Schedule, Sequence[tuple[float, float]]], tuple[float, bool]]
+"""(schedule, per-microbatch work) -> (predicted step s, fits in memory)."""
+
+
 @dataclass
 class PerBatchScheduler:
     """Re-plans a plan's encoder-in-bubbles schedule per batch. ``problem``: the plan's
     (:func:`~vlmcompile.planning.bubble_schedule.problem_from`), its stages costed at the
-    microbatch the work factors are relative to; ``static``: the plan's actions per rank."""
+    microbatch the work factors are relative to; ``static``: the plan's schedule; ``evaluate``:
+    how a schedule is timed on a batch (None: the problem's own timeline, layer level only;
+    :func:`per_batch_scheduler` gives the simulator's)."""
 
     problem: bs.BubbleProblem
-    static: bs.RankActions
+    static: Schedule
+    evaluate: Evaluate | None = None
     time_limit_s: float | None = None
-    """None: :data:`SOLVE_SHARE` of the static schedule's step as costed."""
+    """Per replica (on a cluster each replica's host solves its own); None: :data:`SOLVE_SHARE`
+    of the static schedule's step as costed."""
     settings: tuple[tuple[int, bool], ...] = SETTINGS
     orders: tuple[str, ...] = ORDERS
-    last_good: tuple[bs.RankActions, ...] | None = field(default=None, repr=False)
+    kernel_level: bool = False
+    """Place encoder work inside the LLM's TP gaps too (where the LLM has TP collectives)."""
+    last_good: tuple[Schedule, ...] | None = field(default=None, repr=False)
     timed_out: int = 0
-    """Batches whose re-planning overran the limit (each ran the last good schedule)."""
+    """Replica schedules whose re-planning overran the limit (each ran its last good one)."""
     planned: int = 0
+    _took: dict = field(default_factory=lambda: {"evaluate": 0.0, "greedy": 0.0}, repr=False)
+    """Seconds the last timing and the last list scheduler's run took (what a try will take)."""
 
     def __post_init__(self):
-        if len(self.static) != self.problem.num_ranks:
+        if len(self.static[0]) != self.problem.num_ranks:
             raise PlanError(
-                f"{len(self.static)} ranks' actions for a problem of {self.problem.num_ranks} ranks"
+                f"{len(self.static[0])} ranks' actions for a problem of {self.problem.num_ranks} ranks"
             )
+        if self.evaluate is None:
+            self.evaluate = self._timeline
         if self.time_limit_s is None:
-            self.time_limit_s = SOLVE_SHARE * bs.evaluate_schedule(self.problem, self.static).step_s(
-                self.problem
-            )
+            self.time_limit_s = SOLVE_SHARE * self.evaluate(self.static, ())[0]
 
     def schedule(self, work: Sequence[Sequence[tuple[float, float]]]) -> BatchPlan:
         """The schedule of one batch: ``work[d][j]`` is replica ``d``'s microbatch ``j``'s
@@ -81,47 +97,83 @@ class PerBatchScheduler:
             raise PlanError(
                 f"each replica runs {m} microbatches; work was given for {[len(w) for w in work]}"
             )
-        static = max(self._timed(self.static, w) for w in work)
-        chosen: list[tuple[bs.RankActions, tuple[int, ...], float]] = []
-        for w in work:
-            chosen.append(self._replica(w, began))
-        solve_s = time.perf_counter() - began
+        chosen, fell_back, static = [], 0, 0.0
+        for d, w in enumerate(work):
+            start = time.perf_counter()
+            own = self._timed(self.static, w)[0]
+            static = max(static, own)
+            best = self._replica(w, own, start)
+            if time.perf_counter() - start > self.time_limit_s and self.last_good is not None:
+                fell_back += 1  # too late for its step: the last good one, timed on this batch
+                last = self.last_good[d]
+                best = (last, tuple(range(m)), self.evaluate(last, w)[0])
+            chosen.append(best)
         self.planned += 1
-        if solve_s > self.time_limit_s and self.last_good is not None:
-            self.timed_out += 1
-            step = max(self._timed(acts, w) for acts, w in zip(self.last_good, work))
-            identity = (tuple(range(m)),) * len(work)
-            return BatchPlan(self.last_good, identity, step, static, solve_s, "last good")
-        actions = tuple(c[0] for c in chosen)
-        self.last_good = actions
-        source = "static" if all(c[0] is self.static for c in chosen) else "re-planned"
+        self.timed_out += fell_back
+        schedules = tuple(c[0] for c in chosen)
+        self.last_good = schedules
+        if fell_back:
+            source = (
+                "last good"
+                if fell_back == len(work)
+                else f"re-planned ({fell_back} replicas on the last good)"
+            )
+        else:
+            source = "static" if all(c[0] is self.static for c in chosen) else "re-planned"
         return BatchPlan(
-            actions, tuple(c[1] for c in chosen), max(c[2] for c in chosen), static, solve_s, source
+            tuple(c[0][0] for c in chosen),
+            tuple(c[1] for c in chosen),
+            max(c[2] for c in chosen),
+            static,
+            time.perf_counter() - began,
+            source,
+            tuple(dict(c[0][1]) for c in chosen),
         )
 
-    def _replica(self, work: Sequence[tuple[float, float]], began: float):
-        """(actions numbered by packed microbatch, the order they run the LLM in, predicted step)
-        of one replica: the best the settings and orders give before the time limit, or the
-        plan's own actions where nothing times better."""
+    def _replica(self, work: Sequence[tuple[float, float]], static_step: float, began: float):
+        """(schedule numbered by packed microbatch, the order its LLM runs them in, predicted step)
+        of one replica: the best the orders and settings give by the time limit (a try that would
+        end past it is not started, judged by what the last such try took), or the plan's own
+        where nothing times better."""
         m = self.problem.num_microbatches
-        best = (self.static, tuple(range(m)), self._timed(self.static, work))
-        tried = 0
-        for order in self.orders:
+        deadline = began + self.time_limit_s
+        best = (self.static, tuple(range(m)), static_step)
+        # The plan's own schedule with the microbatches in another order first (one timing each),
+        # then new schedules (a list scheduler's run as well).
+        tries = [(order, None) for order in self.orders[1:]]
+        tries += [(order, setting) for order in self.orders for setting in self.settings]
+        for order, setting in tries:
+            need = self._took["evaluate"] + (self._took["greedy"] if setting else 0.0)
+            if time.perf_counter() + need > deadline:
+                break
             perm = ordered(work, order)
-            problem = self.problem.with_work([work[k] for k in perm])
-            for lookahead, fill_only in self.settings:
-                if tried and time.perf_counter() - began > self.time_limit_s:
-                    return best
-                actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
-                tried += 1
-                evaluation = bs.evaluate_schedule(problem, actions)
-                if evaluation.fits and evaluation.step_s(problem) < best[2]:
-                    best = (relabel(actions, perm), perm, evaluation.step_s(problem))
+            if setting is None:
+                actions, kernel_level = self.static
+            else:
+                started = time.perf_counter()
+                kernel_level = {} if self.kernel_level else None
+                problem = self.problem.with_work([work[k] for k in perm])
+                actions = bs.greedy(problem, lookahead=setting[0], fill_only=setting[1], riders=kernel_level)
+                self._took["greedy"] = time.perf_counter() - started
+            schedule = (
+                relabel(actions, perm),
+                {_renumbered(a, perm): n for a, n in (kernel_level or {}).items()},
+            )
+            step, fits = self._timed(schedule, work)
+            if fits and step < best[2]:
+                best = (schedule, perm, step)
         return best
 
-    def _timed(self, actions: bs.RankActions, work: Sequence[tuple[float, float]]) -> float:
-        problem = self.problem.with_work(work)
-        return bs.evaluate_schedule(problem, actions).step_s(problem)
+    def _timed(self, schedule: Schedule, work: Sequence[tuple[float, float]]) -> tuple[float, bool]:
+        started = time.perf_counter()
+        out = self.evaluate(schedule, work)
+        self._took["evaluate"] = time.perf_counter() - started
+        return out
+
+    def _timeline(self, schedule: Schedule, work: Sequence[tuple[float, float]]) -> tuple[float, bool]:
+        problem = self.problem.with_work(work) if work else self.problem
+        evaluation = bs.evaluate_schedule(problem, schedule[0])
+        return evaluation.step_s(problem), evaluation.fits
 
 
 def ordered(work: Sequence[tuple[float, float]], order: str) -> tuple[int, ...]:
@@ -153,7 +205,11 @@ def packed_work(image_rows: Sequence[int], reference_rows: int) -> list[tuple[fl
 def relabel(actions: bs.RankActions, order: Sequence[int]) -> bs.RankActions:
     """Actions numbered in schedule order, renumbered to the packed microbatches they run
     (schedule microbatch ``j`` is packed microbatch ``order[j]``)."""
-    return tuple(tuple(Action(a.stage, a.kind, order[a.microbatch]) for a in acts) for acts in actions)
+    return tuple(tuple(_renumbered(a, order) for a in acts) for acts in actions)
+
+
+def _renumbered(a: Action, order: Sequence[int]) -> Action:
+    return Action(a.stage, a.kind, order[a.microbatch])
 
 
 @dataclass
@@ -182,10 +238,20 @@ def per_batch_scheduler(
 ) -> PerBatchScheduler:
     """The per-batch scheduler of a plan whose encoders have a plan of their own, its stages
     costed on ``layer_graph`` (annotated at the microbatch the work factors are relative to)."""
-    problem = bs.problem_from(
-        plan,
-        plan_costs(plan, layer_graph, cluster),
-        usable_memory_bytes(cluster.device.mem_bytes),
-        local_ranks=cluster.ranks_on_this_machine,
+    costs = plan_costs(plan, layer_graph, cluster)
+    cap = usable_memory_bytes(cluster.device.mem_bytes)
+    problem = bs.problem_from(plan, costs, cap, local_ranks=cluster.ranks_on_this_machine)
+
+    def evaluate(schedule: Schedule, work: Sequence[tuple[float, float]]) -> tuple[float, bool]:
+        actions, kernel_level = schedule
+        timed = dataclasses.replace(plan, actions=actions, kernel_level=kernel_level)
+        sim = simulate(timed, layer_graph, cluster, costs=costs, work=work or None)
+        return sim.step_time_s, sim.fits_within(cap)
+
+    return PerBatchScheduler(
+        problem,
+        (plan.actions, plan.kernel_level),
+        evaluate,
+        time_limit_s=time_limit_s,
+        kernel_level=any(s.fwd_tp or s.bwd_tp for s in problem.stages),
     )
-    return PerBatchScheduler(problem, plan.actions, time_limit_s=time_limit_s)

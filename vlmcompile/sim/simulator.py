@@ -31,6 +31,7 @@ Busy time plus the idle causes equals the step time on every rank (the tests che
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from tabulate import tabulate
@@ -42,6 +43,7 @@ from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Plan
+from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.sim import dp
 from vlmcompile.sim.in_flight import in_flight, pattern_bytes
 from vlmcompile.sim.kernel_stream import HostFill, host_fills
@@ -210,12 +212,40 @@ class SimResult:
         return "\n".join(lines)
 
 
+def _work_scale(stages, layer_graph: LayerGraph, work) -> Callable[[Action], float]:
+    """Action -> its duration over its stage's as costed, for microbatches of ``work``."""
+    if not work:
+        return lambda a: 1.0
+    encoder_share = {}
+    for stage in stages:
+        for kind in ActionKind:
+            total = sum(c.action_s(kind) for c in stage.layers)
+            enc = sum(c.action_s(kind) for c in stage.layers if layer_graph[c.name].region in ENCODER_SIDE)
+            encoder_share[stage.index, kind] = enc / total if total > 0 else 0.0
+
+    def scale(a: Action) -> float:
+        share = encoder_share[a.stage, a.kind]
+        encoder, llm = work[a.microbatch]
+        return share * encoder + (1 - share) * llm
+
+    return scale
+
+
 def simulate(
-    plan: Plan, layer_graph: LayerGraph, cluster: Cluster, *, costs: PlanCosts | None = None
+    plan: Plan,
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    *,
+    costs: PlanCosts | None = None,
+    work: Sequence[tuple[float, float]] | None = None,
 ) -> SimResult:
-    """Execute ``plan`` on ``cluster`` under the cost model; see the module docstring."""
+    """Execute ``plan`` on ``cluster`` under the cost model; see the module docstring.
+    ``work``: per microbatch, its (encoder, LLM) work over the microbatch the graph is annotated
+    at (variable data: each action's encoder-side and LLM-side layers scaled apart); None: every
+    microbatch as annotated."""
     costs = costs or plan_costs(plan, layer_graph, cluster)
     stages = costs.stages
+    scale = _work_scale(stages, layer_graph, work)
     num_ranks = plan.num_ranks
     stage_layers = [tuple(dp_layer(c) for c in stage.layers) for stage in stages]
     gathered, gathers = dp.gather_times(plan.actions, stage_layers)
@@ -230,14 +260,20 @@ def simulate(
         if a.kind is ActionKind.F and (rank, a.stage) not in first_fwd_done:
             first_fwd_done.add((rank, a.stage))
             waited[a] = dp.parameter_wait(stage_layers[a.stage], start, gathered[rank])
-        return stage.action_s(a.kind) + waited.get(a, 0.0)
+        return stage.action_s(a.kind) * scale(a) + waited.get(a, 0.0)
 
     hosts = plan.hosts_of()
     fills = host_fills(
         hosts,
         plan.actions,
-        work=lambda a: (stages[a.stage].compute_s(a.kind), stages[a.stage].tp_comm_s(a.kind)),
-        capacity=lambda a: (stages[a.stage].tp_comm_s(a.kind), stages[a.stage].compute_s(a.kind)),
+        work=lambda a: (
+            stages[a.stage].compute_s(a.kind) * scale(a),
+            stages[a.stage].tp_comm_s(a.kind) * scale(a),
+        ),
+        capacity=lambda a: (
+            stages[a.stage].tp_comm_s(a.kind) * scale(a),
+            stages[a.stage].compute_s(a.kind) * scale(a),
+        ),
     )
 
     def fused(host: Action, start: float) -> float:
