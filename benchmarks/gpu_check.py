@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from vlmcompile import compile, models
-from vlmcompile.cost_models.calibrate import calibrate
+from vlmcompile.cost_models.calibrate import LayerMeasurement, calibrate
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.models.data import SyntheticBatches
 from vlmcompile.passes.profile import profile
@@ -71,7 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(PAPER_WIDTHS)
         + "; none on --device cpu)",
     )
+    parser.add_argument(
+        "--refit",
+        metavar="RESULT_JSON",
+        help="fit the layer times a result file recorded again (this version's calibration), in place",
+    )
     args = parser.parse_args(argv)
+    if args.refit:
+        return refit(Path(args.refit))
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: this machine has no CUDA device; nothing measured (--device cpu for a dry run)")
         return 2
@@ -191,6 +198,36 @@ def calibrate_layers(
         ],
         "summary": str(report),
     }
+
+
+def refit(path: Path) -> int:
+    """The calibrations of a recorded result fitted again from its layer times (no GPU needed:
+    the layers are rebuilt on meta), each stored beside the one it replays as ``refit``."""
+    result = json.loads(path.read_text())
+    fits = [(result["model"], result["calibration"])]
+    fits += [(shallow(name), c) for name, c in result.get("calibration_at_paper_widths", {}).items()]
+    for model, recorded in fits:
+        meta = models.sample_batch(model, batch_size=1, dtype=torch.bfloat16, device="meta")
+        name = model if isinstance(model, str) else model.name
+        built = models.build(model, dtype=torch.bfloat16, device="meta")
+        layers = {
+            layer.name: layer for layer in compile(built, meta, model_name=name, log=None).layer_graph.layers
+        }
+        measured = [
+            LayerMeasurement(layers[t["layer"]], t["fwd_s"], t["bwd_s"]) for t in recorded["layer_times_s"]
+        ]
+        spec = Cluster.preset(f"{_cluster_family(result['device'])}x1").device
+        report = calibrate(spec, measured, host_overhead=True)
+        e = report.device.efficiency
+        recorded["refit"] = {
+            "fitted_efficiency": {"matmul": e.matmul, "attention": e.attention, "memory": e.memory},
+            "host_overhead_s_per_layer": report.overhead_s,
+            "median_abs_error_after_fit": report.median_abs_error,
+            "summary": str(report),
+        }
+        print(f"  {name}: {report}")
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
 
 
 def _plan_file(tmp: Path, cluster: str, pp: int, model: str = MODEL) -> str:

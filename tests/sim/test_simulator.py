@@ -206,3 +206,31 @@ def test_kernel_level_marks_that_cannot_run_are_refused(demo_graph):
         dataclasses.replace(fused, kernel_level={rider: 0}).validate()
     with pytest.raises(PlanError, match="kernel-level action 0F99 is in no rank's action list"):
         dataclasses.replace(fused, kernel_level={Action.from_str("0F99"): 1}).validate()
+
+
+def test_a_microbatchs_work_scales_its_encoder_and_llm_layers_apart(demo_graph):
+    """Variable data: each microbatch's encoder-side and LLM-side layers scale by its own factors;
+    factors of one change nothing."""
+    from tests.pipeline_helpers import even_plan
+    from vlmcompile.cost_models.cluster import Cluster
+    from vlmcompile.ir.regions import ENCODER_SIDE
+    from vlmcompile.sim.simulator import simulate
+
+    cluster = Cluster.preset("h100x2")
+    plan = even_plan(demo_graph, pp=2, global_batch=4)
+    base = simulate(plan, demo_graph, cluster)
+    same = simulate(plan, demo_graph, cluster, work=[(1.0, 1.0)] * 4)
+    assert same.step_time_s == base.step_time_s
+    first = plan.stages[0]
+    assert any(demo_graph[name].region in ENCODER_SIDE for name in first.layers)
+    heavy = simulate(plan, demo_graph, cluster, work=[(3.0, 1.0)] + [(1.0, 1.0)] * 3)
+    light = simulate(plan, demo_graph, cluster, work=[(0.0, 1.0)] * 4)
+    assert light.step_time_s < base.step_time_s < heavy.step_time_s
+    runs = {(r.action.stage, r.action.kind.name, r.action.microbatch): r for r in heavy.runs}
+    base_runs = {(r.action.stage, r.action.kind.name, r.action.microbatch): r for r in base.runs}
+    last = len(plan.stages) - 1  # no encoder layer there: its actions keep their time
+    assert runs[last, "F", 0].end_s - runs[last, "F", 0].start_s == pytest.approx(
+        base_runs[last, "F", 0].end_s - base_runs[last, "F", 0].start_s
+    )
+    span = runs[0, "F", 0].end_s - runs[0, "F", 0].start_s
+    assert span > base_runs[0, "F", 0].end_s - base_runs[0, "F", 0].start_s
