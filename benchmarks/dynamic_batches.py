@@ -3,7 +3,7 @@ batch, with and without balanced microbatches and ISF batches, and every baselin
 global batches of each synthetic dataset.
 
 Setups: the Optimus strong-scaling runs (ViT-22B + GPT-175B on 1536, 2048 and 3072 H100s) and
-two OmniBal runs (InternViT-6B + InternLM2-20B and + Llama3-70B), at the papers' degrees, v and
+two OmniBal runs (InternViT-6B + Llama3-8B and + InternLM2-20B), at the papers' degrees, v and
 microbatches (``vlmcompile.planning.setups``). Samples: each synthetic dataset under the
 released model it describes (``data.families.RELEASED``: LLaVA's tiles, InternVL's dynamic tiles,
 Qwen2-VL's native-resolution patches, Idefics3's split tiles), its vision rows as patches of the
@@ -83,7 +83,7 @@ DEFAULT_SETUPS = (
     "optimus-strong-2048",
     "optimus-strong-3072",
     "omnibal-InternLM2-20B",
-    "omnibal-Llama3-70B",
+    "omnibal-Llama3-8B",
 )
 METHODS = ("static", "per-batch", "per-batch + balanced", "ISF + per-batch", "megatron", "torchtitan")
 

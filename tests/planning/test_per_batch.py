@@ -4,6 +4,8 @@ used (and counted) when re-planning overruns its limit."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from tests.planning.test_bubble_schedule import make_problem
@@ -77,6 +79,8 @@ def test_a_re_planning_over_its_time_limit_runs_the_last_good_schedule_and_is_co
     second = scheduler.schedule([[(0.5, 1.0)] * 5 + [(2.0, 1.0)]])
     assert second.source == "last good" and second.actions == first.actions
     assert (scheduler.timed_out, scheduler.planned) == (1, 2)
+    # It travels to the local launcher's ranks with the data (its last good schedule too).
+    assert pickle.loads(pickle.dumps(scheduler)).last_good == scheduler.last_good
     expected = bs.evaluate_schedule(problem.with_work([(0.5, 1.0)] * 5 + [(2.0, 1.0)]), first.actions[0])
     assert second.step_s == pytest.approx(expected.step_s(problem))
 

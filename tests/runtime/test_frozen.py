@@ -65,11 +65,13 @@ def _frozen_vision(name: str):
     return model, batch, data, frozen
 
 
+# PP = 2 alone is in CI only inside its data-parallel case (pp2-dp2 runs it on each replica);
+# the plain cases are extended (CI minutes are counted).
 CASES = [
-    ("tiny", "pp2"),
+    pytest.param("tiny", "pp2", marks=pytest.mark.extended),
     ("tiny", "pp2-dp2"),
     ("tiny", "encoder-replicated"),
-    pytest.param("hf-llava", "pp2", marks=[needs_transformers, pytest.mark.hf]),
+    pytest.param("hf-llava", "pp2", marks=[needs_transformers, pytest.mark.hf, pytest.mark.extended]),
     pytest.param("hf-llava", "pp2-dp2", marks=[needs_transformers, pytest.mark.hf]),
     pytest.param("hf-llava", "bubbles", marks=[needs_transformers, pytest.mark.hf]),
 ]

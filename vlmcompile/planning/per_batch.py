@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
-from vlmcompile.cost_models.stage_costs import plan_costs
+from vlmcompile.cost_models.stage_costs import PlanCosts, plan_costs
 from vlmcompile.ir.actions import Action
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
@@ -233,6 +233,24 @@ class RowsScheduler:
         )
 
 
+@dataclass(frozen=True)
+class SimulatedStep:
+    """A schedule of ``plan`` timed by the simulator on microbatches of given work (an
+    :data:`Evaluate`; a class, so that the scheduler travels to the local launcher's ranks)."""
+
+    plan: Plan
+    layer_graph: LayerGraph
+    cluster: Cluster
+    costs: PlanCosts
+    cap: float
+
+    def __call__(self, schedule: Schedule, work: Sequence[tuple[float, float]]) -> tuple[float, bool]:
+        actions, kernel_level = schedule
+        timed = dataclasses.replace(self.plan, actions=actions, kernel_level=kernel_level)
+        sim = simulate(timed, self.layer_graph, self.cluster, costs=self.costs, work=work or None)
+        return sim.step_time_s, sim.fits_within(self.cap)
+
+
 def per_batch_scheduler(
     plan: Plan, layer_graph: LayerGraph, cluster: Cluster, *, time_limit_s: float | None = None
 ) -> PerBatchScheduler:
@@ -242,16 +260,10 @@ def per_batch_scheduler(
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     problem = bs.problem_from(plan, costs, cap, local_ranks=cluster.ranks_on_this_machine)
 
-    def evaluate(schedule: Schedule, work: Sequence[tuple[float, float]]) -> tuple[float, bool]:
-        actions, kernel_level = schedule
-        timed = dataclasses.replace(plan, actions=actions, kernel_level=kernel_level)
-        sim = simulate(timed, layer_graph, cluster, costs=costs, work=work or None)
-        return sim.step_time_s, sim.fits_within(cap)
-
     return PerBatchScheduler(
         problem,
         (plan.actions, plan.kernel_level),
-        evaluate,
+        SimulatedStep(plan, layer_graph, cluster, costs, cap),
         time_limit_s=time_limit_s,
         kernel_level=any(s.fwd_tp or s.bwd_tp for s in problem.stages),
     )
