@@ -51,6 +51,20 @@ def _data(family, seed: int, count: int = 160):
     )
 
 
+def _equal_to_eager(losses, eager) -> bool:
+    """The first three steps to float32's default tolerance, every step to 3e-5 relative (the
+    packed rows and the padded batch sum in different orders, and AdamW scales the last-bit
+    differences of small gradients up to a step of lr: the 20-step test's bound)."""
+    got, want = torch.tensor(losses), torch.tensor(eager)
+    try:
+        torch.testing.assert_close(got[:3], want[:3])
+        torch.testing.assert_close(got, want, rtol=3e-5, atol=3e-5)
+    except AssertionError as err:
+        print(f"  losses differ from eager: {err}", file=sys.stderr)
+        return False
+    return True
+
+
 def _p95(values):
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
@@ -103,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             began = time.perf_counter()
             result = pipe.train(batches, config, per_batch_schedule=policy == "per-batch", timeout_s=120)
             losses = [m.loss for m in result.steps]
-            try:
-                torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=3e-5, atol=3e-5)
-                equal = True
-            except AssertionError:
-                equal = False
+            equal = _equal_to_eager(losses, eager)
             measured = [m.step_s for m in result.steps]
             predicted = (
                 [m.planned_step_s for m in result.steps] if policy == "per-batch" else static_predicted
@@ -125,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_s": time.perf_counter() - began,
                 "step_s": measured,
                 "predicted_step_s": predicted,
+                "losses": losses,
+                "loss_rel_diff_to_eager": [abs(a - b) / abs(b) for a, b in zip(losses, eager)],
             }
             if policy == "per-batch":
                 solves = [m.solve_s for m in result.steps]
@@ -163,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "summary": summary,
         "all_losses_equal_eager": all(r["losses_equal_eager"] for r in runs),
+        "eager_losses": eager,
         "runs": runs,
     }
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -309,4 +309,6 @@ def pack_step(
     rank's, in rank order) as :class:`PackedStep` takes them; what fits in none is deferred."""
     packing = pack(samples, family, tokens=tokens, num_microbatches=num_microbatches)
     microbatches = tuple(step_inputs(mb, family, packing.label_tokens) for mb in packing.microbatches)
-    return PackedBatch(microbatches, len(samples) - len(packing.deferred), packing.deferred)
+    kept = [i for mb in packing.microbatches for row in mb.samples for i in row]
+    images = any(family.vision_rows(samples[i]) for i in kept)
+    return PackedBatch(microbatches, len(samples) - len(packing.deferred), packing.deferred, images=images)

@@ -126,7 +126,8 @@ class PackedSteps:
             if self._solver is None:
                 self._solver = ThreadPoolExecutor(1, thread_name_prefix="batch-schedule")
             self._ahead = {step + 1: self._solver.submit(self._solve_ahead, step + 1)}
-        return PackedBatch(microbatches, len(todo) - len(deferred), tuple(deferred), schedule)
+        images = any(self.family.vision_rows(todo[i]) for row in rows for i in row)
+        return PackedBatch(microbatches, len(todo) - len(deferred), tuple(deferred), schedule, images)
 
     def _image_rows(self, step: int) -> list[int]:
         """Image rows each of step ``step``'s microbatches carries, as its inputs count them

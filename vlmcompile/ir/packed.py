@@ -54,6 +54,11 @@ class PackedBatch:
     """Indices (in the samples given) of those left for the next step."""
     schedule: BatchPlan | None = None
     """This batch's own schedule (re-planned for its microbatches); None: the plan's."""
+    images: bool = True
+    """Whether any of its samples has an image. Without one, eager training never runs the
+    vision encoder (its parameters get no gradient, and AdamW leaves them alone), while each
+    microbatch here still runs it on the family's smallest image: the runtime then drops the
+    all-zero gradients that gives (:func:`vlmcompile.runtime.executor.drop_unused_gradients`)."""
 
 
 @dataclass(frozen=True, slots=True)

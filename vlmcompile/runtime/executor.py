@@ -481,6 +481,8 @@ class PipelineRunner:
         for work, what, peer in state.sends:
             self._wait(work, what, peer)
         self._reduce_gradients(params)
+        if isinstance(batch, PackedBatch) and not batch.images:
+            drop_unused_gradients(params)
         for p, old in zip(params, stash):
             if old is not None:
                 p.grad = old if p.grad is None else p.grad + old
@@ -990,6 +992,17 @@ class PipelineRunner:
         for p, holders in zip(params, flat[numel:].tolist()):
             if holders == 0:
                 p.grad = None
+
+
+def drop_unused_gradients(params: Sequence[torch.nn.Parameter]) -> None:
+    """``grad = None`` for the parameters whose gradient is zero everywhere, after a packed step
+    without a single image: eager training on that step never runs the vision encoder, so its
+    parameters get no gradient and AdamW skips them (no momentum step, no weight decay); here each
+    microbatch ran the encoder on a stand-in image whose features reach no token, which gives
+    exact zeros. Every rank holds the reduced gradients, so every rank drops the same ones."""
+    for p in params:
+        if p.grad is not None and not bool(p.grad.any()):
+            p.grad = None
 
 
 def _parse_header(header: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype, bool]]:

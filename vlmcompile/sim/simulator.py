@@ -263,18 +263,11 @@ def simulate(
         return stage.action_s(a.kind) * scale(a) + waited.get(a, 0.0)
 
     hosts = plan.hosts_of()
-    fills = host_fills(
-        hosts,
-        plan.actions,
-        work=lambda a: (
-            stages[a.stage].compute_s(a.kind) * scale(a),
-            stages[a.stage].tp_comm_s(a.kind) * scale(a),
-        ),
-        capacity=lambda a: (
-            stages[a.stage].tp_comm_s(a.kind) * scale(a),
-            stages[a.stage].compute_s(a.kind) * scale(a),
-        ),
-    )
+
+    def work_of(a: Action) -> tuple[float, float]:  # (compute, TP collectives)
+        return stages[a.stage].compute_s(a.kind) * scale(a), stages[a.stage].tp_comm_s(a.kind) * scale(a)
+
+    fills = host_fills(hosts, plan.actions, work=work_of, capacity=lambda a: work_of(a)[::-1])
 
     def fused(host: Action, start: float) -> float:
         # its compute, TP collectives and any wait for parameters, with the riders' kernels
