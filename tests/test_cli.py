@@ -84,6 +84,7 @@ def test_vlmcompile_policy_prints_the_comparison_with_every_baseline(tmp_path, c
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_omnibal_policy_and_search(capsys):
     assert main([*ARGS, "--policy", "omnibal"]) == 0
     assert "anchor cuts" in capsys.readouterr().out

@@ -104,6 +104,7 @@ def test_a_rank_killed_mid_run_ends_the_job_within_the_timeout_naming_it(tmp_pat
     assert "rank: 1" in err and "Signal 9" in err, err[-3000:]
 
 
+@pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_a_second_run_into_a_directory_holding_checkpoints_is_refused_and_overwrite_starts_again(
     tmp_path, capfd
 ):
@@ -227,6 +228,7 @@ def test_the_gpu_check_runs_dry_on_cpu_ranks(tmp_path):
     )
 
 
+@pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_a_run_saved_under_torchrun_resumes_on_local_ranks_with_the_same_losses(tmp_path, capsys):
     plan = _plan_file(tmp_path, "cpu:2", capsys)
     ckpt, whole, resumed = tmp_path / "ckpt", tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
@@ -259,6 +261,7 @@ def test_a_run_saved_under_torchrun_resumes_on_local_ranks_with_the_same_losses(
     torch.testing.assert_close(torch.tensor([x["loss"] for x in again]), torch.tensor(losses[2:]))
 
 
+@pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_plan_and_train_with_data_of_any_shape_train_like_eager(tmp_path, capsys):
     """``plan --data`` and ``train --data`` on local ranks: samples of a synthetic dataset with
     their images and lengths, packed; the losses equal eager's on the same steps' samples."""

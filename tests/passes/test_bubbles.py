@@ -225,6 +225,7 @@ def test_a_memory_budget_is_kept_by_recomputing_the_encoder_first(demo_bubbles, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_a_budget_between_selective_and_full_recompute_recomputes_a_share_of_each_ranks_layers():
     # Optimus-Model-A at weak-A: its LLM's activations, not the encoder's, fill the memory.
     setup = SETUPS["optimus-weak-A"]

@@ -216,6 +216,7 @@ def test_cli_run_trains_a_zoo_model_on_local_ranks(policy, capsys):
 
 @needs_transformers
 @pytest.mark.hf
+@pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_llama4s_complex_rotary_frequencies_cross_a_stage_cut():
     from vlmcompile.models import hf_tiny
 

@@ -72,7 +72,7 @@ CASES = [
     ("tiny", "pp2-dp2"),
     ("tiny", "encoder-replicated"),
     pytest.param("hf-llava", "pp2", marks=[needs_transformers, pytest.mark.hf, pytest.mark.extended]),
-    pytest.param("hf-llava", "pp2-dp2", marks=[needs_transformers, pytest.mark.hf]),
+    pytest.param("hf-llava", "pp2-dp2", marks=[needs_transformers, pytest.mark.hf, pytest.mark.extended]),
     pytest.param("hf-llava", "bubbles", marks=[needs_transformers, pytest.mark.hf]),
 ]
 

@@ -42,7 +42,7 @@ CONFIG = dict(lr=3e-3, warmup_steps=3, max_grad_norm=0.5, weight_decay=0.1)
         ("tiny", dict(pp=2, recompute=(2,)), "auto"),
         ("tiny-tied", dict(pp=2, cuts=[6]), "auto"),  # the embedding on rank 0, its tied head on rank 1
         ("tiny", dict(pp=2, dp=2), "auto"),
-        ("tiny", dict(pp=2, v=2), "ordered"),
+        pytest.param("tiny", dict(pp=2, v=2), "ordered", marks=pytest.mark.extended),  # test_transfers has it
     ],
     ids=["pp2", "tied-pp2", "pp2-dp2", "interleaved-ordered-transfers"],
 )
@@ -109,6 +109,7 @@ def test_a_resumed_run_continues_with_the_same_losses_and_loads_into_the_model(t
         )
 
 
+@pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_a_checkpoint_of_another_model_names_the_parameters_that_differ(tmp_path):
     _, pipe, plan = _setup("tiny", pp=2)
     ckpt = str(tmp_path / "ckpt")
@@ -141,6 +142,7 @@ def test_a_checkpoint_of_another_model_names_the_parameters_that_differ(tmp_path
         )
 
 
+@pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_a_run_resumed_under_another_lr_schedule_is_refused_naming_what_changed(tmp_path):
     _, pipe, plan = _setup("tiny", pp=2)
     ckpt = str(tmp_path / "ckpt")
@@ -271,6 +273,7 @@ def _bf16_step(runner, batch):
     return {**out, "dtypes": dtypes}
 
 
+@pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_bf16_autocast_keeps_fp32_weights_and_gradients_and_matches_eager_autocast():
     from vlmcompile.runtime.launch import launch
 
@@ -341,6 +344,7 @@ def test_global_batches_from_a_dataset_train_like_eager_across_epochs():
         GlobalBatches(samples, 16)
 
 
+@pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_any_torch_optimizer_trains_like_eager_and_resumes_with_its_own_state(tmp_path):
     """SGD with momentum (state: momentum_buffer) instead of AdamW, a constant LR: equal to eager,
     and a run resumed from step 3 continues with the uninterrupted run's losses."""
