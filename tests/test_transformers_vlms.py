@@ -64,11 +64,9 @@ OWN_MASKS = {"hf-llava", "hf-gemma3", "hf-mllama"}
 """Families whose eager attention CI checks (see the module's docstring)."""
 META_IN_CI = {
     "hf-llava",
-    "hf-llava-next",
     "hf-qwen2-vl",
     "hf-qwen3-vl",
     "hf-mllama",
-    "hf-idefics3",
     "hf-llama4",
     "hf-clip",
 }
