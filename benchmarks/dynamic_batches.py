@@ -59,6 +59,7 @@ from vlmcompile.compiler import zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.data.balance import IsfTargets, SampleSizes, isf_epoch
+from vlmcompile.data.distribution import Spread
 from vlmcompile.data.families import RELEASED
 from vlmcompile.data.microbatches import assign
 from vlmcompile.data.synthetic import DISTRIBUTIONS, draw_sizes
@@ -297,11 +298,10 @@ def run_job(args) -> dict:
 
 
 def _summary(times, samples, trained, solves, bubbles_share, scheduler) -> dict:
-    ordered = sorted(times)
     out = {
         "steps": len(times),
         "step_mean_s": statistics.fmean(times),
-        "step_p95_s": ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)],
+        "step_p95_s": Spread.of(times).p95,
         "samples_per_step": statistics.fmean(samples),
         "samples_per_s": sum(samples) / sum(times),
         "tokens_per_s": sum(trained) / sum(times),

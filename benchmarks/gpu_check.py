@@ -165,8 +165,7 @@ def calibrate_layers(
     model_name = model if isinstance(model, str) else model.name
     # Captured on meta and given random values on the device: building paper-width layers on the
     # host takes longer than timing them, and a layer's time does not depend on its values.
-    meta = models.sample_batch(model, batch_size=1, dtype=dtype, device="meta")
-    pipe = compile(models.build(model, dtype=dtype, device="meta"), meta, model_name=model_name, log=None)
+    pipe = _captured_on_meta(model)
     pipe.gm.to_empty(device=device)
     generator = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
@@ -200,6 +199,13 @@ def calibrate_layers(
     }
 
 
+def _captured_on_meta(model: str | models.VLMConfig):
+    """A zoo model compiled (captured, annotated) on meta tensors in bf16, as the fit times it."""
+    meta = models.sample_batch(model, batch_size=1, dtype=torch.bfloat16, device="meta")
+    name = model if isinstance(model, str) else model.name
+    return compile(models.build(model, dtype=torch.bfloat16, device="meta"), meta, model_name=name, log=None)
+
+
 def refit(path: Path) -> int:
     """The calibrations of a recorded result fitted again from its layer times (no GPU needed:
     the layers are rebuilt on meta), each stored beside the one it replays as ``refit``."""
@@ -207,12 +213,8 @@ def refit(path: Path) -> int:
     fits = [(result["model"], result["calibration"])]
     fits += [(shallow(name), c) for name, c in result.get("calibration_at_paper_widths", {}).items()]
     for model, recorded in fits:
-        meta = models.sample_batch(model, batch_size=1, dtype=torch.bfloat16, device="meta")
         name = model if isinstance(model, str) else model.name
-        built = models.build(model, dtype=torch.bfloat16, device="meta")
-        layers = {
-            layer.name: layer for layer in compile(built, meta, model_name=name, log=None).layer_graph.layers
-        }
+        layers = {layer.name: layer for layer in _captured_on_meta(model).layer_graph.layers}
         measured = [
             LayerMeasurement(layers[t["layer"]], t["fwd_s"], t["bwd_s"]) for t in recorded["layer_times_s"]
         ]

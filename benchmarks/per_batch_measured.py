@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import platform
 import statistics
@@ -32,6 +31,7 @@ import torch
 from readme_section import write_readme_section
 
 from vlmcompile import compile, models
+from vlmcompile.data.distribution import Spread
 from vlmcompile.data.families import family_of
 from vlmcompile.data.steps import PaddedSteps
 from vlmcompile.data.synthetic import SyntheticDataset
@@ -63,11 +63,6 @@ def _equal_to_eager(losses, eager) -> bool:
         print(f"  losses differ from eager: {err}", file=sys.stderr)
         return False
     return True
-
-
-def _p95(values):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 "policy": policy,
                 "repeat": repeat,
                 "step_mean_s": statistics.fmean(measured[1:]),
-                "step_p95_s": _p95(measured[1:]),
+                "step_p95_s": Spread.of(measured[1:]).p95,
                 "predicted_mean_s": statistics.fmean(predicted[1:]),
                 "prediction_error_median": statistics.median(errors),
                 "prediction_error_max_abs": max(abs(e) for e in errors),

@@ -35,12 +35,14 @@ REPLAYED_STEPS = 16
 
 @dataclass(frozen=True, slots=True)
 class Spread:
+    """Mean, 95th percentile (nearest rank) and maximum of some values (counts or seconds)."""
+
     mean: float
-    p95: int
-    max: int
+    p95: float
+    max: float
 
     @staticmethod
-    def of(values: Sequence[int]) -> Spread:
+    def of(values: Sequence[float]) -> Spread:
         ordered = sorted(values)
         p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
         return Spread(sum(values) / len(values), p95, ordered[-1])
