@@ -145,6 +145,43 @@ def test_the_store_and_gloo_listen_on_127_0_0_1_only():
         assert sockets and all(address in LOOPBACK for address, _ in sockets), (rank, sockets)
 
 
+def _late_store_user(_payload):
+    """Rank 0 returns at once; the others use the store a second later."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        return "left"
+    time.sleep(1.0)
+    store = dist.distributed_c10d._get_default_store()
+    store.set("late", b"1")
+    return store.get("late").decode()
+
+
+def test_rank_0_keeps_the_store_until_every_rank_has_left():
+    # A CI run failed when rank 0, done first, took the store down under a peer still in
+    # init_process_group. Here the peer's store use comes a second after rank 0 is done.
+    assert launch(_late_store_user, None, 2, timeout_s=30) == ["left", "1"]
+
+
+def _rank_1_dies_without_signing_off(_payload):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        os._exit(3)
+    return "done"
+
+
+def test_rank_0_waiting_for_a_peer_that_died_is_reported_finished():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_rank_1_dies_without_signing_off, None, 2, timeout_s=30, grace_s=1)
+    text = str(info.value)
+    assert info.value.first_failed == 1, text
+    assert "rank 0: finished" in text and "rank 1: exited 3" in text, text
+    assert time.monotonic() - start < 20, text  # killed after the grace, not at the store's 30 s
+
+
 def test_a_python_level_sigint_handler_survives_a_cp_sat_solve(tmp_path):
     # OR-Tools' own SIGINT handler used to leave the C-level handler at the default afterwards:
     # Ctrl-C then killed the process outright, orphaning its ranks.

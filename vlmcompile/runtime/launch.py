@@ -53,6 +53,8 @@ _PAUSE_S = 1.0
 """A gap this long in the launcher's 0.1 s watch loop means it was stopped (Ctrl-Z, SIGSTOP)."""
 _COLLECTIVE = -1
 """What a rank's report names as the peer it lost when it waited on a whole group."""
+_DONE_KEY = "vlmcompile/left"
+"""The store key under which each rank signs off, so rank 0 keeps the store until all have."""
 
 
 class LaunchError(VlmCompileError, RuntimeError):
@@ -124,6 +126,24 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(70)
 
 
+def _leave_store(store, rank: int, nprocs: int, timeout_s: float, wait: bool) -> None:
+    """Rank 0 hosts the rendezvous store: when it succeeded, it stays until every rank has left.
+
+    A function that makes no collective lets rank 0 finish while a peer is still inside
+    ``init_process_group``; the store dying under it then fails that peer. A rank that died
+    never signs off: rank 0 then waits until the launcher, which saw the death, stops it. A
+    rank 0 that failed leaves at once, as the launcher's account of who failed first expects."""
+    if store is None:
+        return
+    try:
+        store.set(f"{_DONE_KEY}/{rank}", b"1")
+        if rank == 0 and wait:
+            keys = [f"{_DONE_KEY}/{r}" for r in range(nprocs)]
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception:  # a lost peer or a timed-out wait: the launcher reports the rank
+        pass
+
+
 def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeout_s) -> None:
     # Armed first: a rank's imports (torch alone takes seconds) come after, so a launcher killed
     # while its ranks start up takes them with it at once. Hence torch is imported here and the
@@ -154,6 +174,7 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
         env["GLOO_SOCKET_IFNAME"] = lo  # gloo's own listening sockets on 127.0.0.1 too
     os.environ.update(env)
     code = 0
+    store = None
     try:
         fn, payload, args = pickle.loads(work_bytes)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -180,6 +201,7 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
         report.send_bytes(message)
     except OSError:
         code = code or 1  # the launcher is gone
+    _leave_store(store, rank, nprocs, timeout_s, wait=code == 0)
     # Skip interpreter teardown: a process group whose peer died can block in its destructor.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -522,7 +544,9 @@ class _Watch:
             self.killed,
             self.ended,
         )
-        failed = [r for r in range(nprocs) if codes[r] != 0 or r not in self.values]
+        # A rank that reported its result has finished, even if it was killed afterwards (rank
+        # 0 keeps the store for a peer that then died without signing off).
+        failed = [r for r in range(nprocs) if r not in self.values]
         first, header = _blame(failed, errors, self.lost, killed, ended, codes)
         died_silently = any(r not in errors and r not in killed for r in failed)
         paused = (
@@ -537,7 +561,9 @@ class _Watch:
             else f"still running {self.grace_s:g} s after the first failure"
         )
         for r in range(nprocs):
-            if r in errors:
+            if r in self.values:
+                lines.append(f"  rank {r}: finished")
+            elif r in errors:
                 then = f" (then killed by the launcher, {why_killed})" if r in killed else ""
                 lines.append(
                     f"  rank {r}: {_how(codes[r])} after {ended[r]:.1f} s: {errors[r].strip()}{then}"
@@ -547,7 +573,7 @@ class _Watch:
             elif codes[r] != 0:
                 lines.append(f"  rank {r}: {_how(codes[r])} after {ended.get(r, 0):.1f} s without a report")
             else:
-                lines.append(f"  rank {r}: finished")
+                lines.append(f"  rank {r}: ended without a report")
         if all(r not in errors and codes[r] == 1 for r in range(nprocs)) and max(ended.values()) < 60:
             lines.append(
                 f"(no rank reported an error; if each printed a RuntimeError about bootstrapping: {_NO_GUARD})"
