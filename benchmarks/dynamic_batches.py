@@ -20,7 +20,7 @@ Methods, each at the setup's degrees, schedule, v, microbatches and recompute ru
   microbatch; steps packed by tokens (longest first into the emptiest row, what does not fit
   carried into the next step), run on the plan's schedule;
 * ``per-batch``: the same steps, the schedule re-planned for each (``planning.per_batch``, within
-  its time limit of 5 % of the planned step per replica);
+  its time limit of 4 % of the planned step per replica, anytime: what is timed by the limit);
 * ``per-batch + balanced``: the same, the samples assigned to microbatches and replicas by image
   rows too (``data.microbatches``, greedy);
 * ``ISF + per-batch``: microbatches are OmniBal ISF groups (``data.balance``; targets the
@@ -30,6 +30,10 @@ Methods, each at the setup's degrees, schedule, v, microbatches and recompute ru
   ``microbatch_size`` a microbatch, each padded or cut to ``llm_tokens``;
 * ``torchtitan``: torchtitan's VLM pipeline split (``passes.torchtitan_vlm``) on steps of a fixed
   token budget (packed by tokens, as ``static``).
+
+Each method's ``of bound`` is its steps' bound over their time: no step at these degrees is
+faster than the LLM without its encoders (``passes.bubbles``' LLM alone), nor than its whole
+compute (every replica's microbatches, at our plan's recompute) spread evenly over every rank.
 
 A step's time is the slowest data-parallel replica's; to keep 200 batches of a 24-replica
 setup within minutes, only the ``--replicas-timed`` replicas with the most encoder work are
@@ -110,6 +114,8 @@ class Planned:
     too_long: float
     """Share of the drawn samples longer than a microbatch (left out of every method)."""
     plan_s: float
+    llm_alone_s: float
+    """The bound: our plan's LLM stages and schedule without the encoders (``passes.bubbles``)."""
 
 
 def plan_setup(name: str, dataset: str, samples: int) -> Planned:
@@ -124,7 +130,8 @@ def plan_setup(name: str, dataset: str, samples: int) -> Planned:
     graph = zoo_layer_graph(setup.model).with_time_scaled(
         dict.fromkeys(ENCODER_SIDE, mean / annotated), f"{dataset}'s mean microbatch: {mean:.0f} patches"
     )
-    ours = bubbles(graph, cluster, request, solver=SolverOptions(time_limit_s=10, workers=1)).plan
+    made = bubbles(graph, cluster, request, solver=SolverOptions(time_limit_s=10, workers=1))
+    ours = made.plan
     runs, _ = compare_baselines(graph, cluster, request)
     fitting = {r.plan.policy: r for r in runs if r.fits}
     baselines = {}
@@ -148,6 +155,7 @@ def plan_setup(name: str, dataset: str, samples: int) -> Planned:
         sizes,
         too_long,
         time.perf_counter() - began,
+        made.report.llm_alone_step_s,
     )
 
 
@@ -265,9 +273,11 @@ def run_job(args) -> dict:
         "plan_s": planned.plan_s,
         "mean_patches_per_microbatch": planned.mean_patches,
         "too_long_share": planned.too_long,
+        "llm_alone_step_s": planned.llm_alone_s,
         "methods": {},
     }
     ours_costs = plan_costs(planned.ours, planned.graph, cluster)
+    per_microbatch = busy_per_microbatch(planned, cluster, ours_costs)
     for method in METHODS:
         plan = (
             planned.ours if method in ("static",) or "per-batch" in method else planned.baselines.get(method)
@@ -277,11 +287,12 @@ def run_job(args) -> dict:
             continue
         costs = ours_costs if plan is planned.ours else plan_costs(plan, planned.graph, cluster)
         scheduler = per_batch_scheduler(plan, planned.graph, cluster) if "per-batch" in method else None
-        times, samples, trained, solves, bubbles_share = [], [], [], [], []
+        times, samples, trained, solves, bubbles_share, bounds = [], [], [], [], [], []
         # Megatron-LM cuts each sample to the sequence length; packed steps train every token.
         cut = cfg_tokens if method == "megatron" else planned.capacity
         for step in steps[method]:
             work = _heaviest(step, tiles, planned, replicas_timed)
+            bounds.append(step_bound(_work(step, tiles, planned), per_microbatch, planned))
             samples.append(sum(len(r) for r in step))
             trained.append(sum(min(lengths[i], cut) for r in step for i in r))
             if scheduler is not None:
@@ -293,15 +304,36 @@ def run_job(args) -> dict:
             slowest = max(sims, key=lambda s: s.step_time_s)
             times.append(slowest.step_time_s)
             bubbles_share.append(slowest.bubble_share)
-        row["methods"][method] = _summary(times, samples, trained, solves, bubbles_share, scheduler)
+        row["methods"][method] = _summary(times, samples, trained, solves, bubbles_share, scheduler, bounds)
     return row
 
 
-def _summary(times, samples, trained, solves, bubbles_share, scheduler) -> dict:
+def busy_per_microbatch(planned: Planned, cluster: Cluster, costs) -> tuple[float, float]:
+    """Compute seconds of one microbatch summed over a pipeline's ranks: its encoder side and its
+    LLM side at the costed size (a step's compute is linear in its microbatches' work factors)."""
+    m = planned.microbatches
+    sides = []
+    for work in ([(1.0, 0.0)] * m, [(0.0, 1.0)] * m):
+        sim = simulate(planned.ours, planned.graph, cluster, costs=costs, work=work)
+        sides.append(sum(r.busy_s for r in sim.ranks) / m)
+    return sides[0], sides[1]
+
+
+def step_bound(work, per_microbatch: tuple[float, float], planned: Planned) -> float:
+    """No step at these degrees is faster than the LLM without its encoders, nor than its whole
+    compute (every replica's microbatches, at our plan's recompute) spread evenly over every rank."""
+    encoder, llm = per_microbatch
+    compute = sum(encoder * e + llm * w for e, w in work)
+    return max(planned.llm_alone_s, compute / (planned.ours.num_ranks * planned.replicas))
+
+
+def _summary(times, samples, trained, solves, bubbles_share, scheduler, bounds) -> dict:
     out = {
         "steps": len(times),
         "step_mean_s": statistics.fmean(times),
         "step_p95_s": Spread.of(times).p95,
+        "bound_step_mean_s": statistics.fmean(bounds),
+        "of_bound": statistics.fmean(bounds) / statistics.fmean(times),
         "samples_per_step": statistics.fmean(samples),
         "samples_per_s": sum(samples) / sum(times),
         "tokens_per_s": sum(trained) / sum(times),
@@ -363,20 +395,21 @@ def assignment_table(rows: list[dict]) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = (
-        "| setup | dataset | method | step mean / p95 (s) | samples/s | tokens/s trained | vs static | solve / step |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        "| setup | dataset | method | step mean / p95 (s) | samples/s | tokens/s trained | vs static | of bound | solve / step |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for row in rows:
         if "note" in row:
-            lines.append(f"| {row['setup']} | {row['dataset']} | - | {row['note']} | | | | |")
+            lines.append(f"| {row['setup']} | {row['dataset']} | - | {row['note']} | | | | | |")
             continue
         static = row["methods"].get("static", {}).get("tokens_per_s")
         for method, m in row["methods"].items():
             if "note" in m:
-                lines.append(f"| {row['setup']} | {row['dataset']} | {method} | {m['note']} | | | | |")
+                lines.append(f"| {row['setup']} | {row['dataset']} | {method} | {m['note']} | | | | | |")
                 continue
             vs = f"{m['tokens_per_s'] / static:.3f}x" if static else "-"
+            bound = f"{m['of_bound']:.2f}" if "of_bound" in m else "-"
             solve = (
                 f"{100 * m['solve_share_of_step']:.1f} % ({m['fell_back']} late)"
                 if "solve_mean_s" in m
@@ -384,7 +417,7 @@ def markdown_table(rows: list[dict]) -> str:
             )
             lines.append(
                 f"| {row['setup']} | {row['dataset']} | {method} | {m['step_mean_s']:.2f} / {m['step_p95_s']:.2f} | "
-                f"{m['samples_per_s']:.1f} | {m['tokens_per_s'] / 1e3:.1f} K | {vs} | {solve} |"
+                f"{m['samples_per_s']:.1f} | {m['tokens_per_s'] / 1e3:.1f} K | {vs} | {bound} | {solve} |"
             )
     return head + "\n".join(lines) + "\n"
 

@@ -1,6 +1,11 @@
 """Actions written like torch's (2F0), what each waits for, and action lists run with no time:
 their order, and where a deadlock stops them."""
 
+import os
+import pickle
+import subprocess
+import sys
+
 import pytest
 
 from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order, format_grid
@@ -18,13 +23,25 @@ def test_an_action_reads_back_as_written():
 
 
 def test_what_each_kind_waits_for():
-    assert dependencies(Action(0, F, 3), 4) == []
-    assert dependencies(Action(2, F, 3), 4) == [Action(1, F, 3)]
-    assert dependencies(Action(2, B, 3), 4) == [Action(2, F, 3), Action(3, B, 3)]
-    assert dependencies(Action(3, B, 3), 4) == [Action(3, F, 3)]  # the last stage: its own forward
+    assert dependencies(Action(0, F, 3), 4) == ()
+    assert dependencies(Action(2, F, 3), 4) == (Action(1, F, 3),)
+    assert dependencies(Action(2, B, 3), 4) == (Action(2, F, 3), Action(3, B, 3))
+    assert dependencies(Action(3, B, 3), 4) == (Action(3, F, 3),)  # the last stage: its own forward
     # With split backwards the stage before waits for the input gradient (I), and W for I.
-    assert dependencies(Action(2, B, 3), 4, frozenset({3})) == [Action(2, F, 3), Action(3, I, 3)]
-    assert dependencies(Action(3, W, 3), 4, frozenset({3})) == [Action(3, I, 3)]
+    assert dependencies(Action(2, B, 3), 4, frozenset({3})) == (Action(2, F, 3), Action(3, I, 3))
+    assert dependencies(Action(3, W, 3), 4, frozenset({3})) == (Action(3, I, 3),)
+
+
+def test_an_action_unpickled_in_a_process_with_another_hash_seed_finds_its_key():
+    # An action keeps its hash, and a str's hash (its kind's) differs from process to process:
+    # plans travel to spawned ranks as pickles.
+    code = (
+        "import pickle, sys; from vlmcompile.ir.actions import Action, ActionKind; "
+        "sys.stdout.buffer.write(pickle.dumps({Action(2, ActionKind.B, 3): 'here'}))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    made = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, timeout=60, check=True)
+    assert pickle.loads(made.stdout)[Action(2, B, 3)] == "here"
 
 
 def test_lists_run_in_an_order_that_respects_every_dependency_or_stop_at_the_deadlock():

@@ -5,6 +5,7 @@ used (and counted) when re-planning overruns its limit."""
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 
@@ -78,11 +79,32 @@ def test_a_re_planning_over_its_time_limit_runs_the_last_good_schedule_and_is_co
     assert first.source != "last good"  # nothing good yet: its own schedule, late
     second = scheduler.schedule([[(0.5, 1.0)] * 5 + [(2.0, 1.0)]])
     assert second.source == "last good" and second.actions == first.actions
-    assert (scheduler.timed_out, scheduler.planned) == (1, 2)
+    assert (scheduler.timed_out, scheduler.planned) == (2, 2)
     # It travels to the local launcher's ranks with the data (its last good schedule too).
     assert pickle.loads(pickle.dumps(scheduler)).last_good == scheduler.last_good
     expected = bs.evaluate_schedule(problem.with_work([(0.5, 1.0)] * 5 + [(2.0, 1.0)]), first.actions[0])
     assert second.step_s == pytest.approx(expected.step_s(problem))
+
+
+def test_a_try_that_ends_past_the_limit_is_not_used_and_none_is_started_that_would():
+    problem = _problem()
+    static = _static(problem)
+    timed = []
+
+    def slow_after_the_first(schedule, work):  # the plan's own timing fast, every try slow
+        timed.append(schedule)
+        if schedule[0] is not static:
+            time.sleep(0.3)
+        return scheduler._timeline(schedule, work)
+
+    scheduler = PerBatchScheduler(problem, (static, {}), evaluate=slow_after_the_first, time_limit_s=0.2)
+    heavy_first = [(4.0, 1.0), (3.0, 1.0)] + [(0.2, 1.0)] * 4  # re-planned faster given the time
+    batch = scheduler.schedule([heavy_first])
+    assert (batch.source, batch.actions, scheduler.timed_out) == ("static", (static,), 1)
+    assert len(timed) == 2  # the plan's own, then one try that ran late
+    # Tries now take 0.3 s, over the limit: none starts, and nothing ran late.
+    batch = scheduler.schedule([heavy_first])
+    assert (batch.source, len(timed), scheduler.timed_out) == ("static", 3, 1)
 
 
 def test_replicas_get_schedules_of_their_own():

@@ -150,6 +150,21 @@ def test_a_kernel_level_encoder_action_shares_its_hosts_interval(demo_graph):
         assert stats.busy_s + sum(stats.idle_s.values()) == pytest.approx(sim.step_time_s)
 
 
+def test_the_step_alone_is_the_full_simulations_step_and_memory(demo_graph):
+    # What per-batch re-planning times its candidates with: simulate less its report.
+    from vlmcompile.sim.simulator import simulate_step
+
+    cluster, plan = bubble_plan_with_tp(demo_graph)
+    fused, rider, _ = rider_and_host(plan)
+    costs = plan_costs(fused, demo_graph, cluster)
+    for case in (fused, dataclasses.replace(fused, kernel_level={rider: 2}), plan):
+        for work in (None, [(2.5, 1.0), (0.0, 0.5)] * (case.num_microbatches // 2)):
+            case_costs = costs if case is fused else plan_costs(case, demo_graph, cluster)
+            full = simulate(case, demo_graph, cluster, costs=case_costs, work=work)
+            step, peaks = simulate_step(case, demo_graph, cluster, costs=case_costs, work=work)
+            assert (step, peaks) == (full.step_time_s, full.peak_mem_bytes)
+
+
 def test_a_rider_spanning_two_hosts_runs_from_the_first_ones_start_to_the_seconds_end(demo_graph):
     cluster, plan = bubble_plan_with_tp(demo_graph)
     fused, rider, host = rider_and_host(plan)
@@ -226,6 +241,10 @@ def test_a_microbatchs_work_scales_its_encoder_and_llm_layers_apart(demo_graph):
     heavy = simulate(plan, demo_graph, cluster, work=[(3.0, 1.0)] + [(1.0, 1.0)] * 3)
     light = simulate(plan, demo_graph, cluster, work=[(0.0, 1.0)] * 4)
     assert light.step_time_s < base.step_time_s < heavy.step_time_s
+    for sim in (heavy, light):  # busy time is the scaled compute: busy and idle add up to the step
+        for stats in sim.ranks:
+            assert stats.busy_s + sum(stats.idle_s.values()) == pytest.approx(sim.step_time_s)
+    assert sum(r.busy_s for r in light.ranks) < sum(r.busy_s for r in base.ranks)
     runs = {(r.action.stage, r.action.kind.name, r.action.microbatch): r for r in heavy.runs}
     base_runs = {(r.action.stage, r.action.kind.name, r.action.microbatch): r for r in base.runs}
     last = len(plan.stages) - 1  # no encoder layer there: its actions keep their time

@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 
 class ActionKind(str, enum.Enum):
@@ -33,10 +34,24 @@ class Action:
     stage: int
     kind: ActionKind
     microbatch: int
+    _hash: int = field(init=False, repr=False, compare=False)
+    """Computed once: schedulers and the simulator look actions up in dicts millions of times."""
 
     def __post_init__(self):
         if self.stage < 0 or self.microbatch < 0:
             raise ValueError(f"action {self}: stage and microbatch must be >= 0")
+        object.__setattr__(self, "_hash", hash((self.stage, self.kind, self.microbatch)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # Rebuilt from its fields: a str's hash (the kind's) differs from process to process.
+        return (Action, (self.stage, self.kind, self.microbatch))
+
+    def __setstate__(self, state) -> None:
+        # Pickles made before the hash was kept hold the three fields as slot state.
+        self.__init__(*state[:3])
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
@@ -52,24 +67,23 @@ class Action:
         return cls(int(match[1]), ActionKind(match[2]), int(match[3]))
 
 
+@lru_cache(maxsize=1 << 18)
 def dependencies(
     action: Action, num_stages: int, split_backward: frozenset[int] = frozenset()
-) -> list[Action]:
+) -> tuple[Action, ...]:
     """The actions that must finish before ``action`` may start. ``split_backward`` holds the
-    stages whose backward runs as I + W (their input gradient is what the stage before waits for)."""
+    stages whose backward runs as I + W (their input gradient is what the stage before waits for).
+    Cached: timing a schedule asks for every action's, and re-planning times many schedules of
+    the same actions."""
     s, m = action.stage, action.microbatch
-
-    def grad_of(stage: int) -> Action:
-        return Action(stage, ActionKind.I if stage in split_backward else ActionKind.B, m)
-
     if action.kind is ActionKind.F:
-        return [Action(s - 1, ActionKind.F, m)] if s > 0 else []
+        return (Action(s - 1, ActionKind.F, m),) if s > 0 else ()
     if action.kind is ActionKind.W:
-        return [Action(s, ActionKind.I, m)]
-    deps = [Action(s, ActionKind.F, m)]
+        return (Action(s, ActionKind.I, m),)
     if s + 1 < num_stages:
-        deps.append(grad_of(s + 1))
-    return deps
+        grad = ActionKind.I if s + 1 in split_backward else ActionKind.B
+        return (Action(s, ActionKind.F, m), Action(s + 1, grad, m))
+    return (Action(s, ActionKind.F, m),)
 
 
 def execution_order(

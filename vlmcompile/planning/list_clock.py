@@ -39,25 +39,28 @@ class ListClock:
         self.free: list[float] = [0] * num_ranks
         self.ends: dict[Action, tuple[float, int]] = {}
         """Committed action -> (its end, its rank)."""
-        self._deps: dict[Action, list[Action]] = {}
         self._ready: dict[tuple[Action, int], float] = {}  # once every input is committed, it stays put
 
-    def inputs(self, a: Action) -> list[Action]:
-        if a not in self._deps:
-            self._deps[a] = dependencies(a, self.num_stages, self.split_backward)
-        return self._deps[a]
+    def inputs(self, a: Action) -> tuple[Action, ...]:
+        return dependencies(a, self.num_stages, self.split_backward)
 
     def ready_at(self, a: Action, rank: int) -> float | None:
         """When ``a``'s inputs are on ``rank``; None while one of them is not committed."""
         key = (a, rank)
-        if key in self._ready:
-            return self._ready[key]
+        t = self._ready.get(key)
+        if t is not None:
+            return t
         t = 0
-        for d in self.inputs(a):
-            if d not in self.ends:
+        ends = self.ends
+        for d in dependencies(a, self.num_stages, self.split_backward):
+            ended = ends.get(d)
+            if ended is None:
                 return None
-            end, where = self.ends[d]
-            t = max(t, end + (self.transfer(d, a) if where != rank else 0))
+            end, where = ended
+            if where != rank:
+                end += self.transfer(d, a)
+            if end > t:
+                t = end
         self._ready[key] = t
         return t
 

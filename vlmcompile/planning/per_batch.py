@@ -12,10 +12,12 @@ best of a few (:data:`ORDERS`): an encoder-heavy microbatch first exposes its en
 before the pipeline fills, one last its backward after the LLM's drain.
 
 A schedule is never worse than the plan's own actions timed on the same batch (they are kept
-when they time better), and a re-planning that overruns its time limit uses the last good
-schedule (any schedule of the plan runs any batch: only the order of actions differs) and is
-counted. The solve runs on the host, one batch ahead of the step that runs it
-(:class:`~vlmcompile.data.steps.PackedSteps`).
+when they time better). Re-planning is anytime: a try that would end past the time limit is not
+started (judged by what such tries took lately), and one that ends past it anyway is not used:
+the step runs the best schedule timed on its batch by the limit, or, where even the first
+timing ran late, the last good schedule (any schedule of the plan runs any batch: only the order
+of actions differs); both are counted. The solve runs on the host, one batch ahead of the step
+that runs it (:class:`~vlmcompile.data.steps.PackedSteps`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.cost_models.memory import fits, usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import PlanCosts, plan_costs
 from vlmcompile.ir.actions import Action
 from vlmcompile.ir.errors import PlanError
@@ -34,7 +36,7 @@ from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.packed import BatchPlan
 from vlmcompile.ir.plan import Plan
 from vlmcompile.planning import bubble_schedule as bs
-from vlmcompile.sim.simulator import simulate
+from vlmcompile.sim.simulator import simulate_step
 
 SETTINGS = ((8, False), (1, False), (2, True), (16, False))
 """(lookahead, fill_only) of the list scheduler, tried in turn while time is left: the setting
@@ -43,8 +45,11 @@ ORDERS = ("given", "light ends", "ascending")
 """Microbatch orders tried on each replica: as packed; the lightest encoder work at both ends
 and the heaviest in the middle (where the encoder's work hides in the steady state); lightest
 first."""
-SOLVE_SHARE = 0.05
-"""The default time limit of one batch's re-planning: this share of the planned step."""
+SOLVE_SHARE = 0.04
+"""The default time limit of one batch's re-planning: this share of the planned step (under
+the 5 % a re-planning may cost, for a try that overruns its estimate)."""
+ESTIMATE_DECAY = 0.9
+"""A try's expected time is the longest lately: the last, or this share of the previous estimate."""
 
 
 Schedule = tuple[bs.RankActions, Mapping[Action, int]]
@@ -73,10 +78,11 @@ class PerBatchScheduler:
     """Place encoder work inside the LLM's TP gaps too (where the LLM has TP collectives)."""
     last_good: tuple[Schedule, ...] | None = field(default=None, repr=False)
     timed_out: int = 0
-    """Replica schedules whose re-planning overran the limit (each ran its last good one)."""
+    """Replica schedules whose re-planning overran the limit (a late try not used, or no timing
+    by the limit: the last good schedule)."""
     planned: int = 0
     _took: dict = field(default_factory=lambda: {"evaluate": 0.0, "greedy": 0.0}, repr=False)
-    """Seconds the last timing and the last list scheduler's run took (what a try will take)."""
+    """Seconds a timing and a list scheduler's run are expected to take (:data:`ESTIMATE_DECAY`)."""
 
     def __post_init__(self):
         if len(self.static[0]) != self.problem.num_ranks:
@@ -97,19 +103,28 @@ class PerBatchScheduler:
             raise PlanError(
                 f"each replica runs {m} microbatches; work was given for {[len(w) for w in work]}"
             )
-        chosen, fell_back, static = [], 0, 0.0
+        chosen, late, fell_back, static = [], 0, 0, 0.0
         for d, w in enumerate(work):
             start = time.perf_counter()
+            deadline = start + self.time_limit_s
             own = self._timed(self.static, w)[0]
             static = max(static, own)
-            best = self._replica(w, own, start)
-            if time.perf_counter() - start > self.time_limit_s and self.last_good is not None:
-                fell_back += 1  # too late for its step: the last good one, timed on this batch
-                last = self.last_good[d]
-                best = (last, tuple(range(m)), self.evaluate(last, w)[0])
+            if time.perf_counter() > deadline:
+                # Not even the plan's own timing by the limit: the last good schedule (the plan's
+                # own on a first batch).
+                if self.last_good is None:
+                    late += 1
+                    chosen.append((self.static, tuple(range(m)), own))
+                else:
+                    fell_back += 1
+                    last = self.last_good[d]
+                    chosen.append((last, tuple(range(m)), self.evaluate(last, w)[0]))
+                continue
+            best, overran = self._replica(w, own, deadline)
+            late += overran
             chosen.append(best)
         self.planned += 1
-        self.timed_out += fell_back
+        self.timed_out += late + fell_back
         schedules = tuple(c[0] for c in chosen)
         self.last_good = schedules
         if fell_back:
@@ -130,13 +145,11 @@ class PerBatchScheduler:
             tuple(dict(c[0][1]) for c in chosen),
         )
 
-    def _replica(self, work: Sequence[tuple[float, float]], static_step: float, began: float):
-        """(schedule numbered by packed microbatch, the order its LLM runs them in, predicted step)
-        of one replica: the best the orders and settings give by the time limit (a try that would
-        end past it is not started, judged by what the last such try took), or the plan's own
-        where nothing times better."""
+    def _replica(self, work: Sequence[tuple[float, float]], static_step: float, deadline: float):
+        """((schedule numbered by packed microbatch, the order its LLM runs them in, predicted
+        step), whether a try ended past the deadline) of one replica: the best the orders and
+        settings give by the deadline, or the plan's own where nothing times better."""
         m = self.problem.num_microbatches
-        deadline = began + self.time_limit_s
         best = (self.static, tuple(range(m)), static_step)
         # The plan's own schedule with the microbatches in another order first (one timing each),
         # then new schedules (a list scheduler's run as well).
@@ -154,20 +167,25 @@ class PerBatchScheduler:
                 kernel_level = {} if self.kernel_level else None
                 problem = self.problem.with_work([work[k] for k in perm])
                 actions = bs.greedy(problem, lookahead=setting[0], fill_only=setting[1], riders=kernel_level)
-                self._took["greedy"] = time.perf_counter() - started
+                self._expect("greedy", time.perf_counter() - started)
             schedule = (
                 relabel(actions, perm),
                 {_renumbered(a, perm): n for a, n in (kernel_level or {}).items()},
             )
             step, fits = self._timed(schedule, work)
+            if time.perf_counter() > deadline:
+                return best, True  # too late for its step
             if fits and step < best[2]:
                 best = (schedule, perm, step)
-        return best
+        return best, False
+
+    def _expect(self, what: str, took: float) -> None:
+        self._took[what] = max(took, ESTIMATE_DECAY * self._took[what])
 
     def _timed(self, schedule: Schedule, work: Sequence[tuple[float, float]]) -> tuple[float, bool]:
         started = time.perf_counter()
         out = self.evaluate(schedule, work)
-        self._took["evaluate"] = time.perf_counter() - started
+        self._expect("evaluate", time.perf_counter() - started)
         return out
 
     def _timeline(self, schedule: Schedule, work: Sequence[tuple[float, float]]) -> tuple[float, bool]:
@@ -247,8 +265,10 @@ class SimulatedStep:
     def __call__(self, schedule: Schedule, work: Sequence[tuple[float, float]]) -> tuple[float, bool]:
         actions, kernel_level = schedule
         timed = dataclasses.replace(self.plan, actions=actions, kernel_level=kernel_level)
-        sim = simulate(timed, self.layer_graph, self.cluster, costs=self.costs, work=work or None)
-        return sim.step_time_s, sim.fits_within(self.cap)
+        step, peaks = simulate_step(
+            timed, self.layer_graph, self.cluster, costs=self.costs, work=work or None
+        )
+        return step, fits(peaks, self.cap)
 
 
 def per_batch_scheduler(

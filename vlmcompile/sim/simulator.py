@@ -47,7 +47,7 @@ from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.sim import dp
 from vlmcompile.sim.in_flight import in_flight, pattern_bytes
 from vlmcompile.sim.kernel_stream import HostFill, host_fills
-from vlmcompile.sim.timeline import Timed, run_actions, transfer_between_stages
+from vlmcompile.sim.timeline import Timed, complete_order, run_actions, transfer_between_stages
 from vlmcompile.sim.units import format_ms, ms_decimals
 
 CAUSES = ("dp_all_gather", "pp_warmup", "pp_other", "pp_cooldown", "tp_comm", "dp_reduce_scatter")
@@ -231,26 +231,79 @@ def _work_scale(stages, layer_graph: LayerGraph, work) -> Callable[[Action], flo
     return scale
 
 
-def simulate(
-    plan: Plan,
-    layer_graph: LayerGraph,
-    cluster: Cluster,
-    *,
-    costs: PlanCosts | None = None,
-    work: Sequence[tuple[float, float]] | None = None,
-) -> SimResult:
-    """Execute ``plan`` on ``cluster`` under the cost model; see the module docstring.
-    ``work``: per microbatch, its (encoder, LLM) work over the microbatch the graph is annotated
-    at (variable data: each action's encoder-side and LLM-side layers scaled apart); None: every
-    microbatch as annotated."""
-    costs = costs or plan_costs(plan, layer_graph, cluster)
+@dataclass(frozen=True)
+class _Layout:
+    """What a plan's action lists fix whatever the data: who runs what, in which order, and each
+    rank's activation memory (kept per cost model: re-planning times one plan on many batches)."""
+
+    rank_of: dict[Action, int]
+    hosts: dict[Action, tuple[Action, ...]]
+    order: list[tuple[int, int, Action]]
+    peaks: dict[int, tuple[PlanCosts, list[tuple[float, int]]]] = field(default_factory=dict)
+    """id(costs) -> (those costs, per rank (activation peak, its step)); the costs are held so
+    their id is not reused while the entry lives."""
+
+    def peak_memory(self, plan: Plan, costs: PlanCosts) -> list[tuple[float, int]]:
+        held = self.peaks.get(id(costs))
+        if held is None or held[0] is not costs:
+            steps: list[list[tuple[int, Action]]] = [[] for _ in plan.actions]
+            for rank, step, a in self.order:
+                steps[rank].append((step, a))
+            held = (costs, [_peak_memory(mine, costs, self.hosts) for mine in steps])
+            if len(self.peaks) >= _LAYOUTS_KEPT:
+                del self.peaks[next(iter(self.peaks))]  # the oldest
+            self.peaks[id(costs)] = held
+        return held[1]
+
+
+_LAYOUTS: dict[tuple, _Layout] = {}
+_LAYOUTS_KEPT = 16
+
+
+def _layout(plan: Plan) -> _Layout:
+    key = (
+        plan.actions,
+        frozenset(plan.kernel_level.items()),
+        tuple(s.group for s in plan.stages),
+        plan.num_stages,
+    )
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        hosts = plan.hosts_of()
+        order = complete_order(plan.actions, plan.num_stages, plan.split_backward(), hosts)
+        layout = _Layout(plan.rank_of_action(), hosts, order)
+        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            del _LAYOUTS[next(iter(_LAYOUTS))]  # the oldest
+        _LAYOUTS[key] = layout
+    return layout
+
+
+@dataclass(frozen=True)
+class _Timed:
+    """One step's actions timed, and the DP collectives around them."""
+
+    layout: _Layout
+    timed: list[Timed]
+    waited: dict[Action, float]
+    fills: dict[Action, HostFill]
+    scale: Callable[[Action], float]
+    """An action's time over its stage's as costed (its microbatch's work)."""
+    gathers: list[dp.Collective]
+    reductions: list[dp.Collective]
+    compute_end: float
+    step_s: float
+
+
+def _time_step(plan, layer_graph, cluster, costs: PlanCosts, work) -> _Timed:
+    """The one timing of a step both :func:`simulate` and :func:`simulate_step` report."""
     stages = costs.stages
     scale = _work_scale(stages, layer_graph, work)
+    layout = _layout(plan)
     num_ranks = plan.num_ranks
     stage_layers = [tuple(dp_layer(c) for c in stage.layers) for stage in stages]
     gathered, gathers = dp.gather_times(plan.actions, stage_layers)
 
-    rank_of = plan.rank_of_action()
+    rank_of = layout.rank_of
     first_fwd_done: set[tuple[int, int]] = set()
     waited: dict[Action, float] = {}
 
@@ -262,7 +315,7 @@ def simulate(
             waited[a] = dp.parameter_wait(stage_layers[a.stage], start, gathered[rank])
         return stage.action_s(a.kind) * scale(a) + waited.get(a, 0.0)
 
-    hosts = plan.hosts_of()
+    hosts = layout.hosts
 
     def work_of(a: Action) -> tuple[float, float]:  # (compute, TP collectives)
         return stages[a.stage].compute_s(a.kind) * scale(a), stages[a.stage].tp_comm_s(a.kind) * scale(a)
@@ -280,32 +333,68 @@ def simulate(
         transfer=transfer_between_stages([s.send_fwd_s for s in stages], [s.send_bwd_s for s in stages]),
         hosts=hosts,
         fused_duration=fused,
+        order=layout.order,
     )
-    runs = [_run(t, stages[t.action.stage], waited.get(t.action, 0.0)) for t in timed]
-    if hosts:
-        runs = _kernel_level_runs(runs, hosts, fills)
-
-    backwards = [
-        (r.rank, r.action, r.start_s, r.end_s) for r in runs if r.action.kind in (ActionKind.B, ActionKind.W)
-    ]
+    backwards = [(t.rank, t.action, t.start_s, t.end_s) for t in timed if t.action.kind in _BACKWARD]
     # Our runtime (what a plan for local ranks runs on) reduces the gradients after the rank's last
     # action, in one collective per group; Megatron-LM overlaps them bucket by bucket.
     last_end = None
     if cluster.ranks_on_this_machine:
         last_end = [0.0] * num_ranks
-        for r in runs:
-            last_end[r.rank] = max(last_end[r.rank], r.end_s)
+        for t in timed:
+            last_end[t.rank] = max(last_end[t.rank], t.end_s)
     reduced_end, reductions = dp.reduction(backwards, stage_layers, num_ranks, after_last_action=last_end)
-    compute_end = max(r.end_s for r in runs)
+    compute_end = max(t.end_s for t in timed)
     step = dp.step_end(compute_end, reduced_end)
-    bubbles = _bubbles(runs, num_ranks, step, compute_end)
-    ranks = _rank_stats(plan, runs, bubbles, costs, hosts)
+    return _Timed(layout, timed, waited, fills, scale, gathers, reductions, compute_end, step)
+
+
+_BACKWARD = (ActionKind.B, ActionKind.W)
+
+
+def simulate(
+    plan: Plan,
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    *,
+    costs: PlanCosts | None = None,
+    work: Sequence[tuple[float, float]] | None = None,
+) -> SimResult:
+    """Execute ``plan`` on ``cluster`` under the cost model; see the module docstring.
+    ``work``: per microbatch, its (encoder, LLM) work over the microbatch the graph is annotated
+    at (variable data: each action's encoder-side and LLM-side layers scaled apart); None: every
+    microbatch as annotated."""
+    costs = costs or plan_costs(plan, layer_graph, cluster)
+    stages = costs.stages
+    t = _time_step(plan, layer_graph, cluster, costs, work)
+    hosts = t.layout.hosts
+    runs = [_run(x, stages[x.action.stage], t.waited.get(x.action, 0.0), t.scale(x.action)) for x in t.timed]
+    if hosts:
+        runs = _kernel_level_runs(runs, hosts, t.fills)
+    step = t.step_s
+    bubbles = _bubbles(runs, plan.num_ranks, step, t.compute_end)
+    ranks = _rank_stats(plan, runs, bubbles, costs, t.layout.peak_memory(plan, costs))
     peak = cluster.device.peak_flops_per_s
-    group_gpus = num_ranks * max(p.tp for p in plan.parallel.values())
+    group_gpus = plan.num_ranks * max(p.tp for p in plan.parallel.values())
     capacity = step * group_gpus * peak
     mfu = costs.model_flops / capacity if step > 0 else 0.0
     hfu = (costs.model_flops + costs.recompute_flops) / capacity if step > 0 else 0.0
-    return SimResult(cluster, step, tuple(runs), ranks, mfu, hfu, (*gathers, *reductions), tuple(bubbles))
+    return SimResult(cluster, step, tuple(runs), ranks, mfu, hfu, (*t.gathers, *t.reductions), tuple(bubbles))
+
+
+def simulate_step(
+    plan: Plan,
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    *,
+    costs: PlanCosts,
+    work: Sequence[tuple[float, float]] | None = None,
+) -> tuple[float, list[float]]:
+    """(step time, per rank peak memory) of :func:`simulate` without the rest of its report:
+    what re-planning a schedule for every batch times its candidates with."""
+    t = _time_step(plan, layer_graph, cluster, costs, work)
+    peaks = t.layout.peak_memory(plan, costs)
+    return t.step_s, [costs.static_bytes[r] + peaks[r][0] for r in range(plan.num_ranks)]
 
 
 def dp_layer(c: LayerCost) -> dp.DPLayer:
@@ -320,7 +409,7 @@ def dp_layer(c: LayerCost) -> dp.DPLayer:
     )
 
 
-def _run(timed: Timed, stage: StageCost, dp_wait_s: float) -> ActionRun:
+def _run(timed: Timed, stage: StageCost, dp_wait_s: float, scale: float) -> ActionRun:
     """What the action's time was spent on: compute, TP collectives, waiting for parameters."""
     kind = timed.action.kind
     return ActionRun(
@@ -329,8 +418,8 @@ def _run(timed: Timed, stage: StageCost, dp_wait_s: float) -> ActionRun:
         timed.action,
         timed.start_s,
         timed.end_s,
-        stage.compute_s(kind),
-        stage.tp_comm_s(kind),
+        stage.compute_s(kind) * scale,
+        stage.tp_comm_s(kind) * scale,
         dp_wait_s=dp_wait_s,
     )
 
@@ -383,44 +472,45 @@ def _rank_stats(
     runs: list[ActionRun],
     bubbles: list[Bubble],
     costs: PlanCosts,
-    hosts: dict[Action, tuple[Action, ...]],
+    peaks: list[tuple[float, int]],
 ) -> tuple[RankStats, ...]:
+    by_rank: list[list[ActionRun]] = [[] for _ in range(plan.num_ranks)]
+    for r in runs:
+        by_rank[r.rank].append(r)
+    idle = [dict.fromkeys(CAUSES, 0.0) for _ in range(plan.num_ranks)]
+    for b in bubbles:
+        idle[b.rank][b.cause] += b.end_s - b.start_s
     stats = []
-    for rank in range(plan.num_ranks):
-        mine = [r for r in runs if r.rank == rank]
-        idle = dict.fromkeys(CAUSES, 0.0)
-        for b in bubbles:
-            if b.rank == rank:
-                idle[b.cause] += b.end_s - b.start_s
-        idle["dp_all_gather"] += sum(r.dp_wait_s for r in mine)
-        idle["tp_comm"] += sum(r.tp_comm_s for r in mine)
+    for rank, mine in enumerate(by_rank):
+        idle[rank]["dp_all_gather"] += sum(r.dp_wait_s for r in mine)
+        idle[rank]["tp_comm"] += sum(r.tp_comm_s for r in mine)
         busy = sum(r.compute_s for r in mine)
-        peak, peak_step = _peak_memory(mine, costs, hosts)
-        stats.append(
-            RankStats(rank, busy, idle, costs.static_bytes[rank] + peak, peak_step, costs.static_bytes[rank])
-        )
+        peak, peak_step = peaks[rank]
+        static = costs.static_bytes[rank]
+        stats.append(RankStats(rank, busy, idle[rank], static + peak, peak_step, static))
     return tuple(stats)
 
 
 def _peak_memory(
-    mine: list[ActionRun], costs: PlanCosts, hosts: dict[Action, tuple[Action, ...]]
+    mine: list[tuple[int, Action]], costs: PlanCosts, hosts: dict[Action, tuple[Action, ...]]
 ) -> tuple[float, int]:
-    """The most activation bytes the rank holds while any of its actions runs
+    """The most activation bytes a rank holds while any of its actions (step, action) runs
     (:mod:`vlmcompile.sim.in_flight`), and that action's step. A kernel-level backward frees its
     microbatch's activations when its last host ends, not where it is listed."""
-    step = {r.action: r.step for r in mine}
+    step = dict((a, s) for s, a in mine)
 
-    def held_until(r: ActionRun) -> float:
-        if r.action.kind is not ActionKind.F and r.action in hosts:
-            return step[hosts[r.action][-1]] + 0.5
-        return r.step
+    def held_until(run: tuple[int, Action]) -> float:
+        s, a = run
+        if a.kind is not ActionKind.F and a in hosts:
+            return step[hosts[a][-1]] + 0.5
+        return s
 
     ordered = sorted(mine, key=held_until)
     keep = [s.act_bytes for s in costs.stages]
     transient = [s.transient_bytes for s in costs.stages]
-    peak, peak_step = 0.0, ordered[0].step if ordered else 0
-    for run, pattern in zip(ordered, in_flight([r.action for r in ordered])):
+    peak, peak_step = 0.0, ordered[0][0] if ordered else 0
+    for (s, _), pattern in zip(ordered, in_flight([a for _, a in ordered])):
         here = pattern_bytes(pattern, keep, transient)
         if here > peak:
-            peak, peak_step = here, run.step
+            peak, peak_step = here, s
     return peak, peak_step

@@ -35,6 +35,7 @@ def run_actions(
     transfer: Callable[[Action, Action], float],
     hosts: Mapping[Action, Sequence[Action]] | None = None,
     fused_duration: Callable[[Action, float], float] | None = None,
+    order: Sequence[tuple[int, int, Action]] | None = None,
 ) -> list[Timed]:
     """Every action with its start and end, in an order in which each starts after its inputs.
 
@@ -47,6 +48,8 @@ def run_actions(
         hosts: kernel-level actions -> the actions they run inside (``Plan.hosts_of``). A rider
             runs from its first host's start, which waits for the rider's inputs, to its last
             host's end; a host with riders takes ``fused_duration(host, start)``.
+        order: the lists' :func:`complete_order`, where the caller keeps it (the simulator
+            times one set of lists on many batches).
     """
     hosts = hosts or {}
     first_of: dict[Action, list[Action]] = {}
@@ -56,10 +59,8 @@ def run_actions(
         last_of.setdefault(span[-1], []).append(rider)
     spanned = {host for span in hosts.values() for host in span}
     split = frozenset(a.stage for acts in actions for a in acts if a.kind is ActionKind.I)
-    order, position = execution_order(actions, num_stages, split, hosts)
-    if len(order) < sum(len(a) for a in actions):
-        stuck = [str(acts[position[r]]) for r, acts in enumerate(actions) if position[r] < len(acts)]
-        raise PlanError(f"the action lists deadlock (next actions {stuck}); run plan.validate() for the grid")
+    if order is None:
+        order = complete_order(actions, num_stages, split, hosts)
     end: dict[Action, float] = {}
     ran_on: dict[Action, int] = {}
     free = [0.0] * len(actions)
@@ -100,6 +101,20 @@ def run_actions(
         out.append(Timed(rank, step, a, start, finish))
         free[rank] = finish
     return out
+
+
+def complete_order(
+    actions: Sequence[Sequence[Action]],
+    num_stages: int,
+    split: frozenset[int],
+    hosts: Mapping[Action, Sequence[Action]],
+) -> list[tuple[int, int, Action]]:
+    """The lists' execution order; :class:`PlanError` where they deadlock."""
+    order, position = execution_order(actions, num_stages, split, hosts)
+    if len(order) < sum(len(a) for a in actions):
+        stuck = [str(acts[position[r]]) for r, acts in enumerate(actions) if position[r] < len(acts)]
+        raise PlanError(f"the action lists deadlock (next actions {stuck}); run plan.validate() for the grid")
+    return order
 
 
 def transfer_between_stages(send_fwd_s: Sequence[float], send_bwd_s: Sequence[float]):
