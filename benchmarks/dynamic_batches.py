@@ -248,7 +248,7 @@ def _samples_needed(setup, dataset: str, batches: int) -> int:
 
 
 def run_job(args) -> dict:
-    name, dataset, batches, replicas_timed = args
+    name, dataset, batches, replicas_timed, methods = args
     setup = SETUPS[name]
     try:
         planned = plan_setup(name, dataset, _samples_needed(setup, dataset, batches))
@@ -278,7 +278,7 @@ def run_job(args) -> dict:
     }
     ours_costs = plan_costs(planned.ours, planned.graph, cluster)
     per_microbatch = busy_per_microbatch(planned, cluster, ours_costs)
-    for method in METHODS:
+    for method in methods:
         plan = (
             planned.ours if method in ("static",) or "per-batch" in method else planned.baselines.get(method)
         )
@@ -343,6 +343,9 @@ def _summary(times, samples, trained, solves, bubbles_share, scheduler, bounds) 
     if scheduler is not None:
         out["solve_mean_s"] = statistics.fmean(solves)
         out["solve_share_of_step"] = statistics.fmean(solves) / out["step_mean_s"]
+        shares = [solve / step for solve, step in zip(solves, times)]
+        out["solve_share_p95"] = Spread.of(shares).p95
+        out["solve_share_max"] = max(shares)
         out["fell_back"] = scheduler.timed_out
         out["time_limit_s"] = scheduler.time_limit_s
     return out
@@ -395,28 +398,29 @@ def assignment_table(rows: list[dict]) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = (
-        "| setup | dataset | method | step mean / p95 (s) | samples/s | tokens/s trained | vs static | of bound | solve / step |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "| setup | dataset | batches | method | step mean / p95 (s) | samples/s | tokens/s trained | vs static | of bound | solve / step |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for row in rows:
         if "note" in row:
-            lines.append(f"| {row['setup']} | {row['dataset']} | - | {row['note']} | | | | | |")
+            lines.append(f"| {row['setup']} | {row['dataset']} | - | - | {row['note']} | | | | | |")
             continue
         static = row["methods"].get("static", {}).get("tokens_per_s")
         for method, m in row["methods"].items():
             if "note" in m:
-                lines.append(f"| {row['setup']} | {row['dataset']} | {method} | {m['note']} | | | | | |")
+                lines.append(
+                    f"| {row['setup']} | {row['dataset']} | {row['batches']} | {method} | {m['note']} | | | | | |"
+                )
                 continue
             vs = f"{m['tokens_per_s'] / static:.3f}x" if static else "-"
             bound = f"{m['of_bound']:.2f}" if "of_bound" in m else "-"
-            solve = (
-                f"{100 * m['solve_share_of_step']:.1f} % ({m['fell_back']} late)"
-                if "solve_mean_s" in m
-                else "-"
-            )
+            solve = "-"
+            if "solve_mean_s" in m:
+                worst = f"max {100 * m['solve_share_max']:.1f} %, " if "solve_share_max" in m else ""
+                solve = f"{100 * m['solve_share_of_step']:.1f} % ({worst}{m['fell_back']} late)"
             lines.append(
-                f"| {row['setup']} | {row['dataset']} | {method} | {m['step_mean_s']:.2f} / {m['step_p95_s']:.2f} | "
+                f"| {row['setup']} | {row['dataset']} | {row['batches']} | {method} | {m['step_mean_s']:.2f} / {m['step_p95_s']:.2f} | "
                 f"{m['samples_per_s']:.1f} | {m['tokens_per_s'] / 1e3:.1f} K | {vs} | {bound} | {solve} |"
             )
     return head + "\n".join(lines) + "\n"
@@ -430,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setups", nargs="*", default=list(DEFAULT_SETUPS), choices=sorted(SETUPS))
     parser.add_argument("--datasets", nargs="*", default=list(DISTRIBUTIONS), choices=sorted(DISTRIBUTIONS))
     parser.add_argument("--replicas-timed", type=int, default=1, help="replicas simulated a step (default 1)")
+    parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS, help="(default: all)")
     parser.add_argument("--jobs", type=int, default=1, help="processes (default 1)")
     parser.add_argument("--json", default=str(RESULTS), help=f"result JSON (default {RESULTS})")
     parser.add_argument("--readme", action="store_true", help="write the table into benchmarks/README.md")
@@ -437,7 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches < 1 or args.replicas_timed < 1 or args.jobs < 1:
         parser.error("--batches, --replicas-timed and --jobs take positive numbers")
     began = time.perf_counter()
-    jobs = [(name, d, args.batches, args.replicas_timed) for name in args.setups for d in args.datasets]
+    methods = [m for m in METHODS if m in args.methods]
+    jobs = [
+        (name, d, args.batches, args.replicas_timed, methods) for name in args.setups for d in args.datasets
+    ]
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         assigned = pool.map_async(assignment_row, args.datasets)
         rows = []

@@ -295,8 +295,12 @@ class CompiledPipeline:
         plan = plan or self.plan
         self._re_plans(plan, True)
         rows = int(self.sample_batch[family_of(self.model).image_keys[0]].shape[0])
-        scheduler = per_batch_scheduler(plan, self.layer_graph, self.cluster, time_limit_s=time_limit_s)
-        return RowsScheduler(scheduler, rows, runnable_degrees(plan).dp)
+        replicas = runnable_degrees(plan).dp
+        # Rank 0 re-plans every replica's schedule: the step's share of time is theirs together.
+        scheduler = per_batch_scheduler(
+            plan, self.layer_graph, self.cluster, time_limit_s=time_limit_s, replicas_per_host=replicas
+        )
+        return RowsScheduler(scheduler, rows, replicas)
 
     def _re_plans(self, plan: Plan, asked: bool | None) -> bool:
         """Whether steps of ``plan`` get schedules of their own; asked for where none can be made:

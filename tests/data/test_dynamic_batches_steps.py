@@ -44,3 +44,38 @@ def test_packed_steps_take_every_sample_once_within_the_budget(method):
         bench.packed_steps(SampleSizes(sizes.llm_tokens[:30], sizes.vision_rows[:30]), planned, 20, method)
     megatron = bench.megatron_steps(sizes, planned, 3)
     assert [len(mb) for mb in megatron[0]] == [2] * 8 and megatron[1][0] == [16, 17]
+
+
+def test_no_simulated_step_beats_its_bound(demo_graph):
+    # The bound each method is reported against: the LLM alone, or the step's whole compute
+    # spread over every rank; a step under it would make the figure meaningless.
+    from vlmcompile.cost_models.cluster import Cluster
+    from vlmcompile.cost_models.stage_costs import plan_costs
+    from vlmcompile.passes.bubbles import bubbles
+    from vlmcompile.planning.request import PlanRequest, SolverOptions
+    from vlmcompile.sim.simulator import simulate
+
+    bench = _module()
+    cluster = Cluster.preset("h100x2")
+    request = PlanRequest.on(cluster, tp=1, pp=2, global_batch=8)
+    made = bubbles(demo_graph, cluster, request, solver=SolverOptions(time_limit_s=4, workers=1))
+    plan = made.plan
+    planned = SimpleNamespace(
+        ours=plan,
+        graph=demo_graph,
+        microbatches=plan.num_microbatches,
+        replicas=1,
+        llm_alone_s=made.report.llm_alone_step_s,
+    )
+    costs = plan_costs(plan, demo_graph, cluster)
+    per_microbatch = bench.busy_per_microbatch(planned, cluster, costs)
+    assert all(side > 0 for side in per_microbatch)
+    rng = np.random.default_rng(0)
+    tight = 0.0
+    for _ in range(6):
+        work = [(float(e), 1.0) for e in rng.uniform(0.0, 4.0, plan.num_microbatches)]
+        step = simulate(plan, demo_graph, cluster, costs=costs, work=work).step_time_s
+        bound = bench.step_bound(work, per_microbatch, planned)
+        assert bound <= step * (1 + 1e-9)
+        tight = max(tight, bound / step)
+    assert tight > 0.5  # a bound, not a figure far below every step

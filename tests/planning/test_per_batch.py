@@ -4,6 +4,7 @@ used (and counted) when re-planning overruns its limit."""
 
 from __future__ import annotations
 
+import gc
 import pickle
 import time
 
@@ -12,7 +13,7 @@ import pytest
 from tests.planning.test_bubble_schedule import make_problem
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.planning import bubble_schedule as bs
-from vlmcompile.planning.per_batch import PerBatchScheduler, ordered, packed_work, relabel
+from vlmcompile.planning.per_batch import SOLVE_SHARE, PerBatchScheduler, ordered, packed_work, relabel
 
 
 def _problem(microbatches=6):
@@ -89,22 +90,59 @@ def test_a_re_planning_over_its_time_limit_runs_the_last_good_schedule_and_is_co
 def test_a_try_that_ends_past_the_limit_is_not_used_and_none_is_started_that_would():
     problem = _problem()
     static = _static(problem)
-    timed = []
+    timed, slow = [], []
 
     def slow_after_the_first(schedule, work):  # the plan's own timing fast, every try slow
         timed.append(schedule)
-        if schedule[0] is not static:
+        if slow and schedule[0] is not static:
             time.sleep(0.3)
-        return scheduler._timeline(schedule, work)
+        timed_on = problem.with_work(work) if work else problem
+        evaluation = bs.evaluate_schedule(timed_on, schedule[0])
+        return evaluation.step_s(timed_on), evaluation.fits
 
     scheduler = PerBatchScheduler(problem, (static, {}), evaluate=slow_after_the_first, time_limit_s=0.2)
+    slow.append(True)  # slower than the estimates measured at the start said
+    timed.clear()
     heavy_first = [(4.0, 1.0), (3.0, 1.0)] + [(0.2, 1.0)] * 4  # re-planned faster given the time
     batch = scheduler.schedule([heavy_first])
-    assert (batch.source, batch.actions, scheduler.timed_out) == ("static", (static,), 1)
+    assert (batch.source, batch.actions, batch.late, scheduler.timed_out) == ("static", (static,), 1, 1)
     assert len(timed) == 2  # the plan's own, then one try that ran late
     # Tries now take 0.3 s, over the limit: none starts, and nothing ran late.
     batch = scheduler.schedule([heavy_first])
-    assert (batch.source, len(timed), scheduler.timed_out) == ("static", 3, 1)
+    assert (batch.source, len(timed), batch.late, scheduler.timed_out) == ("static", 3, 0, 1)
+
+
+def test_the_default_limit_is_a_share_of_the_step_split_over_the_replicas_one_host_plans():
+    problem = _problem()
+    one = PerBatchScheduler(problem, (_static(problem), {}))
+    two = PerBatchScheduler(problem, (_static(problem), {}), replicas_per_host=2)
+    step = bs.evaluate_schedule(problem, _static(problem)).step_s(problem)
+    assert one.time_limit_s == pytest.approx(SOLVE_SHARE * step) and SOLVE_SHARE < 0.05
+    assert two.time_limit_s == pytest.approx(one.time_limit_s / 2)
+
+
+def test_garbage_collection_waits_for_a_solve_and_a_callers_pause_is_kept():
+    problem = _problem()
+    static = _static(problem)
+    seen = []
+
+    def evaluate(schedule, work):
+        seen.append(gc.isenabled())
+        timed_on = problem.with_work(work) if work else problem
+        evaluation = bs.evaluate_schedule(timed_on, schedule[0])
+        return evaluation.step_s(timed_on), evaluation.fits
+
+    scheduler = PerBatchScheduler(problem, (static, {}), evaluate=evaluate, time_limit_s=60)
+    assert gc.isenabled()
+    seen.clear()
+    scheduler.schedule([[(2.0, 1.0)] + [(0.5, 1.0)] * 5])
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        scheduler.schedule([[(2.0, 1.0)] + [(0.5, 1.0)] * 5])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_replicas_get_schedules_of_their_own():

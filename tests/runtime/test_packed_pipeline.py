@@ -166,16 +166,15 @@ def test_twenty_adamw_steps_on_variable_data_equal_eager(compiled):
             unhurried = pipe.rows_scheduler(time_limit_s=60)
             schedules = {unhurried(steps._image_rows(k)).actions for k in range(4)}
             assert len(schedules) > 2, "batches of other image rows get other schedules"
-            steps.schedule = pipe.rows_scheduler()  # within 5 % of the planned step, as trained
+            steps.schedule = pipe.rows_scheduler()  # within 4 % of the planned step, as trained
             runner.per_batch_schedules = True
         cases.append((runner, steps, pipe.throughput(runner)))
         expected[name] = eager_training(copy.deepcopy(model), PaddedSteps(pipe.packed_steps(batches)), config)
     results = launch(_train_every_case, cases, 2, args=(config,), timeout_s=60)[0]
     for name, (got, schedules) in zip(compiled, results):
-        if name == "demo":  # a step whose re-planning ran late runs the last good schedule
-            assert "re-planned" in schedules and set(schedules) <= {"re-planned", "static", "last good"}, (
-                schedules
-            )
+        if name == "demo":  # a step whose re-planning ran late says so
+            sources = {s.removesuffix(" (late)") for s in schedules}
+            assert "re-planned" in sources and sources <= {"re-planned", "static", "last good"}, schedules
         else:
             assert schedules == [None] * 20, (name, schedules)
         got, want = torch.tensor(got), torch.tensor(expected[name])

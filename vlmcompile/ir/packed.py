@@ -78,10 +78,13 @@ class BatchPlan:
     solve_s: float
     source: str
     """``re-planned``, ``static`` (the plan's own actions timed best) or ``last good`` (the
-    re-planning overran its time limit)."""
+    re-planning timed nothing by its limit)."""
     kernel_level: tuple[Mapping[Action, int], ...] = ()
     """Per replica, its encoder actions run inside LLM actions' TP gaps (see
     ``Plan.kernel_level``); empty: none."""
+    late: int = 0
+    """Replicas whose re-planning overran its time limit: a try that ended past it went unused
+    (``last good``: not even the plan's own timing was done by then)."""
 
     @property
     def gain(self) -> float:

@@ -22,7 +22,9 @@ that runs it (:class:`~vlmcompile.data.steps.PackedSteps`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,7 +73,9 @@ class PerBatchScheduler:
     evaluate: Evaluate | None = None
     time_limit_s: float | None = None
     """Per replica (on a cluster each replica's host solves its own); None: :data:`SOLVE_SHARE`
-    of the static schedule's step as costed."""
+    of the static schedule's step as costed, shared by the ``replicas_per_host``."""
+    replicas_per_host: int = 1
+    """Replicas one host re-plans in turn (the local launcher's rank 0 plans every replica's)."""
     settings: tuple[tuple[int, bool], ...] = SETTINGS
     orders: tuple[str, ...] = ORDERS
     kernel_level: bool = False
@@ -81,8 +85,9 @@ class PerBatchScheduler:
     """Replica schedules whose re-planning overran the limit (a late try not used, or no timing
     by the limit: the last good schedule)."""
     planned: int = 0
-    _took: dict = field(default_factory=lambda: {"evaluate": 0.0, "greedy": 0.0}, repr=False)
-    """Seconds a timing and a list scheduler's run are expected to take (:data:`ESTIMATE_DECAY`)."""
+    _took: dict = field(default_factory=dict, repr=False)
+    """Seconds a timing ("evaluate") and a list scheduler's run (per setting) are expected to
+    take: measured once at the start, then the longest lately (:data:`ESTIMATE_DECAY`)."""
 
     def __post_init__(self):
         if len(self.static[0]) != self.problem.num_ranks:
@@ -92,11 +97,38 @@ class PerBatchScheduler:
         if self.evaluate is None:
             self.evaluate = self._timeline
         if self.time_limit_s is None:
-            self.time_limit_s = SOLVE_SHARE * self.evaluate(self.static, ())[0]
+            self.time_limit_s = SOLVE_SHARE * self.evaluate(self.static, ())[0] / self.replicas_per_host
+        if not self._took:
+            self._seed_estimates()
+
+    def _seed_estimates(self) -> None:
+        """Each try's time, measured once on the plan's own microbatches: without it the first
+        batch would start every try and run late (the list scheduler's settings differ several
+        fold, and a timing of actions not timed before takes longer than the plan's own)."""
+        for setting in self.settings:
+            started = time.perf_counter()
+            riders = {} if self.kernel_level else None
+            bs.greedy(self.problem, lookahead=setting[0], fill_only=setting[1], riders=riders)
+            self._took[setting] = time.perf_counter() - started
+        reverse = tuple(reversed(range(self.problem.num_microbatches)))
+        actions, kernel_level = self.static
+        started = time.perf_counter()
+        self.evaluate(
+            (
+                relabel(actions, reverse),
+                {_renumbered(a, reverse): n for a, n in (kernel_level or {}).items()},
+            ),
+            (),
+        )
+        self._took["evaluate"] = time.perf_counter() - started
 
     def schedule(self, work: Sequence[Sequence[tuple[float, float]]]) -> BatchPlan:
         """The schedule of one batch: ``work[d][j]`` is replica ``d``'s microbatch ``j``'s
         (encoder, LLM) work over the costed microbatch."""
+        with _collection_deferred():
+            return self._schedule(work)
+
+    def _schedule(self, work: Sequence[Sequence[tuple[float, float]]]) -> BatchPlan:
         began = time.perf_counter()
         m = self.problem.num_microbatches
         if any(len(w) != m for w in work):
@@ -107,7 +139,9 @@ class PerBatchScheduler:
         for d, w in enumerate(work):
             start = time.perf_counter()
             deadline = start + self.time_limit_s
-            own = self._timed(self.static, w)[0]
+            # Not counted in the estimate of a try: the plan's own schedule times faster, its
+            # execution order and memory kept from the batch before (sim.simulator's layout).
+            own = self.evaluate(self.static, w)[0]
             static = max(static, own)
             if time.perf_counter() > deadline:
                 # Not even the plan's own timing by the limit: the last good schedule (the plan's
@@ -143,6 +177,7 @@ class PerBatchScheduler:
             time.perf_counter() - began,
             source,
             tuple(dict(c[0][1]) for c in chosen),
+            late + fell_back,
         )
 
     def _replica(self, work: Sequence[tuple[float, float]], static_step: float, deadline: float):
@@ -156,9 +191,9 @@ class PerBatchScheduler:
         tries = [(order, None) for order in self.orders[1:]]
         tries += [(order, setting) for order in self.orders for setting in self.settings]
         for order, setting in tries:
-            need = self._took["evaluate"] + (self._took["greedy"] if setting else 0.0)
+            need = self._took["evaluate"] + (self._took[setting] if setting else 0.0)
             if time.perf_counter() + need > deadline:
-                break
+                continue  # a cheaper try may still fit
             perm = ordered(work, order)
             if setting is None:
                 actions, kernel_level = self.static
@@ -167,7 +202,7 @@ class PerBatchScheduler:
                 kernel_level = {} if self.kernel_level else None
                 problem = self.problem.with_work([work[k] for k in perm])
                 actions = bs.greedy(problem, lookahead=setting[0], fill_only=setting[1], riders=kernel_level)
-                self._expect("greedy", time.perf_counter() - started)
+                self._expect(setting, time.perf_counter() - started)
             schedule = (
                 relabel(actions, perm),
                 {_renumbered(a, perm): n for a, n in (kernel_level or {}).items()},
@@ -179,7 +214,7 @@ class PerBatchScheduler:
                 best = (schedule, perm, step)
         return best, False
 
-    def _expect(self, what: str, took: float) -> None:
+    def _expect(self, what, took: float) -> None:
         self._took[what] = max(took, ESTIMATE_DECAY * self._took[what])
 
     def _timed(self, schedule: Schedule, work: Sequence[tuple[float, float]]) -> tuple[float, bool]:
@@ -192,6 +227,22 @@ class PerBatchScheduler:
         problem = self.problem.with_work(work) if work else self.problem
         evaluation = bs.evaluate_schedule(problem, schedule[0])
         return evaluation.step_s(problem), evaluation.fits
+
+
+@contextlib.contextmanager
+def _collection_deferred():
+    """Python's automatic garbage collection paused while one batch is re-planned: a collection
+    of the whole heap lands inside a solve now and then (0.29 s of a 0.18 s limit at Optimus
+    scale here, the heap a training process holds) and takes it past its limit. The garbage is
+    collected when collection resumes; a caller that had paused it keeps it paused (Megatron-LM's
+    ``--manual-gc`` pauses it for the same reason)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def ordered(work: Sequence[tuple[float, float]], order: str) -> tuple[int, ...]:
@@ -272,7 +323,12 @@ class SimulatedStep:
 
 
 def per_batch_scheduler(
-    plan: Plan, layer_graph: LayerGraph, cluster: Cluster, *, time_limit_s: float | None = None
+    plan: Plan,
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    *,
+    time_limit_s: float | None = None,
+    replicas_per_host: int = 1,
 ) -> PerBatchScheduler:
     """The per-batch scheduler of a plan whose encoders have a plan of their own, its stages
     costed on ``layer_graph`` (annotated at the microbatch the work factors are relative to)."""
@@ -285,5 +341,6 @@ def per_batch_scheduler(
         (plan.actions, plan.kernel_level),
         SimulatedStep(plan, layer_graph, cluster, costs, cap),
         time_limit_s=time_limit_s,
+        replicas_per_host=replicas_per_host,
         kernel_level=any(s.fwd_tp or s.bwd_tp for s in problem.stages),
     )

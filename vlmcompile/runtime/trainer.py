@@ -176,7 +176,8 @@ class StepMetrics:
     moved to the next step."""
     schedule: str | None = None
     """Where the step's schedule came from (``re-planned``, ``static``, ``last good``: see
-    :class:`~vlmcompile.ir.packed.BatchPlan`); None: the plan's, not re-planned."""
+    :class:`~vlmcompile.ir.packed.BatchPlan`; `` (late)`` where a try overran the time limit and
+    went unused); None: the plan's, not re-planned."""
     planned_step_s: float | None = None
     """The cost model's step for this batch under its schedule (a prediction)."""
     solve_s: float | None = None
@@ -306,7 +307,8 @@ def _schedule_metrics(batch: Any) -> dict[str, Any]:
     planned = getattr(batch, "schedule", None)
     if planned is None:
         return {}
-    return {"schedule": planned.source, "planned_step_s": planned.step_s, "solve_s": planned.solve_s}
+    source = planned.source + (" (late)" if planned.late and planned.source != "last good" else "")
+    return {"schedule": source, "planned_step_s": planned.step_s, "solve_s": planned.solve_s}
 
 
 def claim_for(config: TrainConfig, checkpoint_bytes: int | None):
