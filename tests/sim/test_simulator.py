@@ -253,3 +253,17 @@ def test_a_microbatchs_work_scales_its_encoder_and_llm_layers_apart(demo_graph):
     )
     span = runs[0, "F", 0].end_s - runs[0, "F", 0].start_s
     assert span > base_runs[0, "F", 0].end_s - base_runs[0, "F", 0].start_s
+
+
+def test_a_plan_whose_action_lists_are_lists_is_timed_like_its_tuples(demo_graph):
+    # The simulator keeps a layout per action lists across calls: a plan built with lists (not
+    # hashable) must still be timed, and alike.
+    from tests.pipeline_helpers import even_plan
+    from vlmcompile.cost_models.cluster import Cluster
+
+    cluster = Cluster.preset("h100x2")
+    plan = even_plan(demo_graph, pp=2, global_batch=4)
+    listed = dataclasses.replace(plan, actions=[list(acts) for acts in plan.actions])
+    assert (
+        simulate(listed, demo_graph, cluster).step_time_s == simulate(plan, demo_graph, cluster).step_time_s
+    )

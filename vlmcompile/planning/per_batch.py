@@ -111,15 +111,8 @@ class PerBatchScheduler:
             bs.greedy(self.problem, lookahead=setting[0], fill_only=setting[1], riders=riders)
             self._took[setting] = time.perf_counter() - started
         reverse = tuple(reversed(range(self.problem.num_microbatches)))
-        actions, kernel_level = self.static
         started = time.perf_counter()
-        self.evaluate(
-            (
-                relabel(actions, reverse),
-                {_renumbered(a, reverse): n for a, n in (kernel_level or {}).items()},
-            ),
-            (),
-        )
+        self.evaluate(_relabelled(*self.static, reverse), ())
         self._took["evaluate"] = time.perf_counter() - started
 
     def schedule(self, work: Sequence[Sequence[tuple[float, float]]]) -> BatchPlan:
@@ -203,10 +196,7 @@ class PerBatchScheduler:
                 problem = self.problem.with_work([work[k] for k in perm])
                 actions = bs.greedy(problem, lookahead=setting[0], fill_only=setting[1], riders=kernel_level)
                 self._expect(setting, time.perf_counter() - started)
-            schedule = (
-                relabel(actions, perm),
-                {_renumbered(a, perm): n for a, n in (kernel_level or {}).items()},
-            )
+            schedule = _relabelled(actions, kernel_level, perm)
             step, fits = self._timed(schedule, work)
             if time.perf_counter() > deadline:
                 return best, True  # too late for its step
@@ -279,6 +269,11 @@ def relabel(actions: bs.RankActions, order: Sequence[int]) -> bs.RankActions:
 
 def _renumbered(a: Action, order: Sequence[int]) -> Action:
     return Action(a.stage, a.kind, order[a.microbatch])
+
+
+def _relabelled(actions: bs.RankActions, kernel_level: Mapping[Action, int] | None, order) -> Schedule:
+    """A schedule made in ``order`` (see :func:`relabel`), its kernel-level marks renumbered too."""
+    return relabel(actions, order), {_renumbered(a, order): n for a, n in (kernel_level or {}).items()}
 
 
 @dataclass

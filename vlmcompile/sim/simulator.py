@@ -30,6 +30,7 @@ Busy time plus the idle causes equals the step time on every rank (the tests che
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -250,20 +251,28 @@ class _Layout:
             for rank, step, a in self.order:
                 steps[rank].append((step, a))
             held = (costs, [_peak_memory(mine, costs, self.hosts) for mine in steps])
-            if len(self.peaks) >= _LAYOUTS_KEPT:
-                del self.peaks[next(iter(self.peaks))]  # the oldest
-            self.peaks[id(costs)] = held
+            _keep(self.peaks, id(costs), held)
         return held[1]
 
 
 _LAYOUTS: dict[tuple, _Layout] = {}
 _LAYOUTS_KEPT = 16
+_CACHE_LOCK = threading.Lock()
+"""Re-planning times schedules on a thread of its own (one batch ahead of the step)."""
+
+
+def _keep(cache: dict, key, value) -> None:
+    """``cache[key] = value``, the oldest entry dropped past :data:`_LAYOUTS_KEPT`."""
+    with _CACHE_LOCK:
+        if len(cache) >= _LAYOUTS_KEPT:
+            cache.pop(next(iter(cache)), None)
+        cache[key] = value
 
 
 def _layout(plan: Plan) -> _Layout:
     key = (
-        plan.actions,
-        frozenset(plan.kernel_level.items()),
+        tuple(tuple(acts) for acts in plan.actions),  # a plan built with lists is timed too
+        frozenset((plan.kernel_level or {}).items()),
         tuple(s.group for s in plan.stages),
         plan.num_stages,
     )
@@ -272,9 +281,7 @@ def _layout(plan: Plan) -> _Layout:
         hosts = plan.hosts_of()
         order = complete_order(plan.actions, plan.num_stages, plan.split_backward(), hosts)
         layout = _Layout(plan.rank_of_action(), hosts, order)
-        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
-            del _LAYOUTS[next(iter(_LAYOUTS))]  # the oldest
-        _LAYOUTS[key] = layout
+        _keep(_LAYOUTS, key, layout)
     return layout
 
 
