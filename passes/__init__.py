@@ -15,6 +15,7 @@
 | torchtitan_vlm.py    | torchtitan_vlm    | baseline | torchtitan's pipeline_vlm split, the encoder on stage 0, first_stage_less_layers tuned |
 | mimo_colocated.py    | mimo_colocated    | baseline | Megatron MIMO's colocated layout: every module on every rank, no pipeline |
 | codegen.py           | codegen           | codegen  | one module per stage of a plan, split out of the captured graph, recompute applied |
+| codegen_towers.py    | codegen           | codegen  | a contrastive model's two tower modules and loss scalars, cut where capture found the coupled loss |
 | policies.py          | (the registry)    | planning | every policy as a :class:`~vlmcompile.planning.policy.Policy`; run one, compare them, search |
 
 Graph passes are built and run by :mod:`vlmcompile.compiler`; planning passes take the

@@ -26,6 +26,7 @@ import torch.fx as fx
 from tabulate import tabulate
 from torch import nn
 
+from vlmcompile.graph.coupling import CouplingCut, find_coupling
 from vlmcompile.graph.export import (
     DATA_DEPENDENT_HELP,
     WRAPPED,
@@ -44,6 +45,7 @@ from vlmcompile.ir.errors import CaptureError, ModelError, SampleBatchError
 from vlmcompile.ir.meta_keys import (
     BLOCK_LAYERS_META,
     CAPTURE_OPTIONS_META,
+    COUPLING_META,
     LAYER_META,
     LAYER_ORDER_META,
     LOSS_SPLIT_META,
@@ -82,6 +84,8 @@ class CaptureReport:
     """'equal to eager (max abs diff ...)', or why the check was skipped."""
     loss_split: LossSplitCheck = LossSplitCheck(LossSplit.UNCHECKED, "not checked")
     """Whether the loss of a batch is the weighted sum of its samples' (see vlmcompile/graph/loss_split.py)."""
+    coupling: CouplingCut | None = None
+    """For a loss that couples the samples: the contrastive loss found, or why none (graph/coupling.py)."""
     runtime_checks: tuple[str, ...] = ()
     """Runtime assertions export inserted (they hold on the sample batch; the runtime runs them)."""
     specialized: Specialization | None = None
@@ -98,6 +102,13 @@ class CaptureReport:
             lines.append(f"  {self.packed}")
         lines.append(f"  numerics: {self.numerics}")
         lines.append(f"  loss over microbatches: {self.loss_split}")
+        if self.coupling is not None:
+            found = self.coupling.loss
+            lines.append(
+                f"  coupled loss: {found.detail}; towers microbatched, loss on the whole batch"
+                if found
+                else f"  coupled loss: not shardable ({self.coupling.refusal}): one microbatch, DP = 1"
+            )
         if self.specialized:
             lines.append(
                 f"  specialised on the values of {list(self.specialized.keys)} (every batch must bring the "
@@ -315,6 +326,10 @@ def capture(
     gm.meta[LOSS_SPLIT_META] = loss_split = loss_split or LossSplitCheck(
         LossSplit.UNCHECKED, "check_numerics=False"
     )
+    coupling = None
+    if loss_split.verdict is LossSplit.BATCH_COUPLED:
+        # Where the samples meet, and whether it is a contrastive loss the runtime can shard.
+        gm.meta[COUPLING_META] = coupling = find_coupling(gm, batch)
 
     report = CaptureReport(
         model=type(model).__name__,
@@ -324,6 +339,7 @@ def capture(
         layers=layers,
         numerics=numerics,
         loss_split=loss_split,
+        coupling=coupling,
         runtime_checks=graph.checks,
         specialized=specialized,
     )

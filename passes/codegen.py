@@ -22,6 +22,7 @@ import torch.fx as fx
 from tabulate import tabulate
 from torch import nn
 
+from vlmcompile.graph.subgraph import extract
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.meta_keys import (
     CAPTURE_OPTIONS_META,
@@ -94,20 +95,7 @@ def _loss_node(gm: fx.GraphModule) -> fx.Node:
 
 
 def _build_layer_module(gm: fx.GraphModule, nodes: list[fx.Node], outputs: list[fx.Node], name: str):
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inside = set(nodes)
-    inputs: list[fx.Node] = []
-    for n in nodes:
-        for p in n.all_input_nodes:
-            if p not in inside and p not in env:
-                env[p] = graph.placeholder(p.name)
-                env[p].meta = dict(p.meta)
-                inputs.append(p)
-        env[n] = graph.node_copy(n, lambda p: env[p])
-    graph.output(tuple(env[o] for o in outputs))
-    module = LayerModule(gm, graph, class_name=f"Layer_{name.replace('.', '_')}")
-    return module, inputs
+    return extract(gm, nodes, outputs, module_class=LayerModule, class_name=f"Layer_{name.replace('.', '_')}")
 
 
 def layer_modules(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, list[str], list[str]]]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from vlmcompile import models
 
@@ -26,3 +29,42 @@ def build(name: str, batch_size: int = 2):
 
 
 ALL = ZOO + [pytest.param(n, marks=[needs_transformers, pytest.mark.hf]) for n in HF]
+
+
+class TwoTowers(nn.Module):
+    """Two small towers under a loss of choice (the variants a user might bring)."""
+
+    def __init__(self, loss: str = "infonce", batchnorm: bool = False, batch_max: bool = False):
+        super().__init__()
+        layers = [nn.Linear(12, 8)] + ([nn.BatchNorm1d(8)] if batchnorm else [])
+        self.vision = nn.Sequential(*layers)
+        self.text = nn.Embedding(20, 8)
+        self.logit_scale = nn.Parameter(torch.tensor(1.5))
+        self.loss = loss
+        self.batch_max = batch_max
+
+    def forward(self, pixel_values, input_ids, labels):
+        image = self.vision(pixel_values)
+        if self.batch_max:  # a statistic over the batch that swapping one sample may not show
+            image = image / image.abs().amax()
+        image = F.normalize(image + 1, dim=-1) if self.batch_max else F.normalize(image, dim=-1)
+        text = F.normalize(self.text(input_ids).mean(1), dim=-1)
+        if self.loss == "one-tower":
+            text = image.flip(0)
+        logits = self.logit_scale.exp() * image @ text.t()
+        targets = labels if self.loss == "labels" else torch.arange(logits.shape[0])
+        if self.loss == "one-way":
+            return F.cross_entropy(logits, targets)
+        return (F.cross_entropy(logits, targets) + F.cross_entropy(logits.t(), targets)) / 2
+
+
+TWO_TOWER_REGIONS = {"vision": "vision", "text": "text"}
+
+
+def two_tower_batch(n=4):
+    g = torch.Generator().manual_seed(0)
+    return {
+        "pixel_values": torch.randn(n, 12, generator=g),
+        "input_ids": torch.randint(0, 20, (n, 5), generator=g),
+        "labels": torch.randperm(n, generator=g),
+    }

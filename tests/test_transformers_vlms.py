@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - without transformers the module is ski
     ATTENTION, BUILDERS = (), {}
 
 FAMILIES = list(BUILDERS)
+CONTRASTIVE = {"hf-clip", "hf-siglip"}
 # Where the transformers classes keep each part (their module paths, from their modeling files):
 # a layer's region is that of the longest path it sits under.
 PARTS = {
@@ -118,7 +119,10 @@ def _every_step(runners: dict, batches: dict) -> dict:
 def launched(compiled):
     """(family, attention) -> each rank's loss and gradients, all cases in one launch."""
     ok = {case: c for case, c in compiled.items() if not isinstance(c, Exception)}
-    runners = {case: pipe.runner(timeout_s=60) for case, (_, _, pipe) in ok.items()}
+    runners = {
+        case: pipe.runner(timeout_s=60) if pipe.plan is not None else pipe.contrastive_step(timeout_s=60)
+        for case, (_, _, pipe) in ok.items()
+    }
     batches = {case: dict(batch) for case, (_, batch, _) in ok.items()}
     per_rank = launch(_every_step, runners, 2, args=(batches,), timeout_s=60)
     return {case: [rank[case] for rank in per_rank] for case in ok}
@@ -145,9 +149,11 @@ def test_compiles_for_cpu_ranks_with_its_regions(compiled, name, record_property
     misplaced = [(lr.layer, lr.region, expected_region(lr.layer)) for lr in layers]
     misplaced = [m for m in misplaced if m[1] is not m[2]]
     assert not misplaced, misplaced
-    assert pipe.plan is not None and pipe.plan.pipeline_parallel.tp == 1
-    assert pipe.planned.fits
-    if name != "hf-clip":  # two towers and a coupled loss: no LLM pipeline to put encoder work into
+    if name in CONTRASTIVE:  # two towers and a coupled loss: no LLM pipeline to put encoder work into
+        assert pipe.plan is None and pipe.tower_plan is not None and pipe.tower_step is not None
+    else:
+        assert pipe.plan is not None and pipe.plan.pipeline_parallel.tp == 1
+        assert pipe.planned.fits
         # The encoders and projectors lead the captured order (transformers embeds the text
         # first), so an encoder-in-bubbles plan applies.
         assert encoder_layer_count(pipe.layer_graph) == sum(lr.region in ENCODER_SIDE for lr in layers), [
@@ -180,11 +186,13 @@ def test_compiles_on_meta_for_8_gpus_with_the_real_runs_figures(compiled, name):
     assert meta_layers == real_layers
 
 
-def test_a_batch_coupled_loss_is_planned_as_one_microbatch(compiled):
-    _, batch, pipe = _pipeline(compiled, ("hf-clip", "sdpa"))
-    assert pipe.report.passes["capture"].loss_split.verdict.value == "batch-coupled"
-    plan = pipe.plan
-    assert plan.num_microbatches == 1 and plan.microbatch_size == len(batch["input_ids"])
-    assert plan.parallel["model"].dp == 1
-    assert any(d.reason.value == "loss_coupled" for d in plan.decisions)
+@pytest.mark.parametrize(("name", "kind"), [("hf-clip", "infonce"), ("hf-siglip", "sigmoid")])
+def test_a_contrastive_loss_is_planned_as_towers_and_a_whole_batch_loss(compiled, name, kind):
+    _, batch, pipe = _pipeline(compiled, (name, "sdpa"))
+    capture = pipe.report.passes["capture"]
+    assert capture.loss_split.verdict.value == "batch-coupled"
+    assert capture.coupling.loss is not None and capture.coupling.loss.kind.value == kind
+    plan = pipe.tower_plan
+    assert plan.num_ranks == 2 and plan.global_batch == len(batch["input_ids"])
+    assert [d.reason.value for d in plan.decisions] == ["coupled_loss_sharded", "tower_memory"]
     assert torch.is_tensor(batch["input_ids"]) and batch["return_loss"] is True

@@ -39,18 +39,22 @@ from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
 from vlmcompile.ir.errors import ClusterError, VlmCompileError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, OUTPUT_META, PACKED_META
+from vlmcompile.ir.meta_keys import COUPLING_META, LOSS_SPLIT_META, OUTPUT_META, PACKED_META
 from vlmcompile.ir.plan import Decision, Reason
 from vlmcompile.ir.regions import Region
+from vlmcompile.ir.tower_plan import TowerPlan
 from vlmcompile.pass_runner import Pass, PassRunner
 from vlmcompile.passes.annotate import TensorMode, annotate
 from vlmcompile.passes.capture import CaptureMethod, capture
 from vlmcompile.passes.capture_packed import capture_packed
 from vlmcompile.passes.codegen import CodegenResult, codegen_for
+from vlmcompile.passes.codegen_towers import codegen_towers
 from vlmcompile.passes.policies import search_and_compare
 from vlmcompile.passes.profile import profile
 from vlmcompile.pipeline import CompiledPipeline, CompileReport
 from vlmcompile.planning.request import SearchSpace, SolverOptions
+from vlmcompile.planning.towers import plan_towers
+from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.executor import RUNTIME
 
 
@@ -67,6 +71,9 @@ class CompileState:
     layer_graph: LayerGraph | None = None
     planned: Any = None
     codegen: CodegenResult | None = None
+    tower_plan: TowerPlan | None = None
+    """A contrastive model's plan (then ``planned`` stays None)."""
+    tower_step: ContrastiveStep | None = None
     samples: list | None = None
     """Samples of different shapes (a list given as the sample batch): packed capture."""
     tokens_per_microbatch: int | None = None
@@ -191,6 +198,19 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
         graph = _expected_time(state)
     check = state.gm.meta.get(LOSS_SPLIT_META)
     coupled = check is not None and check.verdict is LossSplit.BATCH_COUPLED
+    cut = state.gm.meta.get(COUPLING_META)
+    if coupled and cut is not None and cut.loss is not None:
+        # A contrastive loss: towers microbatched over every rank, the loss on the whole batch.
+        state.tower_plan = plan_towers(
+            state.layer_graph,
+            state.cluster,
+            cut.loss,
+            global_batch=global_batch,
+            embedding_width=cut.loss.width,
+            microbatches=space.tower_microbatches,
+        )
+        state.reports["plan"] = state.tower_plan
+        return
     if coupled:
         # A loss that couples the samples trains right only on the whole batch at once.
         space = dataclasses.replace(space, microbatch_sizes=(global_batch,), dp_choices=(1,))
@@ -218,6 +238,12 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
 
 
 def _codegen_pass(state: CompileState) -> None:
+    if state.tower_plan is not None and not _on_meta(state):
+        state.tower_step, report = codegen_towers(
+            state.gm, state.tower_plan, model=state.model, sample_batch=state.sample_batch
+        )
+        state.reports["codegen"] = report
+        return
     if state.planned is None:
         state.reports["codegen"] = "no plan: nothing to split"
         return
@@ -324,6 +350,8 @@ def _pipeline(state: CompileState, run) -> CompiledPipeline:
         cluster=state.cluster,
         planned=state.planned,
         codegen=state.codegen,
+        tower_plan=state.tower_plan,
+        tower_step=state.tower_step,
         model=state.model,
         sample_batch=dict(state.sample_batch),
     )

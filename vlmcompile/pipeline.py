@@ -34,8 +34,10 @@ from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, PACKED_META, SPECIALIZED_ME
 from vlmcompile.ir.microbatch import rows_per_sample
 from vlmcompile.ir.packed import PackedBatch, PackedLayout
 from vlmcompile.ir.regions import LANGUAGE_REGIONS
+from vlmcompile.ir.tower_plan import TowerPlan
 from vlmcompile.pass_runner import RunReport
 from vlmcompile.passes.codegen import CodegenResult, codegen_for
+from vlmcompile.passes.codegen_towers import codegen_towers
 from vlmcompile.passes.policies import plan_and_simulate
 from vlmcompile.planning.per_batch import RowsScheduler, per_batch_scheduler
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
@@ -43,6 +45,7 @@ from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
 from vlmcompile.runtime import preemption
 from vlmcompile.runtime.checkpoint_dir import checkpoint_bytes
+from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.data import GlobalBatches
 from vlmcompile.runtime.executor import PipelineRunner, runnable_degrees
 from vlmcompile.runtime.launch import check_launchable, launch
@@ -92,6 +95,11 @@ class CompiledPipeline:
     """The codegen pass's stage modules for :attr:`plan` (None without a plan, or on meta tensors)."""
     model: nn.Module | None = None
     sample_batch: Mapping[str, Any] = field(default_factory=dict)
+    tower_plan: TowerPlan | None = None
+    """For a contrastive two-tower model: the plan of its step (towers microbatched, the loss on the
+    whole batch); then :attr:`planned` is None."""
+    tower_step: ContrastiveStep | None = None
+    """The codegen pass's step for :attr:`tower_plan` (None on meta tensors)."""
     _runners: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -111,6 +119,10 @@ class CompiledPipeline:
         with the same global batch); returns the loss. Gradients land in the ``.grad`` of
         ``self.parameters()``. A pipeline compiled for samples of different shapes takes the
         step's samples as a list (:meth:`pack`)."""
+        if self.plan is None and self.tower_plan is not None:
+            if "towers" not in self._runners:
+                self._runners["towers"] = self.tower_step or self.contrastive_step()
+            return self._runners["towers"].step(batch)
         runner = self._default_runner()
         if self.packed is not None and not isinstance(batch, PackedBatch):
             batch = self.pack(batch, runner.plan)
@@ -186,7 +198,10 @@ class CompiledPipeline:
         timeout_s: float = 60.0,
     ) -> list[Any]:
         """Start the plan's ranks on this machine and run ``fn(runner, *args)`` on each (default:
-        one training step on the sample batch, returning the loss); results in rank order."""
+        one training step on the sample batch, returning the loss); results in rank order. A
+        contrastive model's :class:`TowerPlan` runs the same way, ``fn(step, *args)``."""
+        if isinstance(plan, TowerPlan) or (plan is None and self.tower_plan is not None):
+            return self._launch_towers(fn, plan, nprocs=nprocs, args=args, timeout_s=timeout_s)
         runner = self.runner(plan, timeout_s=timeout_s)
         world = runner.parallel.world_size
         check_launchable(world, timeout_s)
@@ -201,6 +216,37 @@ class CompiledPipeline:
             if isinstance(value, Mapping) and any(isinstance(v, torch.Tensor) for v in value.values()):
                 runner.check_batch(value)
         return launch(fn, runner, world, args=args, timeout_s=timeout_s)
+
+    def contrastive_step(self, plan: TowerPlan | None = None, *, timeout_s: float = 60.0) -> ContrastiveStep:
+        """The step of ``plan`` (default: :attr:`tower_plan`) for this contrastive model."""
+        plan = plan or self.tower_plan
+        if plan is None:
+            raise PlanError(
+                "no contrastive plan: the model's loss is not a contrastive loss capture could shard "
+                "(see pipe.report), or it was compiled without a cluster"
+            )
+        if self.model is None or _on_meta_batch(self.sample_batch):
+            raise PlanError("the contrastive step needs the model's real weights and a real sample batch")
+        step, _ = codegen_towers(
+            self.gm, plan, model=self.model, sample_batch=self.sample_batch, timeout_s=timeout_s
+        )
+        return step
+
+    def _launch_towers(self, fn, plan, *, nprocs, args, timeout_s) -> list[Any]:
+        plan = plan or self.tower_plan
+        if plan is self.tower_plan and self.tower_step is not None and self.tower_step.timeout_s == timeout_s:
+            step = self.tower_step
+        else:
+            step = self.contrastive_step(plan, timeout_s=timeout_s)
+        check_launchable(plan.num_ranks, timeout_s)
+        if nprocs is not None and nprocs != plan.num_ranks:
+            raise ArgumentError(
+                f"the contrastive plan runs on {plan.num_ranks} ranks; nprocs={nprocs} - launch "
+                f"{plan.num_ranks} or compile for cluster='cpu:{nprocs}'"
+            )
+        if fn is None:
+            fn, args = one_step, (dict(self.sample_batch),)
+        return launch(fn, step, plan.num_ranks, args=args, timeout_s=timeout_s)
 
     def train(
         self,
@@ -229,6 +275,7 @@ class CompiledPipeline:
         (:mod:`vlmcompile.planning.per_batch`); None: where the pipeline is packed and its plan
         gives the encoders a plan of their own. Returns this rank's result (rank 0's when
         launched)."""
+        _no_towers_in_train(self if plan is None else None)
         runner = self.runner(plan, timeout_s=timeout_s)
         data = self._training_data(runner, data, per_batch_schedule)
         on_gpu = _on_gpu(device)
@@ -505,6 +552,19 @@ def check_cluster_size(plan: Plan, compiled_for: Cluster | None = None) -> Paral
                 "for the cluster you run on"
             )
     return parallel
+
+
+def _no_towers_in_train(pipe: CompiledPipeline | None) -> None:
+    if pipe is not None and pipe.plan is None and pipe.tower_plan is not None:
+        raise PlanError(
+            "train() does not run contrastive two-tower steps yet (no checkpoints or LR schedule for "
+            "them); train with your own loop: pipe.launch(fn) runs fn(step, ...) on every rank, and "
+            "step.step(batch) is one exact step (see tests/runtime/test_contrastive.py's sgd_steps)"
+        )
+
+
+def _on_meta_batch(batch: Mapping[str, Any]) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in batch.values())
 
 
 def _on_gpu(device: str | torch.device | None) -> bool:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.models import build
+from tests.models import TWO_TOWER_REGIONS, TwoTowers, build, two_tower_batch
 from tests.pipeline_helpers import check_equal_to_eager, even_plan
 from vlmcompile import compile
 from vlmcompile.graph.loss_split import LossSplit, check_loss_split
@@ -60,10 +60,16 @@ def test_the_runtime_refuses_a_plan_that_splits_a_coupled_batch():
         pipe.runner(plan)
 
 
+def _batchnorm_towers():
+    """A coupled loss that cannot be sharded (BatchNorm mixes the samples inside a tower)."""
+    model, batch = TwoTowers(batchnorm=True), two_tower_batch()
+    return model, batch, compile(model, batch, "cpu:2", region_overrides=TWO_TOWER_REGIONS, log=None)
+
+
 def test_the_coupled_loss_decision_is_in_the_plan_its_report_and_its_json(tmp_path):
     # One owner for the plan: the decision added after the search reaches every view of it.
-    model, batch = build("tiny-contrastive", batch_size=4)
-    pipe = compile(model, batch, "cpu:2", log=None)
+    _, _, pipe = _batchnorm_towers()
+    assert pipe.tower_plan is None and "meet inside a tower" in str(pipe.report)
     said = [d for d in pipe.plan.decisions if d.reason is Reason.LOSS_COUPLED]
     assert len(said) == 1
     assert f"[loss_coupled] {said[0].subject}: {said[0].detail}" in str(pipe.report)
@@ -73,9 +79,8 @@ def test_the_coupled_loss_decision_is_in_the_plan_its_report_and_its_json(tmp_pa
 
 
 @pytest.mark.multiproc
-def test_compile_plans_a_coupled_loss_as_one_microbatch_that_trains_like_eager():
-    model, batch = build("tiny-contrastive", batch_size=4)
-    pipe = compile(model, batch, "cpu:2", log=None)
+def test_compile_plans_a_coupled_loss_it_cannot_shard_as_one_microbatch_that_trains_like_eager():
+    model, batch, pipe = _batchnorm_towers()
     assert pipe.plan.num_microbatches == 1 and pipe.plan.pipeline_parallel.dp == 1
     check_equal_to_eager(model, batch, pipe.launch(timeout_s=30))
 

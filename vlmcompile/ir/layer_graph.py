@@ -218,8 +218,8 @@ class LayerGraph:
                     _flops(t["fwd_flops"]),
                     _flops(t["bwd_flops"]),
                     f"{100 * t['fwd_flops'] / total_fwd:.1f}",
-                    _bytes(t["saved_bytes"]),
-                    _bytes(t["saved_bytes_recompute"]),
+                    format_bytes(t["saved_bytes"]),
+                    format_bytes(t["saved_bytes_recompute"]),
                 ]
             )
         t = self.totals()
@@ -233,8 +233,8 @@ class LayerGraph:
                 _flops(t["fwd_flops"]),
                 _flops(t["bwd_flops"]),
                 "100.0",
-                _bytes(t["saved_bytes"]),
-                _bytes(t["saved_bytes_recompute"]),
+                format_bytes(t["saved_bytes"]),
+                format_bytes(t["saved_bytes_recompute"]),
             ]
         )
         return tabulate(
@@ -275,9 +275,9 @@ class LayerGraph:
                     format_count(layer.num_params),
                     _flops(layer.fwd_flops),
                     _flops(layer.bwd_flops),
-                    _bytes(layer.saved_bytes),
-                    _bytes(layer.saved_bytes_recompute),
-                    _bytes(layer.boundary_fwd_bytes),
+                    format_bytes(layer.saved_bytes),
+                    format_bytes(layer.saved_bytes_recompute),
+                    format_bytes(layer.boundary_fwd_bytes),
                     ", ".join(str(o) for o in layer.outputs[:2]) + (" ..." if len(layer.outputs) > 2 else ""),
                 ]
             )
@@ -360,7 +360,8 @@ def _flops(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """1.50 GiB, 12.00 MiB, 512 B."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"

@@ -83,6 +83,10 @@ class Reason(str, enum.Enum):
     """The loss couples the samples of a batch: one microbatch on one data-parallel rank."""
     PACKED = "packed"
     """Samples of different shapes packed into microbatches of a fixed token budget."""
+    COUPLED_LOSS_SHARDED = "coupled_loss_sharded"
+    """A contrastive loss computed on the whole global batch, its rows sharded over the ranks."""
+    TOWER_MEMORY = "tower_memory"
+    """Microbatches and activation policy of a contrastive step, chosen by memory."""
 
 
 @dataclass(frozen=True, slots=True)

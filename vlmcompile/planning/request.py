@@ -179,6 +179,9 @@ class SearchSpace:
     microbatch_sizes: tuple[int, ...] = (1, 2, 4)
     v_choices: tuple[int, ...] = (1, 2, 4)
     """Virtual stages per rank; v > 1 only where the microbatches divide over the PP ranks."""
+    tower_microbatches: int | None = None
+    """Contrastive two-tower models: microbatches each rank runs its samples in (default: the
+    fewest that fit its memory)."""
     round_up_global_batch: bool = False
     """Packed microbatches: the global batch is the least a step needs, and each candidate takes
     it up to the next multiple of its DP x microbatch size (x PP for v > 1): more microbatches

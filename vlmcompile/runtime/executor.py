@@ -27,8 +27,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
-import functools
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,17 +39,9 @@ from vlmcompile.ir.errors import PlanError, VlmCompileError
 from vlmcompile.ir.microbatch import label_weights, take
 from vlmcompile.ir.packed import BatchPlan, PackedBatch, PackedLayout
 from vlmcompile.ir.plan import Parallel, Plan
+from vlmcompile.runtime.collectives import Deadline, RankLostError, sum_gradients
 from vlmcompile.runtime.stage import StageModule, move_stage
 from vlmcompile.runtime.transfers import Transfer, transfer_order
-
-
-class RankLostError(VlmCompileError, RuntimeError):
-    """A peer rank died, hung or failed while this rank waited for it (``peer``: its global rank,
-    None for a collective over a group)."""
-
-    def __init__(self, message: str, peer: int | None = None):
-        super().__init__(message)
-        self.peer = peer
 
 
 class BatchError(VlmCompileError, ValueError):
@@ -937,20 +927,10 @@ class PipelineRunner:
             into.append((work, f"{what} {direction} rank {peer}", peer))
 
     def _wait(self, work, what: str, peer: int | None = None) -> None:
-        start = time.monotonic()
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as err:
-            waited = time.monotonic() - start
-            cause = "timed out" if waited >= 0.9 * self.timeout_s else "the connection failed"
-            raise self._lost(f"{cause} after {waited:.1f} s waiting for {what}", err, peer) from None
+        Deadline(self.rank, self.timeout_s).wait(work, what, peer)
 
     def _lost(self, what: str, err: BaseException, peer: int | None) -> RankLostError:
-        return RankLostError(
-            f"rank {self.rank}: {what}; that rank died, hung or failed (see its own error). "
-            f"{dist.get_backend()} said: {(str(err).splitlines() or [''])[0][:200]}",
-            peer,
-        )
+        return Deadline(self.rank, self.timeout_s).lost(what, err, peer)
 
     def _reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         for group, tied in self.tied:
@@ -962,36 +942,7 @@ class PipelineRunner:
         )
 
     def _all_reduce_flat(self, params: Sequence[torch.nn.Parameter], group: Any, what: str) -> None:
-        """Sum the gradients of ``params`` over ``group`` in one collective (one per tensor would
-        pay the collective's latency per tensor). Every member reduces the same list: a parameter
-        without a gradient here (its stage ran no microbatch, or only ones without label tokens)
-        may have one on another member, so it takes zeros, and one count per parameter rides
-        along: a parameter no member has a gradient for keeps ``grad = None``, as in eager (where
-        AdamW then skips it: no weight decay, no state)."""
-        params = [p for p in params if p.requires_grad]  # frozen: no gradient, as in eager
-        if not params:
-            return
-        present = [p.grad is not None for p in params]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        # One buffer per group, kept across steps: a fresh one costs page faults every step.
-        numel = sum(g.numel() for g in grads)
-        dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
-        flat = self._flat.get(id(group))
-        if flat is None or flat.numel() != numel + len(grads) or flat.dtype != dtype:
-            flat = self._flat[id(group)] = torch.empty(numel + len(grads), dtype=dtype, device=self.device)
-        torch.cat([g.reshape(-1) for g in grads], out=flat[:numel])
-        flat[numel:].copy_(torch.tensor(present, dtype=dtype))
-        self._wait(dist.all_reduce(flat, group=group, async_op=True), what)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        for p, holders in zip(params, flat[numel:].tolist()):
-            if holders == 0:
-                p.grad = None
+        sum_gradients(params, group, Deadline(self.rank, self.timeout_s), what, self._flat, self.device)
 
 
 def drop_unused_gradients(params: Sequence[torch.nn.Parameter]) -> None:

@@ -36,6 +36,7 @@ BUILDERS: dict[str, Callable[..., tuple[nn.Module, dict[str, torch.Tensor]]]] = 
     "hf-llama4": projector_vlms.llama4,
     "hf-blip2": other_vlms.blip2,
     "hf-clip": other_vlms.clip,
+    "hf-siglip": other_vlms.siglip,
 }
 """Zoo name -> builder; the transformers class of each is the model's type."""
 

@@ -1,0 +1,93 @@
+"""Planning a contrastive step by memory: activations kept in one microbatch when they fit, else
+recomputed in the fewest microbatches that fit, else refused; a count the caller gives is kept."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.models import build
+from vlmcompile import compile
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.ir.errors import ArgumentError
+from vlmcompile.ir.tower_plan import MemoryPolicy, SampleSplit
+from vlmcompile.planning.towers import plan_towers, tower_memory
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    model, batch = build("tiny-contrastive", batch_size=8)
+    return compile(model, batch, "cpu:2", log=None)
+
+
+def _with_memory(mem_bytes: float) -> Cluster:
+    cluster = Cluster.preset("cpu:2")
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, mem_bytes=int(mem_bytes)))
+
+
+def _need(pipe, memory, microbatches):
+    split = SampleSplit.even(8, 2, microbatches)
+    return tower_memory(
+        pipe.layer_graph, split, memory, embedding_width=pipe.tower_plan.loss.width, tile_rows=4
+    ).total
+
+
+def test_activations_are_kept_in_one_microbatch_when_they_fit(compiled):
+    plan = compiled.tower_plan
+    assert plan.memory is MemoryPolicy.KEEP and plan.split.microbatches == ((4,), (4,))
+    assert [d.reason.value for d in plan.decisions] == ["coupled_loss_sharded", "tower_memory"]
+
+
+def test_recompute_in_the_fewest_microbatches_that_fit(compiled):
+    keep, two = _need(compiled, MemoryPolicy.KEEP, 1), _need(compiled, MemoryPolicy.RECOMPUTE, 2)
+    assert two < keep
+    cluster = _with_memory((keep + two) / 2 / usable_memory_bytes(1.0))
+    plan = plan_towers(
+        compiled.layer_graph,
+        cluster,
+        compiled.tower_plan.loss,
+        global_batch=8,
+        embedding_width=16,
+        tile_rows=4,
+    )
+    assert plan.memory is MemoryPolicy.RECOMPUTE and plan.split.microbatches == ((2, 2), (2, 2))
+
+
+def test_towers_that_fit_nowhere_are_refused(compiled):
+    with pytest.raises(ArgumentError, match="do not fit .* give more devices or fewer samples"):
+        plan_towers(
+            compiled.layer_graph,
+            _with_memory(1e3),
+            compiled.tower_plan.loss,
+            global_batch=8,
+            embedding_width=16,
+        )
+
+
+def test_a_microbatch_count_given_is_kept_or_refused(compiled):
+    loss = compiled.tower_plan.loss
+    plan = plan_towers(
+        compiled.layer_graph,
+        Cluster.preset("cpu:2"),
+        loss,
+        global_batch=8,
+        embedding_width=16,
+        microbatches=3,
+    )
+    assert plan.split.microbatches == ((2, 1, 1), (2, 1, 1))
+    with pytest.raises(ArgumentError, match="cannot fill 2 ranks x 5 microbatches"):
+        plan_towers(
+            compiled.layer_graph,
+            Cluster.preset("cpu:2"),
+            loss,
+            global_batch=8,
+            embedding_width=16,
+            microbatches=5,
+        )
+
+
+def test_a_split_that_leaves_a_rank_without_samples_is_refused():
+    with pytest.raises(ValueError, match="leave a rank or a microbatch without samples"):
+        SampleSplit(3, (0, 3), ((1, 1, 1), ()))

@@ -1,0 +1,172 @@
+"""The plan of a contrastive two-tower step (:mod:`vlmcompile.runtime.contrastive` runs it).
+
+Which ranks embed which samples of the global batch and in how many microbatches, what a rank
+keeps between its tower forwards and the loss (``keep`` every microbatch's activations, or
+``recompute`` them in the backward phase as GradCache does), and how many rows of the loss a
+rank computes at once (``tile_rows``: its memory is ``tile_rows x N`` similarities).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from vlmcompile.ir.coupled_loss import CoupledLoss
+from vlmcompile.ir.errors import ArgumentError
+from vlmcompile.ir.layer_graph import format_bytes
+from vlmcompile.ir.plan import Decision
+
+
+class MemoryPolicy(str, enum.Enum):
+    KEEP = "keep"
+    """Every microbatch's tower activations stay until its backward (memory: all of them)."""
+    RECOMPUTE = "recompute"
+    """Tower forwards without activations; each runs again before its backward (memory: one
+    microbatch's, for a second forward)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSplit:
+    """Which samples of the global batch each rank embeds, and in which microbatches."""
+
+    num_samples: int
+    first_sample: tuple[int, ...]
+    """Per rank: its first sample (ranks hold consecutive runs, in rank order)."""
+    microbatches: tuple[tuple[int, ...], ...]
+    """Per rank: its microbatches' sizes."""
+
+    def __post_init__(self):
+        counts = [sum(m) for m in self.microbatches]
+        expected = [sum(counts[:r]) for r in range(len(counts))]
+        if list(self.first_sample) != expected or sum(counts) != self.num_samples:
+            raise ValueError(
+                f"ranks hold samples from {list(self.first_sample)} in microbatches {self.microbatches}: "
+                f"not consecutive runs covering {self.num_samples} samples"
+            )
+        if any(size < 1 for m in self.microbatches for size in m) or any(not m for m in self.microbatches):
+            raise ValueError(
+                f"microbatches {self.microbatches} leave a rank or a microbatch without samples; every rank "
+                "takes part in the loss phase with samples of its own"
+            )
+
+    @classmethod
+    def even(cls, num_samples: int, num_ranks: int, microbatches_per_rank: int) -> SampleSplit:
+        """As even as the counts allow: the first ``num_samples % num_ranks`` ranks hold one sample
+        more, and within a rank the first microbatches do.
+
+        Raises:
+            ArgumentError: fewer samples than ranks x microbatches.
+        """
+        if num_samples < num_ranks * microbatches_per_rank:
+            raise ArgumentError(
+                f"a global batch of {num_samples} samples cannot fill {num_ranks} ranks x "
+                f"{microbatches_per_rank} microbatches; give at least {num_ranks * microbatches_per_rank} "
+                "samples a step, or fewer microbatches"
+            )
+        counts = _near_equal(num_samples, num_ranks)
+        return cls(
+            num_samples,
+            tuple(sum(counts[:r]) for r in range(num_ranks)),
+            tuple(tuple(_near_equal(c, microbatches_per_rank)) for c in counts),
+        )
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.microbatches)
+
+    def count(self, rank: int) -> int:
+        return sum(self.microbatches[rank])
+
+    @property
+    def sizes(self) -> frozenset[int]:
+        return frozenset(s for m in self.microbatches for s in m)
+
+
+def _near_equal(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+@dataclass(frozen=True, slots=True)
+class TowerStepCost:
+    """A contrastive step's predicted seconds on its busiest rank, by phase, and what its loss
+    phase moves and holds (a cost model's prediction, not a measurement)."""
+
+    towers_fwd_s: float
+    towers_bwd_s: float
+    """Both towers' backward; with ``recompute``, their forward run again is in it."""
+    loss_s: float
+    """The loss phase's compute: the rank's rows of similarities, forward and backward."""
+    gather_s: float
+    scatter_s: float
+    grad_reduce_s: float
+    gather_bytes: float
+    """Both embeddings of the whole batch, gathered onto every rank."""
+    scatter_bytes: float
+    """The gathered embeddings' gradients, reduce-scattered back to their owners."""
+    loss_mem_bytes: float
+    """The loss phase's memory on a rank: the gathered embeddings and one tile of similarities."""
+    mem_bytes: float
+    """The busiest rank's peak: model states, activations and the loss phase."""
+
+    @property
+    def step_s(self) -> float:
+        return (
+            self.towers_fwd_s
+            + self.loss_s
+            + self.gather_s
+            + self.scatter_s
+            + self.towers_bwd_s
+            + self.grad_reduce_s
+        )
+
+    @property
+    def loss_phase_s(self) -> float:
+        return self.loss_s + self.gather_s + self.scatter_s
+
+
+@dataclass(frozen=True, slots=True)
+class TowerPlan:
+    """Everything the contrastive step needs, and why it was chosen."""
+
+    loss: CoupledLoss
+    split: SampleSplit
+    memory: MemoryPolicy = MemoryPolicy.KEEP
+    tile_rows: int = 4096
+    decisions: tuple[Decision, ...] = field(default_factory=tuple)
+    predicted: TowerStepCost | None = None
+
+    def __post_init__(self):
+        if self.tile_rows < 1:
+            raise ArgumentError(f"tile_rows={self.tile_rows}; give a positive number of loss rows a tile")
+        object.__setattr__(self, "memory", MemoryPolicy(self.memory))
+
+    @property
+    def num_ranks(self) -> int:
+        return self.split.num_ranks
+
+    @property
+    def global_batch(self) -> int:
+        return self.split.num_samples
+
+    def __str__(self) -> str:
+        counts = [self.split.count(r) for r in range(self.num_ranks)]
+        lines = [
+            f"contrastive step: {self.global_batch} samples on {self.num_ranks} ranks (both towers on each), "
+            f"samples per rank {counts}, microbatches {[list(m) for m in self.split.microbatches]}",
+            f"  {self.loss.kind} loss on the whole batch, rows sharded over the ranks, tiles of "
+            f"{self.tile_rows} rows; activations: {self.memory}",
+        ]
+        lines += [f"  {d.subject}: {d.detail}" for d in self.decisions]
+        p = self.predicted
+        if p is not None:
+            lines.append(
+                f"  predicted step {p.step_s * 1e3:.2f} ms: tower forwards {p.towers_fwd_s * 1e3:.2f}, loss phase "
+                f"{p.loss_phase_s * 1e3:.2f} (compute {p.loss_s * 1e3:.2f}, all-gather of {format_bytes(p.gather_bytes)} "
+                f"{p.gather_s * 1e3:.2f}, reduce-scatter of {format_bytes(p.scatter_bytes)} {p.scatter_s * 1e3:.2f}; "
+                f"{format_bytes(p.loss_mem_bytes)} a rank), tower backwards {p.towers_bwd_s * 1e3:.2f}, gradient "
+                f"all-reduce {p.grad_reduce_s * 1e3:.2f}; peak memory {format_bytes(p.mem_bytes)} (simulated)"
+            )
+        return "\n".join(lines)

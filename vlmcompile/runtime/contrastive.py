@@ -1,0 +1,315 @@
+"""One exact training step of a two-tower model whose contrastive loss couples the global batch.
+
+Three phases (DESIGN.md, "Coupled losses"; DistMM's batch-sync instruction, GradCache):
+
+1. **Towers.** Each rank runs its samples' microbatches through both towers and keeps the two
+   embeddings of each (``keep``: with their autograd graphs; ``recompute``: without, under
+   ``no_grad``, the RNG state noted to replay them).
+2. **Loss.** Every rank gathers both embeddings of the whole global batch, computes the loss
+   term of its own samples' rows (:func:`vlmcompile.ir.coupled_loss.rows_loss`, in tiles of
+   ``tile_rows`` rows so no rank holds an ``N x N`` matrix), and the gradients of the gathered
+   embeddings go back to the ranks that own those rows by reduce-scatter. The loss of the batch
+   is the sum of the ranks' terms. Never a loss per microbatch.
+3. **Backward.** Each microbatch's embeddings are seeded with their rows of the gradient (the
+   ``recompute`` policy runs their forward again first), then the gradients are summed over the
+   ranks: each rank's are its share of the gradient of one loss, so a sum, not a mean.
+
+The result equals eager training on the whole global batch, for any split of the samples over
+ranks and microbatches, when the towers draw no random numbers (dropout draws others for a
+microbatch than for the whole batch; ``recompute`` replays each microbatch's own).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from vlmcompile.ir.coupled_loss import rows_loss
+from vlmcompile.ir.errors import ArgumentError
+from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
+from vlmcompile.ir.tower_plan import MemoryPolicy, TowerPlan
+from vlmcompile.runtime.collectives import Deadline, sum_gradients
+from vlmcompile.runtime.executor import BatchError
+
+
+@dataclass(frozen=True, slots=True)
+class Tower:
+    """One tower as a module: batch inputs (``batch_inputs``, in argument order) -> (embedding,)."""
+
+    module: fx.GraphModule
+    batch_inputs: tuple[str, ...]
+
+
+class ContrastiveStep:
+    """A rank's share of the step (module docstring). Built by the contrastive codegen; every rank
+    gets the same object and calls :meth:`step` with the same global batch."""
+
+    def __init__(
+        self,
+        towers: Mapping[int, tuple[Tower, Tower]],
+        scalars: fx.GraphModule | None,
+        plan: TowerPlan,
+        *,
+        timeout_s: float = 60.0,
+        prefix: str = "",
+        sample_layout: Mapping[str, Any] | None = None,
+    ):
+        missing = sorted(plan.split.sizes - set(towers))
+        if missing:
+            raise ArgumentError(f"no tower modules for microbatches of {missing} samples")
+        self.towers = dict(towers)
+        self.scalars = scalars
+        self.plan = plan
+        self.loss = plan.loss
+        self.split = plan.split
+        self.recompute = plan.memory is MemoryPolicy.RECOMPUTE
+        self.tile_rows = plan.tile_rows
+        self.timeout_s = timeout_s
+        self.prefix = prefix
+        self._buffers: dict[int, torch.Tensor] = {}
+        self.sample_layout = dict(sample_layout or {})
+        """Batch key -> (a sample's shape, dtype) for tensors, the value itself for Python values:
+        what the towers were captured for."""
+        self.last_phases_s: dict[str, float] = {}
+        """This rank's measured seconds of each phase of the last step."""
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """One step on this rank: returns the loss of the whole global batch. The step's gradient
+        (the ranks' shares summed) is added to ``.grad``, as eager ``loss.backward()`` adds to it;
+        what ``.grad`` held before is set aside meanwhile, so it is not summed over the ranks again."""
+        self.check_batch(batch)
+        rank, world = _rank_and_world(self.split.num_ranks)
+        params = self.parameters()
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        deadline = Deadline(rank, self.timeout_s)
+        clock = [time.perf_counter()]
+        microbatches = self._microbatches(batch, rank)
+        embeddings, rng = self._tower_forwards(microbatches)
+        local = [torch.cat([e[t] for e in embeddings]).detach() for t in (0, 1)]
+        clock.append(time.perf_counter())
+        loss, local_grads = self._loss_phase(local, rank, world, deadline)
+        clock.append(time.perf_counter())
+        self._tower_backwards(microbatches, embeddings, rng, local_grads)
+        clock.append(time.perf_counter())
+        sum_gradients(params, None, deadline, f"the gradient all-reduce over {world} ranks", self._buffers)
+        for p, before in zip(params, earlier):
+            if before is not None:
+                p.grad = before if p.grad is None else before + p.grad
+        clock.append(time.perf_counter())
+        self.last_phases_s = dict(
+            zip(
+                ("towers_fwd", "loss_phase", "towers_bwd", "grad_reduce"),
+                (b - a for a, b in zip(clock, clock[1:])),
+            )
+        )
+        return loss
+
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """Refuse a batch the towers were not captured for, naming the key and what was expected.
+
+        Raises:
+            BatchError: a key missing or extra, another sample shape or dtype, another Python
+                value, or another number of samples than the plan's.
+        """
+        if num_samples(batch) != self.split.num_samples:
+            raise BatchError(
+                f"the batch holds {num_samples(batch)} samples; the step was planned for {self.split.num_samples}"
+            )
+        extra = sorted(set(batch) - set(self.sample_layout))
+        if self.sample_layout and extra:
+            raise BatchError(f"the batch has keys {extra} the compiled sample batch did not have")
+        for key, expected in self.sample_layout.items():
+            got = batch.get(key, "missing")
+            if isinstance(expected, tuple) and len(expected) == 2 and isinstance(expected[1], torch.dtype):
+                if not isinstance(got, torch.Tensor) or (tuple(got.shape[1:]), got.dtype) != expected:
+                    shown = f"{list(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else repr(got)
+                    raise BatchError(
+                        f"batch[{key!r}] is {shown}; the towers expect {list(expected[0])} {expected[1]} a sample "
+                        "(as in the compiled sample batch)"
+                    )
+            elif got is not expected and got != expected:
+                raise BatchError(
+                    f"batch[{key!r}] is {got!r}; the towers were compiled with {expected!r}: pass the same value"
+                )
+
+    def _microbatches(self, batch: Mapping[str, Any], rank: int) -> list[dict[str, Any]]:
+        rows = rows_per_sample(batch)
+        start, out = self.split.first_sample[rank], []
+        for size in self.split.microbatches[rank]:
+            out.append(take(batch, start, size, rows))
+            start += size
+        return out
+
+    def _run_towers(self, microbatch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        size = num_samples(microbatch)
+        outs = []
+        for tower in self.towers[size]:
+            out = tower.module(*[microbatch[k] for k in tower.batch_inputs])
+            outs.append(out[0] if isinstance(out, (tuple, list)) else out)
+        return outs[0], outs[1]
+
+    def _tower_forwards(self, microbatches):
+        embeddings, rng = [], []
+        for mb in microbatches:
+            if self.recompute:
+                rng.append(_rng_state())
+                with torch.no_grad():
+                    embeddings.append(self._run_towers(mb))
+            else:
+                embeddings.append(self._run_towers(mb))
+        return embeddings, rng
+
+    def _tower_backwards(self, microbatches, embeddings, rng, local_grads) -> None:
+        offset = 0
+        after = _rng_state()
+        for k, mb in enumerate(microbatches):
+            size = num_samples(mb)
+            grads = [g[offset : offset + size] for g in local_grads]
+            offset += size
+            if self.recompute:
+                _set_rng_state(rng[k])  # the same dropout masks as the forward that was dropped
+                outs = self._run_towers(mb)
+            else:
+                outs = embeddings[k]
+            # A frozen tower's embedding needs no backward (nothing below it trains).
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        _set_rng_state(after)
+
+    # -- the loss phase ------------------------------------------------------------------------
+
+    def _loss_phase(
+        self, local: list[torch.Tensor], rank: int, world: int, deadline: Deadline
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The loss of the global batch, and this rank's rows of both embeddings' gradients."""
+        gathered = [self._gather(x, world, deadline, f"embedding {t}") for t, x in enumerate(local)]
+        scale, bias, scalar_outs = self._scalars()
+        first = self.split.first_sample[rank]
+        columns = [g.requires_grad_() for g in gathered]
+        row_grads = [torch.zeros_like(x) for x in local]
+        total = torch.zeros((), dtype=torch.float64, device=local[0].device)
+        for r, c in self.loss.directions():
+            for i in range(0, local[r].shape[0], self.tile_rows):
+                rows = local[r][i : i + self.tile_rows].detach().requires_grad_()
+                term = rows_loss(
+                    self.loss.kind, rows, columns[c], first + i, self.split.num_samples, scale, bias
+                )
+                term.backward()
+                row_grads[r][i : i + rows.shape[0]] += rows.grad
+                total += term.detach().double()
+        # Every rank scatters the same columns (those some direction reads), whatever its rows.
+        for t in sorted({c for _, c in self.loss.directions()}):
+            grad = columns[t].grad if columns[t].grad is not None else torch.zeros_like(columns[t])
+            row_grads[t] += self._scatter(grad, rank, world, deadline, f"embedding {t}'s gradient")
+        pairs = [(out, leaf) for out, leaf in zip(scalar_outs, (x for x in (scale, bias) if x is not None))]
+        pairs = [(out, leaf.grad) for out, leaf in pairs if out.requires_grad and leaf.grad is not None]
+        if pairs:  # a frozen scale or bias takes no gradient
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        deadline.wait(dist.all_reduce(total, async_op=True), "the loss all-reduce")
+        return total.to(local[0].dtype), row_grads
+
+    def _scalars(self):
+        """The loss's trainable scalars (scale, bias) as leaves of the loss phase, and the outputs of
+        the module that made them (their gradients go back through it once)."""
+        if self.scalars is None:
+            return None, None, []
+        outs = list(self.scalars())
+        leaves = iter(o.detach().requires_grad_() for o in outs)
+        names = [n for n in (self.loss.scale, self.loss.bias) if n is not None]
+        values = dict(zip(names, leaves))
+        return values.get(self.loss.scale), values.get(self.loss.bias), outs
+
+    def _gather(self, local: torch.Tensor, world: int, deadline: Deadline, what: str) -> torch.Tensor:
+        """Every rank's rows, in rank order (padded to the largest count for the collective)."""
+        width = max(self.split.count(r) for r in range(world))
+        padded = local.new_zeros((width, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        deadline.wait(dist.all_gather(parts, padded, async_op=True), f"the all-gather of {what}")
+        return torch.cat([p[: self.split.count(r)] for r, p in enumerate(parts)]).detach()
+
+    def _scatter(
+        self, full: torch.Tensor, rank: int, world: int, deadline: Deadline, what: str
+    ) -> torch.Tensor:
+        """The sum over ranks of ``full``'s rows that ``rank`` owns."""
+        width = max(self.split.count(r) for r in range(world))
+        blocks = []
+        for r in range(world):
+            block = full.new_zeros((width, *full.shape[1:]))
+            start = self.split.first_sample[r]
+            block[: self.split.count(r)] = full[start : start + self.split.count(r)]
+            blocks.append(block)
+        out = torch.empty_like(blocks[0])
+        deadline.wait(dist.reduce_scatter(out, blocks, async_op=True), f"the reduce-scatter of {what}")
+        return out[: self.split.count(rank)]
+
+    # -- names ---------------------------------------------------------------------------------
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """The original model's parameter name -> the parameter here (each parameter once), as
+        :meth:`~vlmcompile.runtime.executor.PipelineRunner.named_parameters`."""
+        out: dict[str, nn.Parameter] = {}
+        modules = [t.module for pair in self.towers.values() for t in pair]
+        if self.scalars is not None:
+            modules.append(self.scalars)
+        seen: set[int] = set()
+        for module in modules:
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.setdefault(name.removeprefix(self.prefix), p)
+        return out
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.named_parameters().values())
+
+    def _wait(self, work, what: str) -> None:
+        """Wait on ``work`` within the step's timeout (the training loops' barrier)."""
+        Deadline(dist.get_rank(), self.timeout_s).wait(work, what)
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _rank_and_world(planned: int) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise ArgumentError(
+            "the contrastive step runs under torch.distributed: launch it (pipe.launch, torchrun)"
+        )
+    world = dist.get_world_size()
+    if world != planned:
+        raise ArgumentError(f"the step was planned for {planned} ranks; this job has {world}")
+    return dist.get_rank(), world
+
+
+def share_parameters(modules: Sequence[nn.Module], prefix: str = "") -> None:
+    """Make every module hold the same parameter object under the same name (tower modules captured
+    at several microbatch sizes each hold their own), so gradients meet in one ``.grad``."""
+    first: dict[str, nn.Parameter] = {}
+    for module in modules:
+        for name, p in list(module.named_parameters(remove_duplicate=False)):
+            keep = first.setdefault(name.removeprefix(prefix), p)
+            if keep is not p:
+                owner_path, _, attr = name.rpartition(".")
+                owner = module.get_submodule(owner_path) if owner_path else module
+                setattr(owner, attr, keep)
