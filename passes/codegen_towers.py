@@ -79,14 +79,14 @@ def codegen_towers(
     loss = coupled_loss_of(gm)
     if loss != plan.loss:
         raise PlanError(f"the plan is for the loss {plan.loss.detail!r}; this graph's is {loss.detail!r}")
-    split = plan.split
+    sizes = sorted(plan.placement(0).split.sizes | plan.placement(1).split.sizes)
     prefix = gm.meta.get(WRAPPER_PREFIX_META, "")
     exported = gm.meta.get(CAPTURE_OPTIONS_META, {}).get("method") == "export"
     samples = num_samples(sample_batch)
     reference = record_values(gm, sample_batch)
     by_name = {n.name: n for n in gm.graph.nodes}
     towers, recaptured = {}, []
-    for size in sorted(split.sizes):
+    for size in sizes:
         graph = gm
         if exported and size != samples:
             graph = _capture_at(gm, model, sample_batch, size)
@@ -108,7 +108,7 @@ def codegen_towers(
     first = towers[min(towers)]
     report = TowerCodegenReport(
         loss,
-        tuple(sorted(split.sizes)),
+        tuple(sizes),
         tuple(recaptured),
         (_numel(first[0].module), _numel(first[1].module), _numel(scalars) if scalars is not None else 0),
     )

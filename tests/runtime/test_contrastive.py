@@ -20,6 +20,7 @@ from vlmcompile.ir.coupled_loss import batch_loss
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.microbatch import num_samples
 from vlmcompile.planning.request import SearchSpace
+from vlmcompile.planning.towers import separate_towers
 from vlmcompile.runtime.collectives import Deadline, sum_gradients
 from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.launch import launch
@@ -126,8 +127,8 @@ class _LossPerMicrobatch(ContrastiveStep):
     def step(self, batch):
         rank = dist.get_rank()
         total = torch.zeros(())
-        for mb in self._microbatches(batch, rank):
-            a, b = self._run_towers(mb)
+        for mb in self._microbatches(batch, rank, 0):  # both towers on every rank: the same microbatches
+            a, b = self._run_tower(mb, 0), self._run_tower(mb, 1)
             outs = list(self.scalars()) if self.scalars is not None else []
             values = dict(zip(self.loss.scalars, outs))
             loss = batch_loss(self.loss, a, b, values.get(self.loss.scale), values.get(self.loss.bias))
@@ -143,8 +144,8 @@ class _LocalLoss(ContrastiveStep):
     """open_clip's ``--local-loss`` without ``--gather-with-grad``: the gathered embeddings carry
     no gradient back to the ranks that made them."""
 
-    def _scatter(self, full, rank, world, deadline, what):
-        return torch.zeros((self.split.count(rank), *full.shape[1:]))
+    def _scatter(self, full, tower, rank, world, deadline):
+        return torch.zeros((self.placements[tower].rows_of(rank)[1], *full.shape[1:]))
 
 
 class _LocalLossMeanReduced(_LocalLoss):
@@ -212,3 +213,27 @@ def test_a_global_batch_smaller_than_the_ranks_is_refused():
     model, batch = build("tiny-contrastive", batch_size=2)
     with pytest.raises(ArgumentError, match="cannot give each of 4 ranks a sample; give at least 4"):
         compile(model, batch, "cpu:4", log=None)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny-contrastive",
+        pytest.param("hf-siglip", marks=[needs_transformers, pytest.mark.hf, pytest.mark.slow]),
+    ],
+)
+@pytest.mark.parametrize(("ranks", "microbatches"), [((1, 1), (2, 3)), ((2, 1), (2, 1))])
+def test_towers_on_ranks_of_their_own_train_like_eager(name, ranks, microbatches):
+    model, batch, pipe = _compiled(name)
+    plan = separate_towers(pipe.tower_plan, ranks, microbatches)
+    assert plan.num_ranks == sum(ranks) and plan.placement(1).ranks == tuple(range(ranks[0], sum(ranks)))
+    plans = [plan, dataclasses.replace(plan, memory="recompute", tile_rows=2)]
+    per_rank = launch(
+        every_step, [pipe.contrastive_step(p) for p in plans], sum(ranks), args=(batch,), timeout_s=60
+    )
+    for k in range(len(plans)):
+        results = [rank[k] for rank in per_rank]
+        # A rank holds its tower's parameters (and the loss's scalars), not the other tower's.
+        held = [set(r["grads"]) for r in results]
+        assert held[0] != held[-1]
+        check_equal_to_eager(model, batch, results)

@@ -87,6 +87,8 @@ class Reason(str, enum.Enum):
     """A contrastive loss computed on the whole global batch, its rows sharded over the ranks."""
     TOWER_MEMORY = "tower_memory"
     """Microbatches and activation policy of a contrastive step, chosen by memory."""
+    TOWER_PLACEMENT = "tower_placement"
+    """Each tower of a contrastive model on ranks of its own (DistMM)."""
 
 
 @dataclass(frozen=True, slots=True)

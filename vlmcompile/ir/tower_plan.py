@@ -128,23 +128,62 @@ class TowerStepCost:
 
 
 @dataclass(frozen=True, slots=True)
+class TowerPlacement:
+    """One tower's ranks (global ranks, in order) and how the batch's samples spread over them."""
+
+    ranks: tuple[int, ...]
+    split: SampleSplit
+
+    def __post_init__(self):
+        if len(self.ranks) != self.split.num_ranks or len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"tower ranks {list(self.ranks)} for a split over {self.split.num_ranks} ranks")
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        """(first sample, count) this global rank embeds in this tower; (0, 0) if it holds none."""
+        if rank not in self.ranks:
+            return 0, 0
+        i = self.ranks.index(rank)
+        return self.split.first_sample[i], self.split.count(i)
+
+
+@dataclass(frozen=True, slots=True)
 class TowerPlan:
     """Everything the contrastive step needs, and why it was chosen."""
 
     loss: CoupledLoss
     split: SampleSplit
+    """How the samples spread over the ranks when both towers sit on every rank (colocated)."""
     memory: MemoryPolicy = MemoryPolicy.KEEP
     tile_rows: int = 4096
     decisions: tuple[Decision, ...] = field(default_factory=tuple)
     predicted: TowerStepCost | None = None
+    separate: tuple[TowerPlacement, TowerPlacement] | None = None
+    """Each tower on ranks of its own (DistMM's placement), each with its own split of the whole
+    batch; None: both towers on every rank, as ``split`` says."""
+
+    def placement(self, tower: int) -> TowerPlacement:
+        if self.separate is not None:
+            return self.separate[tower]
+        return TowerPlacement(tuple(range(self.split.num_ranks)), self.split)
 
     def __post_init__(self):
+        if self.separate is not None:
+            ranks = sorted(r for p in self.separate for r in p.ranks)
+            if ranks != list(range(len(ranks))) or len(set(ranks)) != len(ranks):
+                raise ValueError(
+                    f"towers on ranks {[list(p.ranks) for p in self.separate]}: each rank must hold one tower, "
+                    f"ranks 0..{len(ranks) - 1}"
+                )
+            if any(p.split.num_samples != self.split.num_samples for p in self.separate):
+                raise ValueError("each tower embeds the whole global batch: give both splits its samples")
         if self.tile_rows < 1:
             raise ArgumentError(f"tile_rows={self.tile_rows}; give a positive number of loss rows a tile")
         object.__setattr__(self, "memory", MemoryPolicy(self.memory))
 
     @property
     def num_ranks(self) -> int:
+        if self.separate is not None:
+            return sum(len(p.ranks) for p in self.separate)
         return self.split.num_ranks
 
     @property
@@ -152,10 +191,21 @@ class TowerPlan:
         return self.split.num_samples
 
     def __str__(self) -> str:
-        counts = [self.split.count(r) for r in range(self.num_ranks)]
+        if self.separate is None:
+            counts = [self.split.count(r) for r in range(self.num_ranks)]
+            where = [
+                f"contrastive step: {self.global_batch} samples on {self.num_ranks} ranks (both towers on each), "
+                f"samples per rank {counts}, microbatches {[list(m) for m in self.split.microbatches]}"
+            ]
+        else:
+            where = [f"contrastive step: {self.global_batch} samples, each tower on ranks of its own"] + [
+                f"  tower {t} on ranks {list(p.ranks)}: samples per rank "
+                f"{[p.split.count(i) for i in range(p.split.num_ranks)]}, microbatches "
+                f"{[list(m) for m in p.split.microbatches]}"
+                for t, p in enumerate(self.separate)
+            ]
         lines = [
-            f"contrastive step: {self.global_batch} samples on {self.num_ranks} ranks (both towers on each), "
-            f"samples per rank {counts}, microbatches {[list(m) for m in self.split.microbatches]}",
+            *where,
             f"  {self.loss.kind} loss on the whole batch, rows sharded over the ranks, tiles of "
             f"{self.tile_rows} rows; activations: {self.memory}",
         ]

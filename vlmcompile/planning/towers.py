@@ -24,7 +24,7 @@ from vlmcompile.ir.coupled_loss import CoupledLoss
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import LayerGraph, format_bytes
 from vlmcompile.ir.plan import Decision, Precision, Reason, Recompute
-from vlmcompile.ir.tower_plan import MemoryPolicy, SampleSplit, TowerPlan, TowerStepCost
+from vlmcompile.ir.tower_plan import MemoryPolicy, SampleSplit, TowerPlacement, TowerPlan, TowerStepCost
 
 LOSS_TILE_SHARE = 0.05
 """Share of a device's usable memory one tile of the loss's similarities may take."""
@@ -154,6 +154,35 @@ def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> 
         scatter_bytes=scatter_bytes,
         loss_mem_bytes=need.loss_phase,
         mem_bytes=need.total,
+    )
+
+
+def separate_towers(
+    plan: TowerPlan, ranks: tuple[int, int], microbatches: tuple[int, int] = (1, 1)
+) -> TowerPlan:
+    """``plan`` with tower 0 on the first ``ranks[0]`` ranks and tower 1 on the next ``ranks[1]``
+    (DistMM's placement), each spreading the whole batch over its ranks in ``microbatches`` a rank.
+
+    Raises:
+        ArgumentError: a tower without ranks, or fewer samples than a tower's ranks x microbatches.
+    """
+    if min(ranks) < 1:
+        raise ArgumentError(f"tower ranks {ranks}: each tower needs one rank at least")
+    n = plan.global_batch
+    placements = (
+        TowerPlacement(tuple(range(ranks[0])), SampleSplit.even(n, ranks[0], microbatches[0])),
+        TowerPlacement(tuple(range(ranks[0], sum(ranks))), SampleSplit.even(n, ranks[1], microbatches[1])),
+    )
+    decision = Decision(
+        "placement",
+        Reason.TOWER_PLACEMENT,
+        f"tower 0 on ranks {list(placements[0].ranks)}, tower 1 on ranks {list(placements[1].ranks)} "
+        f"({microbatches[0]} and {microbatches[1]} microbatches a rank)",
+    )
+    kept = tuple(d for d in plan.decisions if d.reason is not Reason.TOWER_PLACEMENT)
+    split = SampleSplit.even(n, sum(ranks), 1)
+    return dataclasses.replace(
+        plan, split=split, separate=placements, decisions=(*kept, decision), predicted=None
     )
 
 

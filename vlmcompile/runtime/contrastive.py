@@ -21,6 +21,7 @@ microbatch than for the whole batch; ``recompute`` replays each microbatch's own
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,7 +62,8 @@ class ContrastiveStep:
         prefix: str = "",
         sample_layout: Mapping[str, Any] | None = None,
     ):
-        missing = sorted(plan.split.sizes - set(towers))
+        self.placements = (plan.placement(0), plan.placement(1))
+        missing = sorted(frozenset().union(*(p.split.sizes for p in self.placements)) - set(towers))
         if missing:
             raise ArgumentError(f"no tower modules for microbatches of {missing} samples")
         self.towers = dict(towers)
@@ -69,6 +71,7 @@ class ContrastiveStep:
         self.plan = plan
         self.loss = plan.loss
         self.split = plan.split
+        self._groups: list[Any] | None = None
         self.recompute = plan.memory is MemoryPolicy.RECOMPUTE
         self.tile_rows = plan.tile_rows
         self.timeout_s = timeout_s
@@ -87,22 +90,27 @@ class ContrastiveStep:
         (the ranks' shares summed) is added to ``.grad``, as eager ``loss.backward()`` adds to it;
         what ``.grad`` held before is set aside meanwhile, so it is not summed over the ranks again."""
         self.check_batch(batch)
-        rank, world = _rank_and_world(self.split.num_ranks)
+        rank, world = _rank_and_world(self.plan.num_ranks)
+        deadline = Deadline(rank, self.timeout_s)
+        groups = self._tower_groups()
         params = self.parameters()
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
-        deadline = Deadline(rank, self.timeout_s)
         clock = [time.perf_counter()]
-        microbatches = self._microbatches(batch, rank)
-        embeddings, rng = self._tower_forwards(microbatches)
-        local = [torch.cat([e[t] for e in embeddings]).detach() for t in (0, 1)]
+        held = [t for t in (0, 1) if rank in self.placements[t].ranks]
+        microbatches = {t: self._microbatches(batch, rank, t) for t in held}
+        embeddings, rng = {}, {}
+        for t in held:
+            embeddings[t], rng[t] = self._tower_forwards(microbatches[t], t)
+        local = [torch.cat(embeddings[t]).detach() if t in held else None for t in (0, 1)]
         clock.append(time.perf_counter())
         loss, local_grads = self._loss_phase(local, rank, world, deadline)
         clock.append(time.perf_counter())
-        self._tower_backwards(microbatches, embeddings, rng, local_grads)
+        for t in held:
+            self._tower_backwards(microbatches[t], t, embeddings[t], rng[t], local_grads[t])
         clock.append(time.perf_counter())
-        sum_gradients(params, None, deadline, f"the gradient all-reduce over {world} ranks", self._buffers)
+        self._sum_gradients(rank, groups, deadline)
         for p, before in zip(params, earlier):
             if before is not None:
                 p.grad = before if p.grad is None else before + p.grad
@@ -114,6 +122,33 @@ class ContrastiveStep:
             )
         )
         return loss
+
+    def _tower_groups(self) -> list[Any]:
+        """Each tower's process group (None: every rank); made on the first step, by every rank
+        in the same order, as torch.distributed requires."""
+        if self._groups is None:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            self._groups = [
+                dist.new_group(list(p.ranks), timeout=timeout) if self.plan.separate is not None else None
+                for p in self.placements
+            ]
+        return self._groups
+
+    def _sum_gradients(self, rank: int, groups: list[Any], deadline: Deadline) -> None:
+        """Sum each tower's gradients over its ranks, the loss scalars' over every rank (every rank
+        holds them and adds its rows' share)."""
+        if self.plan.separate is None:
+            what = f"the gradient all-reduce over {self.plan.num_ranks} ranks"
+            sum_gradients(self.parameters(), None, deadline, what, self._buffers)
+            return
+        shared = {id(p) for p in self._scalar_parameters()}
+        for t, placement in enumerate(self.placements):
+            if rank in placement.ranks:
+                own = [p for p in self._tower_parameters(t) if id(p) not in shared]
+                what = f"tower {t}'s gradient all-reduce over ranks {list(placement.ranks)}"
+                sum_gradients(own, groups[t], deadline, what, self._buffers)
+        what = "the loss scalars' gradient all-reduce over every rank"
+        sum_gradients(self._scalar_parameters(), None, deadline, what, self._buffers)
 
     def check_batch(self, batch: Mapping[str, Any]) -> None:
         """Refuse a batch the towers were not captured for, naming the key and what was expected.
@@ -143,65 +178,66 @@ class ContrastiveStep:
                     f"batch[{key!r}] is {got!r}; the towers were compiled with {expected!r}: pass the same value"
                 )
 
-    def _microbatches(self, batch: Mapping[str, Any], rank: int) -> list[dict[str, Any]]:
+    def _microbatches(self, batch: Mapping[str, Any], rank: int, tower: int) -> list[dict[str, Any]]:
+        placement = self.placements[tower]
+        index = placement.ranks.index(rank)
         rows = rows_per_sample(batch)
-        start, out = self.split.first_sample[rank], []
-        for size in self.split.microbatches[rank]:
+        start, out = placement.split.first_sample[index], []
+        for size in placement.split.microbatches[index]:
             out.append(take(batch, start, size, rows))
             start += size
         return out
 
-    def _run_towers(self, microbatch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        size = num_samples(microbatch)
-        outs = []
-        for tower in self.towers[size]:
-            out = tower.module(*[microbatch[k] for k in tower.batch_inputs])
-            outs.append(out[0] if isinstance(out, (tuple, list)) else out)
-        return outs[0], outs[1]
+    def _run_tower(self, microbatch: Mapping[str, Any], tower: int) -> torch.Tensor:
+        module = self.towers[num_samples(microbatch)][tower]
+        out = module.module(*[microbatch[k] for k in module.batch_inputs])
+        return out[0] if isinstance(out, (tuple, list)) else out
 
-    def _tower_forwards(self, microbatches):
+    def _tower_forwards(self, microbatches, tower: int):
         embeddings, rng = [], []
         for mb in microbatches:
             if self.recompute:
                 rng.append(_rng_state())
                 with torch.no_grad():
-                    embeddings.append(self._run_towers(mb))
+                    embeddings.append(self._run_tower(mb, tower))
             else:
-                embeddings.append(self._run_towers(mb))
+                embeddings.append(self._run_tower(mb, tower))
         return embeddings, rng
 
-    def _tower_backwards(self, microbatches, embeddings, rng, local_grads) -> None:
+    def _tower_backwards(self, microbatches, tower: int, embeddings, rng, local_grad) -> None:
         offset = 0
         after = _rng_state()
         for k, mb in enumerate(microbatches):
             size = num_samples(mb)
-            grads = [g[offset : offset + size] for g in local_grads]
+            grad = local_grad[offset : offset + size]
             offset += size
             if self.recompute:
                 _set_rng_state(rng[k])  # the same dropout masks as the forward that was dropped
-                outs = self._run_towers(mb)
+                out = self._run_tower(mb, tower)
             else:
-                outs = embeddings[k]
-            # A frozen tower's embedding needs no backward (nothing below it trains).
-            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                out = embeddings[k]
+            if out.requires_grad:  # a frozen tower needs no backward (nothing below it trains)
+                torch.autograd.backward([out], [grad])
         _set_rng_state(after)
 
     # -- the loss phase ------------------------------------------------------------------------
 
     def _loss_phase(
-        self, local: list[torch.Tensor], rank: int, world: int, deadline: Deadline
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The loss of the global batch, and this rank's rows of both embeddings' gradients."""
-        gathered = [self._gather(x, world, deadline, f"embedding {t}") for t, x in enumerate(local)]
+        self, local: list[torch.Tensor | None], rank: int, world: int, deadline: Deadline
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The loss of the global batch, and this rank's rows of the gradients of the embeddings
+        it holds (None for a tower it does not hold)."""
+        like = next(x for x in local if x is not None)
+        gathered = [self._gather(x, t, like, world, deadline) for t, x in enumerate(local)]
         scale, bias, scalar_outs = self._scalars()
-        first = self.split.first_sample[rank]
         columns = [g.requires_grad_() for g in gathered]
-        row_grads = [torch.zeros_like(x) for x in local]
-        total = torch.zeros((), dtype=torch.float64, device=local[0].device)
+        row_grads = [torch.zeros_like(x) if x is not None else None for x in local]
+        total = torch.zeros((), dtype=torch.float64, device=like.device)
         for r, c in self.loss.directions():
-            for i in range(0, local[r].shape[0], self.tile_rows):
+            if local[r] is None:
+                continue  # the other tower's ranks compute these rows
+            first, count = self.placements[r].rows_of(rank)
+            for i in range(0, count, self.tile_rows):
                 rows = local[r][i : i + self.tile_rows].detach().requires_grad_()
                 term = rows_loss(
                     self.loss.kind, rows, columns[c], first + i, self.split.num_samples, scale, bias
@@ -212,13 +248,15 @@ class ContrastiveStep:
         # Every rank scatters the same columns (those some direction reads), whatever its rows.
         for t in sorted({c for _, c in self.loss.directions()}):
             grad = columns[t].grad if columns[t].grad is not None else torch.zeros_like(columns[t])
-            row_grads[t] += self._scatter(grad, rank, world, deadline, f"embedding {t}'s gradient")
+            mine = self._scatter(grad, t, rank, world, deadline)
+            if row_grads[t] is not None:
+                row_grads[t] += mine
         pairs = [(out, leaf) for out, leaf in zip(scalar_outs, (x for x in (scale, bias) if x is not None))]
         pairs = [(out, leaf.grad) for out, leaf in pairs if out.requires_grad and leaf.grad is not None]
         if pairs:  # a frozen scale or bias takes no gradient
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         deadline.wait(dist.all_reduce(total, async_op=True), "the loss all-reduce")
-        return total.to(local[0].dtype), row_grads
+        return total.to(like.dtype), row_grads
 
     def _scalars(self):
         """The loss's trainable scalars (scale, bias) as leaves of the loss phase, and the outputs of
@@ -231,46 +269,64 @@ class ContrastiveStep:
         values = dict(zip(names, leaves))
         return values.get(self.loss.scale), values.get(self.loss.bias), outs
 
-    def _gather(self, local: torch.Tensor, world: int, deadline: Deadline, what: str) -> torch.Tensor:
-        """Every rank's rows, in rank order (padded to the largest count for the collective)."""
-        width = max(self.split.count(r) for r in range(world))
-        padded = local.new_zeros((width, *local.shape[1:]))
-        padded[: local.shape[0]] = local
+    def _counts(self, tower: int, world: int) -> list[tuple[int, int]]:
+        return [self.placements[tower].rows_of(r) for r in range(world)]
+
+    def _gather(
+        self, local: torch.Tensor | None, tower: int, like: torch.Tensor, world: int, deadline: Deadline
+    ) -> torch.Tensor:
+        """The tower's embedding of the whole batch: every rank's rows (none from a rank that does
+        not hold the tower), padded to the largest count for the collective."""
+        counts = self._counts(tower, world)
+        width = max(n for _, n in counts)
+        padded = like.new_zeros((width, self.loss.width))
+        if local is not None:
+            padded[: local.shape[0]] = local
         parts = [torch.empty_like(padded) for _ in range(world)]
-        deadline.wait(dist.all_gather(parts, padded, async_op=True), f"the all-gather of {what}")
-        return torch.cat([p[: self.split.count(r)] for r, p in enumerate(parts)]).detach()
+        what = f"the all-gather of embedding {tower}"
+        deadline.wait(dist.all_gather(parts, padded, async_op=True), what)
+        full = like.new_empty((self.split.num_samples, self.loss.width))
+        for (first, n), part in zip(counts, parts):
+            full[first : first + n] = part[:n]
+        return full.detach()
 
     def _scatter(
-        self, full: torch.Tensor, rank: int, world: int, deadline: Deadline, what: str
+        self, full: torch.Tensor, tower: int, rank: int, world: int, deadline: Deadline
     ) -> torch.Tensor:
-        """The sum over ranks of ``full``'s rows that ``rank`` owns."""
-        width = max(self.split.count(r) for r in range(world))
+        """The sum over ranks of ``full``'s rows that ``rank`` owns in ``tower`` (none if it does not
+        hold the tower)."""
+        counts = self._counts(tower, world)
+        width = max(n for _, n in counts)
         blocks = []
-        for r in range(world):
+        for first, n in counts:
             block = full.new_zeros((width, *full.shape[1:]))
-            start = self.split.first_sample[r]
-            block[: self.split.count(r)] = full[start : start + self.split.count(r)]
+            block[:n] = full[first : first + n]
             blocks.append(block)
         out = torch.empty_like(blocks[0])
-        deadline.wait(dist.reduce_scatter(out, blocks, async_op=True), f"the reduce-scatter of {what}")
-        return out[: self.split.count(rank)]
+        what = f"the reduce-scatter of embedding {tower}'s gradient"
+        deadline.wait(dist.reduce_scatter(out, blocks, async_op=True), what)
+        return out[: counts[rank][1]]
 
     # -- names ---------------------------------------------------------------------------------
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
-        """The original model's parameter name -> the parameter here (each parameter once), as
+        """The original model's parameter name -> the parameter here (each parameter once): the
+        towers this rank holds and the loss's scalars, as
         :meth:`~vlmcompile.runtime.executor.PipelineRunner.named_parameters`."""
-        out: dict[str, nn.Parameter] = {}
-        modules = [t.module for pair in self.towers.values() for t in pair]
+        rank = dist.get_rank() if dist.is_initialized() else None
+        held = [t for t in (0, 1) if rank is None or rank in self.placements[t].ranks]
+        modules = [pair[t].module for pair in self.towers.values() for t in held]
         if self.scalars is not None:
             modules.append(self.scalars)
-        seen: set[int] = set()
-        for module in modules:
-            for name, p in module.named_parameters(remove_duplicate=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.setdefault(name.removeprefix(self.prefix), p)
-        return out
+        return _by_original_name(modules, self.prefix)
+
+    def _tower_parameters(self, tower: int) -> list[nn.Parameter]:
+        return list(
+            _by_original_name([pair[tower].module for pair in self.towers.values()], self.prefix).values()
+        )
+
+    def _scalar_parameters(self) -> list[nn.Parameter]:
+        return [] if self.scalars is None else list(_by_original_name([self.scalars], self.prefix).values())
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.named_parameters().values())
@@ -278,6 +334,17 @@ class ContrastiveStep:
     def _wait(self, work, what: str) -> None:
         """Wait on ``work`` within the step's timeout (the training loops' barrier)."""
         Deadline(dist.get_rank(), self.timeout_s).wait(work, what)
+
+
+def _by_original_name(modules: Sequence[nn.Module], prefix: str) -> dict[str, nn.Parameter]:
+    out: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for module in modules:
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.setdefault(name.removeprefix(prefix), p)
+    return out
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
