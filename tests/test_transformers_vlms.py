@@ -194,5 +194,9 @@ def test_a_contrastive_loss_is_planned_as_towers_and_a_whole_batch_loss(compiled
     assert capture.coupling.loss is not None and capture.coupling.loss.kind.value == kind
     plan = pipe.tower_plan
     assert plan.num_ranks == 2 and plan.global_batch == len(batch["input_ids"])
-    assert [d.reason.value for d in plan.decisions] == ["coupled_loss_sharded", "tower_memory"]
+    assert [d.reason.value for d in plan.decisions] == [
+        "coupled_loss_sharded",
+        "tower_memory",
+        "tower_placement",
+    ]
     assert torch.is_tensor(batch["input_ids"]) and batch["return_loss"] is True

@@ -53,6 +53,7 @@ from vlmcompile.passes.policies import search_and_compare
 from vlmcompile.passes.profile import profile
 from vlmcompile.pipeline import CompiledPipeline, CompileReport
 from vlmcompile.planning.request import SearchSpace, SolverOptions
+from vlmcompile.planning.tower_placement import choose_placement
 from vlmcompile.planning.towers import plan_towers
 from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.executor import RUNTIME
@@ -201,13 +202,16 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
     cut = state.gm.meta.get(COUPLING_META)
     if coupled and cut is not None and cut.loss is not None:
         # A contrastive loss: towers microbatched over every rank, the loss on the whole batch.
-        state.tower_plan = plan_towers(
+        colocated = plan_towers(
             state.layer_graph,
             state.cluster,
             cut.loss,
             global_batch=global_batch,
             embedding_width=cut.loss.width,
             microbatches=space.tower_microbatches,
+        )
+        state.tower_plan = choose_placement(
+            state.layer_graph, state.cluster, colocated, placement=space.tower_placement
         )
         state.reports["plan"] = state.tower_plan
         return

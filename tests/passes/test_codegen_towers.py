@@ -17,10 +17,12 @@ from vlmcompile.passes.codegen_towers import codegen_towers, coupled_loss_of
 from vlmcompile.planning.request import SearchSpace
 from vlmcompile.runtime.executor import BatchError
 
+COLOCATED = SearchSpace(tower_placement="colocated")
+
 
 def test_the_zoo_pair_splits_into_its_two_towers():
     model, batch = build("tiny-contrastive", batch_size=6)
-    pipe = compile(model, batch, "cpu:2", log=None)
+    pipe = compile(model, batch, "cpu:2", search_space=COLOCATED, log=None)
     plan = dataclasses.replace(pipe.tower_plan, split=SampleSplit.even(6, 2, 2))
     step, report = codegen_towers(pipe.gm, plan, model=model, sample_batch=batch)
     vision = sum(p.numel() for p in model.vision.parameters())
@@ -38,7 +40,7 @@ def test_an_exported_pair_is_captured_again_for_each_microbatch_size():
     from vlmcompile.models import hf_tiny
 
     model, batch = hf_tiny.build("hf-clip", batch=5)
-    pipe = compile(model, batch, "cpu:2", log=None)
+    pipe = compile(model, batch, "cpu:2", search_space=COLOCATED, log=None)
     plan = dataclasses.replace(pipe.tower_plan, split=SampleSplit.even(5, 2, 2))  # 2+1, 1+1
     _, report = codegen_towers(pipe.gm, plan, model=model, sample_batch=batch)
     assert report.sizes == (1, 2) and report.recaptured == (1, 2)
@@ -77,13 +79,13 @@ def test_a_tower_that_mixes_samples_unseen_by_capture_is_refused():
             batch,
             "cpu:2",
             region_overrides=TWO_TOWER_REGIONS,
-            search_space=SearchSpace(tower_microbatches=2),
+            search_space=SearchSpace(tower_microbatches=2, tower_placement="colocated"),
             log=None,
         )
 
 
 def test_train_says_how_to_train_a_contrastive_model():
     model, batch = build("tiny-contrastive", batch_size=4)
-    pipe = compile(model, batch, "cpu:2", log=None)
+    pipe = compile(model, batch, "cpu:2", search_space=COLOCATED, log=None)
     with pytest.raises(PlanError, match="does not run contrastive two-tower steps yet"):
         pipe.train(lambda k: batch, None)

@@ -13,13 +13,14 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.tower_plan import MemoryPolicy, SampleSplit
+from vlmcompile.planning.request import SearchSpace
 from vlmcompile.planning.towers import plan_towers, tower_memory
 
 
 @pytest.fixture(scope="module")
 def compiled():
     model, batch = build("tiny-contrastive", batch_size=8)
-    return compile(model, batch, "cpu:2", log=None)
+    return compile(model, batch, "cpu:2", search_space=SearchSpace(tower_placement="colocated"), log=None)
 
 
 def _with_memory(mem_bytes: float) -> Cluster:
@@ -91,3 +92,27 @@ def test_a_microbatch_count_given_is_kept_or_refused(compiled):
 def test_a_split_that_leaves_a_rank_without_samples_is_refused():
     with pytest.raises(ValueError, match="leave a rank or a microbatch without samples"):
         SampleSplit(3, (0, 3), ((1, 1, 1), ()))
+
+
+def test_auto_placement_keeps_the_faster_predicted_step_and_says_both():
+    model, batch = build("tiny-contrastive", batch_size=8)
+    pipe = compile(model, batch, "cpu:4", log=None)
+    plan = pipe.tower_plan
+    said = [d for d in plan.decisions if d.reason.value == "tower_placement"]
+    assert len(said) == 1 and "simulated" in said[0].detail
+    colocated_ms, separate_ms = said[0].numbers["colocated_ms"], said[0].numbers["separate_ms"]
+    chosen = "separate" if plan.separate is not None else "colocated"
+    assert chosen == ("separate" if separate_ms < colocated_ms else "colocated")
+    assert plan.predicted.step_s * 1e3 == pytest.approx(min(colocated_ms, separate_ms))
+    if plan.separate is not None:  # each tower's ranks share the whole batch
+        assert all(p.split.num_samples == 8 for p in plan.separate) and plan.num_ranks == 4
+
+
+def test_separate_towers_split_every_rank_between_them():
+    model, batch = build("tiny-contrastive", batch_size=8)
+    pipe = compile(model, batch, "cpu:4", search_space=SearchSpace(tower_placement="separate"), log=None)
+    ranks = [p.ranks for p in pipe.tower_plan.separate]
+    assert sorted(ranks[0] + ranks[1]) == [0, 1, 2, 3] and min(len(r) for r in ranks) >= 1
+    assert "each tower on ranks of its own" in str(pipe.tower_plan)
+    with pytest.raises(ArgumentError, match="tower placement 'apart'"):
+        compile(model, batch, "cpu:4", search_space=SearchSpace(tower_placement="apart"), log=None)

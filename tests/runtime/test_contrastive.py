@@ -20,13 +20,16 @@ from vlmcompile.ir.coupled_loss import batch_loss
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.microbatch import num_samples
 from vlmcompile.planning.request import SearchSpace
-from vlmcompile.planning.towers import separate_towers
+from vlmcompile.planning.tower_placement import separate_towers
 from vlmcompile.runtime.collectives import Deadline, sum_gradients
 from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.launch import launch
 from vlmcompile.runtime.training import one_step
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+COLOCATED_2 = SearchSpace(tower_microbatches=2, tower_placement="colocated")
+"""Both towers on each of the 2 ranks, 2 microbatches a rank (the tests' split, whatever compile
+would choose)."""
 
 
 def _compiled(name: str, samples: int = 7):
@@ -36,7 +39,7 @@ def _compiled(name: str, samples: int = 7):
         model, batch = hf_tiny.build(name, batch=samples)
     else:
         model, batch = build(name, batch_size=samples)
-    pipe = compile(model, batch, "cpu:2", search_space=SearchSpace(tower_microbatches=2), log=None)
+    pipe = compile(model, batch, "cpu:2", search_space=COLOCATED_2, log=None)
     return model, batch, pipe
 
 
@@ -200,7 +203,7 @@ def test_a_frozen_tower_and_temperature_train_like_eager():
     model, batch = build("tiny-contrastive", batch_size=7)
     for p in [*model.vision.parameters(), *model.head.image_proj.parameters(), model.head.logit_scale]:
         p.requires_grad_(False)
-    pipe = compile(model, batch, "cpu:2", search_space=SearchSpace(tower_microbatches=2), log=None)
+    pipe = compile(model, batch, "cpu:2", search_space=COLOCATED_2, log=None)
     plans = [dataclasses.replace(pipe.tower_plan, memory=m) for m in ("keep", "recompute")]
     per_rank = launch(every_step, [pipe.contrastive_step(p) for p in plans], 2, args=(batch,), timeout_s=60)
     for k in range(len(plans)):

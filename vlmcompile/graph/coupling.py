@@ -106,7 +106,24 @@ def find_coupling(gm: fx.GraphModule, batch: Mapping[str, Any]) -> CouplingCut:
     loss = _recognise(module, embeddings, scalars, values)
     if isinstance(loss, str):
         return CouplingCut(None, meeting, loss)
-    return CouplingCut(loss, meeting)
+    return CouplingCut(dataclasses.replace(loss, tower_layers=_tower_layers(gm, embeddings)), meeting)
+
+
+def _tower_layers(
+    gm: fx.GraphModule, embeddings: Sequence[fx.Node]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The layers each embedding is made from, in graph order (what the planner times per tower)."""
+    out = []
+    for embedding in embeddings:
+        seen, todo = set(), [embedding]
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(n.all_input_nodes)
+        layers = [n.meta.get(LAYER_META) for n in gm.graph.nodes if n in seen]
+        out.append(tuple(dict.fromkeys(x for x in layers if x)))
+    return out[0], out[1]
 
 
 def _describe(n: fx.Node, gm: fx.GraphModule) -> str:

@@ -48,6 +48,8 @@ class CoupledLoss:
     """``D``: the embeddings' width."""
     detail: str
     """How it was recognised (the check against the model's own loss)."""
+    tower_layers: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    """The layers each embedding is made from (a layer both read counts for both)."""
 
     def __post_init__(self):
         if self.kind is LossKind.INFONCE and self.bias is not None:

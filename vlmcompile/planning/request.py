@@ -182,6 +182,9 @@ class SearchSpace:
     tower_microbatches: int | None = None
     """Contrastive two-tower models: microbatches each rank runs its samples in (default: the
     fewest that fit its memory)."""
+    tower_placement: str = "auto"
+    """Contrastive two-tower models: "colocated" (both towers on every rank), "separate" (each on
+    ranks of its own, DistMM's placement) or "auto" (the faster predicted step)."""
     round_up_global_batch: bool = False
     """Packed microbatches: the global batch is the least a step needs, and each candidate takes
     it up to the next multiple of its DP x microbatch size (x PP for v > 1): more microbatches

@@ -1,7 +1,7 @@
 """Plan a contrastive two-tower step: samples per rank, microbatches and what a rank keeps.
 
-Both towers sit on every rank (data parallelism over the cluster; towers on their own ranks are
-the next step, DistMM's placement). The global batch is split as evenly as the counts allow. A
+Both towers sit on every rank here (data parallelism over the cluster); towers on ranks of their
+own are :mod:`.tower_placement`'s. The global batch is split as evenly as the counts allow. A
 rank's memory is its model states plus, between its tower forwards and the loss, either every
 microbatch's activations (``keep``) or one microbatch's for the forward run again before its
 backward (``recompute``), plus the loss phase's gathered embeddings and one tile of
@@ -13,6 +13,7 @@ caller gives is kept, and refused if it does not fit.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.cluster import Cluster
@@ -22,9 +23,9 @@ from vlmcompile.cost_models.memory import kept_activation_bytes, model_state_byt
 from vlmcompile.cost_models.stage_costs import samples_per_microbatch
 from vlmcompile.ir.coupled_loss import CoupledLoss
 from vlmcompile.ir.errors import ArgumentError
-from vlmcompile.ir.layer_graph import LayerGraph, format_bytes
+from vlmcompile.ir.layer_graph import Layer, LayerGraph, format_bytes
 from vlmcompile.ir.plan import Decision, Precision, Reason, Recompute
-from vlmcompile.ir.tower_plan import MemoryPolicy, SampleSplit, TowerPlacement, TowerPlan, TowerStepCost
+from vlmcompile.ir.tower_plan import MemoryPolicy, SampleSplit, TowerPlan, TowerStepCost
 
 LOSS_TILE_SHARE = 0.05
 """Share of a device's usable memory one tile of the loss's similarities may take."""
@@ -53,10 +54,13 @@ def tower_memory(
     embedding_width: int,
     tile_rows: int,
     precision: Precision | None = None,
+    layers: Sequence[Layer] | None = None,
 ) -> TowerMemory:
-    """The busiest rank's bytes (module docstring); activations are annotate's saved bytes."""
+    """The busiest rank's bytes (module docstring) when it holds ``layers`` (default: every layer,
+    both towers); activations are annotate's saved bytes."""
     precision = precision or Precision()
-    totals = layer_graph.totals()
+    layers = list(layer_graph.layers if layers is None else layers)
+    totals = layer_graph.totals(layers)
     states = model_state_bytes(
         totals["num_params"],
         precision,
@@ -72,7 +76,7 @@ def tower_memory(
             tp=1,
             sequence_parallel=False,
         )
-        for layer in layer_graph.layers
+        for layer in layers
     )
     busiest = max(range(split.num_ranks), key=split.count)
     held = split.count(busiest) if memory is MemoryPolicy.KEEP else max(split.microbatches[busiest])
@@ -92,7 +96,9 @@ def plan_towers(
     memory: MemoryPolicy | str | None = None,
     tile_rows: int | None = None,
 ) -> TowerPlan:
-    """The contrastive step's plan on ``cluster`` (module docstring).
+    """The contrastive step's plan on ``cluster`` with both towers on every rank (module
+    docstring); :func:`~vlmcompile.planning.tower_placement.choose_placement` may then give each
+    tower ranks of its own.
 
     Raises:
         ArgumentError: fewer samples than ranks, or no microbatch count fits the devices.
@@ -123,67 +129,75 @@ def plan_towers(
     )
 
 
+def tower_layers(layer_graph: LayerGraph, loss: CoupledLoss, tower: int) -> list[Layer]:
+    """The layers of one tower (every layer if capture recorded none)."""
+    names = set(loss.tower_layers[tower])
+    return [layer for layer in layer_graph.layers if layer.name in names] or list(layer_graph.layers)
+
+
 def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> TowerStepCost:
-    """The busiest rank's step by phase (roofline compute, ring collectives over every rank)."""
-    split, loss = plan.split, plan.loss
-    busiest = max(range(split.num_ranks), key=split.count)
-    rows, n, width = split.count(busiest), split.num_samples, loss.width
-    samples = samples_per_microbatch(layer_graph, rows)
-    times = [layer_time(layer, cluster.device, samples=samples) for layer in layer_graph.layers]
-    fwd_s = sum(t.fwd_s for t in times)
-    bwd_s = sum(t.bwd_s for t in times) + (fwd_s if plan.memory is MemoryPolicy.RECOMPUTE else 0.0)
-    directions = len(loss.directions())
-    # Per direction: rows x N similarities forward (2 flops a multiply-add), their gradient to the
-    # rows and to the columns backward; elementwise work over the rows x N tile a few times.
-    flops = directions * 3 * 2 * rows * n * width
-    loss_s = Work(flops, 0.0, directions * 4 * rows * n * 4).seconds(cluster.device)
-    bw, latency = cluster.group_link(split.num_ranks, 1)
+    """The step by phase on its busiest ranks: roofline compute, ring collectives over every rank
+    (the runtime gathers and reduce-scatters over the world), each tower's gradient all-reduce
+    over its own ranks. Colocated, a rank runs both towers on its samples and every direction of
+    the loss for its rows; separate, a tower's ranks run that tower and the directions whose rows
+    are its embedding, and the slower tower sets each phase."""
+    loss, n, width, world = plan.loss, plan.global_batch, plan.loss.width, plan.num_ranks
+    if plan.separate is None:
+        groups = [(plan.placement(0), list(layer_graph.layers), loss.directions())]
+    else:
+        groups = [
+            (
+                plan.placement(t),
+                tower_layers(layer_graph, loss, t),
+                [d for d in loss.directions() if d[0] == t],
+            )
+            for t in (0, 1)
+        ]
+    phases = [_group_phases(layer_graph, cluster, plan, *g) for g in groups]
+    bw, latency = cluster.group_link(world, 1)
     gather_bytes = 2 * n * width * 4
-    scatter_bytes = directions * n * width * 4
-    params = layer_graph.totals()
-    trainable = params["num_params"] - params["num_frozen_params"]
-    need = tower_memory(layer_graph, split, plan.memory, embedding_width=width, tile_rows=plan.tile_rows)
+    scatter_bytes = len({c for _, c in loss.directions()}) * n * width * 4
+    need = max(
+        tower_memory(
+            layer_graph, p.split, plan.memory, embedding_width=width, tile_rows=plan.tile_rows, layers=layers
+        ).total
+        for p, layers, _ in groups
+    )
     return TowerStepCost(
-        towers_fwd_s=fwd_s,
-        towers_bwd_s=bwd_s,
-        loss_s=loss_s,
-        gather_s=all_gather_s(gather_bytes, split.num_ranks, bw, latency),
-        scatter_s=reduce_scatter_s(scatter_bytes, split.num_ranks, bw, latency),
-        grad_reduce_s=all_reduce_s(trainable * Precision().dp_grad_bytes, split.num_ranks, bw, latency),
+        towers_fwd_s=max(ph[0] for ph in phases),
+        towers_bwd_s=max(ph[1] for ph in phases),
+        loss_s=max(ph[2] for ph in phases),
+        gather_s=all_gather_s(gather_bytes, world, bw, latency),
+        scatter_s=reduce_scatter_s(scatter_bytes, world, bw, latency),
+        grad_reduce_s=max(ph[3] for ph in phases),
         gather_bytes=gather_bytes,
         scatter_bytes=scatter_bytes,
-        loss_mem_bytes=need.loss_phase,
-        mem_bytes=need.total,
+        loss_mem_bytes=2 * n * width * 4 + _TILE_TENSORS * plan.tile_rows * n * 4,
+        mem_bytes=need,
     )
 
 
-def separate_towers(
-    plan: TowerPlan, ranks: tuple[int, int], microbatches: tuple[int, int] = (1, 1)
-) -> TowerPlan:
-    """``plan`` with tower 0 on the first ``ranks[0]`` ranks and tower 1 on the next ``ranks[1]``
-    (DistMM's placement), each spreading the whole batch over its ranks in ``microbatches`` a rank.
-
-    Raises:
-        ArgumentError: a tower without ranks, or fewer samples than a tower's ranks x microbatches.
-    """
-    if min(ranks) < 1:
-        raise ArgumentError(f"tower ranks {ranks}: each tower needs one rank at least")
-    n = plan.global_batch
-    placements = (
-        TowerPlacement(tuple(range(ranks[0])), SampleSplit.even(n, ranks[0], microbatches[0])),
-        TowerPlacement(tuple(range(ranks[0], sum(ranks))), SampleSplit.even(n, ranks[1], microbatches[1])),
-    )
-    decision = Decision(
-        "placement",
-        Reason.TOWER_PLACEMENT,
-        f"tower 0 on ranks {list(placements[0].ranks)}, tower 1 on ranks {list(placements[1].ranks)} "
-        f"({microbatches[0]} and {microbatches[1]} microbatches a rank)",
-    )
-    kept = tuple(d for d in plan.decisions if d.reason is not Reason.TOWER_PLACEMENT)
-    split = SampleSplit.even(n, sum(ranks), 1)
-    return dataclasses.replace(
-        plan, split=split, separate=placements, decisions=(*kept, decision), predicted=None
-    )
+def _group_phases(
+    layer_graph, cluster, plan, placement, layers, directions
+) -> tuple[float, float, float, float]:
+    """(forward, backward, loss compute, gradient all-reduce) seconds of a group's busiest rank."""
+    split = placement.split
+    rows = max(split.count(i) for i in range(split.num_ranks))
+    times = [
+        layer_time(layer, cluster.device, samples=samples_per_microbatch(layer_graph, rows))
+        for layer in layers
+    ]
+    fwd_s = sum(t.fwd_s for t in times)
+    bwd_s = sum(t.bwd_s for t in times) + (fwd_s if plan.memory is MemoryPolicy.RECOMPUTE else 0.0)
+    n, width = plan.global_batch, plan.loss.width
+    # Per direction: rows x N similarities forward (2 flops a multiply-add), their gradient to the
+    # rows and to the columns backward; elementwise work over the rows x N tile a few times.
+    flops = len(directions) * 3 * 2 * rows * n * width
+    loss_s = Work(flops, 0.0, len(directions) * 4 * rows * n * 4).seconds(cluster.device)
+    trainable = sum(layer.num_params - layer.num_frozen_params for layer in layers)
+    bw, latency = cluster.group_link(len(placement.ranks), 1)
+    grad_s = all_reduce_s(trainable * Precision().dp_grad_bytes, len(placement.ranks), bw, latency)
+    return fwd_s, bwd_s, loss_s, grad_s
 
 
 def _options(

@@ -2,17 +2,19 @@
 
 Three phases (DESIGN.md, "Coupled losses"; DistMM's batch-sync instruction, GradCache):
 
-1. **Towers.** Each rank runs its samples' microbatches through both towers and keeps the two
-   embeddings of each (``keep``: with their autograd graphs; ``recompute``: without, under
-   ``no_grad``, the RNG state noted to replay them).
+1. **Towers.** Each rank runs its samples' microbatches through the towers it holds (both, or
+   one when each tower has ranks of its own: DistMM's placement) and keeps their embeddings
+   (``keep``: with their autograd graphs; ``recompute``: without, under ``no_grad``, the RNG
+   state noted to replay them).
 2. **Loss.** Every rank gathers both embeddings of the whole global batch, computes the loss
-   term of its own samples' rows (:func:`vlmcompile.ir.coupled_loss.rows_loss`, in tiles of
-   ``tile_rows`` rows so no rank holds an ``N x N`` matrix), and the gradients of the gathered
+   term of its own rows of the embeddings it holds (:func:`vlmcompile.ir.coupled_loss.rows_loss`,
+   in tiles of ``tile_rows`` rows so no rank holds an ``N x N`` matrix), and the gradients of the gathered
    embeddings go back to the ranks that own those rows by reduce-scatter. The loss of the batch
    is the sum of the ranks' terms. Never a loss per microbatch.
 3. **Backward.** Each microbatch's embeddings are seeded with their rows of the gradient (the
    ``recompute`` policy runs their forward again first), then the gradients are summed over the
-   ranks: each rank's are its share of the gradient of one loss, so a sum, not a mean.
+   ranks: each rank's are its share of the gradient of one loss, so a sum, not a mean (a
+   tower's over its own ranks, the loss scalars' over every rank).
 
 The result equals eager training on the whole global batch, for any split of the samples over
 ranks and microbatches, when the towers draw no random numbers (dropout draws others for a
