@@ -114,5 +114,7 @@ def test_separate_towers_split_every_rank_between_them():
     ranks = [p.ranks for p in pipe.tower_plan.separate]
     assert sorted(ranks[0] + ranks[1]) == [0, 1, 2, 3] and min(len(r) for r in ranks) >= 1
     assert "each tower on ranks of its own" in str(pipe.tower_plan)
+    cells = [c for line in pipe.tower_plan.grid()[1:] for c in line.split(":")[1].split()]
+    assert cells == ["0"] * len(ranks[0]) + ["1"] * len(ranks[1])
     with pytest.raises(ArgumentError, match="tower placement 'apart'"):
         compile(model, batch, "cpu:4", search_space=SearchSpace(tower_placement="apart"), log=None)

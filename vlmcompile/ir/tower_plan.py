@@ -73,6 +73,20 @@ class SampleSplit:
             tuple(tuple(_near_equal(c, microbatches_per_rank)) for c in counts),
         )
 
+    def grid(self) -> list[str]:
+        """The placement as a node x GPU grid: which tower (0, 1, or 01 for both) each rank runs."""
+        if not self.gpus_per_node:
+            return []
+        towers = [
+            "".join(str(t) for t in (0, 1) if r in self.placement(t).ranks) for r in range(self.num_ranks)
+        ]
+        per = self.gpus_per_node
+        lines = ["  placement (node x GPU: the tower each runs):"]
+        for node in range(-(-self.num_ranks // per)):
+            cells = towers[node * per : (node + 1) * per]
+            lines.append(f"    node {node}: " + " ".join(f"{c:>2}" for c in cells))
+        return lines
+
     @property
     def num_ranks(self) -> int:
         return len(self.microbatches)
@@ -160,6 +174,8 @@ class TowerPlan:
     separate: tuple[TowerPlacement, TowerPlacement] | None = None
     """Each tower on ranks of its own (DistMM's placement), each with its own split of the whole
     batch; None: both towers on every rank, as ``split`` says."""
+    gpus_per_node: int | None = None
+    """The cluster's node size, for the report's node x GPU grid (None: no grid)."""
 
     def placement(self, tower: int) -> TowerPlacement:
         if self.separate is not None:
@@ -179,6 +195,20 @@ class TowerPlan:
         if self.tile_rows < 1:
             raise ArgumentError(f"tile_rows={self.tile_rows}; give a positive number of loss rows a tile")
         object.__setattr__(self, "memory", MemoryPolicy(self.memory))
+
+    def grid(self) -> list[str]:
+        """The placement as a node x GPU grid: which tower (0, 1, or 01 for both) each rank runs."""
+        if not self.gpus_per_node:
+            return []
+        towers = [
+            "".join(str(t) for t in (0, 1) if r in self.placement(t).ranks) for r in range(self.num_ranks)
+        ]
+        per = self.gpus_per_node
+        lines = ["  placement (node x GPU: the tower each runs):"]
+        for node in range(-(-self.num_ranks // per)):
+            cells = towers[node * per : (node + 1) * per]
+            lines.append(f"    node {node}: " + " ".join(f"{c:>2}" for c in cells))
+        return lines
 
     @property
     def num_ranks(self) -> int:
@@ -210,6 +240,7 @@ class TowerPlan:
             f"{self.tile_rows} rows; activations: {self.memory}",
         ]
         lines += [f"  {d.subject}: {d.detail}" for d in self.decisions]
+        lines += self.grid()
         p = self.predicted
         if p is not None:
             lines.append(

@@ -120,7 +120,12 @@ def plan_towers(
         tried.append(f"{policy} x{count}: {need.total / 2**30:.2f} GiB")
         if need.total <= cap:
             plan = TowerPlan(
-                loss, split, policy, tile_rows, _decisions(loss, split, policy, need, cap, tile_rows)
+                loss,
+                split,
+                policy,
+                tile_rows,
+                _decisions(loss, split, policy, need, cap, tile_rows),
+                gpus_per_node=cluster.gpus_per_node,
             )
             return dataclasses.replace(plan, predicted=predict_step(layer_graph, cluster, plan))
     raise ArgumentError(
