@@ -218,14 +218,18 @@ def test_a_global_batch_smaller_than_the_ranks_is_refused():
         compile(model, batch, "cpu:4", log=None)
 
 
+SIGLIP = [needs_transformers, pytest.mark.hf, pytest.mark.slow]
+
+
 @pytest.mark.parametrize(
-    "name",
+    ("name", "ranks", "microbatches"),
     [
-        "tiny-contrastive",
-        pytest.param("hf-siglip", marks=[needs_transformers, pytest.mark.hf, pytest.mark.slow]),
+        ("tiny-contrastive", (1, 1), (2, 3)),
+        ("tiny-contrastive", (2, 1), (2, 1)),
+        pytest.param("hf-siglip", (1, 1), (2, 3), marks=SIGLIP),
+        pytest.param("hf-siglip", (2, 1), (2, 1), marks=[*SIGLIP, pytest.mark.extended]),
     ],
 )
-@pytest.mark.parametrize(("ranks", "microbatches"), [((1, 1), (2, 3)), ((2, 1), (2, 1))])
 def test_towers_on_ranks_of_their_own_train_like_eager(name, ranks, microbatches):
     model, batch, pipe = _compiled(name)
     plan = separate_towers(pipe.tower_plan, ranks, microbatches)
