@@ -34,7 +34,9 @@ ALL = ZOO + [pytest.param(n, marks=[needs_transformers, pytest.mark.hf]) for n i
 class TwoTowers(nn.Module):
     """Two small towers under a loss of choice (the variants a user might bring)."""
 
-    def __init__(self, loss: str = "infonce", batchnorm: bool = False, batch_max: bool = False):
+    def __init__(
+        self, loss: str = "infonce", batchnorm: bool = False, batch_max: bool = False, shared: bool = False
+    ):
         super().__init__()
         layers = [nn.Linear(12, 8)] + ([nn.BatchNorm1d(8)] if batchnorm else [])
         self.vision = nn.Sequential(*layers)
@@ -42,13 +44,17 @@ class TwoTowers(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(1.5))
         self.loss = loss
         self.batch_max = batch_max
+        self.shared = nn.Linear(8, 8) if shared else None  # one layer both towers run
 
     def forward(self, pixel_values, input_ids, labels):
         image = self.vision(pixel_values)
         if self.batch_max:  # a statistic over the batch that swapping one sample may not show
             image = image / image.abs().amax()
         image = F.normalize(image + 1, dim=-1) if self.batch_max else F.normalize(image, dim=-1)
-        text = F.normalize(self.text(input_ids).mean(1), dim=-1)
+        text = self.text(input_ids).mean(1)
+        if self.shared is not None:
+            image, text = self.shared(image), self.shared(text)
+        text = F.normalize(text, dim=-1)
         if self.loss == "one-tower":
             text = image.flip(0)
         logits = self.logit_scale.exp() * image @ text.t()

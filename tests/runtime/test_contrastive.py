@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.models import build, needs_transformers
+from tests.models import TWO_TOWER_REGIONS, TwoTowers, build, needs_transformers, two_tower_batch
 from tests.pipeline_helpers import check_equal_to_eager, eager_step
 from vlmcompile import compile
 from vlmcompile.ir.coupled_loss import batch_loss
@@ -244,3 +244,11 @@ def test_towers_on_ranks_of_their_own_train_like_eager(name, ranks, microbatches
         held = [set(r["grads"]) for r in results]
         assert held[0] != held[-1]
         check_equal_to_eager(model, batch, results)
+
+
+def test_a_layer_both_towers_run_sums_its_gradient_over_both_towers_ranks():
+    model, batch = TwoTowers(shared=True), two_tower_batch(6)
+    space = SearchSpace(tower_placement="separate")
+    pipe = compile(model, batch, "cpu:2", region_overrides=TWO_TOWER_REGIONS, search_space=space, log=None)
+    assert pipe.tower_plan.separate is not None
+    check_equal_to_eager(model, batch, pipe.launch(timeout_s=60))

@@ -143,14 +143,17 @@ class ContrastiveStep:
             what = f"the gradient all-reduce over {self.plan.num_ranks} ranks"
             sum_gradients(self.parameters(), None, deadline, what, self._buffers)
             return
-        shared = {id(p) for p in self._scalar_parameters()}
+        # A parameter both towers read (or the loss scalars) gets shares on ranks of both towers.
+        both = {id(p) for p in self._tower_parameters(0)} & {id(p) for p in self._tower_parameters(1)}
+        everywhere = self._scalar_parameters() + [p for p in self._tower_parameters(0) if id(p) in both]
+        shared = {id(p) for p in everywhere}
         for t, placement in enumerate(self.placements):
             if rank in placement.ranks:
                 own = [p for p in self._tower_parameters(t) if id(p) not in shared]
                 what = f"tower {t}'s gradient all-reduce over ranks {list(placement.ranks)}"
                 sum_gradients(own, groups[t], deadline, what, self._buffers)
-        what = "the loss scalars' gradient all-reduce over every rank"
-        sum_gradients(self._scalar_parameters(), None, deadline, what, self._buffers)
+        what = "the gradient all-reduce of the loss scalars and the towers' shared parameters over every rank"
+        sum_gradients(list({id(p): p for p in everywhere}.values()), None, deadline, what, self._buffers)
 
     def check_batch(self, batch: Mapping[str, Any]) -> None:
         """Refuse a batch the towers were not captured for, naming the key and what was expected.
