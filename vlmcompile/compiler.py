@@ -211,7 +211,11 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
             microbatches=space.tower_microbatches,
         )
         state.tower_plan = choose_placement(
-            state.layer_graph, state.cluster, colocated, placement=space.tower_placement
+            state.layer_graph,
+            state.cluster,
+            colocated,
+            placement=space.tower_placement,
+            microbatches=space.tower_microbatches,
         )
         state.reports["plan"] = state.tower_plan
         return

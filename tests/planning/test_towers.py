@@ -114,6 +114,7 @@ def test_separate_towers_split_every_rank_between_them():
     ranks = [p.ranks for p in pipe.tower_plan.separate]
     assert sorted(ranks[0] + ranks[1]) == [0, 1, 2, 3] and min(len(r) for r in ranks) >= 1
     assert "each tower on ranks of its own" in str(pipe.tower_plan)
+    assert all(pipe.tower_plan.memory_of(t) is MemoryPolicy.KEEP for t in (0, 1))  # fits: nothing runs twice
     cells = [c for line in pipe.tower_plan.grid()[1:] for c in line.split(":")[1].split()]
     assert cells == ["0"] * len(ranks[0]) + ["1"] * len(ranks[1])
     with pytest.raises(ArgumentError, match="tower placement 'apart'"):

@@ -234,7 +234,13 @@ def test_towers_on_ranks_of_their_own_train_like_eager(name, ranks, microbatches
     model, batch, pipe = _compiled(name)
     plan = separate_towers(pipe.tower_plan, ranks, microbatches)
     assert plan.num_ranks == sum(ranks) and plan.placement(1).ranks == tuple(range(ranks[0], sum(ranks)))
-    plans = [plan, dataclasses.replace(plan, memory="recompute", tile_rows=2)]
+    # Each tower its own activation policy: the first keeps, the second recomputes.
+    own = [dataclasses.replace(p, memory=m) for p, m in zip(plan.separate, ("keep", "recompute"))]
+    plans = [
+        plan,
+        dataclasses.replace(plan, memory="recompute", tile_rows=2),
+        dataclasses.replace(plan, separate=tuple(own)),
+    ]
     per_rank = launch(
         every_step, [pipe.contrastive_step(p) for p in plans], sum(ranks), args=(batch,), timeout_s=60
     )

@@ -147,10 +147,14 @@ class TowerPlacement:
 
     ranks: tuple[int, ...]
     split: SampleSplit
+    memory: MemoryPolicy | None = None
+    """This tower's activation policy (None: the plan's)."""
 
     def __post_init__(self):
         if len(self.ranks) != self.split.num_ranks or len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"tower ranks {list(self.ranks)} for a split over {self.split.num_ranks} ranks")
+        if self.memory is not None:
+            object.__setattr__(self, "memory", MemoryPolicy(self.memory))
 
     def rows_of(self, rank: int) -> tuple[int, int]:
         """(first sample, count) this global rank embeds in this tower; (0, 0) if it holds none."""
@@ -176,6 +180,10 @@ class TowerPlan:
     batch; None: both towers on every rank, as ``split`` says."""
     gpus_per_node: int | None = None
     """The cluster's node size, for the report's node x GPU grid (None: no grid)."""
+
+    def memory_of(self, tower: int) -> MemoryPolicy:
+        """The activation policy of one tower (its own, when it has ranks of its own and one)."""
+        return self.placement(tower).memory or self.memory
 
     def placement(self, tower: int) -> TowerPlacement:
         if self.separate is not None:
@@ -231,7 +239,7 @@ class TowerPlan:
             where = [f"contrastive step: {self.global_batch} samples, each tower on ranks of its own"] + [
                 f"  tower {t} on ranks {list(p.ranks)}: samples per rank "
                 f"{[p.split.count(i) for i in range(p.split.num_ranks)]}, microbatches "
-                f"{[list(m) for m in p.split.microbatches]}"
+                f"{[list(m) for m in p.split.microbatches]}, activations {self.memory_of(t)}"
                 for t, p in enumerate(self.separate)
             ]
         lines = [

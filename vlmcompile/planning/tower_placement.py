@@ -18,14 +18,17 @@ from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Reason
-from vlmcompile.ir.tower_plan import SampleSplit, TowerPlacement, TowerPlan
+from vlmcompile.ir.tower_plan import MemoryPolicy, SampleSplit, TowerPlacement, TowerPlan
 from vlmcompile.planning import towers
 
 PLACEMENTS = ("auto", "colocated", "separate")
 
 
 def separate_towers(
-    plan: TowerPlan, ranks: tuple[int, int], microbatches: tuple[int, int] = (1, 1)
+    plan: TowerPlan,
+    ranks: tuple[int, int],
+    microbatches: tuple[int, int] = (1, 1),
+    memory: tuple[MemoryPolicy | None, MemoryPolicy | None] = (None, None),
 ) -> TowerPlan:
     """``plan`` with tower 0 on the first ``ranks[0]`` ranks and tower 1 on the next ``ranks[1]``
     (DistMM's placement), each spreading the whole batch over its ranks in ``microbatches`` a rank.
@@ -37,8 +40,10 @@ def separate_towers(
         raise ArgumentError(f"tower ranks {ranks}: each tower needs one rank at least")
     n = plan.global_batch
     placements = (
-        TowerPlacement(tuple(range(ranks[0])), SampleSplit.even(n, ranks[0], microbatches[0])),
-        TowerPlacement(tuple(range(ranks[0], sum(ranks))), SampleSplit.even(n, ranks[1], microbatches[1])),
+        TowerPlacement(tuple(range(ranks[0])), SampleSplit.even(n, ranks[0], microbatches[0]), memory[0]),
+        TowerPlacement(
+            tuple(range(ranks[0], sum(ranks))), SampleSplit.even(n, ranks[1], microbatches[1]), memory[1]
+        ),
     )
     decision = Decision(
         "placement",
@@ -54,10 +59,17 @@ def separate_towers(
 
 
 def choose_placement(
-    layer_graph: LayerGraph, cluster: Cluster, colocated: TowerPlan, *, placement: str
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    colocated: TowerPlan,
+    *,
+    placement: str,
+    microbatches: int | None = None,
 ) -> TowerPlan:
     """The colocated plan, or the separate split of the ranks with the fastest predicted step that
-    fits (module docstring), with the comparison as a decision.
+    fits (module docstring), with the comparison as a decision. Separate, each tower gets its own
+    activation policy and microbatch count: ``microbatches`` if given, else the cheapest that fits
+    its ranks (kept in one microbatch, else recomputed in the fewest).
 
     Raises:
         ArgumentError: an unknown ``placement``, or "separate" where no split fits.
@@ -65,24 +77,24 @@ def choose_placement(
     if placement not in PLACEMENTS:
         raise ArgumentError(f"tower placement {placement!r}; choose one of {PLACEMENTS}")
     ranks, n = colocated.num_ranks, colocated.global_batch
-    microbatches = len(colocated.split.microbatches[0])
     if placement == "colocated" or ranks < 2:
         return colocated
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     options = []
     for k0 in range(1, ranks):
         k = (k0, ranks - k0)
-        if n < max(k) * microbatches:
+        chosen = [_tower_fit(layer_graph, colocated, t, k[t], microbatches, cap) for t in (0, 1)]
+        if None in chosen:
             continue
-        plan = separate_towers(colocated, k, (microbatches, microbatches))
+        plan = separate_towers(colocated, k, (chosen[0][1], chosen[1][1]), (chosen[0][0], chosen[1][0]))
         predicted = towers.predict_step(layer_graph, cluster, plan)
         if predicted.mem_bytes <= cap:
             options.append(dataclasses.replace(plan, predicted=predicted))
     if not options:
         if placement == "separate":
             raise ArgumentError(
-                f"no split of {ranks} ranks between the towers fits {cluster.device.name} at {n} samples a step "
-                f"in {microbatches} microbatch(es) a rank; place them colocated or give more devices"
+                f"no split of {ranks} ranks between the towers fits {cluster.device.name} at {n} samples a step; "
+                "place them colocated or give more devices"
             )
         return colocated
     best = min(options, key=lambda p: p.predicted.step_s)
@@ -97,3 +109,26 @@ def choose_placement(
     decision = Decision("placement", Reason.TOWER_PLACEMENT, detail, {f"{k}_ms": v for k, v in ms.items()})
     kept = tuple(d for d in chosen.decisions if d.reason is not Reason.TOWER_PLACEMENT)
     return dataclasses.replace(chosen, decisions=(*kept, decision))
+
+
+def _tower_fit(
+    layer_graph: LayerGraph, plan: TowerPlan, tower: int, ranks: int, microbatches: int | None, cap: float
+) -> tuple[MemoryPolicy, int] | None:
+    """The cheapest (policy, microbatches a rank) with which one tower fits ``ranks`` ranks."""
+    n = plan.global_batch
+    layers = towers.tower_layers(layer_graph, plan.loss, tower)
+    for policy, m in towers.memory_options(None, microbatches, n // ranks):
+        if n < ranks * m:
+            continue
+        split = SampleSplit.even(n, ranks, m)
+        need = towers.tower_memory(
+            layer_graph,
+            split,
+            policy,
+            embedding_width=plan.loss.width,
+            tile_rows=plan.tile_rows,
+            layers=layers,
+        )
+        if need.total <= cap:
+            return policy, m
+    return None

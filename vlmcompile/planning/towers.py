@@ -114,7 +114,7 @@ def plan_towers(
     if tile_rows is None:
         tile_rows = max(1, min(local, int(LOSS_TILE_SHARE * cap / (_TILE_TENSORS * global_batch * 4))))
     tried = []
-    for policy, count in _options(memory, microbatches, global_batch // ranks):
+    for policy, count in memory_options(memory, microbatches, global_batch // ranks):
         split = SampleSplit.even(global_batch, ranks, count)
         need = tower_memory(layer_graph, split, policy, embedding_width=embedding_width, tile_rows=tile_rows)
         tried.append(f"{policy} x{count}: {need.total / 2**30:.2f} GiB")
@@ -148,13 +148,14 @@ def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> 
     are its embedding, and the slower tower sets each phase."""
     loss, n, width, world = plan.loss, plan.global_batch, plan.loss.width, plan.num_ranks
     if plan.separate is None:
-        groups = [(plan.placement(0), list(layer_graph.layers), loss.directions())]
+        groups = [(plan.placement(0), list(layer_graph.layers), loss.directions(), plan.memory)]
     else:
         groups = [
             (
                 plan.placement(t),
                 tower_layers(layer_graph, loss, t),
                 [d for d in loss.directions() if d[0] == t],
+                plan.memory_of(t),
             )
             for t in (0, 1)
         ]
@@ -164,9 +165,9 @@ def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> 
     scatter_bytes = len({c for _, c in loss.directions()}) * n * width * 4
     need = max(
         tower_memory(
-            layer_graph, p.split, plan.memory, embedding_width=width, tile_rows=plan.tile_rows, layers=layers
+            layer_graph, p.split, memory, embedding_width=width, tile_rows=plan.tile_rows, layers=layers
         ).total
-        for p, layers, _ in groups
+        for p, layers, _, memory in groups
     )
     return TowerStepCost(
         towers_fwd_s=max(ph[0] for ph in phases),
@@ -183,7 +184,7 @@ def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> 
 
 
 def _group_phases(
-    layer_graph, cluster, plan, placement, layers, directions
+    layer_graph, cluster, plan, placement, layers, directions, memory
 ) -> tuple[float, float, float, float]:
     """(forward, backward, loss compute, gradient all-reduce) seconds of a group's busiest rank."""
     split = placement.split
@@ -193,7 +194,7 @@ def _group_phases(
         for layer in layers
     ]
     fwd_s = sum(t.fwd_s for t in times)
-    bwd_s = sum(t.bwd_s for t in times) + (fwd_s if plan.memory is MemoryPolicy.RECOMPUTE else 0.0)
+    bwd_s = sum(t.bwd_s for t in times) + (fwd_s if memory is MemoryPolicy.RECOMPUTE else 0.0)
     n, width = plan.global_batch, plan.loss.width
     # Per direction: rows x N similarities forward (2 flops a multiply-add), their gradient to the
     # rows and to the columns backward; elementwise work over the rows x N tile a few times.
@@ -205,7 +206,7 @@ def _group_phases(
     return fwd_s, bwd_s, loss_s, grad_s
 
 
-def _options(
+def memory_options(
     memory: MemoryPolicy | str | None, microbatches: int | None, most: int
 ) -> list[tuple[MemoryPolicy, int]]:
     """(policy, microbatches a rank) to try, cheapest first: keeping one microbatch runs nothing

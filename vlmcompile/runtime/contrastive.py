@@ -74,7 +74,7 @@ class ContrastiveStep:
         self.loss = plan.loss
         self.split = plan.split
         self._groups: list[Any] | None = None
-        self.recompute = plan.memory is MemoryPolicy.RECOMPUTE
+        self.recompute = tuple(plan.memory_of(t) is MemoryPolicy.RECOMPUTE for t in (0, 1))
         self.tile_rows = plan.tile_rows
         self.timeout_s = timeout_s
         self.prefix = prefix
@@ -201,7 +201,7 @@ class ContrastiveStep:
     def _tower_forwards(self, microbatches, tower: int):
         embeddings, rng = [], []
         for mb in microbatches:
-            if self.recompute:
+            if self.recompute[tower]:
                 rng.append(_rng_state())
                 with torch.no_grad():
                     embeddings.append(self._run_tower(mb, tower))
@@ -216,7 +216,7 @@ class ContrastiveStep:
             size = num_samples(mb)
             grad = local_grad[offset : offset + size]
             offset += size
-            if self.recompute:
+            if self.recompute[tower]:
                 _set_rng_state(rng[k])  # the same dropout masks as the forward that was dropped
                 out = self._run_tower(mb, tower)
             else:
