@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from vlmcompile.graph.coupling import CouplingCut, record_values
-from vlmcompile.graph.subgraph import extract
+from vlmcompile.graph.subgraph import ancestors, extract
 from vlmcompile.ir.coupled_loss import CoupledLoss
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.meta_keys import CAPTURE_OPTIONS_META, COUPLING_META, WRAPPER_PREFIX_META
@@ -119,24 +119,13 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _ancestors(outputs: list[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = list(outputs)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen
-
-
 def _tower(gm: fx.GraphModule, embedding: str) -> Tower:
     node = next((n for n in gm.graph.nodes if n.name == embedding), None)
     if node is None:
         raise PlanError(
             f"the graph captured again has no node {embedding!r}; microbatch with the sample batch's size"
         )
-    needed = _ancestors([node])
+    needed = ancestors([node])
     nodes = [n for n in gm.graph.nodes if n in needed and n.op != "placeholder"]
     module, inputs = extract(gm, nodes, [node], module_class=LayerModule, class_name=f"Tower_{embedding}")
     return Tower(module, tuple(str(p.target) for p in inputs))
@@ -146,7 +135,7 @@ def _scalars_module(gm: fx.GraphModule, loss: CoupledLoss) -> fx.GraphModule | N
     if not loss.scalars:
         return None
     outputs = [n for name in loss.scalars for n in gm.graph.nodes if n.name == name]
-    needed = _ancestors(outputs)
+    needed = ancestors(outputs)
     if any(n.op == "placeholder" for n in needed):
         raise PlanError(
             f"the loss's scalars {list(loss.scalars)} read batch inputs; they must come from parameters alone"

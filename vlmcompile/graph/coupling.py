@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from vlmcompile.graph.subgraph import extract
+from vlmcompile.graph.subgraph import ancestors, extract
 from vlmcompile.ir.coupled_loss import CoupledLoss, LossKind, batch_loss
 from vlmcompile.ir.meta_keys import LAYER_META
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample
@@ -115,12 +115,7 @@ def _tower_layers(
     """The layers each embedding is made from, in graph order (what the planner times per tower)."""
     out = []
     for embedding in embeddings:
-        seen, todo = set(), [embedding]
-        while todo:
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                todo.extend(n.all_input_nodes)
+        seen = ancestors([embedding])
         layers = [n.meta.get(LAYER_META) for n in gm.graph.nodes if n in seen]
         out.append(tuple(dict.fromkeys(x for x in layers if x)))
     return out[0], out[1]
@@ -315,16 +310,11 @@ def _unchanged(value: Any, other: Any) -> bool:
 def _is_trainable_scalar(n: fx.Node, value: Any, gm: fx.GraphModule) -> bool:
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != 1:
         return False
-    seen, todo = set(), [n]
-    while todo:  # does a parameter lie behind it?
-        m = todo.pop()
-        if m in seen:
-            continue
-        seen.add(m)
-        if m.op == "get_attr" and isinstance(_attr(gm, str(m.target)), torch.nn.Parameter):
-            return True
-        todo.extend(m.all_input_nodes)
-    return False
+    # Trainable only if a parameter lies behind it.
+    return any(
+        m.op == "get_attr" and isinstance(_attr(gm, str(m.target)), torch.nn.Parameter)
+        for m in ancestors([n])
+    )
 
 
 def _attr(gm: fx.GraphModule, path: str) -> Any:
@@ -371,18 +361,13 @@ def loss_module(gm: fx.GraphModule, cut: Sequence[fx.Node]) -> fx.GraphModule:
     loss = output.args[0]
     while isinstance(loss, (tuple, list)):
         loss = loss[0]
-    stop, needed, todo = set(cut), set(), [loss]
-    while todo:
-        n = todo.pop()
-        if n in needed or n in stop:
-            continue
-        if n.op == "placeholder":
-            raise ValueError(
-                f"the loss reads batch input {n.target!r} besides the embeddings; only a loss of the two "
-                "embeddings (and trainable scalars) can be computed on the whole batch apart"
-            )
-        needed.add(n)
-        todo.extend(n.all_input_nodes)
+    needed = ancestors([loss], stop=cut)
+    read = [n for n in gm.graph.nodes if n in needed and n.op == "placeholder"]
+    if read:
+        raise ValueError(
+            f"the loss reads batch input {read[0].target!r} besides the embeddings; only a loss of the two "
+            "embeddings (and trainable scalars) can be computed on the whole batch apart"
+        )
     nodes = [n for n in gm.graph.nodes if n in needed]
     module, inputs = extract(gm, nodes, [loss], class_name="CoupledLoss")
     order = {n: i for i, n in enumerate(cut)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch.fx as fx
 
@@ -31,3 +31,16 @@ def extract(
         env[n] = graph.node_copy(n, lambda p: env[p])
     graph.output(tuple(env[o] for o in outputs))
     return module_class(gm, graph, class_name=class_name), inputs
+
+
+def ancestors(nodes: Iterable[fx.Node], stop: Iterable[fx.Node] = ()) -> set[fx.Node]:
+    """``nodes`` and every node they depend on, not walking past (nor including) ``stop``."""
+    stop = set(stop)
+    seen: set[fx.Node] = set()
+    todo = [n for n in nodes if n not in stop]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(p for p in n.all_input_nodes if p not in stop)
+    return seen

@@ -73,20 +73,6 @@ class SampleSplit:
             tuple(tuple(_near_equal(c, microbatches_per_rank)) for c in counts),
         )
 
-    def grid(self) -> list[str]:
-        """The placement as a node x GPU grid: which tower (0, 1, or 01 for both) each rank runs."""
-        if not self.gpus_per_node:
-            return []
-        towers = [
-            "".join(str(t) for t in (0, 1) if r in self.placement(t).ranks) for r in range(self.num_ranks)
-        ]
-        per = self.gpus_per_node
-        lines = ["  placement (node x GPU: the tower each runs):"]
-        for node in range(-(-self.num_ranks // per)):
-            cells = towers[node * per : (node + 1) * per]
-            lines.append(f"    node {node}: " + " ".join(f"{c:>2}" for c in cells))
-        return lines
-
     @property
     def num_ranks(self) -> int:
         return len(self.microbatches)
