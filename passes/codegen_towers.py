@@ -26,7 +26,7 @@ from vlmcompile.ir.coupled_loss import CoupledLoss
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.meta_keys import CAPTURE_OPTIONS_META, COUPLING_META, WRAPPER_PREFIX_META
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
-from vlmcompile.ir.tower_plan import TowerPlan
+from vlmcompile.ir.tower_plan import MemoryPolicy, TowerPlan
 from vlmcompile.passes.capture import capture
 from vlmcompile.runtime.contrastive import ContrastiveStep, Tower, share_parameters
 from vlmcompile.runtime.stage import LayerModule
@@ -79,6 +79,7 @@ def codegen_towers(
     loss = coupled_loss_of(gm)
     if loss != plan.loss:
         raise PlanError(f"the plan is for the loss {plan.loss.detail!r}; this graph's is {loss.detail!r}")
+    _check_runnable(plan)
     sizes = sorted(plan.placement(0).split.sizes | plan.placement(1).split.sizes)
     prefix = gm.meta.get(WRAPPER_PREFIX_META, "")
     exported = gm.meta.get(CAPTURE_OPTIONS_META, {}).get("method") == "export"
@@ -177,3 +178,20 @@ def _check_like(pair, batch: Mapping[str, Any], reference: list[torch.Tensor], s
                 "the tower mixes the samples of a batch, or its graph captured again for this size differs; "
                 "train it in one microbatch on one rank (cluster='cpu:1', SearchSpace(tower_microbatches=1))"
             )
+
+
+def _check_runnable(plan: TowerPlan) -> None:
+    """Refuse what the plan asks for and the contrastive runtime does not run."""
+    degrees = {plan.placement(t).tp for t in (0, 1)}
+    if degrees != {1}:
+        raise PlanError(
+            f"the plan runs a tower at tensor-parallel degree {max(degrees)}; the contrastive runtime runs "
+            "tp 1 (data parallelism and microbatches): plan with SearchSpace(tower_tensor_parallel=(1,)) "
+            "or give the towers more devices"
+        )
+    policies = {plan.memory_of(t) for t in (0, 1)}
+    if MemoryPolicy.CHECKPOINT in policies:
+        raise PlanError(
+            "the plan checkpoints every layer (a baseline's rule); the contrastive runtime keeps or recomputes "
+            "whole tower forwards: plan with memory 'keep' or 'recompute'"
+        )

@@ -37,9 +37,11 @@ from vlmcompile.data.packing import check_samples
 from vlmcompile.data.synthetic import ManifestDataset
 from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
-from vlmcompile.ir.errors import ClusterError, VlmCompileError, positive_int
+from vlmcompile.ir.coupled_loss import CoupledLoss
+from vlmcompile.ir.errors import ClusterError, ModelError, VlmCompileError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import COUPLING_META, LOSS_SPLIT_META, OUTPUT_META, PACKED_META
+from vlmcompile.ir.microbatch import num_samples
 from vlmcompile.ir.plan import Decision, Reason
 from vlmcompile.ir.regions import Region
 from vlmcompile.ir.tower_plan import TowerPlan
@@ -53,8 +55,7 @@ from vlmcompile.passes.policies import search_and_compare
 from vlmcompile.passes.profile import profile
 from vlmcompile.pipeline import CompiledPipeline, CompileReport
 from vlmcompile.planning.request import SearchSpace, SolverOptions
-from vlmcompile.planning.tower_placement import choose_placement
-from vlmcompile.planning.towers import plan_towers
+from vlmcompile.planning.tower_placement import place_towers
 from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.executor import RUNTIME
 
@@ -165,11 +166,17 @@ def _profile_pass(state: CompileState, *, repeats: int) -> None:
     local = state.cluster is not None and state.cluster.ranks_on_this_machine
     ranks_here = state.cluster.num_gpus if local else 1
     # One row: the plan search scales per-sample times to its microbatch sizes. A packed sample
-    # batch is one microbatch of one row already (cutting it would cut its images).
+    # batch is one microbatch of one row already (cutting it would cut its images). A
+    # contrastive rank embeds its share of the batch at once, and a small layer's time per row
+    # falls with the rows: time that share.
+    rows = 1
+    cut = state.gm.meta.get(COUPLING_META)
+    if cut is not None and cut.loss is not None:
+        rows = max(1, num_samples(state.sample_batch) // ranks_here)
     microbatch = (
         dict(state.sample_batch)
         if state.samples is not None
-        else {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in state.sample_batch.items()}
+        else {k: v[:rows] if isinstance(v, torch.Tensor) else v for k, v in state.sample_batch.items()}
     )
     result = profile(
         state.gm,
@@ -202,20 +209,15 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
     cut = state.gm.meta.get(COUPLING_META)
     if coupled and cut is not None and cut.loss is not None:
         # A contrastive loss: towers microbatched over every rank, the loss on the whole batch.
-        colocated = plan_towers(
+        state.tower_plan = place_towers(
             state.layer_graph,
             state.cluster,
             cut.loss,
             global_batch=global_batch,
             embedding_width=cut.loss.width,
-            microbatches=space.tower_microbatches,
-        )
-        state.tower_plan = choose_placement(
-            state.layer_graph,
-            state.cluster,
-            colocated,
             placement=space.tower_placement,
             microbatches=space.tower_microbatches,
+            tensor_parallel=space.tower_tensor_parallel,
         )
         state.reports["plan"] = state.tower_plan
         return
@@ -415,6 +417,30 @@ def zoo_layer_graph(model_name: str, *, dtype: Any = None) -> LayerGraph:
     model = models.build(model_name, device="meta", dtype=dtype)
     batch = models.sample_batch(model_name, batch_size=1, device="meta", dtype=dtype)
     return compile(model, batch, model_name=model_name, log=None).layer_graph
+
+
+def zoo_coupled_loss(model_name: str) -> CoupledLoss:
+    """A zoo contrastive model's loss as capture recognises it, for the paper-size model that
+    :func:`zoo_layer_graph` annotates on meta tensors (where nothing runs, so nothing can be
+    recognised): the loss is recognised on a narrow copy with the same layers on real tensors,
+    and given the model's embedding width.
+
+    Raises:
+        ModelError: the model is not a contrastive pair, or its loss is not recognised.
+    """
+    cfg = models.config(model_name)
+    if not isinstance(cfg, models.ContrastiveConfig):
+        raise ModelError(f"{model_name!r} is not a contrastive two-tower model; zoo pairs: {_zoo_pairs()}")
+    small = models.narrowed(cfg)
+    batch = models.sample_batch(small, batch_size=4)
+    pipe = compile(models.build(small), batch, "cpu:2", log=None)
+    if pipe.tower_plan is None:
+        raise ModelError(f"{model_name!r}: capture did not recognise a contrastive loss on its narrow copy")
+    return dataclasses.replace(pipe.tower_plan.loss, width=cfg.embed_dim)
+
+
+def _zoo_pairs() -> list[str]:
+    return sorted(n for n, c in models.VLMS.items() if isinstance(c, models.ContrastiveConfig))
 
 
 _REQUIRED_PASSES = ("capture", "annotate")

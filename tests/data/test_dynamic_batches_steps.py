@@ -3,29 +3,17 @@ stream order, within each microbatch's tokens, and a stream too short is said, n
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from tests.bench_helpers import load_benchmark
 from vlmcompile.data.balance import SampleSizes
-
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 
 
 def _module():
-    sys.path.insert(0, str(BENCHMARKS))  # its own imports (readme_section) live beside it
-    try:
-        spec = importlib.util.spec_from_file_location("dynamic_batches", BENCHMARKS / "dynamic_batches.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["dynamic_batches"] = module  # its dataclasses look themselves up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load_benchmark("dynamic_batches")
 
 
 @pytest.mark.parametrize("method", ["tokens", "greedy"])

@@ -119,3 +119,104 @@ def test_separate_towers_split_every_rank_between_them():
     assert cells == ["0"] * len(ranks[0]) + ["1"] * len(ranks[1])
     with pytest.raises(ArgumentError, match="tower placement 'apart'"):
         compile(model, batch, "cpu:4", search_space=SearchSpace(tower_placement="apart"), log=None)
+
+
+# -- tensor parallelism and the baselines' rule, on a paper-size pair planned on meta tensors --------
+# (``clip_s``: tests/planning/conftest.py)
+
+
+def test_a_paper_size_pair_gets_its_loss_from_a_narrow_copy(clip_s):
+    layer_graph, loss = clip_s
+    assert loss.kind.value == "infonce" and loss.width == 1024
+    names = {layer.name for layer in layer_graph.layers}
+    assert set(loss.tower_layers[0]) | set(loss.tower_layers[1]) == names  # every layer in a tower
+    assert any(n.startswith("vision.") for n in loss.tower_layers[0])
+    assert not any(n.startswith("vision.") for n in loss.tower_layers[1])
+    from vlmcompile.compiler import zoo_coupled_loss
+    from vlmcompile.ir.errors import ModelError
+
+    with pytest.raises(ModelError, match="'demo' is not a contrastive two-tower model; zoo pairs: .*CLIP-S"):
+        zoo_coupled_loss("demo")
+
+
+def test_tensor_parallel_shards_states_and_activations(clip_s):
+    layer_graph, loss = clip_s
+    split = SampleSplit.even(64, 1, 1)
+    one, two = (
+        tower_memory(layer_graph, split, MemoryPolicy.KEEP, embedding_width=1024, tile_rows=8, tp=tp)
+        for tp in (1, 2)
+    )
+    assert two.states < 0.55 * one.states and two.activations < 0.55 * one.activations
+    kept, checkpointed = (
+        tower_memory(layer_graph, split, memory, embedding_width=1024, tile_rows=8)
+        for memory in (MemoryPolicy.KEEP, MemoryPolicy.CHECKPOINT)
+    )
+    assert checkpointed.activations < 0.5 * kept.activations and checkpointed.states == kept.states
+
+
+def test_a_pair_too_large_for_one_gpu_plans_at_the_tensor_parallel_degree_that_fits(clip_s):
+    layer_graph, loss = clip_s
+    cluster = Cluster.preset("v100x8")
+    kw = dict(global_batch=128, embedding_width=1024, microbatches=1, memory="keep")
+    with pytest.raises(ArgumentError, match="do not fit V100-16GB"):
+        plan_towers(layer_graph, cluster, loss, **kw)
+    plan = plan_towers(layer_graph, cluster, loss, tensor_parallel=(1, 2, 4, 8), **kw)
+    assert plan.tp > 1 and plan.num_ranks == 8 and plan.split.num_ranks == 8 // plan.tp
+    assert plan.predicted.mem_bytes <= usable_memory_bytes(cluster.device.mem_bytes)
+    assert f"tp {plan.tp}" in str(plan)
+    assert [plan.placement(0).rows_of(r) for r in range(plan.tp)] == [(0, 128 // (8 // plan.tp))] * plan.tp
+
+
+def test_the_contrastive_runtime_refuses_what_it_does_not_run(clip_s):
+    from passes.codegen_towers import _check_runnable
+    from vlmcompile.ir.errors import PlanError
+
+    layer_graph, loss = clip_s
+    cluster = Cluster.preset("v100x8")
+    kw = dict(global_batch=64, embedding_width=1024, microbatches=1)
+    wide = plan_towers(layer_graph, cluster, loss, memory="keep", tensor_parallel=(2,), **kw)
+    with pytest.raises(PlanError, match="tensor-parallel degree 2; the contrastive runtime runs tp 1"):
+        _check_runnable(wide)
+    checkpointed = plan_towers(layer_graph, cluster, loss, memory="checkpoint", **kw)
+    with pytest.raises(PlanError, match="checkpoints every layer"):
+        _check_runnable(checkpointed)
+
+
+def test_separate_towers_keep_tensor_parallel_groups_inside_a_node(clip_s):
+    from vlmcompile.planning.tower_placement import separate_towers
+
+    layer_graph, loss = clip_s
+    colocated = plan_towers(
+        layer_graph, Cluster.preset("v100x8"), loss, global_batch=64, embedding_width=1024
+    )
+    plan = separate_towers(colocated, (6, 2), tp=(2, 2))
+    assert plan.placement(0).dp == 3 and plan.placement(1).ranks == (6, 7)
+    with pytest.raises(ArgumentError, match="must start on a multiple of its tp"):
+        separate_towers(colocated, (5, 4), tp=(5, 4))
+    with pytest.raises(ArgumentError, match="tp must divide its ranks"):
+        separate_towers(colocated, (6, 2), tp=(4, 1))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_bisected_recompute_count_is_the_fewest_that_fits(seed):
+    import random
+
+    from vlmcompile.planning.towers import TowerMemory, cheapest_fit, memory_options
+
+    rng = random.Random(seed)
+    n, ranks = rng.randint(4, 300), rng.randint(1, 4)
+    per_sample, states = rng.uniform(1, 10), rng.uniform(0, 50)
+    cap = rng.uniform(states, states + per_sample * n)
+
+    def need_of(policy, count):
+        split = SampleSplit.even(n, ranks, count)
+        held = split.count(0) if policy is MemoryPolicy.KEEP else max(split.microbatches[0])
+        return split, TowerMemory(states, held * per_sample, 0.0)
+
+    fixed, counts = memory_options(None, None, n // ranks)
+    options = [*fixed, *((MemoryPolicy.RECOMPUTE, m) for m in counts)]
+    linear = next(((p, need_of(p, m)[0]) for p, m in options if need_of(p, m)[1].total <= cap), None)
+    found = cheapest_fit((fixed, counts), need_of, cap)
+    assert (found is None) == (linear is None)
+    if found is not None:
+        assert (found[0], found[1].microbatches) == (linear[0], linear[1].microbatches)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from vlmcompile.ir.coupled_loss import CoupledLoss
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import format_bytes
-from vlmcompile.ir.plan import Decision
+from vlmcompile.ir.plan import Decision, Precision
 
 
 class MemoryPolicy(str, enum.Enum):
@@ -23,6 +23,10 @@ class MemoryPolicy(str, enum.Enum):
     RECOMPUTE = "recompute"
     """Tower forwards without activations; each runs again before its backward (memory: one
     microbatch's, for a second forward)."""
+    CHECKPOINT = "checkpoint"
+    """Every layer's input kept, each layer's forward run again in its backward (Megatron-LM's
+    full recompute, open_clip's ``--grad-checkpointing``): the baselines' rule; the contrastive
+    runtime does not run it."""
 
     def __str__(self) -> str:
         return self.value
@@ -133,21 +137,35 @@ class TowerPlacement:
 
     ranks: tuple[int, ...]
     split: SampleSplit
+    """Over the tower's data-parallel groups: ``tp`` consecutive ranks embed the same samples."""
     memory: MemoryPolicy | None = None
     """This tower's activation policy (None: the plan's)."""
+    tp: int = 1
+    """Tensor-parallel degree: consecutive ranks of one node share each layer's matrices."""
 
     def __post_init__(self):
-        if len(self.ranks) != self.split.num_ranks or len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(f"tower ranks {list(self.ranks)} for a split over {self.split.num_ranks} ranks")
+        if (
+            self.tp < 1
+            or len(self.ranks) != self.split.num_ranks * self.tp
+            or len(set(self.ranks)) != len(self.ranks)
+        ):
+            raise ValueError(
+                f"tower ranks {list(self.ranks)} for a split over {self.split.num_ranks} data-parallel "
+                f"groups of tp={self.tp}"
+            )
         if self.memory is not None:
             object.__setattr__(self, "memory", MemoryPolicy(self.memory))
+
+    @property
+    def dp(self) -> int:
+        return self.split.num_ranks
 
     def rows_of(self, rank: int) -> tuple[int, int]:
         """(first sample, count) this global rank embeds in this tower; (0, 0) if it holds none."""
         if rank not in self.ranks:
             return 0, 0
-        i = self.ranks.index(rank)
-        return self.split.first_sample[i], self.split.count(i)
+        group = self.ranks.index(rank) // self.tp
+        return self.split.first_sample[group], self.split.count(group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +184,12 @@ class TowerPlan:
     batch; None: both towers on every rank, as ``split`` says."""
     gpus_per_node: int | None = None
     """The cluster's node size, for the report's node x GPU grid (None: no grid)."""
+    tp: int = 1
+    """Colocated: the tensor-parallel degree of both towers (``split`` is over the data-parallel
+    groups); separate: each placement has its own."""
+    precision: Precision = field(default_factory=Precision)
+    zero_stage: int = 1
+    """Optimizer states sharded over each tower's data-parallel ranks (1) or replicated (0, DDP)."""
 
     def memory_of(self, tower: int) -> MemoryPolicy:
         """The activation policy of one tower (its own, when it has ranks of its own and one)."""
@@ -174,7 +198,7 @@ class TowerPlan:
     def placement(self, tower: int) -> TowerPlacement:
         if self.separate is not None:
             return self.separate[tower]
-        return TowerPlacement(tuple(range(self.split.num_ranks)), self.split)
+        return TowerPlacement(tuple(range(self.split.num_ranks * self.tp)), self.split, tp=self.tp)
 
     def __post_init__(self):
         if self.separate is not None:
@@ -208,7 +232,7 @@ class TowerPlan:
     def num_ranks(self) -> int:
         if self.separate is not None:
             return sum(len(p.ranks) for p in self.separate)
-        return self.split.num_ranks
+        return self.split.num_ranks * self.tp
 
     @property
     def global_batch(self) -> int:
@@ -216,14 +240,14 @@ class TowerPlan:
 
     def __str__(self) -> str:
         if self.separate is None:
-            counts = [self.split.count(r) for r in range(self.num_ranks)]
+            counts = [self.split.count(r) for r in range(self.split.num_ranks)]
             where = [
                 f"contrastive step: {self.global_batch} samples on {self.num_ranks} ranks (both towers on each), "
-                f"samples per rank {counts}, microbatches {[list(m) for m in self.split.microbatches]}"
+                f"{_per_group(self.tp)} {counts}, microbatches {[list(m) for m in self.split.microbatches]}"
             ]
         else:
             where = [f"contrastive step: {self.global_batch} samples, each tower on ranks of its own"] + [
-                f"  tower {t} on ranks {list(p.ranks)}: samples per rank "
+                f"  tower {t} on ranks {list(p.ranks)}: {_per_group(p.tp)} "
                 f"{[p.split.count(i) for i in range(p.split.num_ranks)]}, microbatches "
                 f"{[list(m) for m in p.split.microbatches]}, activations {self.memory_of(t)}"
                 for t, p in enumerate(self.separate)
@@ -245,3 +269,7 @@ class TowerPlan:
                 f"all-reduce {p.grad_reduce_s * 1e3:.2f}; peak memory {format_bytes(p.mem_bytes)} (simulated)"
             )
         return "\n".join(lines)
+
+
+def _per_group(tp: int) -> str:
+    return "samples per rank" if tp == 1 else f"tp {tp}, samples per data-parallel group"

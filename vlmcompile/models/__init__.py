@@ -42,6 +42,7 @@ from vlmcompile.models.configs import (
     ViTConfig,
     VLMConfig,
     compose,
+    narrowed,
     resolve,
 )
 from vlmcompile.models.towers import DecoderLM, TextEncoder, ViTEncoder
@@ -62,6 +63,7 @@ __all__ = [
     "build",
     "compose",
     "config",
+    "narrowed",
     "sample_batch",
 ]
 

@@ -25,6 +25,7 @@ Where a paper gives no value, the choice is ours and is stated next to it:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -206,6 +207,21 @@ LLMS: dict[str, LLMConfig] = {
     )
 }
 # fmt: on
+
+
+def narrowed(cfg: ContrastiveConfig) -> ContrastiveConfig:
+    """``cfg`` with the same layers and tiny widths: the same graph and layer names, small
+    enough to run on real tensors (capture recognises a contrastive loss on it for the
+    paper-size model, which is built on the meta device)."""
+    return dataclasses.replace(
+        cfg,
+        name=f"{cfg.name}-narrow",
+        vision=dataclasses.replace(
+            cfg.vision, width=32, mlp=64, heads=2, head_dim=16, image_px=2 * cfg.vision.patch
+        ),
+        text=dataclasses.replace(cfg.text, width=32, mlp=64, heads=2, head_dim=16, vocab=64, tokens=8),
+        embed_dim=16,
+    )
 
 
 def _distmm_heads(width: int) -> tuple[int, int]:

@@ -12,9 +12,11 @@ memory is kept, the runner-up's figures in the decision.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.ir.coupled_loss import CoupledLoss
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Reason
@@ -29,27 +31,42 @@ def separate_towers(
     ranks: tuple[int, int],
     microbatches: tuple[int, int] = (1, 1),
     memory: tuple[MemoryPolicy | None, MemoryPolicy | None] = (None, None),
+    tp: tuple[int, int] = (1, 1),
 ) -> TowerPlan:
     """``plan`` with tower 0 on the first ``ranks[0]`` ranks and tower 1 on the next ``ranks[1]``
-    (DistMM's placement), each spreading the whole batch over its ranks in ``microbatches`` a rank.
+    (DistMM's placement), each spreading the whole batch over its data-parallel groups of
+    ``tp`` ranks in ``microbatches`` a group.
 
     Raises:
-        ArgumentError: a tower without ranks, or fewer samples than a tower's ranks x microbatches.
+        ArgumentError: a tower without ranks, a ``tp`` that does not divide its tower's ranks or
+            would cross a node (tower 1's groups start at rank ``ranks[0]``), or fewer samples
+            than a tower's groups x microbatches.
     """
     if min(ranks) < 1:
         raise ArgumentError(f"tower ranks {ranks}: each tower needs one rank at least")
+    if any(k % t for k, t in zip(ranks, tp)) or ranks[0] % tp[1]:
+        raise ArgumentError(
+            f"tower ranks {ranks} at tp {tp}: each tower's tp must divide its ranks, and tower 1's "
+            "tensor-parallel groups must start on a multiple of its tp (inside one node)"
+        )
     n = plan.global_batch
     placements = (
-        TowerPlacement(tuple(range(ranks[0])), SampleSplit.even(n, ranks[0], microbatches[0]), memory[0]),
         TowerPlacement(
-            tuple(range(ranks[0], sum(ranks))), SampleSplit.even(n, ranks[1], microbatches[1]), memory[1]
+            tuple(range(ranks[0])), SampleSplit.even(n, ranks[0] // tp[0], microbatches[0]), memory[0], tp[0]
+        ),
+        TowerPlacement(
+            tuple(range(ranks[0], sum(ranks))),
+            SampleSplit.even(n, ranks[1] // tp[1], microbatches[1]),
+            memory[1],
+            tp[1],
         ),
     )
+    degrees = "" if tp == (1, 1) else f", tp {tp[0]} and {tp[1]}"
     decision = Decision(
         "placement",
         Reason.TOWER_PLACEMENT,
         f"tower 0 on ranks {list(placements[0].ranks)}, tower 1 on ranks {list(placements[1].ranks)} "
-        f"({microbatches[0]} and {microbatches[1]} microbatches a rank)",
+        f"({microbatches[0]} and {microbatches[1]} microbatches a rank{degrees})",
     )
     kept = tuple(d for d in plan.decisions if d.reason is not Reason.TOWER_PLACEMENT)
     split = SampleSplit.even(n, sum(ranks), 1)
@@ -58,77 +75,140 @@ def separate_towers(
     )
 
 
-def choose_placement(
+def place_towers(
     layer_graph: LayerGraph,
     cluster: Cluster,
-    colocated: TowerPlan,
+    loss: CoupledLoss,
     *,
-    placement: str,
+    global_batch: int,
+    embedding_width: int,
+    placement: str = "auto",
     microbatches: int | None = None,
+    tensor_parallel: tuple[int, ...] = (1,),
 ) -> TowerPlan:
-    """The colocated plan, or the separate split of the ranks with the fastest predicted step that
-    fits (module docstring), with the comparison as a decision. Separate, each tower gets its own
-    activation policy and microbatch count: ``microbatches`` if given, else the cheapest that fits
-    its ranks (kept in one microbatch, else recomputed in the fewest).
+    """Both towers on every rank (:func:`~vlmcompile.planning.towers.plan_towers`), or the
+    separate split of the ranks with the fastest predicted step that fits (module docstring),
+    whichever is faster, with the comparison as a decision; separate also where both towers do
+    not fit one rank together. Separate, each tower gets its own tensor-parallel degree (of
+    ``tensor_parallel``), activation policy and microbatch count: ``microbatches`` if given, else
+    the cheapest that fits its ranks (kept in one microbatch, else recomputed in the fewest).
 
     Raises:
-        ArgumentError: an unknown ``placement``, or "separate" where no split fits.
+        ArgumentError: an unknown ``placement``, fewer samples than ranks, or nothing fits.
     """
     if placement not in PLACEMENTS:
         raise ArgumentError(f"tower placement {placement!r}; choose one of {PLACEMENTS}")
-    ranks, n = colocated.num_ranks, colocated.global_batch
+    ranks, n = cluster.num_gpus, global_batch
+    try:
+        colocated = towers.plan_towers(
+            layer_graph,
+            cluster,
+            loss,
+            global_batch=n,
+            embedding_width=embedding_width,
+            microbatches=microbatches,
+            tensor_parallel=tensor_parallel,
+        )
+    except ArgumentError as refusal:
+        if placement == "colocated" or ranks < 2 or n < ranks:
+            raise
+        colocated, together = None, refusal
     if placement == "colocated" or ranks < 2:
         return colocated
-    cap = usable_memory_bytes(cluster.device.mem_bytes)
-    options = []
-    for k0 in range(1, ranks):
-        k = (k0, ranks - k0)
-        chosen = [_tower_fit(layer_graph, colocated, t, k[t], microbatches, cap) for t in (0, 1)]
-        if None in chosen:
-            continue
-        plan = separate_towers(colocated, k, (chosen[0][1], chosen[1][1]), (chosen[0][0], chosen[1][0]))
-        predicted = towers.predict_step(layer_graph, cluster, plan)
-        if predicted.mem_bytes <= cap:
-            options.append(dataclasses.replace(plan, predicted=predicted))
-    if not options:
+    base = colocated or TowerPlan(
+        loss,
+        SampleSplit.even(n, ranks, 1),
+        tile_rows=towers.default_tile_rows(cluster, n),
+        gpus_per_node=cluster.gpus_per_node,
+    )
+    best = _best_split(layer_graph, cluster, base, microbatches, tensor_parallel)
+    if best is None:
+        if colocated is None:
+            raise ArgumentError(f"{together}; nor does any split of the ranks between the towers")
         if placement == "separate":
             raise ArgumentError(
                 f"no split of {ranks} ranks between the towers fits {cluster.device.name} at {n} samples a step; "
                 "place them colocated or give more devices"
             )
         return colocated
-    best = min(options, key=lambda p: p.predicted.step_s)
-    ms = {"colocated": colocated.predicted.step_s * 1e3, "separate": best.predicted.step_s * 1e3}
     k0 = len(best.separate[0].ranks)
-    chosen = best if placement == "separate" or ms["separate"] < ms["colocated"] else colocated
+    ms = {"separate": best.predicted.step_s * 1e3}
+    if colocated is None:
+        chosen, together_said = best, "both towers on every rank do not fit"
+    else:
+        ms["colocated"] = colocated.predicted.step_s * 1e3
+        faster = placement == "separate" or ms["separate"] < ms["colocated"]
+        chosen = best if faster else colocated
+        together_said = f"predicted step {ms['colocated']:.3g} ms with both towers on every rank"
     said = "separate" if chosen is best else "colocated"
     detail = (
-        f"{said}: predicted step {ms['colocated']:.3g} ms with both towers on every rank, {ms['separate']:.3g} ms "
-        f"with tower 0 on {k0} and tower 1 on {ranks - k0} of {ranks} ranks (the best split; simulated)"
+        f"{said}: {together_said}, {ms['separate']:.3g} ms with tower 0 on {k0} and tower 1 on {ranks - k0} "
+        f"of {ranks} ranks (the best split; simulated)"
     )
     decision = Decision("placement", Reason.TOWER_PLACEMENT, detail, {f"{k}_ms": v for k, v in ms.items()})
     kept = tuple(d for d in chosen.decisions if d.reason is not Reason.TOWER_PLACEMENT)
     return dataclasses.replace(chosen, decisions=(*kept, decision))
 
 
+def _best_split(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    base: TowerPlan,
+    microbatches: int | None,
+    tensor_parallel: tuple[int, ...],
+) -> TowerPlan | None:
+    """The separate plan with the fastest predicted step that fits, over every split of the
+    ranks and every pair of the towers' degrees; None if none fits."""
+    ranks = cluster.num_gpus
+    cap = usable_memory_bytes(cluster.device.mem_bytes)
+    best = None
+    for k0 in range(1, ranks):
+        k = (k0, ranks - k0)
+        fits = [
+            [
+                (tp, fit)
+                for tp in towers.tp_options(cluster, k[t], tensor_parallel)
+                if (fit := _tower_fit(layer_graph, base, t, k[t], tp, microbatches, cap))
+            ]
+            for t in (0, 1)
+        ]
+        for (tp0, (memory0, m0)), (tp1, (memory1, m1)) in itertools.product(*fits):
+            if k0 % tp1:
+                continue
+            plan = separate_towers(base, k, (m0, m1), (memory0, memory1), (tp0, tp1))
+            predicted = towers.predict_step(layer_graph, cluster, plan)
+            if predicted.mem_bytes <= cap and (best is None or predicted.step_s < best.predicted.step_s):
+                best = dataclasses.replace(plan, predicted=predicted)
+    return best
+
+
 def _tower_fit(
-    layer_graph: LayerGraph, plan: TowerPlan, tower: int, ranks: int, microbatches: int | None, cap: float
+    layer_graph: LayerGraph,
+    plan: TowerPlan,
+    tower: int,
+    ranks: int,
+    tp: int,
+    microbatches: int | None,
+    cap: float,
 ) -> tuple[MemoryPolicy, int] | None:
-    """The cheapest (policy, microbatches a rank) with which one tower fits ``ranks`` ranks."""
-    n = plan.global_batch
+    """The cheapest (policy, microbatches a group) with which one tower fits ``ranks`` ranks at ``tp``."""
+    n, dp = plan.global_batch, ranks // tp
     layers = towers.tower_layers(layer_graph, plan.loss, tower)
-    for policy, m in towers.memory_options(None, microbatches, n // ranks):
-        if n < ranks * m:
-            continue
-        split = SampleSplit.even(n, ranks, m)
-        need = towers.tower_memory(
+
+    def need_of(policy, m):
+        split = SampleSplit.even(n, dp, m)
+        return split, towers.tower_memory(
             layer_graph,
             split,
             policy,
             embedding_width=plan.loss.width,
             tile_rows=plan.tile_rows,
             layers=layers,
+            tp=tp,
+            precision=plan.precision,
+            zero_stage=plan.zero_stage,
         )
-        if need.total <= cap:
-            return policy, m
-    return None
+
+    fixed, counts = towers.memory_options(None, microbatches, n // dp)
+    fit = towers.cheapest_fit(([(p, m) for p, m in fixed if n >= dp * m], counts), need_of, cap)
+    return None if fit is None else (fit[0], len(fit[1].microbatches[0]))

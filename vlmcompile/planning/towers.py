@@ -1,30 +1,37 @@
 """Plan a contrastive two-tower step: samples per rank, microbatches and what a rank keeps.
 
-Both towers sit on every rank here (data parallelism over the cluster); towers on ranks of their
-own are :mod:`.tower_placement`'s. The global batch is split as evenly as the counts allow. A
-rank's memory is its model states plus, between its tower forwards and the loss, either every
-microbatch's activations (``keep``) or one microbatch's for the forward run again before its
-backward (``recompute``), plus the loss phase's gathered embeddings and one tile of
-similarities. The plan keeps activations in one microbatch when that fits (nothing runs twice),
-else recomputes with the fewest microbatches that fit; a microbatch count or memory policy the
-caller gives is kept, and refused if it does not fit.
+Both towers sit on every rank here (data parallelism over the cluster, tensor parallelism inside
+a node where asked); towers on ranks of their own are :mod:`.tower_placement`'s. The global batch
+is split as evenly as the counts allow. A rank's memory is its model states plus, between its
+tower forwards and the loss, either every microbatch's activations (``keep``) or one
+microbatch's for the forward run again before its backward (``recompute``), plus the loss
+phase's gathered embeddings and one tile of similarities. At each tensor-parallel degree the plan
+keeps activations in one microbatch when that fits (nothing runs twice), else recomputes with the
+fewest microbatches that fit; the fastest predicted degree is kept. A microbatch count or memory
+policy the caller gives is kept, and refused if it does not fit. The baselines' rule,
+``checkpoint`` (every layer's input kept), is planned only when asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.cost_models.comm import all_gather_s, all_reduce_s, reduce_scatter_s
-from vlmcompile.cost_models.compute import Work, layer_time
-from vlmcompile.cost_models.memory import kept_activation_bytes, model_state_bytes, usable_memory_bytes
-from vlmcompile.cost_models.stage_costs import samples_per_microbatch
+from vlmcompile.cost_models.comm import all_gather_s, reduce_scatter_s
+from vlmcompile.cost_models.compute import Work, is_tensor_parallel
+from vlmcompile.cost_models.memory import (
+    kept_activation_bytes,
+    model_state_bytes,
+    recompute_transient_bytes,
+    usable_memory_bytes,
+)
+from vlmcompile.cost_models.stage_costs import layer_cost, samples_per_microbatch
 from vlmcompile.ir.coupled_loss import CoupledLoss
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import Layer, LayerGraph, format_bytes
-from vlmcompile.ir.plan import Decision, Precision, Reason, Recompute
+from vlmcompile.ir.plan import Decision, Parallel, Precision, Reason, Recompute
 from vlmcompile.ir.tower_plan import MemoryPolicy, SampleSplit, TowerPlan, TowerStepCost
 
 LOSS_TILE_SHARE = 0.05
@@ -55,34 +62,43 @@ def tower_memory(
     tile_rows: int,
     precision: Precision | None = None,
     layers: Sequence[Layer] | None = None,
+    tp: int = 1,
+    zero_stage: int = 1,
 ) -> TowerMemory:
     """The busiest rank's bytes (module docstring) when it holds ``layers`` (default: every layer,
-    both towers); activations are annotate's saved bytes."""
+    both towers) at tensor-parallel degree ``tp`` over ``split``'s data-parallel groups;
+    activations are annotate's saved bytes, sharded as Megatron-LM with sequence parallelism."""
     precision = precision or Precision()
     layers = list(layer_graph.layers if layers is None else layers)
-    totals = layer_graph.totals(layers)
-    states = model_state_bytes(
-        totals["num_params"],
-        precision,
-        dp=split.num_ranks,
-        zero_stage=1,
-        num_trainable=totals["num_params"] - totals["num_frozen_params"],
-    ).total
-    per_sample = sum(
-        kept_activation_bytes(
-            layer,
-            Recompute.NONE,
-            samples=samples_per_microbatch(layer_graph, 1),
-            tp=1,
-            sequence_parallel=False,
-        )
-        for layer in layers
-    )
+    states = 0.0
+    for layer in layers:
+        shard = tp if is_tensor_parallel(layer) else 1
+        states += model_state_bytes(
+            layer.num_params / shard,
+            precision,
+            dp=split.num_ranks,
+            zero_stage=zero_stage,
+            num_trainable=(layer.num_params - layer.num_frozen_params) / shard,
+        ).total
     busiest = max(range(split.num_ranks), key=split.count)
-    held = split.count(busiest) if memory is MemoryPolicy.KEEP else max(split.microbatches[busiest])
+    held = split.count(busiest) if memory is not MemoryPolicy.RECOMPUTE else max(split.microbatches[busiest])
+    rule = Recompute.FULL if memory is MemoryPolicy.CHECKPOINT else Recompute.NONE
+    sample = samples_per_microbatch(layer_graph, 1)
+    kept = sum(
+        kept_activation_bytes(layer, rule, samples=sample, tp=tp, sequence_parallel=True) for layer in layers
+    )
+    # Checkpointed, the layer whose backward runs holds its rebuilt activations on top.
+    rebuilt = max(
+        (
+            recompute_transient_bytes(layer, rule, samples=sample, tp=tp, sequence_parallel=True)
+            for layer in layers
+        ),
+        default=0.0,
+    )
     gathered = 2 * split.num_samples * embedding_width * 4  # both embeddings of the batch, fp32
-    tile = _TILE_TENSORS * min(tile_rows, split.count(busiest)) * split.num_samples * 4
-    return TowerMemory(states, held * per_sample, gathered + tile)
+    rows = -(-split.count(busiest) // tp)
+    tile = _TILE_TENSORS * min(tile_rows, rows) * split.num_samples * 4
+    return TowerMemory(states, held * (kept + rebuilt), gathered + tile)
 
 
 def plan_towers(
@@ -95,13 +111,17 @@ def plan_towers(
     microbatches: int | None = None,
     memory: MemoryPolicy | str | None = None,
     tile_rows: int | None = None,
+    tensor_parallel: Sequence[int] = (1,),
+    precision: Precision | None = None,
+    zero_stage: int = 1,
 ) -> TowerPlan:
     """The contrastive step's plan on ``cluster`` with both towers on every rank (module
-    docstring); :func:`~vlmcompile.planning.tower_placement.choose_placement` may then give each
-    tower ranks of its own.
+    docstring) at the fastest predicted of the ``tensor_parallel`` degrees that fits;
+    :func:`~vlmcompile.planning.tower_placement.place_towers` may give each tower ranks
+    of its own.
 
     Raises:
-        ArgumentError: fewer samples than ranks, or no microbatch count fits the devices.
+        ArgumentError: fewer samples than ranks, or no degree and microbatch count fits the devices.
     """
     ranks = cluster.num_gpus
     if global_batch < ranks:
@@ -110,28 +130,61 @@ def plan_towers(
             f"give at least {ranks} samples a step or a smaller cluster"
         )
     cap = usable_memory_bytes(cluster.device.mem_bytes)
-    local = -(-global_batch // ranks)
-    if tile_rows is None:
-        tile_rows = max(1, min(local, int(LOSS_TILE_SHARE * cap / (_TILE_TENSORS * global_batch * 4))))
-    tried = []
-    for policy, count in memory_options(memory, microbatches, global_batch // ranks):
-        split = SampleSplit.even(global_batch, ranks, count)
-        need = tower_memory(layer_graph, split, policy, embedding_width=embedding_width, tile_rows=tile_rows)
-        tried.append(f"{policy} x{count}: {need.total / 2**30:.2f} GiB")
-        if need.total <= cap:
-            plan = TowerPlan(
-                loss,
+    tile_rows = tile_rows or default_tile_rows(cluster, global_batch)
+    tried, plans = [], []
+    for tp in tp_options(cluster, ranks, tensor_parallel):
+        dp = ranks // tp
+
+        def need_of(policy, count, tp=tp, dp=dp):
+            split = SampleSplit.even(global_batch, dp, count)
+            need = tower_memory(
+                layer_graph,
                 split,
                 policy,
-                tile_rows,
-                _decisions(loss, split, policy, need, cap, tile_rows),
-                gpus_per_node=cluster.gpus_per_node,
+                embedding_width=embedding_width,
+                tile_rows=tile_rows,
+                tp=tp,
+                precision=precision,
+                zero_stage=zero_stage,
             )
-            return dataclasses.replace(plan, predicted=predict_step(layer_graph, cluster, plan))
-    raise ArgumentError(
-        f"the towers do not fit {cluster.device.name} ({cap / 2**30:.1f} GiB usable) at {global_batch} samples on "
-        f"{ranks} ranks ({'; '.join(tried[:4])}); give more devices or fewer samples a step"
-    )
+            tried.append(f"tp {tp} {policy} x{count}: {need.total / 2**30:.2f} GiB")
+            return split, need
+
+        fit = cheapest_fit(memory_options(memory, microbatches, global_batch // dp), need_of, cap)
+        if fit is None:
+            continue
+        policy, split, need = fit
+        plan = TowerPlan(
+            loss,
+            split,
+            policy,
+            tile_rows,
+            _decisions(loss, split, policy, need, cap, tile_rows, tp),
+            gpus_per_node=cluster.gpus_per_node,
+            tp=tp,
+            precision=precision or Precision(),
+            zero_stage=zero_stage,
+        )
+        plans.append(dataclasses.replace(plan, predicted=predict_step(layer_graph, cluster, plan)))
+    if not plans:
+        raise ArgumentError(
+            f"the towers do not fit {cluster.device.name} ({cap / 2**30:.1f} GiB usable) at {global_batch} samples "
+            f"on {ranks} ranks ({'; '.join(tried[:4])}); give more devices or fewer samples a step"
+        )
+    return min(plans, key=lambda p: p.predicted.step_s)
+
+
+def default_tile_rows(cluster: Cluster, global_batch: int) -> int:
+    """Rows of similarities a tile has: a rank's rows when every rank has the same, but at most
+    ``LOSS_TILE_SHARE`` of a device's usable memory."""
+    cap = usable_memory_bytes(cluster.device.mem_bytes)
+    most = int(LOSS_TILE_SHARE * cap / (_TILE_TENSORS * global_batch * 4))
+    return max(1, min(-(-global_batch // cluster.num_gpus), most))
+
+
+def tp_options(cluster: Cluster, ranks: int, allowed: Sequence[int]) -> list[int]:
+    """The ``allowed`` tensor-parallel degrees that divide ``ranks`` and stay inside a node."""
+    return [tp for tp in sorted(set(allowed)) if tp >= 1 and ranks % tp == 0 and tp <= cluster.gpus_per_node]
 
 
 def tower_layers(layer_graph: LayerGraph, loss: CoupledLoss, tower: int) -> list[Layer]:
@@ -141,11 +194,12 @@ def tower_layers(layer_graph: LayerGraph, loss: CoupledLoss, tower: int) -> list
 
 
 def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> TowerStepCost:
-    """The step by phase on its busiest ranks: roofline compute, ring collectives over every rank
-    (the runtime gathers and reduce-scatters over the world), each tower's gradient all-reduce
-    over its own ranks. Colocated, a rank runs both towers on its samples and every direction of
-    the loss for its rows; separate, a tower's ranks run that tower and the directions whose rows
-    are its embedding, and the slower tower sets each phase."""
+    """The step by phase on its busiest ranks: roofline compute and Megatron-LM's tensor-parallel
+    collectives per layer, ring collectives over every rank (the runtime gathers and
+    reduce-scatters over the world), each tower's gradient reduction over its own data-parallel
+    ranks. Colocated, a rank runs both towers on its samples and every direction of the loss for
+    its rows; separate, a tower's ranks run that tower and the directions whose rows are its
+    embedding, and the slower tower sets each phase."""
     loss, n, width, world = plan.loss, plan.global_batch, plan.loss.width, plan.num_ranks
     if plan.separate is None:
         groups = [(plan.placement(0), list(layer_graph.layers), loss.directions(), plan.memory)]
@@ -165,7 +219,15 @@ def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> 
     scatter_bytes = len({c for _, c in loss.directions()}) * n * width * 4
     need = max(
         tower_memory(
-            layer_graph, p.split, memory, embedding_width=width, tile_rows=plan.tile_rows, layers=layers
+            layer_graph,
+            p.split,
+            memory,
+            embedding_width=width,
+            tile_rows=plan.tile_rows,
+            layers=layers,
+            tp=p.tp,
+            precision=plan.precision,
+            zero_stage=plan.zero_stage,
         ).total
         for p, layers, _, memory in groups
     )
@@ -186,45 +248,81 @@ def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> 
 def _group_phases(
     layer_graph, cluster, plan, placement, layers, directions, memory
 ) -> tuple[float, float, float, float]:
-    """(forward, backward, loss compute, gradient all-reduce) seconds of a group's busiest rank."""
-    split = placement.split
-    rows = max(split.count(i) for i in range(split.num_ranks))
-    times = [
-        layer_time(layer, cluster.device, samples=samples_per_microbatch(layer_graph, rows))
+    """(forward, backward, loss compute, gradient reduction) seconds of a group's busiest rank."""
+    split, tp = placement.split, placement.tp
+    group_rows = max(split.count(i) for i in range(split.num_ranks))
+    par = Parallel(dp=split.num_ranks, tp=tp, pp=1, zero_stage=plan.zero_stage)
+    samples = samples_per_microbatch(layer_graph, group_rows)
+    costs = [
+        layer_cost(layer, layer_graph, cluster, par, samples=samples, precision=plan.precision)
         for layer in layers
     ]
-    fwd_s = sum(t.fwd_s for t in times)
-    bwd_s = sum(t.bwd_s for t in times) + (fwd_s if memory is MemoryPolicy.RECOMPUTE else 0.0)
-    n, width = plan.global_batch, plan.loss.width
+    fwd_s = sum(c.fwd_s + c.fwd_tp_comm_s for c in costs)
+    bwd_s = sum(c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s for c in costs)
+    if memory is not MemoryPolicy.KEEP:
+        bwd_s += fwd_s  # the forward runs again, whole or layer by layer
     # Per direction: rows x N similarities forward (2 flops a multiply-add), their gradient to the
-    # rows and to the columns backward; elementwise work over the rows x N tile a few times.
+    # rows and to the columns backward; elementwise work over the rows x N tile a few times. A
+    # data-parallel group's rows are shared out over its tensor-parallel ranks.
+    n, width, rows = plan.global_batch, plan.loss.width, -(-group_rows // tp)
     flops = len(directions) * 3 * 2 * rows * n * width
     loss_s = Work(flops, 0.0, len(directions) * 4 * rows * n * 4).seconds(cluster.device)
-    trainable = sum(layer.num_params - layer.num_frozen_params for layer in layers)
-    bw, latency = cluster.group_link(len(placement.ranks), 1)
-    grad_s = all_reduce_s(trainable * Precision().dp_grad_bytes, len(placement.ranks), bw, latency)
+    grad_s = sum(c.dp_reduce_s + c.dp_all_gather_s for c in costs)
     return fwd_s, bwd_s, loss_s, grad_s
 
 
 def memory_options(
     memory: MemoryPolicy | str | None, microbatches: int | None, most: int
-) -> list[tuple[MemoryPolicy, int]]:
+) -> tuple[list[tuple[MemoryPolicy, int]], range]:
     """(policy, microbatches a rank) to try, cheapest first: keeping one microbatch runs nothing
     twice; recomputing runs every tower forward twice, the fewer microbatches the better (at most
-    ``most``, so that every rank fills each of its microbatches)."""
+    ``most``, so that every rank fills each of its microbatches). Checkpointing every layer is
+    tried only when asked for (the baselines' rule). Returned as the fixed options, then the run
+    of ``recompute`` counts (a range: it may be thousands long)."""
     policies = [MemoryPolicy(memory)] if memory is not None else [MemoryPolicy.KEEP, MemoryPolicy.RECOMPUTE]
     if microbatches is not None:
-        return [(p, microbatches) for p in policies]
-    out = [(MemoryPolicy.KEEP, 1)] if MemoryPolicy.KEEP in policies else []
-    if MemoryPolicy.RECOMPUTE in policies:
-        first = 1 if memory is not None else 2
-        out += [(MemoryPolicy.RECOMPUTE, c) for c in range(first, most + 1)]
-    return out
+        return [(p, microbatches) for p in policies], range(0)
+    fixed = [(p, 1) for p in policies if p is not MemoryPolicy.RECOMPUTE]
+    if MemoryPolicy.RECOMPUTE not in policies:
+        return fixed, range(0)
+    return fixed, range(1 if memory is not None else 2, most + 1)
+
+
+def cheapest_fit(
+    options: tuple[list[tuple[MemoryPolicy, int]], range],
+    need_of: Callable[[MemoryPolicy, int], tuple[SampleSplit, TowerMemory]],
+    cap: float,
+) -> tuple[MemoryPolicy, SampleSplit, TowerMemory] | None:
+    """The first of ``options`` (:func:`memory_options`' fixed options, then its ``recompute``
+    counts) whose need fits ``cap``. The counts are bisected: the need falls as the count grows (a
+    rank holds its largest microbatch), so a run thousands long costs a dozen evaluations."""
+    fixed, counts = options
+    for policy, m in fixed:
+        split, need = need_of(policy, m)
+        if need.total <= cap:
+            return policy, split, need
+    found = None
+    lo, hi = 0, len(counts) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        split, need = need_of(MemoryPolicy.RECOMPUTE, counts[mid])
+        if need.total <= cap:
+            found, hi = (MemoryPolicy.RECOMPUTE, split, need), mid - 1
+        else:
+            lo = mid + 1
+    return found
 
 
 def _decisions(
-    loss: CoupledLoss, split: SampleSplit, policy: MemoryPolicy, need: TowerMemory, cap: float, tile_rows: int
+    loss: CoupledLoss,
+    split: SampleSplit,
+    policy: MemoryPolicy,
+    need: TowerMemory,
+    cap: float,
+    tile_rows: int,
+    tp: int,
 ) -> tuple[Decision, ...]:
+    degrees = "" if tp == 1 else f"tp {tp}, "
     return (
         Decision(
             "loss",
@@ -236,7 +334,7 @@ def _decisions(
         Decision(
             "microbatches",
             Reason.TOWER_MEMORY,
-            f"{policy} activations in {len(split.microbatches[0])} microbatch(es) a rank: "
+            f"{degrees}{policy} activations in {len(split.microbatches[0])} microbatch(es) a rank: "
             f"{format_bytes(need.total)} of {format_bytes(cap)} (states {format_bytes(need.states)}, "
             f"activations {format_bytes(need.activations)}, loss phase {format_bytes(need.loss_phase)})",
             {"mem_bytes": need.total, "cap_bytes": cap},
