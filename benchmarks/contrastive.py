@@ -7,8 +7,8 @@ each, as the zoo builds them) on its cluster of V100-16GB (8 a node, 25 Gbit/s b
 at single-device (1 GPU), single-node (8) and multi-node (64) scale, planned four ways:
 
 * ``vlmcompile``: each tower on GPUs of its own or both on every GPU, whichever is predicted
-  faster; per tower a tensor-parallel degree inside a node, microbatches, and activations kept
-  or recomputed (:func:`~vlmcompile.planning.tower_placement.place_towers`).
+  faster; per tower a tensor-parallel degree inside a node, pipeline stages (towers apart),
+  microbatches, and activations kept or recomputed (:func:`~vlmcompile.planning.tower_placement.place_towers`).
 * ``megatron``: both towers on every GPU at one TP and DP (DistMM's baseline). An exact loss
   needs the whole global batch in one microbatch (Megatron-LM's schedules microbatch the loss);
   activations kept, or every layer checkpointed (``--recompute-granularity full``) where keeping
@@ -61,6 +61,7 @@ RESULTS = Path(__file__).parent / "results" / "contrastive.json"
 MODELS = tuple(f"{family}-{size}" for family in ("CLIP", "CoCa", "LiT") for size in "SML")
 GPUS = (1, 8, 64)
 TENSOR_PARALLEL = (1, 2, 4, 8)
+PIPELINE_PARALLEL = (1, 2, 4, 8)
 POLICIES = ("vlmcompile", "megatron", "open_clip", "one_microbatch")
 BASELINES = POLICIES[1:]
 OPEN_CLIP_PRECISION = Precision(param_bytes=4, grad_bytes=4, optimizer_bytes=8, dp_grad_bytes=4)
@@ -88,7 +89,9 @@ def plan(policy: str, problem: Problem, global_batch: int) -> TowerPlan:
     lg, cluster, loss = problem.layer_graph, problem.cluster, problem.loss
     common = dict(global_batch=global_batch, embedding_width=loss.width)
     if policy == "vlmcompile":
-        return place_towers(lg, cluster, loss, tensor_parallel=TENSOR_PARALLEL, **common)
+        return place_towers(
+            lg, cluster, loss, tensor_parallel=TENSOR_PARALLEL, pipeline_parallel=PIPELINE_PARALLEL, **common
+        )
     if policy == "one_microbatch":
         return _fastest(
             lambda tp: plan_towers(
@@ -200,7 +203,7 @@ def _placement(tower_plan: TowerPlan) -> str:
     for t, name in enumerate(("vision", "text")):
         p = tower_plan.placement(t)
         parts.append(
-            f"{name} {len(p.ranks)} GPU tp{p.tp} {tower_plan.memory_of(t)} x{len(p.split.microbatches[0])}"
+            f"{name} {len(p.ranks)} GPU tp{p.tp} pp{p.pp} {tower_plan.memory_of(t)} x{len(p.split.microbatches[0])}"
         )
     where = "separate" if tower_plan.separate else "colocated"
     return f"{where}: " + ", ".join(parts)
@@ -212,6 +215,8 @@ def run_setup(model: str, gpus: int, layer_graph: LayerGraph, loss: CoupledLoss)
     row = {"model": model, "gpus": gpus, "largest_batch": {}, "vs": {}}
     for policy in POLICIES:
         row["largest_batch"][policy] = largest_batch(policy, problem)
+    most = row["largest_batch"]["vlmcompile"]
+    row["ours_at_largest"] = figures(problem, plan("vlmcompile", problem, most)) if most else None
     for baseline in BASELINES:
         n = row["largest_batch"][baseline]
         if n == 0:
@@ -235,7 +240,8 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| model | GPUs | largest exact batch a GPU: ours / Megatron / open_clip / one microbatch "
         "| ours over Megatron (at its batch) | ours over open_clip (at its batch) "
-        "| ours over one microbatch | ours at Megatron's batch: samples/s, MFU vision / text | our plan |",
+        "| ours over one microbatch (at its batch) | ours at Megatron's batch (else our largest): N, step, "
+        "samples/s, MFU vision / text | our plan there |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -247,14 +253,15 @@ def table(rows: list[dict]) -> str:
             else f"{row['vs'][b]['speedup']:.2f}x (N={row['vs'][b]['ours']['global_batch']})"
             for b in BASELINES
         ]
-        ref = next((row["vs"][b] for b in BASELINES if row["vs"][b] is not None), None)
-        ours = (
+        ours = row["vs"]["megatron"]["ours"] if row["vs"]["megatron"] else row.get("ours_at_largest")
+        said = (
             "-"
-            if ref is None
-            else f"{ref['ours']['samples_per_s']:.0f}, {ref['ours']['mfu']['vision']:.0%} / {ref['ours']['mfu']['text']:.0%}"
+            if ours is None
+            else f"{ours['global_batch']}, {ours['step_s']:.3g} s, {ours['samples_per_s']:.0f}, "
+            f"{ours['mfu']['vision']:.0%} / {ours['mfu']['text']:.0%}"
         )
-        where = "-" if ref is None else ref["ours"]["placement"]
-        lines.append(f"| {row['model']} | {g} | {cells} | {' | '.join(speed)} | {ours} | {where} |")
+        where = "-" if ours is None else ours["placement"]
+        lines.append(f"| {row['model']} | {g} | {cells} | {' | '.join(speed)} | {said} | {where} |")
     return "\n".join(lines)
 
 
@@ -334,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=48, help="samples a measured step")
     parser.add_argument("--measure-only", action="store_true", help="skip the simulated setups")
     parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"result JSON (default {RESULTS})")
     args = parser.parse_args(argv)
-    out = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    out = json.loads(args.out.read_text()) if args.out.exists() else {}
     if not args.measure_only:
         rows = []
         for model in args.models:
@@ -366,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             f"predicted {m['predicted_s']['step_s'] * 1e3:.0f} ms ({m['error']['step_s']:+.0%}); "
             + ", ".join(f"{k} {v:+.0%}" for k, v in m["error"].items() if k != "step_s")
         )
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
     if not args.no_readme and "setups" in out:
         write_readme_section("contrastive", table(out["setups"]) + "\n\n" + measured_lines(out["measured"]))
     return 0

@@ -141,12 +141,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def shallow(name: str, depth: int = SHALLOW_DEPTH, images: int = 1) -> models.VLMConfig:
-    """A zoo VLM at its own widths and sequence length with ``depth`` layers a tower and
-    ``images`` images a sample: what fits one GPU and still times the paper's kernels."""
+def shallow(
+    name: str, depth: int = SHALLOW_DEPTH, images: int = 1
+) -> models.VLMConfig | models.ContrastiveConfig:
+    """A zoo VLM or contrastive pair at its own widths and sequence length with ``depth`` layers
+    a tower and ``images`` images a sample: what fits one GPU and still times the paper's kernels."""
     cfg = models.config(name)
+    if isinstance(cfg, models.ContrastiveConfig):  # DistMM's pairs: both towers cut
+        return dataclasses.replace(
+            cfg,
+            name=f"{name}-{depth}-layers",
+            vision=dataclasses.replace(cfg.vision, depth=min(depth, cfg.vision.depth)),
+            text=dataclasses.replace(cfg.text, depth=min(depth, cfg.text.depth)),
+        )
     if not isinstance(cfg, models.VLMConfig):
-        raise SystemExit(f"gpu_check: --calibrate-at takes VLMs; {name!r} is a {type(cfg).__name__}")
+        raise SystemExit(
+            f"gpu_check: --calibrate-at takes VLMs and contrastive pairs; {name!r} is a {type(cfg).__name__}"
+        )
     encoders = tuple(dataclasses.replace(e, depth=min(depth, e.depth)) for e in cfg.encoders)
     return dataclasses.replace(
         cfg,

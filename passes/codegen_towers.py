@@ -182,13 +182,14 @@ def _check_like(pair, batch: Mapping[str, Any], reference: list[torch.Tensor], s
 
 def _check_runnable(plan: TowerPlan) -> None:
     """Refuse what the plan asks for and the contrastive runtime does not run."""
-    degrees = {plan.placement(t).tp for t in (0, 1)}
-    if degrees != {1}:
-        raise PlanError(
-            f"the plan runs a tower at tensor-parallel degree {max(degrees)}; the contrastive runtime runs "
-            "tp 1 (data parallelism and microbatches): plan with SearchSpace(tower_tensor_parallel=(1,)) "
-            "or give the towers more devices"
-        )
+    for degree, field in (("tp", "tower_tensor_parallel"), ("pp", "tower_pipeline_parallel")):
+        wide = max(getattr(plan.placement(t), degree) for t in (0, 1))
+        if wide > 1:
+            raise PlanError(
+                f"the plan runs a tower at {degree} {wide}; the contrastive runtime runs {degree} 1 (data "
+                f"parallelism and microbatches): plan with SearchSpace({field}=(1,)) or give the towers "
+                "more devices"
+            )
     policies = {plan.memory_of(t) for t in (0, 1)}
     if MemoryPolicy.CHECKPOINT in policies:
         raise PlanError(

@@ -56,8 +56,10 @@ from vlmcompile.passes.profile import profile
 from vlmcompile.pipeline import CompiledPipeline, CompileReport
 from vlmcompile.planning.request import SearchSpace, SolverOptions
 from vlmcompile.planning.tower_placement import place_towers
+from vlmcompile.planning.towers import predict_step
 from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.executor import RUNTIME
+from vlmcompile.runtime.launch import threads_per_rank
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,6 +78,8 @@ class CompileState:
     tower_plan: TowerPlan | None = None
     """A contrastive model's plan (then ``planned`` stays None)."""
     tower_step: ContrastiveStep | None = None
+    profiled: tuple[int, int] | None = None
+    """(samples the profile pass timed each layer on, its repeats); None: not profiled."""
     samples: list | None = None
     """Samples of different shapes (a list given as the sample batch): packed capture."""
     tokens_per_microbatch: int | None = None
@@ -162,7 +166,6 @@ def _profile_pass(state: CompileState, *, repeats: int) -> None:
             "skipped: the model or the sample batch is on meta tensors (nothing to time)"
         )
         return
-    device = state.cluster.device.name if state.cluster is not None else "cpu"
     local = state.cluster is not None and state.cluster.ranks_on_this_machine
     ranks_here = state.cluster.num_gpus if local else 1
     # One row: the plan search scales per-sample times to its microbatch sizes. A packed sample
@@ -173,21 +176,60 @@ def _profile_pass(state: CompileState, *, repeats: int) -> None:
     cut = state.gm.meta.get(COUPLING_META)
     if cut is not None and cut.loss is not None:
         rows = max(1, num_samples(state.sample_batch) // ranks_here)
+    result = _profiled(state, rows, repeats)
+    state.layer_graph, state.profiled = result.layer_graph, (rows, repeats)
+    state.reports["profile"] = result.report
+
+
+def _profiled(state: CompileState, rows: int, repeats: int):
+    """The profile pass's timing of every layer on the first ``rows`` samples of the sample batch
+    (a packed one whole)."""
+    local = state.cluster is not None and state.cluster.ranks_on_this_machine
+    ranks_here = state.cluster.num_gpus if local else 1
     microbatch = (
         dict(state.sample_batch)
         if state.samples is not None
         else {k: v[:rows] if isinstance(v, torch.Tensor) else v for k, v in state.sample_batch.items()}
     )
-    result = profile(
+    return profile(
         state.gm,
         state.layer_graph,
         microbatch,
-        device_name=device,
-        threads=max(1, (os.cpu_count() or 1) // ranks_here),
+        device_name=state.cluster.device.name if state.cluster is not None else "cpu",
+        threads=threads_per_rank(ranks_here),
         repeats=repeats,
     )
-    state.layer_graph = result.layer_graph
-    state.reports["profile"] = result.report
+
+
+def _timed_at_tower_microbatches(state: CompileState, plan: TowerPlan) -> TowerPlan:
+    """``plan`` predicted again with each tower's layers timed at its own largest microbatch, where
+    that is not the share the profile pass timed (a layer's time per sample falls with the
+    samples: towers on ranks of their own, or in several microbatches, run other sizes)."""
+    timed_rows, repeats = state.profiled
+    rows = [max(plan.placement(t).split.sizes) for t in (0, 1)]
+    if set(rows) == {timed_rows}:
+        return plan
+    measured = {}
+    for size in sorted(set(rows)):
+        graph = state.layer_graph if size == timed_rows else _profiled(state, size, repeats).layer_graph
+        names = {n for t in (0, 1) if rows[t] == size for n in plan.loss.tower_layers[t]}
+        measured.update({layer.name: layer.measured for layer in graph.layers if layer.name in names})
+    graph = dataclasses.replace(
+        state.layer_graph,
+        layers=tuple(
+            dataclasses.replace(layer, measured=measured.get(layer.name, layer.measured))
+            for layer in state.layer_graph.layers
+        ),
+    )
+    decision = Decision(
+        "prediction",
+        Reason.TOWER_TIMES,
+        f"layer times measured again at each tower's largest microbatch ({rows[0]} and {rows[1]} samples; "
+        f"the plan was chosen with times at {timed_rows})",
+    )
+    return dataclasses.replace(
+        plan, predicted=predict_step(graph, state.cluster, plan), decisions=(*plan.decisions, decision)
+    )
 
 
 def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, space: SearchSpace) -> None:
@@ -218,7 +260,10 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
             placement=space.tower_placement,
             microbatches=space.tower_microbatches,
             tensor_parallel=space.tower_tensor_parallel,
+            pipeline_parallel=space.tower_pipeline_parallel,
         )
+        if state.profiled is not None:
+            state.tower_plan = _timed_at_tower_microbatches(state, state.tower_plan)
         state.reports["plan"] = state.tower_plan
         return
     if coupled:

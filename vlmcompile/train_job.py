@@ -17,6 +17,7 @@ import os
 import torch
 
 from vlmcompile.ir.errors import ArgumentError, PlanError
+from vlmcompile.runtime.launch import threads_per_rank
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -261,7 +262,7 @@ def _join_process_group(device: str, timeout_s: float) -> None:
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         dist.init_process_group("gloo", timeout=timeout)
 
 

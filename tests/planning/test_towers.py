@@ -175,7 +175,7 @@ def test_the_contrastive_runtime_refuses_what_it_does_not_run(clip_s):
     cluster = Cluster.preset("v100x8")
     kw = dict(global_batch=64, embedding_width=1024, microbatches=1)
     wide = plan_towers(layer_graph, cluster, loss, memory="keep", tensor_parallel=(2,), **kw)
-    with pytest.raises(PlanError, match="tensor-parallel degree 2; the contrastive runtime runs tp 1"):
+    with pytest.raises(PlanError, match="tp 2; the contrastive runtime runs tp 1"):
         _check_runnable(wide)
     checkpointed = plan_towers(layer_graph, cluster, loss, memory="checkpoint", **kw)
     with pytest.raises(PlanError, match="checkpoints every layer"):
@@ -193,7 +193,7 @@ def test_separate_towers_keep_tensor_parallel_groups_inside_a_node(clip_s):
     assert plan.placement(0).dp == 3 and plan.placement(1).ranks == (6, 7)
     with pytest.raises(ArgumentError, match="must start on a multiple of its tp"):
         separate_towers(colocated, (5, 4), tp=(5, 4))
-    with pytest.raises(ArgumentError, match="tp must divide its ranks"):
+    with pytest.raises(ArgumentError, match="tp x pp must divide its ranks"):
         separate_towers(colocated, (6, 2), tp=(4, 1))
 
 
@@ -220,3 +220,88 @@ def test_the_bisected_recompute_count_is_the_fewest_that_fits(seed):
     assert (found is None) == (linear is None)
     if found is not None:
         assert (found[0], found[1].microbatches) == (linear[0], linear[1].microbatches)
+
+
+def test_pipeline_stages_are_consecutive_and_balanced(clip_s):
+    from vlmcompile.planning.towers import pipeline_stages, tower_layers
+
+    layer_graph, loss = clip_s
+    vision = tower_layers(layer_graph, loss, 0)
+    stages = pipeline_stages(vision, 4)
+    assert [layer for stage in stages for layer in stage] == vision and all(stages)
+    work = [sum(x.fwd_flops + x.bwd_flops for x in stage) for stage in stages]
+    largest_layer = max(x.fwd_flops + x.bwd_flops for x in vision)
+    assert max(work) <= sum(work) / 4 + largest_layer
+
+
+def test_pipeline_stages_fill_and_drain_and_shard_the_states(clip_s):
+    from vlmcompile.ir.tower_plan import TowerPlacement
+    from vlmcompile.planning.towers import group_phases, tower_layers
+
+    layer_graph, loss = clip_s
+    cluster = Cluster.preset("v100x8")
+    base = plan_towers(layer_graph, cluster, loss, global_batch=64, embedding_width=1024)
+    vision = tower_layers(layer_graph, loss, 0)
+
+    def forward_s(pp, microbatches):  # two data-parallel groups of 32 samples, pp stages each
+        split = SampleSplit.even(64, 2, microbatches)
+        placement = TowerPlacement(tuple(range(2 * pp)), split, MemoryPolicy.RECOMPUTE, 1, pp)
+        return group_phases(layer_graph, cluster, base, placement, vision, (), MemoryPolicy.RECOMPUTE)[0]
+
+    # One microbatch runs the stages one after another; eight keep both busy but for the fill:
+    # 9 steps of half the work, 0.56 of one stage's time.
+    assert forward_s(2, 1) >= 0.95 * forward_s(1, 1)
+    assert forward_s(2, 8) <= 0.65 * forward_s(1, 1)
+    one, two = (
+        tower_memory(
+            layer_graph,
+            SampleSplit.even(64, 2, 8),
+            MemoryPolicy.RECOMPUTE,
+            embedding_width=1024,
+            tile_rows=8,
+            layers=vision,
+            pp=pp,
+        )
+        for pp in (1, 2)
+    )
+    assert two.states < 0.6 * one.states
+    placement = TowerPlacement(tuple(range(8)), SampleSplit.even(64, 2, 1), None, 2, 2)
+    assert [placement.rows_of(r)[0] for r in range(8)] == [0, 0, 32, 32, 0, 0, 32, 32]  # tp, then dp, then pp
+
+
+def test_towers_apart_take_pipeline_stages_where_nothing_else_fits(clip_s):
+    from passes.codegen_towers import _check_runnable
+    from vlmcompile.ir.errors import PlanError
+    from vlmcompile.planning.tower_placement import place_towers
+
+    layer_graph, loss = clip_s
+    cluster = Cluster.preset("v100x8")
+    small = dataclasses.replace(
+        cluster,
+        device=dataclasses.replace(cluster.device, mem_bytes=int(4.5 * 2**30 / usable_memory_bytes(1.0))),
+    )
+    kw = dict(global_batch=64, embedding_width=1024, placement="separate")
+    with pytest.raises(ArgumentError, match="do not fit"):
+        place_towers(layer_graph, small, loss, **kw)
+    plan = place_towers(layer_graph, small, loss, pipeline_parallel=(1, 2, 4), **kw)
+    assert max(plan.placement(t).pp for t in (0, 1)) > 1
+    assert plan.predicted.mem_bytes <= usable_memory_bytes(small.device.mem_bytes)
+    assert "pp " in str(plan)
+    with pytest.raises(PlanError, match=r"at pp \d; the contrastive runtime runs pp 1"):
+        _check_runnable(plan)
+
+
+def test_a_profiled_plan_is_predicted_with_times_at_each_towers_microbatch():
+    model, batch = build("tiny-contrastive", batch_size=8)
+    kw = dict(profile=True, log=None)
+    together = compile(model, batch, "cpu:2", search_space=SearchSpace(tower_placement="colocated"), **kw)
+    assert "tower_times" not in [d.reason.value for d in together.tower_plan.decisions]  # 4 rows, as timed
+    apart = compile(model, batch, "cpu:2", search_space=SearchSpace(tower_placement="separate"), **kw)
+    said = [d for d in apart.tower_plan.decisions if d.reason.value == "tower_times"]
+    assert len(said) == 1 and "8 and 8 samples" in said[0].detail and "times at 4" in said[0].detail
+    from vlmcompile.planning.towers import predict_step
+
+    # The plan's forward is predicted from times at 8 rows, not from the pass's times at 4.
+    at_4 = predict_step(apart.layer_graph, Cluster.preset("cpu:2"), apart.tower_plan)
+    assert at_4.towers_fwd_s != apart.tower_plan.predicted.towers_fwd_s
+    assert 0.2 < apart.tower_plan.predicted.towers_fwd_s / at_4.towers_fwd_s < 5

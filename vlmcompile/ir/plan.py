@@ -89,6 +89,8 @@ class Reason(str, enum.Enum):
     """Microbatches and activation policy of a contrastive step, chosen by memory."""
     TOWER_PLACEMENT = "tower_placement"
     """Each tower of a contrastive model on ranks of its own (DistMM)."""
+    TOWER_TIMES = "tower_times"
+    """A contrastive plan predicted with layer times measured at each tower's microbatch."""
 
 
 @dataclass(frozen=True, slots=True)

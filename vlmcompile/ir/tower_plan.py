@@ -137,21 +137,22 @@ class TowerPlacement:
 
     ranks: tuple[int, ...]
     split: SampleSplit
-    """Over the tower's data-parallel groups: ``tp`` consecutive ranks embed the same samples."""
+    """Over the tower's data-parallel groups: ``tp x pp`` ranks embed the same samples."""
     memory: MemoryPolicy | None = None
     """This tower's activation policy (None: the plan's)."""
     tp: int = 1
     """Tensor-parallel degree: consecutive ranks of one node share each layer's matrices."""
+    pp: int = 1
+    """Pipeline stages: the tower's layers in ``pp`` consecutive stages, its microbatches run
+    through them (GPipe's order) before the loss. Ranks are laid out as Megatron-LM's: tensor-
+    parallel fastest, then data-parallel, then pipeline."""
 
     def __post_init__(self):
-        if (
-            self.tp < 1
-            or len(self.ranks) != self.split.num_ranks * self.tp
-            or len(set(self.ranks)) != len(self.ranks)
-        ):
+        size = self.split.num_ranks * self.tp * self.pp
+        if min(self.tp, self.pp) < 1 or len(self.ranks) != size or len(set(self.ranks)) != len(self.ranks):
             raise ValueError(
                 f"tower ranks {list(self.ranks)} for a split over {self.split.num_ranks} data-parallel "
-                f"groups of tp={self.tp}"
+                f"groups of tp={self.tp} x pp={self.pp}"
             )
         if self.memory is not None:
             object.__setattr__(self, "memory", MemoryPolicy(self.memory))
@@ -164,7 +165,7 @@ class TowerPlacement:
         """(first sample, count) this global rank embeds in this tower; (0, 0) if it holds none."""
         if rank not in self.ranks:
             return 0, 0
-        group = self.ranks.index(rank) // self.tp
+        group = (self.ranks.index(rank) // self.tp) % self.dp
         return self.split.first_sample[group], self.split.count(group)
 
 
@@ -243,11 +244,11 @@ class TowerPlan:
             counts = [self.split.count(r) for r in range(self.split.num_ranks)]
             where = [
                 f"contrastive step: {self.global_batch} samples on {self.num_ranks} ranks (both towers on each), "
-                f"{_per_group(self.tp)} {counts}, microbatches {[list(m) for m in self.split.microbatches]}"
+                f"{_per_group(self.tp, 1)} {counts}, microbatches {[list(m) for m in self.split.microbatches]}"
             ]
         else:
             where = [f"contrastive step: {self.global_batch} samples, each tower on ranks of its own"] + [
-                f"  tower {t} on ranks {list(p.ranks)}: {_per_group(p.tp)} "
+                f"  tower {t} on ranks {list(p.ranks)}: {_per_group(p.tp, p.pp)} "
                 f"{[p.split.count(i) for i in range(p.split.num_ranks)]}, microbatches "
                 f"{[list(m) for m in p.split.microbatches]}, activations {self.memory_of(t)}"
                 for t, p in enumerate(self.separate)
@@ -271,5 +272,7 @@ class TowerPlan:
         return "\n".join(lines)
 
 
-def _per_group(tp: int) -> str:
-    return "samples per rank" if tp == 1 else f"tp {tp}, samples per data-parallel group"
+def _per_group(tp: int, pp: int) -> str:
+    if tp == pp == 1:
+        return "samples per rank"
+    return f"tp {tp}, pp {pp}, samples per data-parallel group"

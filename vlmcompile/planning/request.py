@@ -188,6 +188,9 @@ class SearchSpace:
     tower_tensor_parallel: tuple[int, ...] = (1,)
     """Contrastive two-tower models: the tensor-parallel degrees a tower may run at (inside a
     node). The contrastive runtime runs tp 1, so 1 is the default; the benchmarks plan wider."""
+    tower_pipeline_parallel: tuple[int, ...] = (1,)
+    """Contrastive two-tower models on ranks of their own: the pipeline stages a tower may be cut
+    into. The contrastive runtime runs pp 1, so 1 is the default; the benchmarks plan deeper."""
     round_up_global_batch: bool = False
     """Packed microbatches: the global batch is the least a step needs, and each candidate takes
     it up to the next multiple of its DP x microbatch size (x PP for v > 1): more microbatches

@@ -32,36 +32,37 @@ def separate_towers(
     microbatches: tuple[int, int] = (1, 1),
     memory: tuple[MemoryPolicy | None, MemoryPolicy | None] = (None, None),
     tp: tuple[int, int] = (1, 1),
+    pp: tuple[int, int] = (1, 1),
 ) -> TowerPlan:
     """``plan`` with tower 0 on the first ``ranks[0]`` ranks and tower 1 on the next ``ranks[1]``
     (DistMM's placement), each spreading the whole batch over its data-parallel groups of
-    ``tp`` ranks in ``microbatches`` a group.
+    ``tp x pp`` ranks in ``microbatches`` a group.
 
     Raises:
-        ArgumentError: a tower without ranks, a ``tp`` that does not divide its tower's ranks or
-            would cross a node (tower 1's groups start at rank ``ranks[0]``), or fewer samples
-            than a tower's groups x microbatches.
+        ArgumentError: a tower without ranks, degrees that do not divide its tower's ranks or a
+            ``tp`` that would cross a node (tower 1's groups start at rank ``ranks[0]``), or
+            fewer samples than a tower's groups x microbatches.
     """
     if min(ranks) < 1:
         raise ArgumentError(f"tower ranks {ranks}: each tower needs one rank at least")
-    if any(k % t for k, t in zip(ranks, tp)) or ranks[0] % tp[1]:
+    if any(k % (t * p) for k, t, p in zip(ranks, tp, pp)) or ranks[0] % tp[1]:
         raise ArgumentError(
-            f"tower ranks {ranks} at tp {tp}: each tower's tp must divide its ranks, and tower 1's "
-            "tensor-parallel groups must start on a multiple of its tp (inside one node)"
+            f"tower ranks {ranks} at tp {tp} and pp {pp}: each tower's tp x pp must divide its ranks, and "
+            "tower 1's tensor-parallel groups must start on a multiple of its tp (inside one node)"
         )
     n = plan.global_batch
-    placements = (
+    starts = (0, ranks[0])
+    placements = tuple(
         TowerPlacement(
-            tuple(range(ranks[0])), SampleSplit.even(n, ranks[0] // tp[0], microbatches[0]), memory[0], tp[0]
-        ),
-        TowerPlacement(
-            tuple(range(ranks[0], sum(ranks))),
-            SampleSplit.even(n, ranks[1] // tp[1], microbatches[1]),
-            memory[1],
-            tp[1],
-        ),
+            tuple(range(starts[t], starts[t] + ranks[t])),
+            SampleSplit.even(n, ranks[t] // (tp[t] * pp[t]), microbatches[t]),
+            memory[t],
+            tp[t],
+            pp[t],
+        )
+        for t in (0, 1)
     )
-    degrees = "" if tp == (1, 1) else f", tp {tp[0]} and {tp[1]}"
+    degrees = "" if tp == pp == (1, 1) else f", tp {tp[0]} and {tp[1]}, pp {pp[0]} and {pp[1]}"
     decision = Decision(
         "placement",
         Reason.TOWER_PLACEMENT,
@@ -85,13 +86,16 @@ def place_towers(
     placement: str = "auto",
     microbatches: int | None = None,
     tensor_parallel: tuple[int, ...] = (1,),
+    pipeline_parallel: tuple[int, ...] = (1,),
 ) -> TowerPlan:
     """Both towers on every rank (:func:`~vlmcompile.planning.towers.plan_towers`), or the
     separate split of the ranks with the fastest predicted step that fits (module docstring),
     whichever is faster, with the comparison as a decision; separate also where both towers do
     not fit one rank together. Separate, each tower gets its own tensor-parallel degree (of
-    ``tensor_parallel``), activation policy and microbatch count: ``microbatches`` if given, else
-    the cheapest that fits its ranks (kept in one microbatch, else recomputed in the fewest).
+    ``tensor_parallel``) and pipeline stages (of ``pipeline_parallel``; colocated plans have
+    none: the two towers are branches, not one chain of layers to cut), activation policy and
+    microbatch count: ``microbatches`` if given, else the cheapest that fits its ranks (kept in
+    one microbatch, else recomputed in the fewest).
 
     Raises:
         ArgumentError: an unknown ``placement``, fewer samples than ranks, or nothing fits.
@@ -121,7 +125,7 @@ def place_towers(
         tile_rows=towers.default_tile_rows(cluster, n),
         gpus_per_node=cluster.gpus_per_node,
     )
-    best = _best_split(layer_graph, cluster, base, microbatches, tensor_parallel)
+    best = _best_split(layer_graph, cluster, base, microbatches, (tensor_parallel, pipeline_parallel))
     if best is None:
         if colocated is None:
             raise ArgumentError(f"{together}; nor does any split of the ranks between the towers")
@@ -155,31 +159,54 @@ def _best_split(
     cluster: Cluster,
     base: TowerPlan,
     microbatches: int | None,
-    tensor_parallel: tuple[int, ...],
+    degrees: tuple[tuple[int, ...], tuple[int, ...]],
 ) -> TowerPlan | None:
     """The separate plan with the fastest predicted step that fits, over every split of the
-    ranks and every pair of the towers' degrees; None if none fits."""
+    ranks; None if none fits. For each split, each tower's degrees (of ``degrees``: TP, PP) are
+    ranked by that tower's own predicted time, and the best ``_KEPT_PER_TOWER`` of each are
+    paired (the step is the slower tower's phases, so a tower's own order is what matters)."""
     ranks = cluster.num_gpus
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     best = None
     for k0 in range(1, ranks):
         k = (k0, ranks - k0)
-        fits = [
-            [
-                (tp, fit)
-                for tp in towers.tp_options(cluster, k[t], tensor_parallel)
-                if (fit := _tower_fit(layer_graph, base, t, k[t], tp, microbatches, cap))
-            ]
+        # Tower 1's tensor-parallel groups start at rank k0: its tp must divide k0 to stay in a node.
+        ranked = [
+            _tower_options(layer_graph, cluster, base, t, k[t], microbatches, degrees, cap, k0 if t else None)
             for t in (0, 1)
         ]
-        for (tp0, (memory0, m0)), (tp1, (memory1, m1)) in itertools.product(*fits):
-            if k0 % tp1:
-                continue
-            plan = separate_towers(base, k, (m0, m1), (memory0, memory1), (tp0, tp1))
+        for (tp0, pp0, memory0, m0), (tp1, pp1, memory1, m1) in itertools.product(*ranked):
+            plan = separate_towers(base, k, (m0, m1), (memory0, memory1), (tp0, tp1), (pp0, pp1))
             predicted = towers.predict_step(layer_graph, cluster, plan)
             if predicted.mem_bytes <= cap and (best is None or predicted.step_s < best.predicted.step_s):
                 best = dataclasses.replace(plan, predicted=predicted)
     return best
+
+
+_KEPT_PER_TOWER = 2
+
+
+def _tower_options(
+    layer_graph, cluster, base, tower, ranks, microbatches, degrees, cap, start: int | None
+) -> list[tuple]:
+    """(tp, pp, policy, microbatches) with which one tower fits ``ranks`` ranks (starting at rank
+    ``start``, which its tp must divide), its fastest first (its forward, backward and gradient
+    reduction alone), at most ``_KEPT_PER_TOWER``."""
+    layers = towers.tower_layers(layer_graph, base.loss, tower)
+    scored = []
+    for tp in towers.tp_options(cluster, ranks, degrees[0]):
+        if start is not None and start % tp:
+            continue
+        for pp in (p for p in sorted(set(degrees[1])) if (ranks // tp) % p == 0 and p <= len(layers)):
+            fit = _tower_fit(layer_graph, base, tower, ranks, tp, pp, microbatches, cap)
+            if fit is None:
+                continue
+            policy, m = fit
+            split = SampleSplit.even(base.global_batch, ranks // (tp * pp), m)
+            placement = TowerPlacement(tuple(range(ranks)), split, policy, tp, pp)
+            fwd, bwd, _, grad = towers.group_phases(layer_graph, cluster, base, placement, layers, (), policy)
+            scored.append((fwd + bwd + grad, (tp, pp, *fit)))
+    return [option for _, option in sorted(scored, key=lambda x: x[0])[:_KEPT_PER_TOWER]]
 
 
 def _tower_fit(
@@ -188,11 +215,13 @@ def _tower_fit(
     tower: int,
     ranks: int,
     tp: int,
+    pp: int,
     microbatches: int | None,
     cap: float,
 ) -> tuple[MemoryPolicy, int] | None:
-    """The cheapest (policy, microbatches a group) with which one tower fits ``ranks`` ranks at ``tp``."""
-    n, dp = plan.global_batch, ranks // tp
+    """The cheapest (policy, microbatches a group) with which one tower fits ``ranks`` ranks at
+    ``tp`` and ``pp``."""
+    n, dp = plan.global_batch, ranks // (tp * pp)
     layers = towers.tower_layers(layer_graph, plan.loss, tower)
 
     def need_of(policy, m):
@@ -205,6 +234,7 @@ def _tower_fit(
             tile_rows=plan.tile_rows,
             layers=layers,
             tp=tp,
+            pp=pp,
             precision=plan.precision,
             zero_stage=plan.zero_stage,
         )

@@ -15,11 +15,12 @@ policy the caller gives is kept, and refused if it does not fit. The baselines' 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.cost_models.comm import all_gather_s, reduce_scatter_s
+from vlmcompile.cost_models.comm import all_gather_s, p2p_s, reduce_scatter_s
 from vlmcompile.cost_models.compute import Work, is_tensor_parallel
 from vlmcompile.cost_models.memory import (
     kept_activation_bytes,
@@ -33,6 +34,7 @@ from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import Layer, LayerGraph, format_bytes
 from vlmcompile.ir.plan import Decision, Parallel, Precision, Reason, Recompute
 from vlmcompile.ir.tower_plan import MemoryPolicy, SampleSplit, TowerPlan, TowerStepCost
+from vlmcompile.planning.chunks import balanced_split
 
 LOSS_TILE_SHARE = 0.05
 """Share of a device's usable memory one tile of the loss's similarities may take."""
@@ -63,42 +65,70 @@ def tower_memory(
     precision: Precision | None = None,
     layers: Sequence[Layer] | None = None,
     tp: int = 1,
+    pp: int = 1,
     zero_stage: int = 1,
 ) -> TowerMemory:
     """The busiest rank's bytes (module docstring) when it holds ``layers`` (default: every layer,
-    both towers) at tensor-parallel degree ``tp`` over ``split``'s data-parallel groups;
+    both towers) at tensor-parallel degree ``tp`` in ``pp`` pipeline stages
+    (:func:`pipeline_stages`; the fullest counts) over ``split``'s data-parallel groups;
     activations are annotate's saved bytes, sharded as Megatron-LM with sequence parallelism."""
     precision = precision or Precision()
     layers = list(layer_graph.layers if layers is None else layers)
-    states = 0.0
-    for layer in layers:
-        shard = tp if is_tensor_parallel(layer) else 1
-        states += model_state_bytes(
-            layer.num_params / shard,
-            precision,
-            dp=split.num_ranks,
-            zero_stage=zero_stage,
-            num_trainable=(layer.num_params - layer.num_frozen_params) / shard,
-        ).total
     busiest = max(range(split.num_ranks), key=split.count)
-    held = split.count(busiest) if memory is not MemoryPolicy.RECOMPUTE else max(split.microbatches[busiest])
+    count = split.count(busiest)
+    held = count if memory is not MemoryPolicy.RECOMPUTE else max(split.microbatches[busiest])
     rule = Recompute.FULL if memory is MemoryPolicy.CHECKPOINT else Recompute.NONE
     sample = samples_per_microbatch(layer_graph, 1)
-    kept = sum(
-        kept_activation_bytes(layer, rule, samples=sample, tp=tp, sequence_parallel=True) for layer in layers
-    )
-    # Checkpointed, the layer whose backward runs holds its rebuilt activations on top.
-    rebuilt = max(
-        (
+    fullest = (0.0, 0.0)
+    for stage in pipeline_stages(layers, pp):
+        states = sum(
+            model_state_bytes(
+                layer.num_params / (tp if is_tensor_parallel(layer) else 1),
+                precision,
+                dp=split.num_ranks,
+                zero_stage=zero_stage,
+                num_trainable=(layer.num_params - layer.num_frozen_params)
+                / (tp if is_tensor_parallel(layer) else 1),
+            ).total
+            for layer in stage
+        )
+        kept = sum(
+            kept_activation_bytes(layer, rule, samples=sample, tp=tp, sequence_parallel=True)
+            for layer in stage
+        )
+        # Checkpointed, the layer whose backward runs holds its rebuilt activations on top.
+        rebuilt = max(
             recompute_transient_bytes(layer, rule, samples=sample, tp=tp, sequence_parallel=True)
-            for layer in layers
-        ),
-        default=0.0,
-    )
+            for layer in stage
+        )
+        activations = held * (kept + rebuilt)
+        if pp > 1 and memory is MemoryPolicy.RECOMPUTE:  # a later stage keeps every microbatch's input
+            activations += count * sample * _stage_input_bytes(layer_graph, stage[0]) / tp
+        fullest = max(fullest, (states, activations), key=sum)
     gathered = 2 * split.num_samples * embedding_width * 4  # both embeddings of the batch, fp32
-    rows = -(-split.count(busiest) // tp)
+    rows = -(-count // (tp * pp))
     tile = _TILE_TENSORS * min(tile_rows, rows) * split.num_samples * 4
-    return TowerMemory(states, held * (kept + rebuilt), gathered + tile)
+    return TowerMemory(*fullest, gathered + tile)
+
+
+def pipeline_stages(layers: Sequence[Layer], pp: int) -> list[list[Layer]]:
+    """``layers`` in ``pp`` consecutive stages balanced by their FLOPs (forward and backward; the
+    balanced split of :mod:`~vlmcompile.planning.chunks`)."""
+    if pp == 1:
+        return [list(layers)]
+    counts = _balanced_counts(tuple(layer.fwd_flops + layer.bwd_flops for layer in layers), pp)
+    bounds = [sum(counts[:k]) for k in range(pp + 1)]
+    return [list(layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+@functools.lru_cache(maxsize=1024)
+def _balanced_counts(work: tuple[float, ...], pp: int) -> tuple[int, ...]:
+    # The plan search asks for the same tower's stages thousands of times.
+    return tuple(balanced_split(work, pp))
+
+
+def _stage_input_bytes(layer_graph: LayerGraph, first: Layer) -> float:
+    return layer_graph.layers[first.index - 1].boundary_fwd_bytes if first.index > 0 else 0.0
 
 
 def plan_towers(
@@ -213,7 +243,7 @@ def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> 
             )
             for t in (0, 1)
         ]
-    phases = [_group_phases(layer_graph, cluster, plan, *g) for g in groups]
+    phases = [group_phases(layer_graph, cluster, plan, *g) for g in groups]
     bw, latency = cluster.group_link(world, 1)
     gather_bytes = 2 * n * width * 4
     scatter_bytes = len({c for _, c in loss.directions()}) * n * width * 4
@@ -226,6 +256,7 @@ def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> 
             tile_rows=plan.tile_rows,
             layers=layers,
             tp=p.tp,
+            pp=p.pp,
             precision=plan.precision,
             zero_stage=plan.zero_stage,
         ).total
@@ -245,30 +276,59 @@ def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> 
     )
 
 
-def _group_phases(
+def group_phases(
     layer_graph, cluster, plan, placement, layers, directions, memory
 ) -> tuple[float, float, float, float]:
-    """(forward, backward, loss compute, gradient reduction) seconds of a group's busiest rank."""
-    split, tp = placement.split, placement.tp
+    """(forward, backward, loss compute, gradient reduction) seconds of a group's busiest rank. In
+    ``pp`` stages, m microbatches take m + pp - 1 steps of the slowest stage each way (GPipe's
+    fill and drain), each step with its stage-to-stage transfer."""
+    split, tp, pp = placement.split, placement.tp, placement.pp
     group_rows = max(split.count(i) for i in range(split.num_ranks))
-    par = Parallel(dp=split.num_ranks, tp=tp, pp=1, zero_stage=plan.zero_stage)
-    samples = samples_per_microbatch(layer_graph, group_rows)
-    costs = [
-        layer_cost(layer, layer_graph, cluster, par, samples=samples, precision=plan.precision)
-        for layer in layers
-    ]
-    fwd_s = sum(c.fwd_s + c.fwd_tp_comm_s for c in costs)
-    bwd_s = sum(c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s for c in costs)
-    if memory is not MemoryPolicy.KEEP:
-        bwd_s += fwd_s  # the forward runs again, whole or layer by layer
+    par = Parallel(dp=split.num_ranks, tp=tp, pp=pp, zero_stage=plan.zero_stage)
+    again = memory is not MemoryPolicy.KEEP  # the forward runs again, whole or layer by layer
+    if pp == 1:
+        costs = [_cost(layer_graph, cluster, par, plan, layer, group_rows) for layer in layers]
+        fwd_s = sum(c.fwd_s + c.fwd_tp_comm_s for c in costs)
+        bwd_s = sum(c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s for c in costs) + again * fwd_s
+        grad_s = sum(c.dp_reduce_s + c.dp_all_gather_s for c in costs)
+    else:
+        steps = max(len(m) for m in split.microbatches) + pp - 1
+        largest = max(s for m in split.microbatches for s in m)
+        stage_fwd, stage_bwd, stage_grad = [], [], []
+        for stage in pipeline_stages(layers, pp):
+            costs = [_cost(layer_graph, cluster, par, plan, layer, largest) for layer in stage]
+            f = sum(c.fwd_s + c.fwd_tp_comm_s for c in costs)
+            stage_fwd.append(f)
+            stage_bwd.append(
+                sum(c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s for c in costs) + again * f
+            )
+            stage_grad.append(sum(c.dp_reduce_s + c.dp_all_gather_s for c in costs))
+        bw, latency = cluster.group_link(pp, tp * split.num_ranks)
+        hop = p2p_s(
+            samples_per_microbatch(layer_graph, largest) * max(x.boundary_fwd_bytes for x in layers) / tp,
+            bw,
+            latency,
+        )
+        fwd_s, bwd_s = steps * (max(stage_fwd) + hop), steps * (max(stage_bwd) + hop)
+        grad_s = max(stage_grad)
     # Per direction: rows x N similarities forward (2 flops a multiply-add), their gradient to the
     # rows and to the columns backward; elementwise work over the rows x N tile a few times. A
-    # data-parallel group's rows are shared out over its tensor-parallel ranks.
-    n, width, rows = plan.global_batch, plan.loss.width, -(-group_rows // tp)
+    # data-parallel group's rows are shared out over its tensor- and pipeline-parallel ranks.
+    n, width, rows = plan.global_batch, plan.loss.width, -(-group_rows // (tp * pp))
     flops = len(directions) * 3 * 2 * rows * n * width
     loss_s = Work(flops, 0.0, len(directions) * 4 * rows * n * 4).seconds(cluster.device)
-    grad_s = sum(c.dp_reduce_s + c.dp_all_gather_s for c in costs)
     return fwd_s, bwd_s, loss_s, grad_s
+
+
+def _cost(layer_graph, cluster, par, plan, layer, samples: int):
+    return layer_cost(
+        layer,
+        layer_graph,
+        cluster,
+        par,
+        samples=samples_per_microbatch(layer_graph, samples),
+        precision=plan.precision,
+    )
 
 
 def memory_options(

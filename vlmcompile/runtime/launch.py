@@ -84,6 +84,13 @@ def restore_signals(previous: dict[int, Any]) -> None:
         signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
+def threads_per_rank(local_ranks: int) -> int:
+    """CPU threads each of ``local_ranks`` ranks on this machine runs (its share of the cores):
+    the launcher's and the train command's ranks, and the profile pass that times layers for
+    them, all use this."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
 def _raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
@@ -160,7 +167,7 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_rank(nprocs))
     env = dict(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
