@@ -172,9 +172,18 @@ def layer_cost(
     samples: float,
     recompute: Recompute = Recompute.NONE,
     precision: Precision | None = None,
+    trains_before: bool | None = None,
 ) -> LayerCost:
-    """One layer on one TP rank for one microbatch of ``samples`` annotated batches."""
+    """One layer on one TP rank for one microbatch of ``samples`` annotated batches.
+
+    Frozen parameters take no weight gradient (autograd skips their GEMM): a partly frozen
+    layer's weight gradient is its trainable share. A layer's input gradient is computed only
+    where a layer before it trains (``trains_before``, from :func:`trains_before` when None: the
+    runtime asks no gradient of a stage's inputs when nothing before it trains), so a frozen
+    layer with nothing trainable before it has no backward at all, and nothing to recompute."""
     precision = precision or Precision()
+    if trains_before is None:
+        trains_before = trains_before_each(layer_graph)[layer.name]
     device = cluster.device
     tp_bw, tp_lat = cluster.group_link(par.tp, 1)
     dp_bw, dp_lat = cluster.group_link(par.dp, par.tp)
@@ -182,13 +191,17 @@ def layer_cost(
     coll = _tp_collectives(layer) if par.tp > 1 else 0
     fwd_comm = coll * comm.all_reduce_s(samples * _hidden_bytes(layer_graph, layer), par.tp, tp_bw, tp_lat)
     sharded = is_tensor_parallel(layer)
+    params = layer.num_params / (par.tp if sharded else 1)
+    trainable = (layer.num_params - layer.num_frozen_params) / (par.tp if sharded else 1)
+    weight_grad = t.weight_grad_s * (trainable / params if params else 0.0)
+    input_grad, bwd_comm = (t.input_grad_s, fwd_comm) if trains_before else (0.0, 0.0)
     redo = redo_comm = 0.0
-    if recompute is Recompute.FULL:
+    if trainable == 0 and not trains_before:
+        pass  # no backward: nothing to recompute
+    elif recompute is Recompute.FULL:
         redo, redo_comm = t.fwd_s, fwd_comm
     elif recompute is Recompute.SELECTIVE:
         redo = t.fwd_attention_s
-    params = layer.num_params / (par.tp if sharded else 1)
-    trainable = (layer.num_params - layer.num_frozen_params) / (par.tp if sharded else 1)
     grads_wire = trainable * precision.dp_grad_bytes
     if par.zero_stage >= 1:
         reduce = comm.reduce_scatter_s(grads_wire, par.dp, dp_bw, dp_lat)
@@ -198,15 +211,25 @@ def layer_cost(
     return LayerCost(
         name=layer.name,
         fwd_s=t.fwd_s,
-        input_grad_s=t.input_grad_s + redo,
-        weight_grad_s=t.weight_grad_s,
+        input_grad_s=input_grad + redo,
+        weight_grad_s=weight_grad,
         fwd_tp_comm_s=fwd_comm,
-        bwd_tp_comm_s=fwd_comm + redo_comm,
+        bwd_tp_comm_s=bwd_comm + redo_comm,
         num_params=params,
         num_trainable_params=trainable,
         dp_all_gather_s=gather,
         dp_reduce_s=reduce,
     )
+
+
+def trains_before_each(layer_graph: LayerGraph) -> dict[str, bool]:
+    """Per layer name: whether a layer before it has a trainable parameter (then the layer's
+    input gradient is needed: the gradient flows on to that layer)."""
+    out, seen = {}, False
+    for layer in layer_graph.layers:
+        out[layer.name] = seen
+        seen = seen or layer.num_params > layer.num_frozen_params
+    return out
 
 
 def layer_state_bytes(cost: LayerCost, par: Parallel, precision: Precision | None = None) -> float:
@@ -259,6 +282,7 @@ def layer_costs(
     cluster.check_tensor_parallel(par.tp)
     samples = samples_per_microbatch(layer_graph, microbatch_size)
     flags = recompute or {}
+    before = trains_before_each(layer_graph)
     return [
         layer_cost(
             layer,
@@ -268,6 +292,7 @@ def layer_costs(
             samples=samples,
             recompute=flags.get(layer.name, Recompute.NONE),
             precision=precision,
+            trains_before=before[layer.name],
         )
         for layer in layer_graph.layers
     ]
@@ -283,6 +308,7 @@ def group_samples(plan: Plan, group: str, samples: float) -> float:
 def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCosts:
     samples = samples_per_microbatch(layer_graph, plan.microbatch_size)
     precision = plan.precision
+    before = trains_before_each(layer_graph)
     stage_costs = []
     for stage in plan.stages:
         par = plan.parallel[stage.group]
@@ -295,7 +321,16 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
             layer = layer_graph[name]
             rc = plan.recompute_of(name)
             layers.append(
-                layer_cost(layer, layer_graph, cluster, par, samples=share, recompute=rc, precision=precision)
+                layer_cost(
+                    layer,
+                    layer_graph,
+                    cluster,
+                    par,
+                    samples=share,
+                    recompute=rc,
+                    precision=precision,
+                    trains_before=before[layer.name],
+                )
             )
             act += kept_activation_bytes(layer, rc, **kw)
             transient = max(transient, recompute_transient_bytes(layer, rc, **kw))

@@ -149,3 +149,54 @@ def test_frozen_parameters_have_no_gradient_traffic_nor_optimizer_state(demo_gra
             assert layer_state_bytes(a, par) > layer_state_bytes(b, par)
         else:
             assert (a.dp_reduce_s, layer_state_bytes(a, par)) == (b.dp_reduce_s, layer_state_bytes(b, par))
+
+
+def _frozen_where(graph, frozen_share):
+    """``graph`` with each layer's ``frozen_share(layer)`` of its parameters frozen."""
+    return dataclasses.replace(
+        graph,
+        layers=tuple(
+            dataclasses.replace(layer, num_frozen_params=int(layer.num_params * frozen_share(layer)))
+            for layer in graph.layers
+        ),
+    )
+
+
+def test_a_frozen_layer_has_no_weight_gradient_and_no_backward_with_nothing_trainable_before(demo_graph):
+    """A frozen vision tower under a trainable projector (LLaVA's second stage): the tower takes no
+    weight gradient and, with nothing trainable before it, no input gradient and no recompute;
+    a frozen LLM above the trainable projector (LLaVA's first stage) still passes its input
+    gradient on, without weight gradients."""
+    from vlmcompile.ir.regions import Region
+
+    cluster = Cluster.preset("h100x8")
+    par = Parallel(dp=8, tp=2, pp=1)
+    full = {layer.name: Recompute.FULL for layer in demo_graph.layers}
+    live = {c.name: c for c in layer_costs(demo_graph, cluster, par, microbatch_size=1, recompute=full)}
+    for frozen_region in (Region.VISION, Region.LLM):
+        graph = _frozen_where(demo_graph, lambda layer, r=frozen_region: float(layer.region is r))
+        cold = {c.name: c for c in layer_costs(graph, cluster, par, microbatch_size=1, recompute=full)}
+        for layer in demo_graph.layers:
+            a, b = live[layer.name], cold[layer.name]
+            assert b.fwd_s == a.fwd_s and b.fwd_tp_comm_s == a.fwd_tp_comm_s
+            if layer.region is not frozen_region:
+                # The projector under a frozen tower needs no input gradient either.
+                assert b.weight_grad_s == a.weight_grad_s and b.input_grad_s <= a.input_grad_s
+                if layer.region is Region.PROJECTOR and frozen_region is Region.VISION:
+                    assert b.input_grad_s < a.input_grad_s
+            elif frozen_region is Region.VISION:  # the bottom of the graph: no backward at all
+                assert b.b_s == 0 < a.b_s
+            else:
+                assert b.weight_grad_s == 0 and b.input_grad_s == a.input_grad_s > 0
+
+
+def test_a_partly_frozen_layer_takes_its_trainable_share_of_the_weight_gradient(demo_graph):
+    graph = _frozen_where(demo_graph, lambda layer: 0.75)
+    cluster = Cluster.preset("h100x8")
+    par = Parallel(dp=8, tp=1, pp=1)
+    live = {c.name: c for c in layer_costs(demo_graph, cluster, par, microbatch_size=1)}
+    for c in layer_costs(graph, cluster, par, microbatch_size=1):
+        layer = graph[c.name]
+        if layer.num_params:
+            share = (layer.num_params - layer.num_frozen_params) / layer.num_params
+            assert c.weight_grad_s == pytest.approx(share * live[c.name].weight_grad_s)

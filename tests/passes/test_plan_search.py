@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 
 import pytest
 
@@ -7,7 +8,7 @@ from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Parallel, Reason
 from vlmcompile.passes.plan_search import CandidateRow, _no_plan_message, candidates, plan_search
-from vlmcompile.passes.policies import plan_and_simulate, search_and_compare
+from vlmcompile.passes.policies import baseline_to_beat, plan_and_simulate, search_and_compare
 from vlmcompile.planning.problem import evaluate
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
 from vlmcompile.planning.stage_cuts import Solution
@@ -50,8 +51,15 @@ def test_packed_microbatches_round_the_global_batch_up_to_each_candidates_degree
 @pytest.mark.slow
 def test_search_returns_the_fastest_planned_candidate_and_reports_every_one(demo_graph):
     cluster = Cluster.preset("h100x8")
+    # As search_and_compare runs it: every candidate starts from the fastest baseline at its
+    # degrees (without one, a 2 s CP-SAT solve can end above megatron_balanced's plan).
     result = plan_search(
-        demo_graph, cluster, global_batch=16, progress=False, solver=SolverOptions(time_limit_s=2)
+        demo_graph,
+        cluster,
+        global_batch=16,
+        progress=False,
+        solver=SolverOptions(time_limit_s=2),
+        baseline=functools.partial(baseline_to_beat, demo_graph, cluster),
     )
     plan, report = result.plan, result.report
     assert str(plan) in str(result) and not hasattr(report, "chosen")  # the result owns the plan

@@ -28,7 +28,7 @@ from vlmcompile.cost_models.memory import (
     recompute_transient_bytes,
     usable_memory_bytes,
 )
-from vlmcompile.cost_models.stage_costs import layer_cost, samples_per_microbatch
+from vlmcompile.cost_models.stage_costs import layer_cost, samples_per_microbatch, trains_before_each
 from vlmcompile.ir.coupled_loss import CoupledLoss
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import Layer, LayerGraph, format_bytes
@@ -286,8 +286,9 @@ def group_phases(
     group_rows = max(split.count(i) for i in range(split.num_ranks))
     par = Parallel(dp=split.num_ranks, tp=tp, pp=pp, zero_stage=plan.zero_stage)
     again = memory is not MemoryPolicy.KEEP  # the forward runs again, whole or layer by layer
+    before = trains_before_each(layer_graph)
     if pp == 1:
-        costs = [_cost(layer_graph, cluster, par, plan, layer, group_rows) for layer in layers]
+        costs = [_cost(layer_graph, cluster, par, plan, layer, group_rows, before) for layer in layers]
         fwd_s = sum(c.fwd_s + c.fwd_tp_comm_s for c in costs)
         bwd_s = sum(c.input_grad_s + c.weight_grad_s + c.bwd_tp_comm_s for c in costs) + again * fwd_s
         grad_s = sum(c.dp_reduce_s + c.dp_all_gather_s for c in costs)
@@ -296,7 +297,7 @@ def group_phases(
         largest = max(s for m in split.microbatches for s in m)
         stage_fwd, stage_bwd, stage_grad = [], [], []
         for stage in pipeline_stages(layers, pp):
-            costs = [_cost(layer_graph, cluster, par, plan, layer, largest) for layer in stage]
+            costs = [_cost(layer_graph, cluster, par, plan, layer, largest, before) for layer in stage]
             f = sum(c.fwd_s + c.fwd_tp_comm_s for c in costs)
             stage_fwd.append(f)
             stage_bwd.append(
@@ -320,7 +321,7 @@ def group_phases(
     return fwd_s, bwd_s, loss_s, grad_s
 
 
-def _cost(layer_graph, cluster, par, plan, layer, samples: int):
+def _cost(layer_graph, cluster, par, plan, layer, samples: int, before: dict[str, bool]):
     return layer_cost(
         layer,
         layer_graph,
@@ -328,6 +329,7 @@ def _cost(layer_graph, cluster, par, plan, layer, samples: int):
         par,
         samples=samples_per_microbatch(layer_graph, samples),
         precision=plan.precision,
+        trains_before=before[layer.name],
     )
 
 
