@@ -76,6 +76,7 @@ def test_twenty_adamw_steps_equal_eager(name, plan_options, transfers, tmp_path)
     assert [x["lr"] for x in lines] == pytest.approx(expected_lr)
 
 
+@pytest.mark.extended  # outside CI's 15 minutes; test_preemption's stop-and-resume case stays
 def test_a_resumed_run_continues_with_the_same_losses_and_loads_into_the_model(tmp_path):
     model, pipe, plan = _setup("tiny", pp=2, dp=2)
     data = SyntheticBatches("tiny", 4)
