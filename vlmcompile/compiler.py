@@ -166,8 +166,6 @@ def _profile_pass(state: CompileState, *, repeats: int) -> None:
             "skipped: the model or the sample batch is on meta tensors (nothing to time)"
         )
         return
-    local = state.cluster is not None and state.cluster.ranks_on_this_machine
-    ranks_here = state.cluster.num_gpus if local else 1
     # One row: the plan search scales per-sample times to its microbatch sizes. A packed sample
     # batch is one microbatch of one row already (cutting it would cut its images). A
     # contrastive rank embeds its share of the batch at once, and a small layer's time per row
@@ -175,7 +173,7 @@ def _profile_pass(state: CompileState, *, repeats: int) -> None:
     rows = 1
     cut = state.gm.meta.get(COUPLING_META)
     if cut is not None and cut.loss is not None:
-        rows = max(1, num_samples(state.sample_batch) // ranks_here)
+        rows = max(1, num_samples(state.sample_batch) // _ranks_here(state))
     result = _profiled(state, rows, repeats)
     state.layer_graph, state.profiled = result.layer_graph, (rows, repeats)
     state.reports["profile"] = result.report
@@ -184,8 +182,6 @@ def _profile_pass(state: CompileState, *, repeats: int) -> None:
 def _profiled(state: CompileState, rows: int, repeats: int):
     """The profile pass's timing of every layer on the first ``rows`` samples of the sample batch
     (a packed one whole)."""
-    local = state.cluster is not None and state.cluster.ranks_on_this_machine
-    ranks_here = state.cluster.num_gpus if local else 1
     microbatch = (
         dict(state.sample_batch)
         if state.samples is not None
@@ -196,9 +192,15 @@ def _profiled(state: CompileState, rows: int, repeats: int):
         state.layer_graph,
         microbatch,
         device_name=state.cluster.device.name if state.cluster is not None else "cpu",
-        threads=threads_per_rank(ranks_here),
+        threads=threads_per_rank(_ranks_here(state)),
         repeats=repeats,
     )
+
+
+def _ranks_here(state: CompileState) -> int:
+    """The plan's ranks that share this machine's cores (1 for a cluster elsewhere)."""
+    local = state.cluster is not None and state.cluster.ranks_on_this_machine
+    return state.cluster.num_gpus if local else 1
 
 
 def _timed_at_tower_microbatches(state: CompileState, plan: TowerPlan) -> TowerPlan:
