@@ -105,7 +105,7 @@ def layer_time(
         )
 
     fwd, bwd = on_rank(fwd_work(layer)), on_rank(bwd_work(layer))
-    weight_grad = Work(min(fwd.matmul_flops, bwd.matmul_flops), 0.0, 0.0)
+    weight_grad = Work(samples * layer.weight_grad_flops / flop_div, 0.0, 0.0)
     input_grad = Work(bwd.matmul_flops - weight_grad.matmul_flops, bwd.attention_flops, bwd.memory_bytes)
     roofline = LayerTime(
         fwd_s=fwd.seconds(device),

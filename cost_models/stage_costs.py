@@ -177,13 +177,15 @@ def layer_cost(
     """One layer on one TP rank for one microbatch of ``samples`` annotated batches.
 
     Frozen parameters take no weight gradient (autograd skips their GEMM): a partly frozen
-    layer's weight gradient is its trainable share. A layer's input gradient is computed only
-    where a layer before it trains (``trains_before``, from :func:`trains_before` when None: the
+    layer's weight gradient is its trainable share (:attr:`Layer.weight_grad_flops`; the layer's
+    ``bwd_flops`` are what annotate measured under the model's ``requires_grad`` flags, or what
+    :meth:`LayerGraph.with_frozen` makes of them). A layer's input gradient is computed only
+    where a layer before it trains (``trains_before``, from :meth:`LayerGraph.trains_before` when None: the
     runtime asks no gradient of a stage's inputs when nothing before it trains), so a frozen
     layer with nothing trainable before it has no backward at all, and nothing to recompute."""
     precision = precision or Precision()
     if trains_before is None:
-        trains_before = trains_before_each(layer_graph)[layer.name]
+        trains_before = layer_graph.trains_before()[layer.name]
     device = cluster.device
     tp_bw, tp_lat = cluster.group_link(par.tp, 1)
     dp_bw, dp_lat = cluster.group_link(par.dp, par.tp)
@@ -193,7 +195,7 @@ def layer_cost(
     sharded = is_tensor_parallel(layer)
     params = layer.num_params / (par.tp if sharded else 1)
     trainable = (layer.num_params - layer.num_frozen_params) / (par.tp if sharded else 1)
-    weight_grad = t.weight_grad_s * (trainable / params if params else 0.0)
+    weight_grad = t.weight_grad_s
     input_grad, bwd_comm = (t.input_grad_s, fwd_comm) if trains_before else (0.0, 0.0)
     redo = redo_comm = 0.0
     if trainable == 0 and not trains_before:
@@ -220,16 +222,6 @@ def layer_cost(
         dp_all_gather_s=gather,
         dp_reduce_s=reduce,
     )
-
-
-def trains_before_each(layer_graph: LayerGraph) -> dict[str, bool]:
-    """Per layer name: whether a layer before it has a trainable parameter (then the layer's
-    input gradient is needed: the gradient flows on to that layer)."""
-    out, seen = {}, False
-    for layer in layer_graph.layers:
-        out[layer.name] = seen
-        seen = seen or layer.num_params > layer.num_frozen_params
-    return out
 
 
 def layer_state_bytes(cost: LayerCost, par: Parallel, precision: Precision | None = None) -> float:
@@ -282,7 +274,7 @@ def layer_costs(
     cluster.check_tensor_parallel(par.tp)
     samples = samples_per_microbatch(layer_graph, microbatch_size)
     flags = recompute or {}
-    before = trains_before_each(layer_graph)
+    before = layer_graph.trains_before()
     return [
         layer_cost(
             layer,
@@ -308,7 +300,7 @@ def group_samples(plan: Plan, group: str, samples: float) -> float:
 def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCosts:
     samples = samples_per_microbatch(layer_graph, plan.microbatch_size)
     precision = plan.precision
-    before = trains_before_each(layer_graph)
+    before = layer_graph.trains_before()
     stage_costs = []
     for stage in plan.stages:
         par = plan.parallel[stage.group]
@@ -346,7 +338,8 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
         if i + 1 < len(stage_costs) and _may_differ(stage, stage_costs[i + 1][0]):
             nxt = stage_costs[i + 1][0]
             send_fwd, _ = cut_transfer_s(last, cluster, par, share, stage.rank, _other(nxt, stage.rank))
-        if i > 0 and _may_differ(stage, stage_costs[i - 1][0]):
+        # No gradient goes back to a stage with nothing trainable in or before it.
+        if i > 0 and before[first.name] and _may_differ(stage, stage_costs[i - 1][0]):
             prev_last = layer_graph.layers[first.index - 1]
             prev = stage_costs[i - 1][0]
             _, send_bwd = cut_transfer_s(prev_last, cluster, par, share, stage.rank, _other(prev, stage.rank))

@@ -166,6 +166,34 @@ def plan_file(change: Callable[[dict], object] | None = None, text: str | None =
     return go
 
 
+def _frozen_pipe():
+    """The tiny model with its vision encoder frozen (LLaVA's recipe), compiled."""
+    if "frozen" not in _PIPE:
+        from vlmcompile import compile
+
+        model, batch = _tiny()
+        model.encoders.requires_grad_(False)
+        _PIPE["frozen"] = compile(model, batch, log=None)
+    return _PIPE["frozen"]
+
+
+def _encoder_alone(layer_graph):
+    from tests.pipeline_helpers import encoder_on_rank_1
+
+    return encoder_on_rank_1(layer_graph, global_batch=4)
+
+
+def _trained_plan_on_frozen_model(tmp: Path):
+    """A plan made while the encoder trained (its stage runs backward actions), run after freezing it."""
+    pipe, _ = _pipe()
+    return _frozen_pipe().runner(_encoder_alone(pipe.layer_graph))
+
+
+def _frozen_plan_on_trained_model(tmp: Path):
+    pipe, _ = _pipe()
+    return pipe.runner(_encoder_alone(_frozen_pipe().layer_graph))
+
+
 def _load_missing_plan(tmp: Path):
     from vlmcompile.ir.plan import Plan
 
@@ -362,6 +390,13 @@ CASES = {
         cli("annotate", "--model", "tiny", "--json", "{tmp}"),
         "is a directory; give a file name",
     ),
+    "cli-freeze-unknown": Case(
+        "CLI",
+        "--freeze a module the model does not have",
+        cli(*PLAN, "--freeze", "vision,encoders.0.blokcs"),
+        "'encoders.0.blokcs' names no layer of demo: give a region (head, llm, projector, vision)",
+    ),
+    "cli-freeze-empty": Case("CLI", "--freeze ','", cli(*PLAN, "--freeze", ","), "',' names nothing"),
     "cli-run-steps-0": Case("CLI", "run --steps 0", cli("run", "--steps", "0"), "--steps: 0 is not >= 1"),
     "cli-run-timeout-0": Case(
         "CLI", "run --timeout 0", cli("run", "--timeout", "0"), "--timeout: 0 is not a number > 0"
@@ -573,6 +608,18 @@ CASES = {
     ),
     "plan-other-model": Case(
         "plan file", "a plan made for another model", plan_file(_other_model), "the plan was made for model"
+    ),
+    "plan-backward-on-frozen": Case(
+        "plan file",
+        "a plan that gives a frozen encoder (no gradient reaches it) backward actions",
+        _trained_plan_on_frozen_model,
+        "stage 0 has backward actions, but no gradient reaches its layers",
+    ),
+    "plan-no-backward-on-trainable": Case(
+        "plan file",
+        "a plan that gives a trainable stage no backward actions",
+        _frozen_plan_on_trained_model,
+        "stage 0 has no backward actions, but its layer encoders.0.embed needs one (it trains)",
     ),
     "plan-cli-json": Case(
         "plan file",

@@ -40,6 +40,23 @@ def test_plan_prints_and_writes_everything(tmp_path, capsys):
     assert (tmp_path / "t.png").stat().st_size > 0
 
 
+def test_freeze_plans_every_policy_for_the_frozen_parameters(tmp_path, capsys):
+    steps = {}
+    for freeze in ([], ["--freeze", "vision"], ["--freeze", "vision,llm,head"]):
+        out = tmp_path / f"{len(freeze)}-{freeze[-1] if freeze else ''}.json"
+        assert main([*ARGS, "--policy", "megatron_balanced", *freeze, "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        steps[freeze[-1] if freeze else ""] = data["simulation"]["step_time_s"]
+        frozen = data["frozen_layers"]
+        if not freeze:
+            assert frozen == []
+        else:
+            assert frozen[0] == "encoders.0.embed" and all(not n.startswith("projectors") for n in frozen)
+    assert "frozen: 6 of 18 layers" in capsys.readouterr().err
+    # Less backward work each time: the vision tower's, then the LLM's weight gradients.
+    assert steps[""] > steps["vision"] > steps["vision,llm,head"]
+
+
 def test_megatron_plan_prints_its_layout(capsys):
     assert main([*ARGS, "--recompute", "none"]) == 0
     assert '--pipeline-model-parallel-layout "Ett|tt|tt|ttL"' in capsys.readouterr().out

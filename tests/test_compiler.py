@@ -73,3 +73,24 @@ def test_compile_with_a_cluster_returns_the_partition_pass_plan_and_the_comparis
     for row in pipe.planned.baselines:
         if row.step_s is not None and row.fits:
             assert ours <= row.step_s * (1 + 1e-9), row
+
+
+def test_freeze_layers_freezes_the_modules_a_region_or_path_names_and_a_new_compile_plans_it():
+    from tests.models import build
+    from vlmcompile import compile, freeze_layers
+    from vlmcompile.ir.errors import ArgumentError
+
+    model, batch = build("tiny", batch_size=2)
+    pipe = compile(model, batch, log=None)
+    with pytest.raises(ArgumentError, match="'visoin' names no layer"):
+        freeze_layers(model, pipe.layer_graph, ["visoin"])
+    assert all(p.requires_grad for p in model.parameters()), "a refused call froze something"
+    chosen = freeze_layers(model, pipe.layer_graph, ["vision", "llm.blocks.0"])
+    assert chosen == pipe.layer_graph.select(["vision", "llm.blocks.0"])
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in model.named_parameters() if n.startswith(("encoders.", "llm.blocks.0."))}
+    again = compile(model, batch, log=None).layer_graph
+    assert again.totals()["num_frozen_params"] == sum(
+        p.numel() for p in model.parameters() if not p.requires_grad
+    )
+    assert again.forward_only() == {layer.name for layer in again.layers if layer.region.value == "vision"}

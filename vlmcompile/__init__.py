@@ -13,6 +13,7 @@ from typing import Any
 
 _EXPORTS = {
     "compile": "vlmcompile.compiler",
+    "freeze_layers": "vlmcompile.compiler",
     "Cluster": "vlmcompile.cost_models.cluster",
     "CaptureError": "vlmcompile.ir.errors",
     "ClusterError": "vlmcompile.ir.errors",
@@ -70,6 +71,7 @@ __all__ = [
     "VlmCompileError",
     "TrainConfig",
     "compile",
+    "freeze_layers",
     "load_checkpoint",
     "train",
 ]

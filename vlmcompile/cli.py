@@ -49,6 +49,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names nothing: give regions or module paths, e.g. vision,llm"
+        )
+    return names
+
+
 def _check_output_paths(args: argparse.Namespace) -> None:
     """Refuse an output file that cannot be written before any work is done, so that a run never
     ends in an error after writing some of its outputs."""
@@ -95,6 +104,10 @@ def _plan(args: argparse.Namespace) -> int:
         graph = _data_layer_graph(args)
     else:
         graph = zoo_layer_graph(args.model, dtype=_DTYPES[args.dtype])
+    if args.freeze:
+        graph = graph.with_frozen(args.freeze)
+        frozen = graph.meta["frozen"]
+        print(f"frozen: {len(frozen)} of {len(graph)} layers ({frozen[0]} .. {frozen[-1]})", file=sys.stderr)
     run = _plan_run(args, graph, cluster)
     if args.search:
         print()
@@ -207,6 +220,7 @@ def _write_plan_outputs(args: argparse.Namespace, run, graph) -> None:
     if args.json:
         data = {
             "plan": run.plan.to_json(),
+            "frozen_layers": list(graph.meta.get("frozen", [])),
             "simulation": run.sim.to_json(),
             "megatron_layout": megatron_layout(run.plan, graph)[0],
             "policies": [dataclasses.asdict(r) for r in run.baselines],
@@ -443,6 +457,15 @@ def _add_plan(sub) -> None:
         "(V-shaped; schedule v_1f1b by default)",
     )
     q.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    q.add_argument(
+        "--freeze",
+        type=_names,
+        action="extend",
+        metavar="NAMES",
+        help="plan with these parameters frozen (requires_grad=False), as a recipe freezes them: regions "
+        "(vision, projector, llm, head) or module paths, comma-separated, e.g. vision or vision,llm,head "
+        "(LLaVA's first stage); every policy gets the same freezing",
+    )
     train_job.data_arguments(
         q,
         _positive_int,

@@ -38,7 +38,7 @@ from vlmcompile.data.synthetic import ManifestDataset
 from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
 from vlmcompile.ir.coupled_loss import CoupledLoss
-from vlmcompile.ir.errors import ClusterError, ModelError, VlmCompileError, positive_int
+from vlmcompile.ir.errors import ArgumentError, ClusterError, ModelError, VlmCompileError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import COUPLING_META, LOSS_SPLIT_META, OUTPUT_META, PACKED_META
 from vlmcompile.ir.microbatch import num_samples
@@ -456,6 +456,28 @@ def _samples_or_dataset(model: nn.Module, sample_batch: Any, dataset: Any, globa
     if isinstance(dataset, (str, os.PathLike)):
         dataset = ManifestDataset(tuple(read_manifest(dataset)), family_of(model))
     return None, dataset
+
+
+def freeze_layers(model: nn.Module, layer_graph: LayerGraph, names: Sequence[str]) -> list[str]:
+    """Freeze (``requires_grad=False``) the parameters of the layers ``names`` mean in
+    ``layer_graph`` (regions or module paths, :meth:`LayerGraph.select`), as a recipe's
+    ``--freeze-ViT`` does; returns the layers frozen. Compile the model again afterwards: a
+    pipeline plans for the ``requires_grad`` flags it was compiled with.
+
+    Raises:
+        ArgumentError: a name matches no layer, or a layer is no module of ``model``.
+    """
+    chosen = layer_graph.select(names)
+    for name in chosen:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ArgumentError(
+                f"layer {name} is no module of {type(model).__name__}: freeze it with requires_grad_(False) on "
+                "the module that holds its parameters"
+            ) from None
+        module.requires_grad_(False)
+    return chosen
 
 
 def zoo_layer_graph(model_name: str, *, dtype: Any = None) -> LayerGraph:

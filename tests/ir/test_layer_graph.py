@@ -92,3 +92,38 @@ def test_time_scaled_scales_the_work_of_the_regions_named_and_nothing_else(graph
             before.boundary_fwd_bytes,
             before.param_bytes,
         )
+
+
+def test_select_takes_regions_and_module_paths_in_layer_order(graph):
+    assert graph.select(["projector"]) == ["projectors.0", "projectors.1"]
+    assert graph.select(["encoders.1", "llm.blocks.0"]) == [
+        "encoders.1.embed",
+        "encoders.1.blocks.0",
+        "encoders.1.blocks.1",
+        "encoders.1.norm",
+        "llm.blocks.0",
+    ]
+    # A path component is whole: "encoders.1.blocks.1" is not under "encoders.1.blocks.1x".
+    assert graph.select(["encoders.0.blocks.1"]) == ["encoders.0.blocks.1"]
+
+
+def test_an_unknown_name_is_refused_naming_the_regions_and_the_closest_layers(graph):
+    from vlmcompile.ir.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"'encoders.0.block' names no layer.*vision.*closest layers"):
+        graph.select(["encoders.0.block"])
+
+
+def test_a_frozen_encoder_at_the_bottom_has_no_backward_but_one_after_a_trainable_layer_has(graph):
+    assert graph.forward_only() == frozenset(), "every layer trains"
+    first = graph.with_frozen(["encoders.0"])
+    assert first.forward_only() == {layer.name for layer in graph.layers[:4]}
+    assert first.totals()["num_frozen_params"] == sum(layer.num_params for layer in graph.layers[:4])
+    assert first.meta["frozen"] == [layer.name for layer in graph.layers[:4]]
+    # The second encoder comes after the first's trainable projector in the chain: gradients
+    # flow through it (the chain's order is what the stages follow), so it keeps a backward.
+    second = graph.with_frozen(["encoders.1"])
+    assert second.forward_only() == frozenset()
+    assert second.trains_before()["encoders.1.embed"]
+    everything = graph.with_frozen(["vision", "projector", "llm", "head"])
+    assert everything.forward_only() == {layer.name for layer in graph.layers}

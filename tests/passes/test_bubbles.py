@@ -251,3 +251,20 @@ def test_a_budget_between_selective_and_full_recompute_recomputes_a_share_of_eac
         assert fully == sorted(fully, reverse=True), "the rank's first layers are the recomputed ones"
         shares.add(sum(fully) / len(layers))
     assert 0 < min(shares) and max(shares) < 1
+
+
+def test_a_frozen_encoder_runs_forwards_only_in_the_bubbles_and_costs_less(demo_bubbles, demo_graph):
+    request, trained = demo_bubbles
+    frozen_graph = demo_graph.with_frozen(["vision"])
+    result = bubbles(
+        frozen_graph, CLUSTER, request, solver=FAST, encoder_plans=[ep.EncoderPlan(pp=2, tp=1, chunks=1)]
+    )
+    plan = result.plan
+    plan.validate(frozen_graph)
+    no_gradient = frozen_graph.forward_only()
+    forward_only = {s.index for s in plan.stages if set(s.layers) <= no_gradient}
+    assert forward_only and plan.forward_only_stages() == forward_only
+    assert not [a for acts in plan.actions for a in acts if a.stage in forward_only and a.kind is not bs.F]
+    # No vision backward, no vision weight gradient to reduce: a shorter step than training it.
+    assert result.report.step_s < trained.report.step_s
+    assert result.report.step_s == pytest.approx(simulate(plan, frozen_graph, CLUSTER).step_time_s)

@@ -86,3 +86,37 @@ def test_an_encoder_plan_is_replicated_over_its_holders_and_phased_around_the_ll
         assert all(k is ActionKind.F for g, k in groups[: llm[0]]) and all(
             k is ActionKind.B for g, k in groups[llm[-1] + 1 :]
         )
+
+
+def test_stages_no_gradient_reaches_get_forwards_only_and_a_plan_says_so(demo_graph):
+    frozen = demo_graph.with_frozen(["vision"])
+    request = PlanRequest.on(CLUSTER, tp=1, pp=2, v=2, global_batch=16)
+    chunks = _chunks(frozen, 4)
+    assert set(chunks[0]) <= frozen.forward_only() and not set(chunks[1]) <= frozen.forward_only()
+    plan = build_plan(frozen, CLUSTER, request, policy="test", chunks=chunks, recompute={}, decisions=[])
+    assert plan.forward_only_stages() == {0}
+    kinds = {(a.stage, a.kind) for acts in plan.actions for a in acts}
+    assert (0, ActionKind.F) in kinds and (0, ActionKind.B) not in kinds and (1, ActionKind.B) in kinds
+
+    # Each plan checked against the other model: a backward where no gradient goes, none where one does.
+    trained = build_plan(
+        demo_graph, CLUSTER, request, policy="test", chunks=chunks, recompute={}, decisions=[]
+    )
+    with pytest.raises(PlanError, match="stage 0 has backward actions, but no gradient reaches its layers"):
+        trained.validate(frozen)
+    with pytest.raises(PlanError, match="stage 0 has no backward actions, but its layer .* needs one"):
+        plan.validate(demo_graph)
+
+
+def test_a_forward_only_stage_after_one_with_a_backward_is_refused(demo_graph):
+    import dataclasses
+
+    from vlmcompile.ir.actions import without_backward
+
+    request = PlanRequest.on(CLUSTER, tp=1, pp=2, v=2, global_batch=16)
+    plan = build_plan(
+        demo_graph, CLUSTER, request, policy="test", chunks=_chunks(demo_graph, 4), recompute={}, decisions=[]
+    )
+    cut = dataclasses.replace(plan, actions=without_backward(plan.actions, frozenset({1})))
+    with pytest.raises(PlanError, match="stage 1 has no backward actions, but stage 0 before it has"):
+        cut.validate()

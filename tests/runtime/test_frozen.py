@@ -1,18 +1,21 @@
 """Frozen parameters (``requires_grad=False``) train as in eager: no gradient (None, not zeros)
 on any rank, no optimizer state, no part in the clip norm or the reductions, and the same bits
-after AdamW with weight decay, whatever the plan: PP = 2, data parallel, and encoder-in-bubbles
-plans whose encoder stages are replicated over the ranks."""
+after AdamW with weight decay, whatever the plan (PP = 2, data parallel, and encoder-in-bubbles
+plans whose encoder stages are replicated over the ranks) and whatever the recipe freezes: the
+vision tower, everything but the projector (LLaVA's first stage), the vision tower but its last
+two blocks. A stage no gradient reaches runs forwards only."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
 import torch
 
 from tests.models import build, needs_transformers
-from tests.pipeline_helpers import check_equal_to_eager, even_plan, separate_plan
+from tests.pipeline_helpers import check_equal_to_eager, encoder_on_rank_1, even_plan, separate_plan
 from vlmcompile import compile
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.models.data import SyntheticBatches
@@ -41,50 +44,104 @@ def _bubbles_plan(layer_graph, pp: int = 2):
 PLANS = {
     "pp2": functools.partial(even_plan, pp=2, global_batch=GLOBAL_BATCH),
     "pp2-dp2": functools.partial(even_plan, pp=2, dp=2, global_batch=GLOBAL_BATCH),
+    # The vision encoder a stage of its own on rank 1: frozen, a stage no gradient reaches.
+    "encoder-alone": functools.partial(encoder_on_rank_1, global_batch=GLOBAL_BATCH),
     "encoder-replicated": functools.partial(separate_plan, pp=2, encoder_pp=1, global_batch=GLOBAL_BATCH),
     "bubbles": _bubbles_plan,
 }
 
 
-def _frozen_vision(name: str):
-    """(model, batch, data, names of the frozen parameters): the vision encoder frozen, as in
-    LLaVA's recipe."""
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    vision: torch.nn.Module
+    vision_blocks: torch.nn.ModuleList
+    llm: torch.nn.Module
+    head: torch.nn.Module
+
+
+def _parts(model) -> Parts:
+    if hasattr(model, "encoders"):  # the zoo
+        return Parts(model.encoders, model.encoders[0].blocks, model.llm, model.head)
+    tower = model.model.vision_tower  # transformers' LLaVA
+    return Parts(tower, tower.encoder.layers, model.model.language_model, model.lm_head)
+
+
+def _freeze_vision(parts: Parts) -> None:
+    parts.vision.requires_grad_(False)
+
+
+def _llava_stage_1(parts: Parts) -> None:
+    """LLaVA's pre-training stage: the projector trains alone."""
+    for module in (parts.vision, parts.llm, parts.head):
+        module.requires_grad_(False)
+
+
+def _last_two_vit_layers(parts: Parts) -> None:
+    """InternVL's recipe: the vision tower frozen but for its last two blocks."""
+    parts.vision.requires_grad_(False)
+    parts.vision_blocks[-2:].requires_grad_(True)
+
+
+RECIPES = {
+    "vision": _freeze_vision,
+    "llava-stage-1": _llava_stage_1,
+    "last-two-vit-layers": _last_two_vit_layers,
+}
+
+
+def _frozen(name: str, recipe: str):
+    """(model, batch, data, names of the frozen parameters) for a training recipe's freezing."""
     if name.startswith("hf-"):
         from vlmcompile.models import hf_tiny
 
         model, batch = hf_tiny.build(name, batch=GLOBAL_BATCH)
-        tower = model.model.vision_tower
         data = [batch] * 3
     else:
         model, batch = build(name, batch_size=GLOBAL_BATCH)
-        tower = model.encoders
         data = SyntheticBatches(name, GLOBAL_BATCH)
-    tower.requires_grad_(False)
+    RECIPES[recipe](_parts(model))
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen and len(frozen) < len(list(model.parameters()))
     return model, batch, data, frozen
 
 
-# PP = 2 alone is in CI only inside its data-parallel case (pp2-dp2 runs it on each replica);
-# the plain cases are extended (CI minutes are counted).
-CASES = [
-    pytest.param("tiny", "pp2", marks=pytest.mark.extended),
-    ("tiny", "pp2-dp2"),
-    ("tiny", "encoder-replicated"),
-    pytest.param("hf-llava", "pp2", marks=[needs_transformers, pytest.mark.hf, pytest.mark.extended]),
-    pytest.param("hf-llava", "pp2-dp2", marks=[needs_transformers, pytest.mark.hf, pytest.mark.extended]),
-    pytest.param("hf-llava", "bubbles", marks=[needs_transformers, pytest.mark.hf]),
+def _case(name, plan, recipe, *marks):
+    hf = [needs_transformers, pytest.mark.hf] if name.startswith("hf-") else []
+    return pytest.param(name, plan, recipe, marks=[*hf, *marks], id=f"{name}-{plan}-{recipe}")
+
+
+# CI runs one case of each plan kind and recipe (CI minutes are counted); the rest are extended.
+IN_CI = [
+    ("tiny", "pp2-dp2", "vision"),
+    ("tiny", "encoder-replicated", "vision"),
+    ("tiny", "encoder-alone", "llava-stage-1"),
+    ("tiny", "bubbles", "last-two-vit-layers"),
+    ("hf-llava", "bubbles", "llava-stage-1"),
 ]
+EXTENDED = [
+    (name, plan, recipe)
+    for name in ("tiny", "demo", "hf-llava")
+    for plan in ("pp2", "bubbles")
+    for recipe in RECIPES
+    if (name, plan, recipe) not in IN_CI
+] + [("hf-llava", "pp2-dp2", "vision")]
+CASES = [_case(*c) for c in IN_CI] + [_case(*c, pytest.mark.extended) for c in EXTENDED]
 
 
-@pytest.mark.parametrize(("name", "plan_name"), CASES)
-def test_a_frozen_encoder_gets_no_gradient_and_stays_bitwise_unchanged(name, plan_name, tmp_path):
-    model, batch, data, frozen = _frozen_vision(name)
+@pytest.mark.parametrize(("name", "plan_name", "recipe"), CASES)
+def test_frozen_parameters_get_no_gradient_and_stay_bitwise_unchanged(name, plan_name, recipe, tmp_path):
+    model, batch, data, frozen = _frozen(name, recipe)
     pipe = compile(model, batch, log=None)
     totals = pipe.layer_graph.totals()
     assert totals["num_frozen_params"] == sum(p.numel() for p in model.parameters() if not p.requires_grad)
     assert "frozen" in pipe.layer_graph.region_table()
     plan = PLANS[plan_name](pipe.layer_graph)
+    # Stages no gradient reaches run forwards only (validate checks them against the layer graph).
+    no_gradient = pipe.layer_graph.forward_only()
+    expected = {s.index for s in plan.stages if set(s.layers) <= no_gradient}
+    assert plan.forward_only_stages() == expected
+    if plan_name == "encoder-alone":
+        assert expected == {0}, "the frozen encoder's stage must run forwards only"
 
     # One step: every rank's gradients are eager's, and a frozen parameter's is None everywhere.
     results = pipe.launch(plan=plan, timeout_s=60)
@@ -97,8 +154,8 @@ def test_a_frozen_encoder_gets_no_gradient_and_stays_bitwise_unchanged(name, pla
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     result = pipe.train(data, config, plan=plan, timeout_s=60)
     eager = copy.deepcopy(model)
-    expected = eager_training(eager, data, config)
-    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected))
+    expected_losses = eager_training(eager, data, config)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses))
     saved = load_checkpoint(tmp_path / "ckpt")  # the run's directory: its latest checkpoint
     trained = dict(eager.named_parameters())
     for n in before:

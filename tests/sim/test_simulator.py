@@ -13,6 +13,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.regions import Region
 from vlmcompile.passes.megatron import megatron
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
@@ -267,3 +268,24 @@ def test_a_plan_whose_action_lists_are_lists_is_timed_like_its_tuples(demo_graph
     assert (
         simulate(listed, demo_graph, cluster).step_time_s == simulate(plan, demo_graph, cluster).step_time_s
     )
+
+
+def test_a_frozen_encoder_costs_its_forward_only_and_mfu_counts_the_work_that_runs(demo_graph):
+    from tests.pipeline_helpers import even_plan
+
+    frozen_graph = demo_graph.with_frozen(["vision"])
+    cluster = Cluster.preset("cpu:2")
+    cuts = [next(i for i, layer in enumerate(demo_graph.layers) if layer.region.value != "vision")]
+    trained = even_plan(demo_graph, pp=2, global_batch=4, cuts=cuts)
+    frozen = even_plan(frozen_graph, pp=2, global_batch=4, cuts=cuts)
+    assert frozen.forward_only_stages() == {0} and not trained.forward_only_stages()
+    a, b = simulate(trained, demo_graph, cluster), simulate(frozen, frozen_graph, cluster)
+    costs = plan_costs(frozen, frozen_graph, cluster)
+    # Stage 0 (the vision encoder alone) keeps nothing, sends no gradient back, takes no backward.
+    assert costs.stages[0].act_bytes == 0 and costs.stages[1].send_bwd_s == 0
+    assert b.ranks[0].peak_mem_bytes < a.ranks[0].peak_mem_bytes
+    assert b.step_time_s < a.step_time_s
+    # MFU: the frozen encoder's backward FLOPs do not run, so they are not counted.
+    vision = demo_graph.in_region(Region.VISION)
+    saved = 4 * sum(layer.bwd_flops for layer in vision)
+    assert plan_costs(trained, demo_graph, cluster).model_flops - costs.model_flops == pytest.approx(saved)

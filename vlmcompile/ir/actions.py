@@ -86,6 +86,16 @@ def dependencies(
     return (Action(s, ActionKind.F, m),)
 
 
+def without_backward(
+    actions: Sequence[Sequence[Action]], stages: frozenset[int]
+) -> tuple[tuple[Action, ...], ...]:
+    """The action lists less the backward actions (B, I, W) of ``stages``: stages no gradient
+    reaches (frozen, with nothing trainable before them), which run forwards only."""
+    return tuple(
+        tuple(a for a in acts if a.kind is ActionKind.F or a.stage not in stages) for acts in actions
+    )
+
+
 def execution_order(
     rank_actions: Sequence[Sequence[Action]],
     num_stages: int,

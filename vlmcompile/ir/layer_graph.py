@@ -8,6 +8,7 @@ and receive back (their gradients) - every value made at or before the cut and r
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -19,6 +20,7 @@ from typing import Any
 import networkx as nx
 from tabulate import tabulate
 
+from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.regions import Region
 
 SCHEMA = "vlmcompile.layer_graph"
@@ -97,6 +99,18 @@ class Layer:
     """A repeated transformer block (an element of a ModuleList holding a norm and a linear
     layer), told by the model's structure: decoder layers are the LLM's blocks, whatever their
     attention kernel (SDPA, flash or eager matmul + softmax) or name."""
+
+    @property
+    def trainable_share(self) -> float:
+        """The share of its parameters that train (1.0 for a layer without parameters)."""
+        return (self.num_params - self.num_frozen_params) / self.num_params if self.num_params else 1.0
+
+    @property
+    def weight_grad_flops(self) -> float:
+        """The weight-gradient part of ``bwd_flops``: a GEMM per forward GEMM for the share of the
+        parameters that train (autograd skips a frozen weight's); the rest is the input gradient."""
+        fwd_matmul = self.fwd_flops - self.fwd_attn_flops
+        return min(fwd_matmul, self.bwd_flops - self.bwd_attn_flops) * self.trainable_share
 
     def __post_init__(self):
         if not (0 <= self.fwd_attn_flops <= self.fwd_flops and 0 <= self.bwd_attn_flops <= self.bwd_flops):
@@ -184,6 +198,75 @@ class LayerGraph:
 
     def in_region(self, *regions: Region) -> list[Layer]:
         return [layer for layer in self.layers if layer.region in regions]
+
+    def trains_before(self) -> dict[str, bool]:
+        """Per layer name: whether a layer before it has a trainable parameter (then the layer's
+        input gradient is needed: the gradient flows on to that layer)."""
+        out, seen = {}, False
+        for layer in self.layers:
+            out[layer.name] = seen
+            seen = seen or layer.num_params > layer.num_frozen_params
+        return out
+
+    def forward_only(self) -> frozenset[str]:
+        """Layers with no backward at all: nothing trainable in them or before them (a frozen
+        encoder at the bottom of the graph; every layer of a model with nothing to train). No
+        gradient reaches them, so their stages get no backward actions."""
+        before = self.trains_before()
+        return frozenset(
+            layer.name
+            for layer in self.layers
+            if not before[layer.name] and layer.num_frozen_params == layer.num_params
+        )
+
+    def select(self, names: Iterable[str]) -> list[str]:
+        """The layers ``names`` mean, in layer order: each name a region (``vision``, ``llm``, ...)
+        or a module path, which takes the layers at or under it (``llm.blocks.3``, ``encoders.0``).
+
+        Raises:
+            ArgumentError: a name matches no layer (the message lists the regions and the closest
+                layer names).
+        """
+        chosen: set[str] = set()
+        for name in names:
+            hit = {
+                layer.name
+                for layer in self.layers
+                if layer.region.value == name or layer.name == name or layer.name.startswith(name + ".")
+            }
+            if not hit:
+                regions = sorted({layer.region.value for layer in self.layers})
+                close = difflib.get_close_matches(
+                    name, [layer.name for layer in self.layers], n=3, cutoff=0.5
+                )
+                hint = f"; closest layers: {', '.join(close)}" if close else ""
+                raise ArgumentError(
+                    f"{name!r} names no layer of {self.meta.get('model', 'the model')}: give a region "
+                    f"({', '.join(regions)}) or a module path of a layer or above one{hint}"
+                )
+            chosen |= hit
+        return [layer.name for layer in self.layers if layer.name in chosen]
+
+    def with_frozen(self, names: Iterable[str]) -> LayerGraph:
+        """The same model with every parameter of the layers ``names`` (:meth:`select`) frozen
+        (``requires_grad=False``), as a training recipe freezes a module, and the figures as the
+        annotate pass measures them on a model so frozen: a frozen layer's backward loses its
+        weight gradient, and a layer no gradient reaches (:meth:`forward_only`) has no backward
+        and keeps nothing for one. What a frozen layer above a trainable one keeps stays as
+        annotated (autograd may keep less once no weight gradient needs its input: an upper
+        bound)."""
+        chosen = set(self.select(names))
+        layers = [
+            _without_weight_gradient(layer)
+            if layer.name in chosen and layer.num_frozen_params < layer.num_params
+            else layer
+            for layer in self.layers
+        ]
+        graph = LayerGraph(tuple(layers), self.edges, self.meta)
+        no_gradient = graph.forward_only()
+        layers = [_without_backward(layer) if layer.name in no_gradient else layer for layer in layers]
+        frozen = [layer.name for layer in layers if layer.num_frozen_params]
+        return LayerGraph(tuple(layers), self.edges, {**self.meta, "frozen": frozen})
 
     def totals(self, layers: Iterable[Layer] | None = None) -> dict[str, int]:
         chosen = list(self.layers if layers is None else layers)
@@ -343,6 +426,30 @@ class LayerGraph:
     @classmethod
     def load(cls, path: str | Path) -> LayerGraph:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _without_weight_gradient(layer: Layer) -> Layer:
+    """``layer`` with every parameter frozen: its backward less the weight gradient of the share
+    that trained (measured times scaled alike)."""
+    bwd = layer.bwd_flops - round(layer.weight_grad_flops)
+    measured = layer.measured
+    if measured is not None and layer.bwd_flops:
+        measured = (measured[0], measured[1], measured[2] * bwd / layer.bwd_flops)
+    return replace(layer, num_frozen_params=layer.num_params, bwd_flops=bwd, measured=measured)
+
+
+def _without_backward(layer: Layer) -> Layer:
+    """``layer`` as annotated when no gradient reaches it: no backward work, nothing kept for one."""
+    measured = layer.measured and (layer.measured[0], layer.measured[1], 0.0)
+    return replace(
+        layer,
+        bwd_flops=0,
+        bwd_attn_flops=0,
+        bwd_mem_bytes=0,
+        saved_bytes=0,
+        saved_bytes_recompute=0,
+        measured=measured,
+    )
 
 
 def format_count(n: float) -> str:

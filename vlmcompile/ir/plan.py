@@ -254,6 +254,12 @@ class Plan:
                     seen += 1
         return hosts
 
+    def forward_only_stages(self) -> frozenset[int]:
+        """Stages with no backward action: no gradient reaches them (frozen, nothing trainable
+        before them, :meth:`LayerGraph.forward_only`)."""
+        backward = {a.stage for acts in self.actions for a in acts if a.kind is not ActionKind.F}
+        return frozenset(s.index for s in self.stages if s.index not in backward)
+
     def split_backward(self) -> frozenset[int]:
         """Stages whose backward runs as separate I and W actions."""
         return frozenset(a.stage for acts in self.actions for a in acts if a.kind is ActionKind.I)
@@ -614,11 +620,34 @@ def _check_layers(plan: Plan, layer_graph: LayerGraph) -> None:
         raise PlanError(f"stages name layers the model does not have: {unknown[:5]}")
     order = {n: i for i, n in enumerate(names)}
     positions = [order[n] for n in expanded]
+    _check_forward_only(plan, layer_graph)
     for a, b in zip(range(len(positions)), range(1, len(positions))):
         if positions[b] < positions[a]:
             raise PlanError(
                 f"layer {expanded[b]} comes after {expanded[a]} in the stage chain but before it in the model; "
                 "stages must hold consecutive layers in pipeline order"
+            )
+
+
+def _check_forward_only(plan: Plan, layer_graph: LayerGraph) -> None:
+    """A stage runs backward actions exactly when a gradient reaches it: it or a layer before it
+    trains (``requires_grad``)."""
+    no_gradient = layer_graph.forward_only()
+    without = plan.forward_only_stages()
+    for stage in plan.stages:
+        reached = [n for n in stage.layers if n not in no_gradient]
+        if stage.index in without and reached:
+            before = layer_graph.trains_before()[reached[0]]
+            why = "a layer before it trains" if before else "it trains"
+            raise PlanError(
+                f"stage {stage.index} has no backward actions, but its layer {reached[0]} needs one ({why}); "
+                "plan again for this model's trainable parameters, or freeze the layers that train"
+            )
+        if stage.index not in without and not reached:
+            raise PlanError(
+                f"stage {stage.index} has backward actions, but no gradient reaches its layers (frozen, with "
+                f"nothing trainable before them: {stage.layers[0]} ...); drop them, or plan again for "
+                "this model's trainable parameters"
             )
 
 
@@ -668,9 +697,25 @@ def _check_actions(plan: Plan) -> None:
     kinds: dict[tuple[int, int], set[ActionKind]] = defaultdict(set)
     for a in seen:
         kinds[(a.stage, a.microbatch)].add(a.kind)
+    forward_only = plan.forward_only_stages()
+    first_backward = min(set(range(plan.num_stages)) - forward_only, default=plan.num_stages)
+    late = sorted(k for k in forward_only if k > first_backward)
+    if late:
+        raise PlanError(
+            f"stage {late[0]} has no backward actions, but stage {first_backward} before it has: a "
+            "gradient that reaches a stage flows on to every stage after it, so forward-only stages must "
+            "come first"
+        )
     for stage in plan.stages:
         for m in range(plan.num_microbatches):
             have = kinds[(stage.index, m)]
+            if stage.index in forward_only:
+                if ActionKind.F not in have:
+                    raise PlanError(
+                        f"{_holders_text(stage)} is missing {Action(stage.index, ActionKind.F, m)}; every "
+                        "stage runs F once per microbatch\n" + plan.grid()
+                    )
+                continue
             if ActionKind.B in have and (ActionKind.I in have or ActionKind.W in have):
                 raise PlanError(
                     f"stage {stage.index} microbatch {m} has both a full backward (B) and split (I/W) actions "
@@ -683,7 +728,8 @@ def _check_actions(plan: Plan) -> None:
                 missing = ", ".join(str(Action(stage.index, k, m)) for k in absent)
                 raise PlanError(
                     f"{_holders_text(stage)} is missing {missing} (stage {stage.index}, microbatch {m}); every stage "
-                    f"runs F and B (or I and W) once per microbatch\n" + plan.grid()
+                    "runs F and B (or I and W) once per microbatch (only stages no gradient reaches run F "
+                    "alone, for every microbatch)\n" + plan.grid()
                 )
 
 

@@ -101,6 +101,8 @@ class BubbleProblem:
     """Per microbatch, its (encoder, LLM) work over the stages' figures (variable data: a
     microbatch of half the image rows the stages were costed at is 0.5 on the encoder); empty:
     every microbatch as costed. Memory stays at the figures (the plan's bound)."""
+    forward_only: frozenset[int] = frozenset()
+    """Encoder stages no gradient reaches (frozen, nothing trainable before them): forwards only."""
 
     def __post_init__(self):
         if not 0 < self.encoder_stages < len(self.stages):
@@ -160,7 +162,11 @@ class BubbleProblem:
     def encoder_actions(self, microbatch: int) -> list[Action]:
         """Microbatch ``microbatch``'s encoder actions in dependency order."""
         fwd = [Action(s, F, microbatch) for s in range(self.encoder_stages)]
-        return fwd + [Action(s, B, microbatch) for s in reversed(range(self.encoder_stages))]
+        return fwd + [
+            Action(s, B, microbatch)
+            for s in reversed(range(self.encoder_stages))
+            if s not in self.forward_only
+        ]
 
     def rank_of(self, a: Action, pipeline: int) -> int:
         """The rank that runs encoder action ``a`` when its microbatch is on encoder ``pipeline``."""
@@ -225,7 +231,15 @@ def problem_from(
     limits = tuple(max(0, math.floor(mem_cap_bytes - static)) for static in costs.static_bytes)
     dp_layers = tuple(tuple(_in_units(dp_layer(c), unit_s) for c in stage.layers) for stage in stage_costs)
     return BubbleProblem(
-        figures, first_llm, plan.num_microbatches, llm_actions, limits, unit_s, dp_layers, local_ranks
+        figures,
+        first_llm,
+        plan.num_microbatches,
+        llm_actions,
+        limits,
+        unit_s,
+        dp_layers,
+        local_ranks,
+        forward_only=plan.forward_only_stages(),
     )
 
 
@@ -342,7 +356,7 @@ class _ListScheduler:
         self.out: list[list[Action]] = [[] for _ in range(problem.num_ranks)]
         self.pipeline_of: dict[int, int] = {}
         self.live = [0] * problem.num_ranks
-        self.keep = [s.keep for s in problem.stages]
+        self.keep = [0 if k in problem.forward_only else s.keep for k, s in enumerate(problem.stages)]
         self.first = problem.first_llm_stage
         self.sequences = [problem.encoder_actions(j) for j in range(m)]
         self.done_enc = [0] * m
@@ -745,8 +759,8 @@ class _ScheduleModel:
         p, cp = self.p, self.cp
         held: dict[int, list[tuple]] = {r: [] for r in range(p.num_ranks)}
         for (a, k), (start, _end, rank, lit) in self.vars.items():
-            if a.kind is not F:
-                continue
+            if a.kind is not F or a.stage in p.forward_only:
+                continue  # a forward-only stage keeps nothing (no backward to keep it for)
             fig = p.stages[a.stage]
             _b_start, b_end, _, _ = self.vars[(Action(a.stage, B, a.microbatch), k)]
             if fig.keep:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import chunk_action_times, layer_costs
-from vlmcompile.ir.actions import Action
+from vlmcompile.ir.actions import Action, without_backward
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute, Stage
 from vlmcompile.planning import encoder_plans as ep
@@ -39,6 +39,7 @@ def build_plan(
         )
     }
     actions = make_schedule(schedule, par.stage_placement, m, stage_times=chunk_action_times(costs, chunks))
+    actions = without_backward(actions, forward_only_stages(chunks, layer_graph))
     said = Decision(
         "schedule", Reason.SCHEDULE, f"{schedule} over {par.pp} ranks, {m} microbatches", {"microbatches": m}
     )
@@ -100,6 +101,7 @@ def build_separate_plan(
         )
         assignment = assignment or ep.pipeline_of_microbatch(m, encoder.pipelines(llm))
         actions = ep.phased_actions(enc_stages, ep.offset_actions(llm_actions, len(enc_stages)), assignment)
+    actions = without_backward(actions, forward_only_stages([s.layers for s in stages], layer_graph))
     said = Decision(
         "schedule",
         Reason.SCHEDULE,
@@ -115,10 +117,16 @@ def build_separate_plan(
         parallel=ep.groups(encoder, llm),
         microbatch_size=request.microbatch_size,
         num_microbatches=m,
-        actions=tuple(tuple(acts) for acts in actions),
+        actions=actions,
         schedule=schedule.value,
         recompute=dict(recompute),
         decisions=(*decisions, said),
     )
     plan.validate(layer_graph)
     return plan
+
+
+def forward_only_stages(chunks: Sequence[Sequence[str]], layer_graph: LayerGraph) -> frozenset[int]:
+    """The stages (by their layers) that no gradient reaches: they run no backward actions."""
+    no_gradient = layer_graph.forward_only()
+    return frozenset(k for k, chunk in enumerate(chunks) if all(n in no_gradient for n in chunk))

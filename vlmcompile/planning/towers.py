@@ -28,7 +28,7 @@ from vlmcompile.cost_models.memory import (
     recompute_transient_bytes,
     usable_memory_bytes,
 )
-from vlmcompile.cost_models.stage_costs import layer_cost, samples_per_microbatch, trains_before_each
+from vlmcompile.cost_models.stage_costs import layer_cost, samples_per_microbatch
 from vlmcompile.ir.coupled_loss import CoupledLoss
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import Layer, LayerGraph, format_bytes
@@ -286,7 +286,7 @@ def group_phases(
     group_rows = max(split.count(i) for i in range(split.num_ranks))
     par = Parallel(dp=split.num_ranks, tp=tp, pp=pp, zero_stage=plan.zero_stage)
     again = memory is not MemoryPolicy.KEEP  # the forward runs again, whole or layer by layer
-    before = trains_before_each(layer_graph)
+    before = layer_graph.trains_before()
     if pp == 1:
         costs = [_cost(layer_graph, cluster, par, plan, layer, group_rows, before) for layer in layers]
         fwd_s = sum(c.fwd_s + c.fwd_tp_comm_s for c in costs)

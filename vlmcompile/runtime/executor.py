@@ -260,6 +260,7 @@ class PipelineRunner:
         self.rank_of_action = self.plan.rank_of_action()
         self.stages = {s.index: self.stages_all[s.index] for s in self.plan.stages_on(self.pp_rank)}
         self._trains_before = self._stages_after_trainable()
+        self._forward_only = self._check_forward_only()
         if self.device.type != "cpu":
             for stage in self.stages.values():
                 move_stage(stage, self.device)
@@ -297,6 +298,24 @@ class PipelineRunner:
             out.append(seen)
             seen = seen or any(p.requires_grad for p in module.parameters())
         return out
+
+    def _check_forward_only(self) -> frozenset[int]:
+        """The plan's stages with no backward actions, checked against the parameters: exactly
+        those no gradient reaches (nothing trainable in them or before them)."""
+        without = self.plan.forward_only_stages()
+        for s, module in enumerate(self.stages_all):
+            reached = self._trains_before[s] or any(p.requires_grad for p in module.parameters())
+            if reached == (s in without):
+                raise PlanError(
+                    f"stage {s} has {'no ' if reached else ''}backward actions, but "
+                    + (
+                        "its parameters or those of a stage before it train"
+                        if reached
+                        else "no gradient reaches it (its parameters and every earlier stage's are frozen)"
+                    )
+                    + ": plan again for the model's requires_grad flags as they are now"
+                )
+        return without
 
     def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
         """Parameters held on several pipeline ranks, one group per set of ranks: tied across
@@ -606,7 +625,8 @@ class PipelineRunner:
             with torch.autocast(self.device.type, dtype=self.autocast_dtype):
                 out = self.stages[s](leaves, state.microbatches[i])
         if s < self.plan.num_stages - 1:
-            state.saved[(s, i)] = (leaves, out)
+            if s not in self._forward_only:  # no backward will read it
+                state.saved[(s, i)] = (leaves, out)
             if self._rank_running(s + 1, ActionKind.F, i) == self.pp_rank:
                 state.local_fwd[(s + 1, i)] = out
             else:
@@ -637,8 +657,8 @@ class PipelineRunner:
             pairs = [(o, g) for o, g in zip(_floats(out), grads) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if s == 0:
-            return
+        if s == 0 or s - 1 in self._forward_only:
+            return  # no gradient goes back to a stage with nothing to train in or before it
         input_grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(leaves))
         prev = self._rank_running(s - 1, ActionKind.B, i)
         if prev == self.pp_rank:

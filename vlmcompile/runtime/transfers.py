@@ -58,7 +58,12 @@ def transfer_order(plan) -> dict[int, dict[int, list[Transfer]]]:
     for rank, _, a in order:
         if a.kind is ActionKind.F and a.stage < last:
             dst = rank_of[Action(a.stage + 1, ActionKind.F, a.microbatch)]
-        elif a.kind is ActionKind.B and a.stage > 0:
+        elif (
+            a.kind is ActionKind.B
+            and a.stage > 0
+            and Action(a.stage - 1, ActionKind.B, a.microbatch) in rank_of
+        ):
+            # (none to a stage with no backward: no gradient goes back there)
             dst = rank_of[Action(a.stage - 1, ActionKind.B, a.microbatch)]
         else:
             continue

@@ -1,7 +1,7 @@
 """Which activations a rank holds while each of its actions runs.
 
 A microbatch is in flight on a stage from its forward until its last backward action (B, or W
-when the stage's backward is split into I and W); a stage that recomputes adds its transient
+when the stage's backward is split into I and W; never, on a stage with no backward); a stage that recomputes adds its transient
 while its backward (B or I) runs. This is the one memory rule: the simulator's peak
 (:mod:`vlmcompile.sim.simulator`) walks it with a plan's stage bytes, and the stage-cut model
 (:func:`vlmcompile.planning.problem.memory_patterns`) keeps its distinct patterns to state the
@@ -22,10 +22,12 @@ MemoryPattern = tuple[tuple[tuple[int, int], ...], int]
 def in_flight(actions: Sequence[Action]) -> Iterator[MemoryPattern]:
     """Per action of one rank's list, in order: what is in flight while it runs."""
     split = {a.stage for a in actions if a.kind is ActionKind.W}
+    # A stage with no backward (no gradient reaches it) keeps nothing past its forward.
+    backward = {a.stage for a in actions if a.kind is not ActionKind.F}
     live: dict[int, int] = {}
     for a in actions:
         busy = -1
-        if a.kind is ActionKind.F:
+        if a.kind is ActionKind.F and a.stage in backward:
             live[a.stage] = live.get(a.stage, 0) + 1
         elif a.kind in (ActionKind.B, ActionKind.I):
             busy = a.stage
