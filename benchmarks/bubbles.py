@@ -1,29 +1,34 @@
 """Encoder work in the LLM's bubbles on every Optimus setup, against every baseline at the same
-LLM degrees (simulated: predictions of the cost model, not measurements).
+LLM degrees and against the LLM alone (simulated: predictions of the cost model, not
+measurements).
 
-    python benchmarks/bubbles.py [--only NAME ...] [--readme] [--no-run]
+    python benchmarks/bubbles.py [--only NAME ...] [--frozen | --trainable] [--readme] [--no-run]
 
 Per setup (``vlmcompile.planning.setups``, the ``optimus-*`` ones: weak scaling, strong scaling,
-multi-encoder, single node), at the paper's request (DP/TP/PP, v, microbatches):
+multi-encoder, single node), at the paper's request (DP/TP/PP, v, microbatches), with the
+vision encoder trained and again frozen (``requires_grad=False``, as LLaVA's second stage trains;
+every policy gets the same freezing):
 
 * every baseline as its users run it (:func:`~vlmcompile.passes.policies.compare_baselines`:
   ``megatron`` at its faster even placement, ``megatron_balanced``, ``omnibal``,
   ``torchtitan_vlm``, ``mimo_colocated``), the least global recompute that fits;
 * ours: the encoder-in-bubbles pass (:func:`~vlmcompile.passes.bubbles.bubbles`) at the same LLM
-  degrees, and the LLM alone (our plan's LLM stages and schedule without the encoders), whose
-  step is the bound: our step over it is the "encoder overhead" (goal <= 1.10).
+  degrees, and again held to the best baseline's peak memory where ours holds more;
+* the bound: the same LLM without its encoders at these degrees, schedule and recompute
+  (:mod:`vlmcompile.passes.llm_alone`), and every rank busy (our plan's compute over the ranks).
 
-Columns: step per policy (s), our speedup over the best baseline that fits and over
-``megatron_balanced``, the share of encoder compute run in the LLM's bubbles (layer level: while
-the rank's next LLM action lacked its LLM inputs; kernel level: inside TP gaps), our peak memory
-over the most frugal fitting baseline's, our plan within 1.15x that memory (planned again with
-``memory_budget_bytes`` where our fastest holds more), the pass's wall time on this machine, the
-encoder overhead, and the bound: the best baseline over the LLM alone, the most any plan of the
-LLM at these degrees can gain (encoder work only adds to the LLM's step).
+Columns: step per policy (s), ours over the best baseline that fits, our step over the LLM
+alone (the goal: <= 1.08 with the encoder trained, <= 1.02 frozen), every rank busy over the LLM
+alone (where it is above the goal, the goal is above the bound), the share of the encoder's cost
+we recover against the best baseline, (best - ours) / (best - LLM alone), the share of encoder
+compute run in the LLM's bubbles (layer level: while the rank's next LLM action lacked its LLM
+inputs; kernel level: inside TP gaps), our peak memory over the best baseline's, our plan held
+to that memory, and the pass's wall time on this machine (measured).
 
-Targets (issue 16): >= 1.25x over ``megatron_balanced`` on the 3072-GPU setup, never slower
-than a baseline, peak memory within 15 % of the most frugal baseline's, the pass within 30 s per
-setup, encoder overhead <= 1.10. The script exits 1 when one is missed and says which.
+Targets (issue 36): never slower than a baseline; held to the best baseline's peak memory, never
+slower than it; our step within 1.08x (trained) or 1.02x (frozen) of the LLM alone, or where
+every rank busy allows less, reported as above its bound; the pass within 30 s per setup. The
+script exits 1 when one is missed and says which.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from vlmcompile.compiler import zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.passes.bubbles import bubbles
+from vlmcompile.passes.llm_alone import encoder_cost_recovered
 from vlmcompile.passes.policies import BASELINES, compare_baselines
 from vlmcompile.planning.request import SolverOptions
 from vlmcompile.planning.setups import SETUPS
@@ -48,19 +54,23 @@ from vlmcompile.planning.setups import SETUPS
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "bubbles.json"
 SETUP_NAMES = [n for n in SETUPS if n.startswith("optimus-")]
-TARGETS = {"speedup_3072": 1.25, "memory": 1.15, "wall_s": 30.0, "overhead": 1.10}
+TARGETS = {"wall_s": 30.0, "overhead": 1.08, "overhead_frozen": 1.02}
 
 
-def setup_row(name: str, graphs: dict) -> dict:
+def setup_row(name: str, graphs: dict, *, frozen: bool = False) -> dict:
     setup = SETUPS[name]
     if setup.model not in graphs:
         graphs[setup.model] = zoo_layer_graph(setup.model)
     graph, cluster, request = graphs[setup.model], Cluster.preset(setup.cluster), setup.request()
+    if frozen:
+        graph = graph.with_frozen(["vision"])
     runs, rows = compare_baselines(graph, cluster, request)
     steps = {r.policy: r.step_s if r.fits else None for r in rows}
     fitting = [r for r in runs if r.fits]
+    best_run = min(fitting, key=lambda r: r.sim.step_time_s, default=None)
     row = {
         "setup": name,
+        "frozen": frozen,
         "model": setup.model,
         "cluster": setup.cluster,
         "request": str(request),
@@ -69,29 +79,22 @@ def setup_row(name: str, graphs: dict) -> dict:
             f"mb={request.microbatch_size}x{request.num_microbatches}"
         ),
         "baselines": steps,
-        "frugal_baseline_gib": min((max(r.sim.peak_mem_bytes) for r in fitting), default=None),
+        "frugal_baseline_gib": min((max(r.sim.peak_mem_bytes) for r in fitting), default=0) / 2**30 or None,
+        "best_baseline_gib": max(best_run.sim.peak_mem_bytes) / 2**30 if best_run else None,
     }
-    if row["frugal_baseline_gib"] is not None:
-        row["frugal_baseline_gib"] /= 2**30
+    solver = SolverOptions(time_limit_s=10, workers=2)
     try:
-        ours = bubbles(graph, cluster, request, solver=SolverOptions(time_limit_s=10, workers=2))
+        ours = bubbles(graph, cluster, request, solver=solver)
     except PlanError as err:
         row["ours"] = None
         row["note"] = str(err)
         return row
     report = ours.report
-    frugal = row["frugal_baseline_gib"]
-    if frugal is not None and max(ours.sim.peak_mem_bytes) / 2**30 > TARGETS["memory"] * frugal:
-        # Our fastest plan holds more than the target allows: plan again within that memory.
-        budget = TARGETS["memory"] * frugal * 2**30
+    held = row["best_baseline_gib"]
+    if held is not None and max(ours.sim.peak_mem_bytes) / 2**30 > held:
+        # Our fastest plan holds more than the best baseline: plan again within its memory.
         try:
-            lean = bubbles(
-                graph,
-                cluster,
-                request,
-                solver=SolverOptions(time_limit_s=10, workers=2),
-                memory_budget_bytes=budget,
-            )
+            lean = bubbles(graph, cluster, request, solver=solver, memory_budget_bytes=held * 2**30)
             row["within_memory"] = {
                 "step_s": lean.sim.step_time_s,
                 "peak_gib": max(lean.sim.peak_mem_bytes) / 2**30,
@@ -111,6 +114,7 @@ def setup_row(name: str, graphs: dict) -> dict:
         layer_hidden_share=report.layer_hidden_share,
         kernel_hidden_share=report.kernel_hidden_share,
         llm_alone_s=report.llm_alone_step_s,
+        work_bound_s=sum(r.busy_s for r in ours.sim.ranks) / len(ours.sim.ranks),
         encoder_overhead=report.encoder_overhead,
         phased_s=report.phased_step_s,
         wall_s=report.wall_s,
@@ -118,7 +122,8 @@ def setup_row(name: str, graphs: dict) -> dict:
         gap=report.gap,
     )
     print(
-        f"  ours {ours.sim.step_time_s:.3f} s ({report.chosen}), baselines "
+        f"  ours {ours.sim.step_time_s:.3f} s ({report.chosen}), {report.encoder_overhead:.3f}x the LLM alone; "
+        "baselines "
         + ", ".join(f"{p} {s:.3f}" for p, s in steps.items() if s is not None)
         + f"; pass {report.wall_s:.1f} s",
         file=sys.stderr,
@@ -131,42 +136,47 @@ def best_baseline(row: dict) -> tuple[str, float] | None:
     return min(fitting, key=lambda ps: ps[1]) if fitting else None
 
 
+def goal(row: dict) -> float:
+    """Our step over the LLM alone the row aims at."""
+    return TARGETS["overhead_frozen" if row.get("frozen") else "overhead"]
+
+
 def markdown_table(rows: list[dict]) -> str:
-    head = ["setup", "DP/TP/PP/V mb", *BASELINES, "ours", "vs best baseline", "vs megatron_balanced"]
+    head = ["setup", "vision", "DP/TP/PP/V mb", *BASELINES, "ours", "vs best baseline"]
     head += [
+        "ours / LLM alone (goal)",
+        "every rank busy / LLM alone",
+        "encoder cost recovered vs best",
         "encoder compute in bubbles (layer + kernel)",
-        "peak vs most frugal",
-        "within 1.15x the most frugal's memory",
+        "peak vs best baseline's",
+        "held to the best baseline's memory",
         "pass wall s",
-        "encoder overhead (goal <= 1.10)",
-        "bound: best baseline / LLM alone",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["setup"], r["degrees"]]
+        cells = [r["setup"], "frozen" if r.get("frozen") else "trained", r["degrees"]]
         cells += [f"{r['baselines'][p]:.2f}" if r["baselines"].get(p) is not None else "-" for p in BASELINES]
         ours = r.get("ours")
         best = best_baseline(r)
-        mb = r["baselines"].get("megatron_balanced")
-        cells.append(f"{ours:.2f}" if ours is not None else "-")
-        cells.append(f"{best[1] / ours:.2f}x ({best[0]})" if ours and best else "-")
-        cells.append(f"{mb / ours:.2f}x" if ours and mb else "-")
-        cells.append(
-            f"{100 * r['layer_hidden_share']:.0f} + {100 * r['kernel_hidden_share']:.0f} %" if ours else "-"
-        )
-        frugal = r.get("frugal_baseline_gib")
-        cells.append(f"{r['peak_gib'] / frugal:.2f}" if ours and frugal else "-")
+        if not ours:
+            lines.append("| " + " | ".join(cells + ["-"] * (len(head) - len(cells))) + " |")
+            continue
+        alone = r["llm_alone_s"]
+        cells.append(f"{ours:.2f}")
+        cells.append(f"{best[1] / ours:.2f}x ({best[0]})" if best else "-")
+        cells.append(f"{ours / alone:.3f} ({goal(r):.2f})")
+        cells.append(f"{r['work_bound_s'] / alone:.3f}")
+        cells.append(f"{100 * encoder_cost_recovered(ours, best[1], alone):.0f} %" if best else "-")
+        cells.append(f"{100 * r['layer_hidden_share']:.0f} + {100 * r['kernel_hidden_share']:.0f} %")
+        held = r.get("best_baseline_gib")
+        cells.append(f"{r['peak_gib'] / held:.2f}" if held else "-")
         cells.append(_within_memory_cell(r, best))
-        cells.append(f"{r['wall_s']:.1f}" if ours else "-")
-        cells.append(f"{r['encoder_overhead']:.2f}" if ours else "-")
-        cells.append(f"{best[1] / r['llm_alone_s']:.2f}x" if ours and best else "-")
+        cells.append(f"{r['wall_s']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def _within_memory_cell(row: dict, best: tuple[str, float] | None) -> str:
-    if not row.get("ours"):
-        return "-"
     lean = row.get("within_memory")
     if lean is None:
         return "(ours already)"
@@ -176,39 +186,37 @@ def _within_memory_cell(row: dict, best: tuple[str, float] | None) -> str:
     return f"{lean['step_s']:.2f} s ({lean['recompute']}{over})"
 
 
-def missed_targets(rows: list[dict]) -> list[str]:
-    missed = []
+def missed_targets(rows: list[dict]) -> tuple[list[str], list[str]]:
+    """(targets missed, goals above their bound: reported with the figures, not missed)."""
+    missed, above = [], []
     for r in rows:
+        what = f"{r['setup']} ({'frozen' if r.get('frozen') else 'trained'} vision)"
         ours = r.get("ours")
         if ours is None:
-            missed.append(f"{r['setup']}: no plan ({r.get('note', '')})")
+            missed.append(f"{what}: no plan ({r.get('note', '')})")
             continue
         best = best_baseline(r)
         if best and ours > best[1] * (1 + 1e-9):
-            missed.append(f"{r['setup']}: slower than {best[0]} ({ours:.3f} s vs {best[1]:.3f} s)")
-        frugal = r.get("frugal_baseline_gib")
-        if frugal and r["peak_gib"] > TARGETS["memory"] * frugal:
-            lean = r.get("within_memory", {})
-            missed.append(
-                f"{r['setup']}: our fastest plan's peak {r['peak_gib']:.1f} GiB > 1.15 x the most frugal baseline's "
-                f"{frugal:.1f}"
-                + (
-                    f" (within it: {lean['step_s']:.3f} s with recompute {lean['recompute']})"
-                    if "step_s" in lean
-                    else " (no plan within it)"
+            missed.append(f"{what}: slower than {best[0]} ({ours:.3f} s vs {best[1]:.3f} s)")
+        lean = r.get("within_memory")
+        if best and lean is not None:
+            if "step_s" not in lean:
+                missed.append(f"{what}: no plan within {best[0]}'s peak memory ({lean.get('note', '')})")
+            elif lean["step_s"] > best[1] * (1 + 1e-9):
+                missed.append(
+                    f"{what}: held to {best[0]}'s peak memory ({r['best_baseline_gib']:.1f} GiB) ours takes "
+                    f"{lean['step_s']:.3f} s vs its {best[1]:.3f} s"
                 )
-            )
         if r["wall_s"] > TARGETS["wall_s"]:
-            missed.append(f"{r['setup']}: the pass took {r['wall_s']:.1f} s > 30 s")
-        if r["encoder_overhead"] > TARGETS["overhead"]:
-            missed.append(f"{r['setup']}: encoder overhead {r['encoder_overhead']:.2f} > 1.10")
-        mb = r["baselines"].get("megatron_balanced")
-        if r["setup"] == "optimus-strong-3072" and mb and mb / ours < TARGETS["speedup_3072"]:
-            missed.append(
-                f"{r['setup']}: {mb / ours:.2f}x over megatron_balanced < 1.25x (no plan of the LLM at these "
-                f"degrees beats the LLM alone: {mb / r['llm_alone_s']:.2f}x at most)"
-            )
-    return missed
+            missed.append(f"{what}: the pass took {r['wall_s']:.1f} s > 30 s")
+        alone, busy = r["llm_alone_s"], r["work_bound_s"]
+        if ours / alone > goal(r) * (1 + 1e-9):
+            figures = f"ours {ours:.3f} s = {ours / alone:.3f}x the LLM alone {alone:.3f} s > {goal(r):.2f}"
+            if busy / alone > goal(r):
+                above.append(f"{what}: {figures}; every rank busy is {busy / alone:.3f}x already")
+            else:
+                missed.append(f"{what}: {figures} (every rank busy {busy / alone:.3f}x)")
+    return missed, above
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--only", nargs="*", help="setup names (default: every optimus-* setup)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--frozen", action="store_true", help="only the rows with the vision encoder frozen")
+    which.add_argument(
+        "--trainable", action="store_true", help="only the rows with the vision encoder trained"
+    )
     parser.add_argument("--readme", action="store_true", help="update its table (README.md or docs/)")
     parser.add_argument(
         "--no-run", action="store_true", help="print (and with --readme write) the saved table"
@@ -231,19 +244,30 @@ def main(argv: list[str] | None = None) -> int:
     data["machine"] = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     if not args.no_run:
         graphs: dict = {}
+        kinds = [False] * (not args.frozen) + [True] * (not args.trainable)
         for name in args.only or SETUP_NAMES:
-            print(f"{name}: {SETUPS[name].model} on {SETUPS[name].cluster}", file=sys.stderr, flush=True)
-            fresh = setup_row(name, graphs)
-            # Written after every setup: a long run that is stopped keeps what it finished.
-            rows = [r for r in data.get("rows", []) if r["setup"] != name] + [fresh]
-            rows.sort(key=lambda r: SETUP_NAMES.index(r["setup"]))
-            data["rows"] = rows
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            RESULTS.write_text(json.dumps(data, indent=1))
+            for frozen in kinds:
+                vision = "frozen" if frozen else "trained"
+                print(
+                    f"{name}: {SETUPS[name].model} on {SETUPS[name].cluster}, vision {vision}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                fresh = setup_row(name, graphs, frozen=frozen)
+                # Written after every row: a long run that is stopped keeps what it finished.
+                rows = [
+                    r for r in data.get("rows", []) if (r["setup"], r.get("frozen", False)) != (name, frozen)
+                ] + [fresh]
+                rows.sort(key=lambda r: (r.get("frozen", False), SETUP_NAMES.index(r["setup"])))
+                data["rows"] = rows
+                RESULTS.parent.mkdir(parents=True, exist_ok=True)
+                RESULTS.write_text(json.dumps(data, indent=1))
     rows = data.get("rows", [])
     table = markdown_table(rows)
     print(table)
-    missed = missed_targets(rows)
+    missed, above = missed_targets(rows)
+    for line in above:
+        print(f"goal above its bound: {line}", file=sys.stderr)
     for line in missed:
         print(f"target missed: {line}", file=sys.stderr)
     if args.readme:

@@ -13,10 +13,12 @@ pipeline: rank = tp_rank + tp * (dp_rank + dp * pp_rank)), so a tensor-parallel 
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vlmcompile.cost_models.hardware import GB, DeviceSpec, device
+from vlmcompile.cost_models.memory import MEMORY_RESERVE
 from vlmcompile.ir.errors import ClusterError
 
 
@@ -138,6 +140,20 @@ class Cluster:
             raise ClusterError(f"cluster {self.name}: link bandwidths must be positive")
         if min(self.intra_node_latency_s, self.inter_node_latency_s) < 0:
             raise ClusterError(f"cluster {self.name}: link latencies must not be negative")
+
+    def with_memory_cap(self, cap_bytes: float) -> Cluster:
+        """The same cluster with every plan held to ``cap_bytes`` per rank: a device whose usable
+        memory (what is left of it after the allocator's reserve) is the cap, as on a GPU on which
+        the model does not fit whole."""
+        if not cap_bytes > 0:
+            raise ClusterError(f"memory cap {cap_bytes} B per rank; give a positive size")
+        mem_bytes = math.ceil(cap_bytes / (1 - MEMORY_RESERVE))
+        note = f"{self.note}; " if self.note else ""
+        return replace(
+            self,
+            device=replace(self.device, mem_bytes=mem_bytes),
+            note=f"{note}plans held to {cap_bytes / 2**30:.2f} GiB per rank",
+        )
 
     @property
     def num_nodes(self) -> int:

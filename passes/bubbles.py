@@ -43,6 +43,7 @@ from vlmcompile.ir.actions import dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
+from vlmcompile.passes.llm_alone import llm_alone_step_s
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.build import build_separate_plan
@@ -129,7 +130,9 @@ class BubbleReport:
     """The chosen plan with every encoder forward before the LLM's work and every backward after."""
     step_s: float
     llm_alone_step_s: float
-    """The same LLM stages and schedule without the encoders (the bound this pass aims at)."""
+    """The same LLM without the encoders at the same degrees, schedule and recompute (the bound this
+    pass aims at): on this plan's LLM stages or balanced anew (:mod:`vlmcompile.passes.llm_alone`),
+    whichever is faster."""
     encoder_compute_s: float
     """Encoder compute of one step (TP collectives left out), summed over the ranks of one LLM
     pipeline."""
@@ -580,7 +583,11 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
     layer_graph, cluster, request = inputs.layer_graph, inputs.cluster, inputs.request
     plan, sim, solution = chosen.plan, chosen.sim, chosen.solution
     phased_sim = chosen.phased_sim
-    alone_sim = simulate(llm_alone(plan), layer_graph, cluster)
+    # The bound: the LLM alone, on our plan's LLM stages or balanced anew, whichever is faster.
+    alone_s = min(
+        simulate(llm_alone(plan), layer_graph, cluster).step_time_s,
+        llm_alone_step_s(plan, layer_graph, cluster),
+    )
     encoder_stages = chosen.costs.stages[: chosen.problem.encoder_stages]
     encoder_compute = plan.num_microbatches * sum(
         c.action_s(kind) - c.tp_comm_s(kind) for c in encoder_stages for kind in (bs.F, bs.B)
@@ -634,7 +641,7 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
         encoder_parallel=plan.parallel[ep.ENCODER_GROUP],
         phased_step_s=phased_sim.step_time_s,
         step_s=sim.step_time_s,
-        llm_alone_step_s=alone_sim.step_time_s,
+        llm_alone_step_s=alone_s,
         encoder_compute_s=encoder_compute,
         bubbles_before=tuple(dict(r.idle_s) for r in phased_sim.ranks),
         bubbles_after=tuple(dict(r.idle_s) for r in sim.ranks),

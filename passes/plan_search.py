@@ -40,7 +40,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import fits, usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import layer_costs, layer_state_bytes
 from vlmcompile.ir.errors import ClusterError, PlanError, positive_int
-from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.layer_graph import LayerGraph, format_bytes
 from vlmcompile.ir.plan import Parallel, Plan, Reason
 from vlmcompile.passes.partition import partition
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
@@ -346,7 +346,6 @@ def _how_made(result: PolicyResult) -> str:
 def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, least_states: float) -> str:
     """Why every candidate lost, by cause: planning errors (grouped by message), plans over the
     memory cap (the least peak), candidates pruned by their model states."""
-    gib = 2**30
     parts = []
     failed: dict[str, list[PlanRequest]] = {}
     for r in rows:
@@ -358,15 +357,15 @@ def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, lea
     if over:
         least = min(over, key=lambda r: r.peak_bytes)
         parts.append(
-            f"{len(over)} planned but over the cap (least peak {least.peak_bytes / gib:.1f} GiB at {least.request})"
+            f"{len(over)} planned but over the cap (least peak {format_bytes(least.peak_bytes)} at {least.request})"
         )
     pruned = sum(r.outcome == "pruned" for r in rows)
     if pruned:
         parts.append(
-            f"{pruned} pruned: their model states alone exceed the cap (least {least_states / gib:.1f} GiB per rank)"
+            f"{pruned} pruned: their model states alone exceed the cap (least {format_bytes(least_states)} per rank)"
         )
     return (
-        f"no parallel plan fits in {cap / gib:.1f} GiB per rank on {cluster}, of {len(rows)} candidates: "
+        f"no parallel plan fits in {format_bytes(cap)} per rank on {cluster}, of {len(rows)} candidates: "
         + "; ".join(parts)
         + ". Fix the planning errors above, or for memory: more GPUs (more PP / TP), ZeRO-2/3, smaller microbatches"
     )

@@ -397,6 +397,18 @@ CASES = {
         "'encoders.0.blokcs' names no layer of demo: give a region (head, llm, projector, vision)",
     ),
     "cli-freeze-empty": Case("CLI", "--freeze ','", cli(*PLAN, "--freeze", ","), "',' names nothing"),
+    "cli-demo-memory-cap-text": Case(
+        "CLI",
+        "demo --memory-cap that is neither a size nor a fraction",
+        cli("demo", "--memory-cap", "2 apples"),
+        "memory cap '2 apples': give a size per rank (2GiB, 512MiB) or a positive fraction",
+    ),
+    "cli-demo-freeze-unknown": Case(
+        "CLI",
+        "demo --freeze a module the model does not have",
+        cli("demo", "--global-batch", "2", "--freeze", "visoin"),
+        "'visoin' names no layer of demo",
+    ),
     "cli-run-steps-0": Case("CLI", "run --steps 0", cli("run", "--steps", "0"), "--steps: 0 is not >= 1"),
     "cli-run-timeout-0": Case(
         "CLI", "run --timeout 0", cli("run", "--timeout", "0"), "--timeout: 0 is not a number > 0"
@@ -906,6 +918,12 @@ ELSEWHERE = {
         "SIGTERM to torchrun (`--signals-to-handle SIGTERM,SIGUSR1`)",
         "tests/test_train_job.py::test_sigterm_to_torchrun_saves_the_step_in_flight_and_only_torchrun_listens_beyond_loopback",
         "stopped by SIGTERM after step N of 100000: saved .../step_00000N; resume goes on from there",
+    ),
+    "demo-memory-cap-too-small": (
+        "CLI",
+        "`vlmcompile demo --memory-cap` under what any plan needs",
+        "tests/test_demo.py::test_a_memory_cap_no_plan_fits_in_names_the_least_any_plan_needs",
+        "no parallel plan fits in 47.48 KiB per rank on cpu:2, of 4 candidates: 4 pruned: their model states alone exceed the cap (least 416.25 KiB per rank) ...",
     ),
     "fault-hung-in-save": (
         "fault",

@@ -5,6 +5,7 @@ line per phase."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -25,6 +26,7 @@ from vlmcompile.demo import (
     PlanRun,
     baselines,
     demo_command,
+    parse_memory_cap,
     prediction_warning,
 )
 from vlmcompile.ir.errors import PlanError
@@ -135,9 +137,77 @@ def test_the_figures_end_with_the_warning_when_a_prediction_is_off():
     assert result.to_json()["warning"] == result.warning
 
 
+def test_a_baseline_over_the_memory_cap_is_reported_not_run_and_the_bound_is_stated():
+    runs = (
+        _run("vlmcompile", "PP=2 V=1", 1.00, 1.00),
+        _run("megatron", "PP=2 V=2", 1.10, 1.12),
+    )
+    result = DemoResult(
+        4,
+        DEFAULT_STEPS,
+        (7.8,) * DEFAULT_STEPS,
+        runs,
+        COMMAND,
+        0.1,
+        memory_cap_gib=0.5,
+        not_fitting={"mimo_colocated": 0.8},
+        bound_step_s=0.95,
+        frozen=("encoders.0.embed", "encoders.0.norm"),
+    )
+    lines = str(result).splitlines()
+    assert (
+        "every plan held to 512.00 MiB per rank, 2 layers frozen (encoders.0.embed .. encoders.0.norm)"
+        in lines[0]
+    )
+    assert (
+        "  over mimo_colocated: not run, its plan does not fit (819.20 MiB predicted, over the 512.00 MiB cap)"
+        in lines
+    )
+    assert any(line.startswith("the bound, every rank busy") and "measured 1.05x" in line for line in lines)
+    saved = result.to_json()
+    assert saved["speedup_over_megatron"] == pytest.approx(1.12)
+    assert saved["speedup_over_mimo_colocated"].startswith("does not fit: 819.20 MiB")
+    assert saved["bound_step_s"] == 0.95 and saved["memory_cap_gib"] == 0.5
+    # No baseline fits: no speedup claimed.
+    alone = dataclasses.replace(result, runs=runs[:1])
+    assert alone.best_baseline is None and alone.speedup is None and alone.to_json()["best_baseline"] is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2GiB", (2 * 2**30, False)),
+        ("512 MiB", (512 * 2**20, False)),
+        ("0.6", (0.6, True)),
+        ("1.5", (1.5, True)),
+    ],
+)
+def test_a_memory_cap_is_a_size_or_a_fraction_of_the_whole_models_need(text, expected):
+    assert parse_memory_cap(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "-1GiB", "two", "2 apples", "nan"])
+def test_a_memory_cap_that_is_neither_is_refused(text):
+    from vlmcompile.ir.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="give a size per rank .* or a positive fraction"):
+        parse_memory_cap(text)
+
+
+def test_a_memory_cap_no_plan_fits_in_names_the_least_any_plan_needs():
+    with pytest.raises(
+        Exception, match=r"no parallel plan fits in \d+\.\d\d [KM]iB per rank .*least \d+\.\d\d [KM]iB"
+    ):
+        demo_module.run_demo(global_batch=2, model_name="tiny", memory_cap="0.05", log=None)
+
+
 def test_the_demo_command_names_the_sizes():
     assert demo_command(DEFAULT_GLOBAL_BATCH, DEFAULT_STEPS) == "vlmcompile demo --global-batch 8 --steps 6"
     assert demo_command(FULL_GLOBAL_BATCH, DEFAULT_STEPS) == "vlmcompile demo --full"
+    assert (
+        demo_command(4, DEFAULT_STEPS, memory_cap="0.6", freeze=["vision"])
+        == "vlmcompile demo --global-batch 4 --steps 6 --memory-cap 0.6 --freeze vision"
+    )
 
 
 # ---- the CLI ---------------------------------------------------------------------------------
@@ -211,7 +281,9 @@ def test_a_whole_run_prints_every_phase_as_it_goes_and_the_pairs_last(monkeypatc
     ]
     assert len(pairs) == 3, tail
     assert re.fullmatch(
-        r"vlmcompile over the fastest measured baseline at PP=2, \w+: measured \d\.\d\dx, predicted \d\.\d\dx",
+        r"vlmcompile over the fastest measured baseline at (PP=2|DP=2), \w+: measured \d\.\d\dx, "
+        r"predicted \d\.\d\dx",
         tail[3],
     )
-    assert tail[4:] == [] or tail[4].startswith("warning: prediction error over 10 %")
+    assert tail[4].startswith("the bound, every rank busy")
+    assert tail[5:] == [] or tail[5].startswith("warning: prediction error over 10 %")

@@ -58,6 +58,16 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _memory_cap(text: str) -> str:
+    from vlmcompile.demo import parse_memory_cap
+
+    try:
+        parse_memory_cap(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def _check_output_paths(args: argparse.Namespace) -> None:
     """Refuse an output file that cannot be written before any work is done, so that a run never
     ends in an error after writing some of its outputs."""
@@ -114,10 +124,27 @@ def _plan(args: argparse.Namespace) -> int:
     print(cluster)
     print()
     print(run)
+    alone_s = _llm_alone_s(run, graph, cluster)
+    if alone_s is not None:
+        print(
+            f"the same LLM without its encoders at these degrees: {alone_s * 1e3:.0f} ms simulated "
+            f"(this plan {run.sim.step_time_s / alone_s:.2f}x of it)"
+        )
     if not run.fits:
         print(f"\nwarning: the plan does not fit in {cluster.device.name} memory", file=sys.stderr)
-    _write_plan_outputs(args, run, graph)
+    _write_plan_outputs(args, run, graph, alone_s)
     return 0 if run.fits else 3
+
+
+def _llm_alone_s(run, graph, cluster) -> float | None:
+    """The bound's step (passes/llm_alone.py); None for a model with nothing but encoders."""
+    from vlmcompile.ir.errors import PlanError
+    from vlmcompile.passes.llm_alone import llm_alone_step_s
+
+    try:
+        return llm_alone_step_s(run.plan, graph, cluster)
+    except PlanError:
+        return None
 
 
 def _data_layer_graph(args: argparse.Namespace):
@@ -212,7 +239,7 @@ def _plan_run(args: argparse.Namespace, graph, cluster):
     )
 
 
-def _write_plan_outputs(args: argparse.Namespace, run, graph) -> None:
+def _write_plan_outputs(args: argparse.Namespace, run, graph, llm_alone_s: float | None) -> None:
     import dataclasses
 
     from vlmcompile.planning.megatron_layout import megatron_layout
@@ -222,6 +249,7 @@ def _write_plan_outputs(args: argparse.Namespace, run, graph) -> None:
             "plan": run.plan.to_json(),
             "frozen_layers": list(graph.meta.get("frozen", [])),
             "simulation": run.sim.to_json(),
+            "llm_alone_step_s": llm_alone_s,
             "megatron_layout": megatron_layout(run.plan, graph)[0],
             "policies": [dataclasses.asdict(r) for r in run.baselines],
         }
@@ -279,7 +307,13 @@ def _demo(args: argparse.Namespace) -> int:
         print(pipe.report, end="\n\n", flush=True)
 
     _, result = run_demo(
-        global_batch=args.global_batch, num_steps=args.steps, full=args.full, log=sys.stderr, on_compiled=show
+        global_batch=args.global_batch,
+        num_steps=args.steps,
+        full=args.full,
+        log=sys.stderr,
+        on_compiled=show,
+        memory_cap=args.memory_cap,
+        freeze=args.freeze or (),
     )
     print(result, flush=True)
     if args.json:
@@ -502,6 +536,21 @@ def _add_demo(sub) -> None:
         type=_positive_int,
         default=6,
         help="training steps per plan, the first a warm-up (default 6, the fewest)",
+    )
+    d.add_argument(
+        "--memory-cap",
+        type=_memory_cap,
+        metavar="SIZE",
+        help="hold every plan to this memory per rank, as on a GPU the model does not fit whole: a size "
+        "(2GiB, 512MiB) or a fraction of what one rank needs to train the whole model alone (0.6); a "
+        "baseline that does not fit is reported, not run",
+    )
+    d.add_argument(
+        "--freeze",
+        type=_names,
+        action="extend",
+        metavar="NAMES",
+        help="freeze these regions or module paths (requires_grad=False) before compiling, e.g. vision",
     )
     d.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     d.set_defaults(run=_demo)

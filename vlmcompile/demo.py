@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
+import re
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 import torch
@@ -44,10 +46,14 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from vlmcompile import models
-from vlmcompile.compiler import compile
-from vlmcompile.ir.errors import PlanError
+from vlmcompile.compiler import compile, freeze_layers, zoo_layer_graph
+from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.ir.errors import ArgumentError, PlanError
+from vlmcompile.ir.layer_graph import format_bytes
 from vlmcompile.ir.microbatch import rows_per_sample, take
-from vlmcompile.planning.request import SearchSpace
+from vlmcompile.passes.policies import plan_and_simulate
+from vlmcompile.planning.request import PlanRequest, SearchSpace
 from vlmcompile.runtime.launch import launch
 from vlmcompile.runtime.trainer import TrainConfig, eager_training
 from vlmcompile.runtime.training import interleaved_steps
@@ -84,6 +90,8 @@ class PlanRun:
     """Largest |loss - eager loss| over the steps."""
     equal_to_eager: bool
     """Every step's loss within torch.testing.assert_close's fp32 tolerance of eager's."""
+    peak_gib: float | None = None
+    """The simulator's peak memory of the plan's busiest rank."""
 
     @property
     def measured_s(self) -> float:
@@ -105,6 +113,15 @@ class DemoResult:
     """The command that measures the same again (the warning names it)."""
     load_avg: float | None = None
     """This machine's 1-minute load average when the demo started (other processes' work)."""
+    memory_cap_gib: float | None = None
+    """The memory every plan was held to per rank (``--memory-cap``); None: the machine's."""
+    not_fitting: Mapping[str, float] = field(default_factory=dict)
+    """Baselines whose plan does not fit in the cap, by their predicted peak (GiB): not run."""
+    bound_step_s: float | None = None
+    """Every rank busy: our plan's compute over the ranks, simulated (no plan at these sizes can
+    be faster)."""
+    frozen: tuple[str, ...] = ()
+    """The layers frozen (``--freeze``), every plan alike."""
 
     @property
     def ours(self) -> PlanRun:
@@ -121,9 +138,10 @@ class DemoResult:
         return run.measured_s / self.ours.measured_s
 
     @property
-    def best_baseline(self) -> PlanRun:
-        """The fastest measured baseline at our PP (each at its own fastest v)."""
-        return min(self.same_degrees, key=lambda r: r.measured_s)
+    def best_baseline(self) -> PlanRun | None:
+        """The fastest measured baseline at our PP (each at its own fastest v), else at any
+        degrees; None when no baseline fits."""
+        return min(self.same_degrees or self.runs[1:], key=lambda r: r.measured_s, default=None)
 
     @property
     def same_degrees(self) -> tuple[PlanRun, ...]:
@@ -131,14 +149,16 @@ class DemoResult:
         return tuple(r for r in self.runs[1:] if r.degrees.split()[0] == pp)
 
     @property
-    def speedup(self) -> float:
+    def speedup(self) -> float | None:
         """Measured, over the fastest measured baseline at our PP."""
-        return self.speedup_over(self.best_baseline.policy)
+        best = self.best_baseline
+        return self.speedup_over(best.policy) if best else None
 
     @property
-    def predicted_speedup(self) -> float:
+    def predicted_speedup(self) -> float | None:
         """Predicted, over the same baseline as :attr:`speedup` (the fastest measured at our PP)."""
-        return self.speedup_over(self.best_baseline.policy, predicted=True)
+        best = self.best_baseline
+        return self.speedup_over(best.policy, predicted=True) if best else None
 
     @property
     def warning(self) -> str | None:
@@ -155,13 +175,17 @@ class DemoResult:
             "runs": [{**asdict(r), "measured_s": r.measured_s, "error": r.error} for r in self.runs],
             "speedup": self.speedup,
             "predicted_speedup": self.predicted_speedup,
-            "best_baseline": self.best_baseline.policy,
+            "best_baseline": self.best_baseline.policy if self.best_baseline else None,
             "warning": self.warning,
             "machine": _machine(),
         }
         for r in self.runs[1:]:
             out[f"speedup_over_{r.policy}"] = self.speedup_over(r.policy)
             out[f"predicted_speedup_over_{r.policy}"] = self.speedup_over(r.policy, predicted=True)
+        for policy, peak in self.not_fitting.items():
+            out[f"speedup_over_{policy}"] = (
+                f"does not fit: {format_bytes(peak * 2**30)} predicted, over the cap"
+            )
         return out
 
     def table(self) -> str:
@@ -204,18 +228,41 @@ class DemoResult:
                 f"  over {r.policy} ({r.degrees}{other}): measured {self.speedup_over(r.policy):.2f}x, "
                 f"predicted {self.speedup_over(r.policy, predicted=True):.2f}x"
             )
+        for policy, peak in self.not_fitting.items():
+            lines.append(
+                f"  over {policy}: not run, its plan does not fit ({format_bytes(peak * 2**30)} predicted, over the "
+                f"{format_bytes(self.memory_cap_gib * 2**30)} cap)"
+            )
         best = self.best_baseline
-        lines.append(
-            f"{ours.policy} over the fastest measured baseline at {ours.degrees.split()[0]}, {best.policy}: "
-            f"measured {self.speedup:.2f}x, predicted {self.predicted_speedup:.2f}x"
-        )
+        if best is not None:
+            where = ours.degrees.split()[0] if best in self.same_degrees else "any degrees"
+            lines.append(
+                f"{ours.policy} over the fastest measured baseline at {where}, {best.policy}: "
+                f"measured {self.speedup:.2f}x, predicted {self.predicted_speedup:.2f}x"
+            )
+        if self.bound_step_s:
+            lines.append(
+                f"the bound, every rank busy (our plan's compute over the ranks, simulated): "
+                f"{self.bound_step_s:.3f} s; ours predicted {ours.predicted_s / self.bound_step_s:.2f}x of it, "
+                f"measured {ours.measured_s / self.bound_step_s:.2f}x"
+            )
         return lines
 
     def __str__(self) -> str:
         equal = all(r.equal_to_eager for r in self.runs)
+        held = (
+            f", every plan held to {format_bytes(self.memory_cap_gib * 2**30)} per rank"
+            if self.memory_cap_gib
+            else ""
+        )
+        frozen = (
+            f", {len(self.frozen)} layers frozen ({self.frozen[0]} .. {self.frozen[-1]})"
+            if self.frozen
+            else ""
+        )
         lines = [
             f"{NUM_RANKS} CPU ranks, global batch {self.global_batch} in microbatches of 1, "
-            f"{self.num_steps} steps of SGD (first a warm-up, left out of the median)",
+            f"{self.num_steps} steps of SGD (first a warm-up, left out of the median){held}{frozen}",
             self.table(),
             f"eager loss, step 1: {self.eager_losses[0]:.6f}; "
             + (
@@ -288,11 +335,16 @@ def prediction_warning(
     )
 
 
-def demo_command(global_batch: int, num_steps: int) -> str:
+def demo_command(
+    global_batch: int, num_steps: int, *, memory_cap: str | None = None, freeze: Sequence[str] = ()
+) -> str:
     """The command line that runs the demo at these sizes."""
+    extra = (f" --memory-cap {memory_cap}" if memory_cap else "") + (
+        f" --freeze {','.join(freeze)}" if freeze else ""
+    )
     if (global_batch, num_steps) == (FULL_GLOBAL_BATCH, DEFAULT_STEPS):
-        return "vlmcompile demo --full"
-    return f"vlmcompile demo --global-batch {global_batch} --steps {num_steps}"
+        return f"vlmcompile demo --full{extra}"
+    return f"vlmcompile demo --global-batch {global_batch} --steps {num_steps}{extra}"
 
 
 def _machine() -> str:
@@ -448,20 +500,63 @@ def _demo_batch(global_batch: int | None, num_steps: int, full: bool) -> int:
     return global_batch or (FULL_GLOBAL_BATCH if full else DEFAULT_GLOBAL_BATCH)
 
 
-def _compiled(model, batch, model_name: str, global_batch: int, say, log):
-    """The demo VLM compiled for the local ranks from a few of the batch's samples."""
-    sample = take(batch, 0, min(SAMPLE_SIZE, global_batch), rows_per_sample(batch))
+def _sample(batch, global_batch: int):
+    return take(batch, 0, min(SAMPLE_SIZE, global_batch), rows_per_sample(batch))
+
+
+def _compiled(model, batch, model_name: str, global_batch: int, cluster: Cluster, say, log):
+    """The demo VLM compiled for the local ranks from a few of the batch's samples; the plan
+    search takes every layout of the ranks (PP = 2, and PP = 1 with DP = 2)."""
     say(f"compiling the {model_name} VLM for {NUM_RANKS} CPU ranks, global batch {global_batch} ...")
     return compile(
         model,
-        sample,
-        cluster=f"cpu:{NUM_RANKS}",
+        _sample(batch, global_batch),
+        cluster=cluster,
         model_name=model_name,
         global_batch=global_batch,
         profile=True,
-        search_space=SearchSpace(pp_choices=(NUM_RANKS,), microbatch_sizes=(1,)),
+        search_space=SearchSpace(pp_choices=(1, NUM_RANKS), microbatch_sizes=(1,)),
         log=log,
     )
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|MiB|KiB|GB|MB|KB|B)\s*$")
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+def parse_memory_cap(text: str) -> tuple[float, bool]:
+    """``--memory-cap``: (bytes, False) for a size (``2GiB``, ``512MiB``), or (share, True) for a
+    fraction of what one rank needs to train the whole model alone (``0.6``).
+
+    Raises:
+        ArgumentError: neither a size nor a positive number.
+    """
+    size = _SIZE.match(text)
+    if size:
+        value = float(size[1]) * _UNITS[size[2]]
+        fraction = False
+    else:
+        try:
+            value, fraction = float(text), True
+        except ValueError:
+            value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise ArgumentError(
+            f"memory cap {text!r}: give a size per rank (2GiB, 512MiB) or a positive fraction of what one rank "
+            "needs to train the whole model alone (0.6)"
+        )
+    return value, fraction
+
+
+def whole_model_need_bytes(model, batch, model_name: str, global_batch: int, cluster: Cluster) -> float:
+    """What one rank needs to train the whole model alone: the peak of the plan with every layer
+    on every rank (PP = 1, the ranks data-parallel), one microbatch of one sample at a time."""
+    pipe = compile(
+        model, _sample(batch, global_batch), model_name=model_name, global_batch=global_batch, log=None
+    )
+    request = PlanRequest.on(cluster, tp=1, pp=1, global_batch=global_batch, zero_stage=0)
+    run = plan_and_simulate(pipe.layer_graph, cluster, "mimo_colocated", request)
+    return max(run.sim.peak_mem_bytes)
 
 
 def run_demo(
@@ -473,6 +568,8 @@ def run_demo(
     log: TextIO | None = sys.stderr,
     on_compiled: Callable[[Any], None] | None = None,
     model_name: str = "demo",
+    memory_cap: str | None = None,
+    freeze: Sequence[str] = (),
 ) -> tuple[Any, DemoResult]:
     """Compile, then run eager and every plan; returns (the compiled pipeline, the figures).
 
@@ -485,18 +582,47 @@ def run_demo(
         on_compiled: called with the compiled pipeline before anything is measured (the CLI prints
             the compile report there, so that it is read while the plans run).
         model_name: the zoo VLM to run (the tests run "tiny").
+        memory_cap: hold every plan to this memory per rank, as on a device on which the model
+            does not fit whole: a size (``2GiB``) or a fraction of what one rank needs to train the
+            whole model alone (``0.6``; :func:`whole_model_need_bytes`). A baseline whose plan does
+            not fit is reported, not run.
+        freeze: regions or module paths to freeze (``requires_grad=False``) before compiling;
+            every plan trains the model so frozen.
     """
     global_batch = _demo_batch(global_batch, num_steps, full)
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     say = Progress(log)
+    cap = parse_memory_cap(memory_cap) if memory_cap is not None else None
     model = models.build(model_name)
+    frozen = tuple(freeze_layers(model, zoo_layer_graph(model_name), freeze)) if freeze else ()
     batch = models.sample_batch(model_name, batch_size=global_batch)
     start = time.perf_counter()
-    pipe = _compiled(model, batch, model_name, global_batch, say, log)
-    plans = (("vlmcompile", pipe.plan), *((name, run.plan) for name, run in baselines(pipe, global_batch)))
+    cluster = Cluster.preset(f"cpu:{NUM_RANKS}")
+    if cap is not None:
+        cap_bytes, fraction = cap
+        if fraction:
+            need = whole_model_need_bytes(model, batch, model_name, global_batch, cluster)
+            say(
+                f"one rank needs {format_bytes(need)} to train the whole model alone; memory cap "
+                f"{cap_bytes:g} of it: {format_bytes(cap_bytes * need)} per rank"
+            )
+            cap_bytes *= need
+        cluster = cluster.with_memory_cap(cap_bytes)
+    pipe = _compiled(model, batch, model_name, global_batch, cluster, say, log)
+    fitting, not_fitting = [], {}
+    for name, run in baselines(pipe, global_batch):
+        if run.fits:
+            fitting.append((name, run.plan))
+        else:
+            not_fitting[name] = max(run.sim.peak_mem_bytes) / 2**30
+    plans = (("vlmcompile", pipe.plan), *fitting)
     say(
         f"compiled in {time.perf_counter() - start:.1f} s; plans to measure: "
         + ", ".join(f"{name} ({degrees_of(plan)})" for name, plan in plans)
+        + "".join(
+            f"; {name} does not fit ({format_bytes(peak * 2**30)} predicted)"
+            for name, peak in not_fitting.items()
+        )
     )
     if on_compiled is not None:
         on_compiled(pipe)
@@ -522,8 +648,18 @@ def run_demo(
         _plan_run(policy, plan, [r[j] for r in results], eager, pipe)
         for j, (policy, plan) in enumerate(plans)
     ]
+    ours = pipe.planned.sim
     result = DemoResult(
-        global_batch, num_steps, tuple(eager), tuple(runs), demo_command(global_batch, num_steps), load_avg
+        global_batch,
+        num_steps,
+        tuple(eager),
+        tuple(runs),
+        demo_command(global_batch, num_steps, memory_cap=memory_cap, freeze=freeze),
+        load_avg,
+        memory_cap_gib=usable_memory_bytes(cluster.device.mem_bytes) / 2**30 if cap is not None else None,
+        not_fitting=not_fitting,
+        bound_step_s=sum(r.busy_s for r in ours.ranks) / len(ours.ranks),
+        frozen=frozen,
     )
     return pipe, result
 
@@ -536,13 +672,15 @@ def _plan_run(policy: str, plan, mine: list[dict[str, list[float]]], eager: list
     same = all(
         torch.allclose(torch.tensor(r["losses"]), torch.tensor(eager), rtol=1.3e-6, atol=1e-5) for r in mine
     )
+    sim = simulate(plan, pipe.layer_graph, pipe.cluster)
     return PlanRun(
         policy,
         degrees_of(plan),
         stages_of(plan),
-        simulate(plan, pipe.layer_graph, pipe.cluster).step_time_s,
+        sim.step_time_s,
         steps,
         tuple(mine[0]["losses"]),
         diff,
         same,
+        max(sim.peak_mem_bytes) / 2**30,
     )
