@@ -10,8 +10,13 @@ is the faster of its even placements (``llava``: the vision encoder, projector a
 stage 0 with an even share of the LLM blocks; ``chain``: encoder and LLM blocks split evenly as
 one chain), ``megatron_balanced`` the appendix-B split. Ours is the plan search's: the stage-cut
 partition, or the encoders on a plan of their own with their work in the LLM's bubbles,
-whichever the simulator predicts faster. ``mimo_colocated`` (Megatron MIMO's colocated layout)
-runs only at PP = 1, so it is measured at its own degrees (DP = 2) and said to be.
+whichever the simulator predicts faster, over every layout of the 2 ranks (PP = 2, and PP = 1
+with DP = 2). ``mimo_colocated`` (Megatron MIMO's colocated layout) runs only at PP = 1, so it is
+measured at its own degrees (DP = 2) and said to be.
+
+``--memory-cap`` holds every plan to a memory per rank, as on a GPU the model does not fit whole
+on: a size, or a share of what one rank needs to train the whole model alone. A baseline whose
+plan does not fit is reported, not run. ``--freeze`` freezes regions or module paths first.
 
 Layer times come from the profile pass on this CPU (one thread per rank), so the prediction is
 of this machine. Every plan runs in one launch, step by step, the order reversed every other step,
