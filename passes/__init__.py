@@ -9,6 +9,7 @@
 | partition.py         | partition         | planning | ours: stage cuts and per-layer recompute chosen together by CP-SAT, under every rank's memory |
 | bubbles.py           | bubbles           | planning | ours: the encoders on a plan of their own, their work scheduled into the LLM's bubbles (layer and kernel level) |
 | plan_search.py       | plan search       | planning | the parallel degrees (DP/TP/PP/v/microbatch): candidates pruned by bounds, the rest partitioned |
+| llm_alone.py         | (the bound)       | planning | the same LLM without its encoders at a plan's degrees: the step no plan of the VLM there beats |
 | megatron.py          | megatron          | baseline | Megatron-LM: the encoder with the first stage (LLaVA) or one chain, even split, global recompute |
 | megatron_balanced.py | megatron_balanced | baseline | Megatron-LM with the Optimus appendix-B layer-balancing program over pp x v virtual stages |
 | omnibal.py           | omnibal           | baseline | OmniBal: balanced stage cuts (anchor + jitter) and adaptive per-layer recompute |

@@ -564,6 +564,61 @@ def whole_model_need_bytes(model, batch, model_name: str, global_batch: int, clu
     return max(run.sim.peak_mem_bytes)
 
 
+def _plans_to_measure(pipe, global_batch: int) -> tuple[tuple[tuple[str, Any], ...], dict[str, float]]:
+    """(ours and the baselines that fit, by name; the baselines that do not, by predicted peak GiB)."""
+    fitting, not_fitting = [], {}
+    for name, run in baselines(pipe, global_batch):
+        if run.fits:
+            fitting.append((name, run.plan))
+        else:
+            not_fitting[name] = max(run.sim.peak_mem_bytes) / 2**30
+    return (("vlmcompile", pipe.plan), *fitting), not_fitting
+
+
+def _measured(
+    pipe, plans, model, batch, num_steps: int, lr: float, say, log
+) -> tuple[list[float], list[PlanRun]]:
+    """Eager's losses, then every plan's run, all interleaved step by step in one launch."""
+    say(f"eager reference: {num_steps} SGD steps of the whole batch in this process ...")
+    start = time.perf_counter()
+    eager = eager_losses(copy.deepcopy(model), batch, num_steps, lr)
+    took = time.perf_counter() - start
+    say(f"eager reference done in {took:.1f} s ({took / num_steps:.1f} s a step)")
+    # Each plan's runner gets its own copy of the parameters: all train from the same weights.
+    runners = tuple(copy.deepcopy(pipe.runner(plan, timeout_s=120)) for _, plan in plans)
+    say(
+        f"measuring {len(plans)} plans on {NUM_RANKS} ranks, {num_steps} steps each, interleaved step by "
+        "step (the order reversed every other step); starting the ranks ..."
+    )
+    start = time.perf_counter()
+    names = [name for name, _ in plans]
+    started = say.started if log is not None else None
+    results = launch(
+        measured_steps, runners, NUM_RANKS, args=(batch, num_steps, lr, names, started), timeout_s=300
+    )
+    say(f"measured in {time.perf_counter() - start:.1f} s")
+    runs = [
+        _plan_run(policy, plan, [r[j] for r in results], eager, pipe)
+        for j, (policy, plan) in enumerate(plans)
+    ]
+    return eager, runs
+
+
+def _capped(cluster: Cluster, cap, model, batch, model_name: str, global_batch: int, say) -> Cluster:
+    """``cluster`` with every plan held to ``cap`` (:func:`parse_memory_cap`'s; None: as it is)."""
+    if cap is None:
+        return cluster
+    cap_bytes, fraction = cap
+    if fraction:
+        need = whole_model_need_bytes(model, batch, model_name, global_batch, cluster)
+        say(
+            f"one rank needs {format_bytes(need)} to train the whole model alone; memory cap "
+            f"{cap_bytes:g} of it: {format_bytes(cap_bytes * need)} per rank"
+        )
+        cap_bytes *= need
+    return cluster.with_memory_cap(cap_bytes)
+
+
 def run_demo(
     *,
     global_batch: int | None = None,
@@ -602,25 +657,9 @@ def run_demo(
     frozen = tuple(freeze_layers(model, zoo_layer_graph(model_name), freeze)) if freeze else ()
     batch = models.sample_batch(model_name, batch_size=global_batch)
     start = time.perf_counter()
-    cluster = Cluster.preset(f"cpu:{NUM_RANKS}")
-    if cap is not None:
-        cap_bytes, fraction = cap
-        if fraction:
-            need = whole_model_need_bytes(model, batch, model_name, global_batch, cluster)
-            say(
-                f"one rank needs {format_bytes(need)} to train the whole model alone; memory cap "
-                f"{cap_bytes:g} of it: {format_bytes(cap_bytes * need)} per rank"
-            )
-            cap_bytes *= need
-        cluster = cluster.with_memory_cap(cap_bytes)
+    cluster = _capped(Cluster.preset(f"cpu:{NUM_RANKS}"), cap, model, batch, model_name, global_batch, say)
     pipe = _compiled(model, batch, model_name, global_batch, cluster, say, log)
-    fitting, not_fitting = [], {}
-    for name, run in baselines(pipe, global_batch):
-        if run.fits:
-            fitting.append((name, run.plan))
-        else:
-            not_fitting[name] = max(run.sim.peak_mem_bytes) / 2**30
-    plans = (("vlmcompile", pipe.plan), *fitting)
+    plans, not_fitting = _plans_to_measure(pipe, global_batch)
     say(
         f"compiled in {time.perf_counter() - start:.1f} s; plans to measure: "
         + ", ".join(f"{name} ({degrees_of(plan)})" for name, plan in plans)
@@ -631,28 +670,7 @@ def run_demo(
     )
     if on_compiled is not None:
         on_compiled(pipe)
-    say(f"eager reference: {num_steps} SGD steps of the whole batch in this process ...")
-    start = time.perf_counter()
-    eager = eager_losses(copy.deepcopy(model), batch, num_steps, lr)
-    took = time.perf_counter() - start
-    say(f"eager reference done in {took:.1f} s ({took / num_steps:.1f} s a step)")
-    # Each plan's runner gets its own copy of the parameters: all train from the same weights.
-    runners = tuple(copy.deepcopy(pipe.runner(plan, timeout_s=120)) for _, plan in plans)
-    say(
-        f"measuring {len(plans)} plans on {NUM_RANKS} ranks, {num_steps} steps each, interleaved step by "
-        "step (the order reversed every other step); starting the ranks ..."
-    )
-    start = time.perf_counter()
-    names = [name for name, _ in plans]
-    started = say.started if log is not None else None
-    results = launch(
-        measured_steps, runners, NUM_RANKS, args=(batch, num_steps, lr, names, started), timeout_s=300
-    )
-    say(f"measured in {time.perf_counter() - start:.1f} s")
-    runs = [
-        _plan_run(policy, plan, [r[j] for r in results], eager, pipe)
-        for j, (policy, plan) in enumerate(plans)
-    ]
+    eager, runs = _measured(pipe, plans, model, batch, num_steps, lr, say, log)
     ours = pipe.planned.sim
     result = DemoResult(
         global_batch,

@@ -124,8 +124,8 @@ def test_the_no_plan_error_names_each_cause_with_its_count():
     message = _no_plan_message(rows, 75 * 2**30, "h100x8", 80 * 2**30)
     assert "of 4 candidates" in message
     assert f"2 could not be planned (virtual stages [3] get no layers; e.g. {d1})" in message
-    assert f"1 planned but over the cap (least peak 90.0 GiB at {d3})" in message
-    assert "1 pruned" in message and "least 80.0 GiB per rank" in message
+    assert f"1 planned but over the cap (least peak 90.00 GiB at {d3})" in message
+    assert "1 pruned" in message and "least 80.00 GiB per rank" in message
 
 
 def test_a_warm_started_candidate_is_never_worse_than_its_warm_start(demo_graph):
