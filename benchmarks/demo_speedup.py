@@ -11,9 +11,10 @@ of the same command on a shared machine spread by several percent (the profile, 
 leads to and the machine's speed all vary), so the goals are checked on the median over the
 repeats:
 
-* measured speedup over the fastest baseline at PP = 2 (median over repeats): at least
-  1.08x with 4 microbatches (a large pipeline bubble for the encoder work to fill), and not
-  slower (1.00x) at any other global batch;
+* measured speedup over the fastest baseline at our degrees (median over repeats): not slower
+  (1.00x); held to a memory cap (``--memory-cap``, as on a GPU the model does not fit whole),
+  at least 1.08x over every baseline that fits with 4 microbatches (a large pipeline bubble for
+  the encoder work to fill), or within 3 % of the bound (every rank busy);
 * prediction error |predicted - measured| / measured at most 10 % for every plan, every repeat;
 * every plan's losses equal eager training.
 
@@ -44,7 +45,11 @@ RESULTS = ROOT / "benchmarks" / "results" / "demo_speedup.json"
 BUBBLE_BATCH = 4
 """4 microbatches of one sample on PP = 2: the pipeline bubble is large."""
 SPEEDUP_GOALS = {BUBBLE_BATCH: 1.08}
-"""Measured speedup over the fastest baseline at PP = 2, per global batch (default 1.00)."""
+"""Measured speedup held to a memory cap (``--memory-cap``), per global batch (default 1.00): over
+every baseline that fits. Without a cap the goal is 1.00x over the fastest baseline at our
+degrees: the demo's model fits whole on a rank, our search takes PP = 1 with DP = 2 where it is
+the fastest, and that plan is Megatron MIMO's colocated layout (issue 36 moved the 1.08x of
+global batch 4 to the capped run, where data parallelism is no plan)."""
 ERROR_GOAL = 0.10
 
 
@@ -160,8 +165,8 @@ def goals_missed(summary: dict, global_batch: int, *, capped: bool = False) -> l
                     f"median measured speedup over {policy} {speedup:.2f}x < {goal}x, and ours is "
                     f"{bound:.2f}x the bound (goal <= {BOUND_GOAL})"
                 )
-    elif summary["median_speedup"] is not None and summary["median_speedup"] < goal:
-        missed.append(f"median measured speedup {summary['median_speedup']:.2f}x < {goal}x")
+    elif summary["median_speedup"] is not None and summary["median_speedup"] < 1.0:
+        missed.append(f"median measured speedup {summary['median_speedup']:.2f}x < 1.00x")
     for policy, err in summary["max_abs_error"].items():
         if err > ERROR_GOAL:
             missed.append(f"{policy}: prediction error up to {100 * err:.1f} % > {100 * ERROR_GOAL:.0f} %")

@@ -112,7 +112,6 @@ def _case(name, plan, recipe, *marks):
 
 # CI runs one case of each plan kind and recipe (CI minutes are counted); the rest are extended.
 IN_CI = [
-    ("tiny", "pp2-dp2", "vision"),
     ("tiny", "encoder-replicated", "vision"),
     ("tiny", "encoder-alone", "llava-stage-1"),
     ("tiny", "bubbles", "last-two-vit-layers"),
@@ -124,7 +123,7 @@ EXTENDED = [
     for plan in ("pp2", "bubbles")
     for recipe in RECIPES
     if (name, plan, recipe) not in IN_CI
-] + [("hf-llava", "pp2-dp2", "vision")]
+] + [("tiny", "pp2-dp2", "vision"), ("hf-llava", "pp2-dp2", "vision")]
 CASES = [_case(*c) for c in IN_CI] + [_case(*c, pytest.mark.extended) for c in EXTENDED]
 
 

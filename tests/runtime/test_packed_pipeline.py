@@ -141,11 +141,13 @@ def _train_every_case(cases, config):
     return out
 
 
-STEPS = 12
-"""Steps of the variable-data training test (20 before: 12 keep CI within its 15 minutes)."""
+STEPS = 8
+"""Steps of the variable-data training test (20, then 12 before: 8 keep CI within its 15
+minutes); the batches' shapes are checked over :data:`SHAPE_STEPS`."""
+SHAPE_STEPS = 12
 
 
-def test_twelve_adamw_steps_on_variable_data_equal_eager(compiled):
+def test_eight_adamw_steps_on_variable_data_equal_eager(compiled):
     """GlobalBatches of a synthetic dataset (text-only samples in it): every step other samples,
     image counts and sizes, through the trainer (AdamW, warm-up and cosine, global clip); the
     per-step losses equal eager's on the same steps' samples padded in one batch. The demo's plan
@@ -161,7 +163,9 @@ def test_twelve_adamw_steps_on_variable_data_equal_eager(compiled):
     for name, (model, _, _, pipe, data) in compiled.items():
         batches = GlobalBatches(data, STEP_SAMPLES.get(name, 6), seed=2)
         steps = pipe.packed_steps(batches)
-        rows = {tuple(mb["pixel_values"].shape[0] for mb in steps(k).microbatches) for k in range(STEPS)}
+        rows = {
+            tuple(mb["pixel_values"].shape[0] for mb in steps(k).microbatches) for k in range(SHAPE_STEPS)
+        }
         assert len(rows) > 5, (name, rows)  # image rows per microbatch change from step to step
         runner = pipe.runner(timeout_s=60)
         steps = pipe.packed_steps(batches)
