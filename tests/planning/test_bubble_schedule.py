@@ -276,3 +276,33 @@ def test_evaluate_times_the_dp_collectives_as_the_simulator(demo_graph, dp, zero
         assert evaluate_schedule(problem, actions).step * problem.unit_s == pytest.approx(
             sim.step_time_s, rel=1e-4
         )
+
+
+def test_a_frozen_encoder_stage_gets_forwards_only_from_every_scheduler(demo_graph):
+    """A per-batch re-plan (greedy, kernel level, CP-SAT, any work factors) of a plan whose first
+    encoder stage no gradient reaches never gives that stage a backward: the plan stays valid."""
+    import dataclasses
+
+    from tests.pipeline_helpers import separate_plan
+    from vlmcompile.cost_models.cluster import Cluster
+    from vlmcompile.cost_models.stage_costs import plan_costs
+    from vlmcompile.planning.bubble_schedule import greedy, problem_from, solve_schedule
+
+    frozen = demo_graph.with_frozen(["encoders.0.embed", "encoders.0.blocks.0", "encoders.0.blocks.1"])
+    plan = separate_plan(frozen, pp=2, encoder_pp=2, global_batch=4)
+    assert plan.forward_only_stages() == {0}, "the first encoder stage holds only frozen layers"
+    problem = problem_from(plan, plan_costs(plan, frozen, Cluster.preset("cpu:2")), 2**40)
+    assert problem.forward_only == {0}
+    varied = problem.with_work([(0.5, 1.0), (2.0, 1.0), (1.0, 0.7), (1.5, 1.2)])
+    riders: dict = {}
+    schedules = [
+        (greedy(problem), {}),
+        (greedy(varied, lookahead=2), {}),
+        (greedy(problem, riders=riders), riders),
+        (solve_schedule(varied, time_limit_s=2, num_workers=2).actions, {}),
+    ]
+    for actions, kernel_level in schedules:
+        assert not [a for acts in actions for a in acts if a.stage == 0 and a.kind is not ActionKind.F]
+        scheduled = dataclasses.replace(plan, actions=actions, kernel_level=kernel_level)
+        scheduled.validate(frozen)
+        assert scheduled.forward_only_stages() == {0}
