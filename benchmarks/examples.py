@@ -284,9 +284,10 @@ def headline() -> str:
     largest = max((r["cluster"] for r in bubbles), key=_num_gpus)
     demo_speedup = importlib.import_module("demo_speedup")
     saved = json.loads((RESULTS / "demo_speedup.json").read_text())
-    entry = saved["4 --memory-cap 0.6"]  # the model held to 60 % of its need: as on a GPU
+    cap = "0.6"  # each rank held to 60 % of what the whole model needs: as on a GPU
+    entry = saved[demo_speedup.entry_key(demo_speedup.BUBBLE_BATCH, cap)]
     summary = demo_speedup.summarize(entry["runs"])
-    uncapped = demo_speedup.summarize(saved["4"]["runs"])
+    uncapped = demo_speedup.summarize(saved[demo_speedup.entry_key(demo_speedup.BUBBLE_BATCH)]["runs"])
     not_fitting = ", ".join(BASELINE_NAMES.get(p, p) for p in summary["not_fitting"])
     fidelity = json.loads((RESULTS / "fidelity.json").read_text())
     errors = [
@@ -301,8 +302,8 @@ def headline() -> str:
             f"the best baseline at the same parallel degrees ({names}{cannot}) on all {len(bubbles)} setups of "
             f"the Optimus paper, {_gpus(smallest)} to {_gpus(largest)}, holding {min(memory):.2f}-{max(memory):.2f}x "
             "the peak memory of the most frugal baseline. `python benchmarks/bubbles.py`",
-            "* **Measured:** on 2 CPU ranks the `demo` VLM at global batch 4, each rank held to 60 % of the "
-            f"memory the whole model needs ({not_fitting or 'no baseline'} then does not fit), trains "
+            f"* **Measured:** on 2 CPU ranks the `demo` VLM at global batch {demo_speedup.BUBBLE_BATCH}, each rank "
+            f"held to {100 * float(cap):.0f} % of the memory the whole model needs ({not_fitting or 'no baseline'} then does not fit), trains "
             f"{summary['median_speedup']:.2f}x as fast as the fastest baseline that fits (median of "
             f"{len(entry['runs'])} runs, {summary['min_speedup']:.2f}-{summary['max_speedup']:.2f}x), every loss "
             + ("equal to eager PyTorch's" if summary["all_equal_to_eager"] else "NOT always equal to eager's")
