@@ -84,6 +84,9 @@ class StageCost:
     """Kept from a microbatch's forward until its backward."""
     transient_bytes: float
     """Extra bytes during this stage's backward (recomputed saved tensors)."""
+    out_bytes: float = 0.0
+    """What one microbatch's forward hands the next stage (held across the step boundary when
+    the forward runs one batch ahead, ``Plan.ahead``)."""
     _per_kind: dict = field(init=False, repr=False, compare=False)
     """(action time, TP collectives) per action kind, summed once: every simulated action reads them."""
 
@@ -343,7 +346,11 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
             prev_last = layer_graph.layers[first.index - 1]
             prev = stage_costs[i - 1][0]
             _, send_bwd = cut_transfer_s(prev_last, cluster, par, share, stage.rank, _other(prev, stage.rank))
-        result.append(StageCost(stage.index, stage.rank, tuple(layers), send_fwd, send_bwd, act, transient))
+        shard = 1 / par.tp if par.sequence_parallel else 1.0
+        out = share * last.boundary_fwd_bytes * shard if i + 1 < len(stage_costs) else 0.0
+        result.append(
+            StageCost(stage.index, stage.rank, tuple(layers), send_fwd, send_bwd, act, transient, out)
+        )
 
     static = states_per_rank(
         (

@@ -387,13 +387,20 @@ class _Candidate:
     phased_sim: SimResult
     costs: PlanCosts
     problem: bs.BubbleProblem
+    """The problem :attr:`plan` schedules (with run-ahead forwards, or the base problem)."""
     plan: Plan
     sim: SimResult
     cap: float
     """The per-rank memory the plan must fit in (the device's cap or a tighter budget)."""
     solution: bs.BubbleSolution | None = None
+    base_problem: bs.BubbleProblem | None = None
+    """The problem with no forward run ahead (set from :attr:`problem` at first)."""
     layer_level_s: float | None = None
     """The fastest layer-level schedule's step (the kernel level's starting point)."""
+
+    def __post_init__(self):
+        if self.base_problem is None:
+            self.base_problem = self.problem
 
     def fits(self, sim: SimResult) -> bool:
         return sim.fits_within(self.cap)
@@ -530,7 +537,8 @@ def _screen_one(
     phased_sim = simulate(phased, layer_graph, cluster, costs=costs)
     best = _Candidate(encoder, phased, phased_sim, costs, problem, phased, phased_sim, inputs.cap)
     best.layer_level_s = phased_sim.step_time_s if best.fits(phased_sim) else None
-    _improve(best, layer_graph, cluster, SCREEN_LAYER, SCREEN_KERNEL if llm.tp > 1 else ())
+    kernel = SCREEN_KERNEL if llm.tp > 1 else ()
+    _improve(best, layer_graph, cluster, SCREEN_LAYER, kernel, run_ahead=inputs.solver.run_ahead, screen=True)
     row = EncoderPlanRow(
         encoder,
         degrees,
@@ -548,7 +556,15 @@ def _refine(inputs: _Inputs, fitting: list[_Candidate], rows: dict[ep.EncoderPla
             layer, kernel = GREEDY_SETTINGS[-1:], _unscreened(KERNEL_SETTINGS, SCREEN_KERNEL)
         else:
             layer, kernel = _unscreened(GREEDY_SETTINGS, SCREEN_LAYER), ()
-        _improve(cand, inputs.layer_graph, inputs.cluster, layer, kernel)
+        _improve(
+            cand,
+            inputs.layer_graph,
+            inputs.cluster,
+            layer,
+            kernel,
+            run_ahead=inputs.solver.run_ahead,
+            screen=False,
+        )
         rows[cand.encoder] = dataclasses.replace(
             rows[cand.encoder],
             greedy_step_s=cand.sim.step_time_s,
@@ -568,7 +584,7 @@ def _solve(inputs: _Inputs, fitting: list[_Candidate], rows: dict[ep.EncoderPlan
             num_workers=solver.num_workers,
             hint=cand.plan.actions,
         )
-        plan = dataclasses.replace(cand.phased, actions=solution.actions)
+        plan = scheduled_plan(cand.phased, cand.problem, solution.actions, {})
         plan.validate(inputs.layer_graph)
         sim = simulate(plan, inputs.layer_graph, inputs.cluster, costs=cand.costs)
         rows[cand.encoder] = dataclasses.replace(rows[cand.encoder], solved_step_s=sim.step_time_s)
@@ -606,32 +622,7 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
         if solved and plan.actions == solution.actions
         else "the list scheduler"
     )
-    decisions = [
-        Decision(
-            "encoder plan",
-            Reason.SEPARATE_ENCODER_PLAN,
-            f"{chosen.encoder} ({plan.parallel[ep.ENCODER_GROUP]}) beside the LLM's {request.parallel}: the "
-            f"fastest of {len(rows)} encoder plans tried (simulated {format_ms(sim.step_time_s)} ms)",
-            {"step_s": sim.step_time_s},
-        ),
-        Decision(
-            "schedule",
-            Reason.BUBBLE_SCHEDULE,
-            f"{used}: encoder work placed around the LLM's {request.schedule_name.value} order "
-            f"(phased {format_ms(phased_sim.step_time_s)} ms -> {format_ms(sim.step_time_s)} ms simulated)",
-            {"phased_step_s": phased_sim.step_time_s, "step_s": sim.step_time_s},
-        ),
-    ]
-    if plan.kernel_level:
-        decisions.append(
-            Decision(
-                "kernel level",
-                Reason.BUBBLE_SCHEDULE,
-                f"{len(plan.kernel_level)} encoder actions run inside LLM actions' TP gaps "
-                f"({format_ms(layer_level_s)} -> {format_ms(sim.step_time_s)} ms simulated)",
-                {"layer_level_step_s": layer_level_s, "step_s": sim.step_time_s},
-            )
-        )
+    decisions = _decisions(request, chosen, plan, sim, rows, used, layer_level_s)
     unit = chosen.problem.unit_s
     report = BubbleReport(
         request=request,
@@ -658,33 +649,121 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung)).with_decisions(*decisions)
 
 
-def _improve(cand: _Candidate, layer_graph, cluster, layer_settings, kernel_settings) -> None:
+def _decisions(
+    request, chosen: _Candidate, plan: Plan, sim: SimResult, rows, used: str, layer_level_s
+) -> list:
+    """What the pass decided, with its reasons: the encoder plan, the schedule, any run-ahead and
+    kernel-level work."""
+    phased_sim = chosen.phased_sim
+    decisions = [
+        Decision(
+            "encoder plan",
+            Reason.SEPARATE_ENCODER_PLAN,
+            f"{chosen.encoder} ({plan.parallel[ep.ENCODER_GROUP]}) beside the LLM's {request.parallel}: the "
+            f"fastest of {len(rows)} encoder plans tried (simulated {format_ms(sim.step_time_s)} ms)",
+            {"step_s": sim.step_time_s},
+        ),
+        Decision(
+            "schedule",
+            Reason.BUBBLE_SCHEDULE,
+            f"{used}: encoder work placed around the LLM's {request.schedule_name.value} order "
+            f"(phased {format_ms(phased_sim.step_time_s)} ms -> {format_ms(sim.step_time_s)} ms simulated)",
+            {"phased_step_s": phased_sim.step_time_s, "step_s": sim.step_time_s},
+        ),
+    ]
+    if plan.ahead:
+        microbatches = sorted({a.microbatch for a in plan.ahead})
+        decisions.append(
+            Decision(
+                "run ahead",
+                Reason.RUN_AHEAD,
+                f"the frozen encoder's forwards of microbatches {microbatches} run one global batch ahead, in "
+                f"the step before's bubbles: the LLM's first forwards wait for no encoder (outputs held "
+                f"across the step boundary are counted in memory)",
+                {"microbatches": float(len(microbatches)), "step_s": sim.step_time_s},
+            )
+        )
+    if plan.kernel_level:
+        decisions.append(
+            Decision(
+                "kernel level",
+                Reason.BUBBLE_SCHEDULE,
+                f"{len(plan.kernel_level)} encoder actions run inside LLM actions' TP gaps "
+                f"({format_ms(layer_level_s)} -> {format_ms(sim.step_time_s)} ms simulated)",
+                {"layer_level_step_s": layer_level_s, "step_s": sim.step_time_s},
+            )
+        )
+    return decisions
+
+
+def _improve(
+    cand: _Candidate, layer_graph, cluster, layer_settings, kernel_settings, *, run_ahead: bool, screen: bool
+) -> None:
     """Keep in ``cand`` the fastest of its schedule and the list scheduler's with these settings:
     the layer-level ones ranked by the problem's own timeline (the simulator's rules less the DP
     collectives) and only the best simulated, as simulating every one costs most of the pass's
     time at paper scale; the kernel-level ones (encoder work in the LLM's TP gaps, Optimus design
-    decision 3) simulated each."""
-    problem = cand.problem
-    layer_schedules = [
-        bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
-        for lookahead, fill_only in layer_settings
-    ]
-    schedules = []
-    if layer_schedules:
-        schedules.append(
-            (min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate_schedule(problem, acts))), {})
-        )
-    for lookahead, fill_only in kernel_settings:
-        riders: dict = {}
-        actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only, riders=riders)
-        schedules.append((actions, riders))
-    for actions, kernel_level in schedules:
-        plan = dataclasses.replace(cand.phased, actions=actions, kernel_level=kernel_level)
-        sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
-        if not kernel_level and cand.fits(sim):
-            cand.layer_level_s = min(cand.layer_level_s or sim.step_time_s, sim.step_time_s)
-        if (not cand.fits(sim), sim.step_time_s) < (not cand.fits(cand.sim), cand.sim.step_time_s):
-            cand.plan, cand.sim = plan, sim
+    decision 3) simulated each. A frozen encoder is scheduled with its forwards run one batch ahead
+    too (:func:`ahead_problem`)."""
+    problems = _problems(cand, cluster.ranks_on_this_machine, run_ahead=run_ahead, screen=screen)
+    for problem in problems:
+        layer_schedules = [
+            bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
+            for lookahead, fill_only in layer_settings
+        ]
+        schedules = []
+        if layer_schedules:
+            schedules.append(
+                (min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate_schedule(problem, acts))), {})
+            )
+        for lookahead, fill_only in kernel_settings:
+            riders: dict = {}
+            actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only, riders=riders)
+            schedules.append((actions, riders))
+        for actions, kernel_level in schedules:
+            plan = scheduled_plan(cand.phased, problem, actions, kernel_level)
+            sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
+            if not kernel_level and cand.fits(sim):
+                cand.layer_level_s = min(cand.layer_level_s or sim.step_time_s, sim.step_time_s)
+            if (not cand.fits(sim), sim.step_time_s) < (not cand.fits(cand.sim), cand.sim.step_time_s):
+                cand.plan, cand.sim, cand.problem = plan, sim, problem
+
+
+def _problems(
+    cand: _Candidate, local_ranks: bool, *, run_ahead: bool, screen: bool
+) -> list[bs.BubbleProblem]:
+    """The problems to schedule a candidate by: where the encoder's forwards may run ahead, with
+    them all ahead (:func:`ahead_problem`), and in the refinement also with none ahead where that
+    never beat the phased schedule (running ahead lifts constraints, but holds outputs)."""
+    ahead = ahead_problem(cand.base_problem, local_ranks) if run_ahead else None
+    if ahead is None:
+        return [cand.base_problem]
+    return [ahead] + ([] if screen or cand.problem.ahead else [cand.base_problem])
+
+
+def ahead_problem(problem: bs.BubbleProblem, local_ranks: bool) -> bs.BubbleProblem | None:
+    """Where no gradient reaches the encoder, ``problem`` with every microbatch's encoder forwards
+    run one global batch ahead, in the step before's bubbles (the LLM's forwards then wait for no
+    encoder); else None. On ranks this machine runs, only where each encoder pipeline lies on one
+    rank (the runtime runs a run-ahead chain on one rank). Running the first 1 or PP microbatches
+    ahead instead was no faster on Optimus' weak-C, strong-2048 and single-node setups, frozen
+    (simulated, 2026-11-26)."""
+    frozen = set(range(problem.encoder_stages)) <= problem.forward_only
+    one_rank = len({problem.stages[s].ranks for s in range(problem.encoder_stages)}) == 1
+    if not frozen or (local_ranks and not one_rank):
+        return None
+    return dataclasses.replace(problem, ahead=frozenset(range(problem.num_microbatches)))
+
+
+def scheduled_plan(phased: Plan, problem: bs.BubbleProblem, actions, kernel_level) -> Plan:
+    """``phased`` running a schedule of ``problem`` (its run-ahead forwards included)."""
+    return dataclasses.replace(
+        phased,
+        actions=actions,
+        kernel_level=kernel_level,
+        run_ahead=1 if problem.ahead else 0,
+        ahead=problem.ahead_actions,
+    )
 
 
 def _layer_level_hidden_s(plan: Plan, sim: SimResult, costs: PlanCosts) -> float:

@@ -140,3 +140,20 @@ def first_forwards_swapped(plan: Plan) -> Plan:
     a, b = (i for i, act in enumerate(first) if act.kind.value == "F" and act.microbatch in (0, 1))
     first[a], first[b] = first[b], first[a]
     return dataclasses.replace(plan, actions=(tuple(first), *plan.actions[1:]))
+
+
+def run_ahead_plan(layer_graph, *, pp: int = 2, dp: int = 1, global_batch: int, ahead: int) -> Plan:
+    """The frozen encoder replicated over ``pp`` ranks beside the LLM's 1F1B stages, scheduled by
+    the greedy bubble scheduler with the forwards of the first ``ahead`` microbatches run one
+    global batch ahead (``Plan.ahead``)."""
+    from vlmcompile.cost_models.stage_costs import plan_costs
+    from vlmcompile.passes.bubbles import scheduled_plan
+    from vlmcompile.planning.bubble_schedule import greedy, problem_from
+
+    phased = separate_plan(layer_graph, pp=pp, dp=dp, encoder_pp=1, global_batch=global_batch)
+    cluster = Cluster.preset(f"cpu:{pp * dp}")
+    problem = problem_from(phased, plan_costs(phased, layer_graph, cluster), 2**40, local_ranks=True)
+    problem = dataclasses.replace(problem, ahead=frozenset(range(ahead)))
+    plan = scheduled_plan(phased, problem, greedy(problem), {})
+    plan.validate(layer_graph)
+    return plan

@@ -194,6 +194,17 @@ def _frozen_plan_on_trained_model(tmp: Path):
     return pipe.runner(_encoder_alone(_frozen_pipe().layer_graph))
 
 
+def _run_ahead_on_trainable_encoder(tmp: Path):
+    """A run-ahead plan made for the frozen encoder, its JSON run on the model whose encoder trains."""
+    from tests.pipeline_helpers import run_ahead_plan
+    from vlmcompile.ir.plan import Plan
+
+    plan = run_ahead_plan(_frozen_pipe().layer_graph, global_batch=4, ahead=2)
+    plan.save(tmp / "ahead.json")
+    pipe, _ = _pipe()
+    return pipe.runner(Plan.load(tmp / "ahead.json"))
+
+
 def _load_missing_plan(tmp: Path):
     from vlmcompile.ir.plan import Plan
 
@@ -631,6 +642,12 @@ CASES = {
         "plan file",
         "a plan that gives a trainable stage no backward actions",
         _frozen_plan_on_trained_model,
+        "stage 0 has no backward actions, but its layer encoders.0.embed needs one (it trains)",
+    ),
+    "plan-run-ahead-on-trainable": Case(
+        "plan file",
+        "a plan that runs the encoder's forwards a batch ahead, on a model whose encoder trains",
+        _run_ahead_on_trainable_encoder,
         "stage 0 has no backward actions, but its layer encoders.0.embed needs one (it trains)",
     ),
     "plan-cli-json": Case(

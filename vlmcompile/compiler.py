@@ -248,6 +248,8 @@ def _plan_pass(state: CompileState, *, solver: SolverOptions, progress: bool, sp
         global_batch, packed = _packed_rows(state)
         space = dataclasses.replace(space, microbatch_sizes=(1,), round_up_global_batch=True)
         graph = _expected_time(state)
+        # Packed steps re-plan their schedules per batch, which keep no forward a batch ahead.
+        solver = dataclasses.replace(solver, run_ahead=False)
     check = state.gm.meta.get(LOSS_SPLIT_META)
     coupled = check is not None and check.verdict is LossSplit.BATCH_COUPLED
     cut = state.gm.meta.get(COUPLING_META)

@@ -114,11 +114,16 @@ class CompiledPipeline:
             raise ValueError("no plan: compile with a cluster (e.g. cluster='cpu:2'), or pass plan=...")
         return make_runner(self, plan, timeout_s=timeout_s)
 
-    def step(self, batch: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Any:
+    def step(
+        self,
+        batch: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        next_batch: Mapping[str, Any] | None = None,
+    ) -> Any:
         """One training step of ``self.plan`` on this rank (under torchrun, every rank calls it
         with the same global batch); returns the loss. Gradients land in the ``.grad`` of
         ``self.parameters()``. A pipeline compiled for samples of different shapes takes the
-        step's samples as a list (:meth:`pack`)."""
+        step's samples as a list (:meth:`pack`). ``next_batch``: the next step's batch, where the
+        plan runs a frozen encoder's forwards one batch ahead (``Plan.ahead``)."""
         if self.plan is None and self.tower_plan is not None:
             if "towers" not in self._runners:
                 self._runners["towers"] = self.tower_step or self.contrastive_step()
@@ -132,7 +137,7 @@ class CompiledPipeline:
                     f"microbatches of {self.packed.tokens} LLM tokens (samples {list(batch.deferred)[:8]}); give "
                     "fewer samples a step, or compile with a larger tokens_per_microbatch"
                 )
-        return runner.step(batch)
+        return runner.step(batch, next_batch=next_batch)
 
     @property
     def packed(self) -> PackedLayout | None:

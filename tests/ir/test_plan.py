@@ -211,3 +211,48 @@ def test_an_encoder_group_that_does_not_cover_the_gpus_is_named():
         r"it must be held by 2 rank\(s\)",
     ):
         _encoder_replicated_plan(stages=tuple(stages)).validate()
+
+
+@pytest.fixture(scope="module")
+def run_ahead(demo_graph):
+    """The demo with its vision tower frozen: the encoder's forwards of microbatches 0 and 1 run
+    one global batch ahead."""
+    from tests.pipeline_helpers import run_ahead_plan
+
+    frozen = demo_graph.with_frozen(["vision"])
+    return frozen, run_ahead_plan(frozen, global_batch=4, ahead=2)
+
+
+def test_a_run_ahead_plan_validates_round_trips_and_says_what_it_carries(run_ahead, tmp_path):
+    frozen, plan = run_ahead
+    assert plan.run_ahead == 1 and {str(a) for a in plan.ahead} == {"0F0", "0F1"}
+    assert {str(a): str(c) for a, c in plan.carried().items()} == {"0F0": "1F0", "0F1": "1F1"}
+    plan.save(tmp_path / "plan.json")
+    back = Plan.load(tmp_path / "plan.json")
+    assert back == plan and back.ahead == plan.ahead
+    back.validate(frozen)
+    assert "2 forwards run one global batch ahead" in str(plan)
+
+
+def test_without_its_run_ahead_the_same_lists_are_another_plan(run_ahead):
+    """The LLM's first forwards of microbatches 0 and 1 take the outputs of the step before; read
+    as this step's, they wait for encoder forwards that come after them in their rank's list."""
+    frozen, plan = run_ahead
+    timed = dataclasses.replace(plan, run_ahead=0, ahead=frozenset())
+    with pytest.raises(PlanError, match="deadlock: rank 0 is stuck at step 1 on 1F1, waiting for 0F1"):
+        timed.validate(frozen)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(run_ahead=2), "at most one global batch ahead"),
+        (dict(ahead=frozenset()), "run_ahead=1 with 0 forwards ahead"),
+        (dict(ahead=frozenset({Action(1, ActionKind.F, 0)})), "only forwards of stages no gradient reaches"),
+        (dict(ahead=frozenset({Action(0, ActionKind.F, 9)})), "is in no rank's action list"),
+    ],
+)
+def test_a_malformed_run_ahead_is_named(run_ahead, change, message):
+    _, plan = run_ahead
+    with pytest.raises(PlanError, match=message):
+        dataclasses.replace(plan, **change).validate()

@@ -268,3 +268,26 @@ def test_a_frozen_encoder_runs_forwards_only_in_the_bubbles_and_costs_less(demo_
     # No vision backward, no vision weight gradient to reduce: a shorter step than training it.
     assert result.report.step_s < trained.report.step_s
     assert result.report.step_s == pytest.approx(simulate(plan, frozen_graph, CLUSTER).step_time_s)
+
+
+def test_a_frozen_encoder_runs_the_next_batchs_forwards_in_this_steps_bubbles():
+    """Optimus' single-node setup with its vision tower frozen (its projector trains, in the LLM's
+    first stage): with the encoder forwards a batch ahead the LLM's first forwards wait for no
+    encoder, and the step comes within 2 % of the same LLM alone."""
+    setup = SETUPS["optimus-single-node"]
+    graph = zoo_layer_graph(setup.model).with_frozen(["vision"])
+    cluster, request = Cluster.preset(setup.cluster), setup.request()
+    ahead = bubbles(graph, cluster, request, solver=SolverOptions(time_limit_s=2, workers=2))
+    without = bubbles(
+        graph, cluster, request, solver=SolverOptions(time_limit_s=2, workers=2, run_ahead=False)
+    )
+    plan = ahead.plan
+    plan.validate(graph)
+    assert plan.run_ahead == 1 and plan.ahead and not without.plan.ahead
+    assert all(graph[n].region is Region.PROJECTOR for n in plan.stages[1].layers[:1]), (
+        "the trainable projector leaves the frozen encoder's stage"
+    )
+    assert Reason.RUN_AHEAD in {d.reason for d in plan.decisions}
+    assert ahead.sim.step_time_s < without.sim.step_time_s
+    assert ahead.sim.step_time_s <= 1.02 * ahead.report.llm_alone_step_s
+    assert ahead.sim.step_time_s == pytest.approx(simulate(plan, graph, cluster).step_time_s)

@@ -306,3 +306,25 @@ def test_a_frozen_encoder_stage_gets_forwards_only_from_every_scheduler(demo_gra
         scheduled = dataclasses.replace(plan, actions=actions, kernel_level=kernel_level)
         scheduled.validate(frozen)
         assert scheduled.forward_only_stages() == {0}
+
+
+def test_encoder_forwards_a_batch_ahead_wait_for_nothing_and_fill_the_cool_down():
+    """A frozen encoder (forwards only) whose work fits the LLM's cool-down bubbles: run a batch
+    ahead, the step is the LLM's alone (4 ranks, 8 microbatches of 4 + 8 units: 8 x 12 + 3 x 12);
+    run in the step, the LLM's first forward waits for the first encoder forward."""
+    import dataclasses
+
+    base = make_problem(ranks=4, microbatches=8, encoder_pp=1, enc_times=[(3, 6)], llm_times=[(4, 8)] * 4)
+    base = dataclasses.replace(base, forward_only=frozenset({0}))
+    llm_alone = 8 * 12 + 3 * 12
+    in_step = solve_schedule(base, time_limit_s=5, num_workers=2)
+    ahead = dataclasses.replace(base, ahead=frozenset(range(8)))
+    solved = solve_schedule(ahead, time_limit_s=5, num_workers=2)
+    assert solved.status == "OPTIMAL" and solved.step == llm_alone
+    assert in_step.step >= llm_alone + 3
+    for actions in (greedy(ahead), solved.actions):
+        listed = [a for acts in actions for a in acts]
+        assert sorted(a for a in listed if a.stage == 0) == sorted(ahead.ahead_actions)
+        assert evaluate_schedule(ahead, actions).step <= in_step.step
+    with pytest.raises(PlanError, match="only when no gradient reaches the encoder"):
+        dataclasses.replace(base, forward_only=frozenset(), ahead=frozenset({0}))

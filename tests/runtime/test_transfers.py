@@ -85,6 +85,10 @@ class _Lists:
 
     actions: tuple
     num_stages: int
+    ahead: frozenset = frozenset()
+
+    def carried(self):
+        return {}
 
     def rank_of_action(self):
         return {a: r for r, acts in enumerate(self.actions) for a in acts}

@@ -45,3 +45,19 @@ def test_pattern_bytes_counts_kept_bytes_per_microbatch_and_the_running_transien
     assert pattern_bytes((((0, 2), (1, 3)), -1), keep, transient) + 7.0 == pattern_bytes(
         (((0, 2), (1, 3)), 1), keep, transient
     )
+
+
+def test_outputs_made_a_batch_ahead_are_held_across_the_step_boundary():
+    """Rank 0 takes 0F0's output (made the step before) in 1F0 and makes the next batch's 0F0
+    and 0F1; 0F1's output goes to rank 1's 1F1 at the next step's start."""
+    from vlmcompile.ir.actions import Action
+    from vlmcompile.sim.in_flight import held_across_steps
+
+    F, B = ActionKind.F, ActionKind.B
+    carried = {Action(0, F, 0): Action(1, F, 0), Action(0, F, 1): Action(1, F, 1)}
+    rank_0 = [Action(1, F, 0), Action(0, F, 0), Action(1, B, 0), Action(0, F, 1)]
+    # 1F0 holds its input while it runs; then the step's own 0F0 and 0F1 outputs stay.
+    assert held_across_steps(rank_0, carried, [10, 0]) == [10, 10, 10, 20]
+    # Rank 1 gets 0F1's output as the step starts and holds it until 1F1 has taken it.
+    rank_1 = [Action(1, F, 1), Action(1, B, 1)]
+    assert held_across_steps(rank_1, carried, [10, 0]) == [10, 0]

@@ -67,17 +67,36 @@ class Action:
         return cls(int(match[1]), ActionKind(match[2]), int(match[3]))
 
 
+_INTERNED: dict[frozenset[Action], frozenset[Action]] = {}
+
+
+def interned(ahead: frozenset[Action]) -> frozenset[Action]:
+    """One object for every equal set of run-ahead forwards. :func:`dependencies` is cached on
+    its arguments, and a lookup with an equal set that is another object compares the two sets
+    whole (hundreds of actions at paper scale), on every call; the same object compares at once."""
+    if len(_INTERNED) > 256:
+        _INTERNED.clear()
+    return _INTERNED.setdefault(ahead, ahead)
+
+
 @lru_cache(maxsize=1 << 18)
 def dependencies(
-    action: Action, num_stages: int, split_backward: frozenset[int] = frozenset()
+    action: Action,
+    num_stages: int,
+    split_backward: frozenset[int] = frozenset(),
+    ahead: frozenset[Action] = frozenset(),
 ) -> tuple[Action, ...]:
     """The actions that must finish before ``action`` may start. ``split_backward`` holds the
     stages whose backward runs as I + W (their input gradient is what the stage before waits for).
-    Cached: timing a schedule asks for every action's, and re-planning times many schedules of
-    the same actions."""
+    ``ahead`` holds the forwards that run for the next global batch (``Plan.ahead``): a forward
+    of this batch whose input such a forward makes got it from the step before, and waits for
+    nothing. Cached: timing a schedule asks for every action's, and re-planning times many
+    schedules of the same actions."""
     s, m = action.stage, action.microbatch
     if action.kind is ActionKind.F:
-        return (Action(s - 1, ActionKind.F, m),) if s > 0 else ()
+        if s == 0 or (action not in ahead and Action(s - 1, ActionKind.F, m) in ahead):
+            return ()
+        return (Action(s - 1, ActionKind.F, m),)
     if action.kind is ActionKind.W:
         return (Action(s, ActionKind.I, m),)
     if s + 1 < num_stages:
@@ -101,13 +120,16 @@ def execution_order(
     num_stages: int,
     split_backward: frozenset[int] = frozenset(),
     hosts: Mapping[Action, Sequence[Action]] | None = None,
+    ahead: frozenset[Action] = frozenset(),
 ) -> tuple[list[tuple[int, int, Action]], list[int]]:
     """Run the lists with every action taking no time. Returns (rank, step, action) in an order
     where each action follows its rank's earlier actions and its dependencies, and where each
     rank stopped: ``len`` of its list when it finished, else the step it is stuck at (deadlock).
     ``hosts`` maps kernel-level actions to the actions they run inside (``Plan.hosts_of``): their
-    output is ready when their last host is done."""
+    output is ready when their last host is done; ``ahead``: the forwards for the next batch
+    (:func:`dependencies`)."""
     hosts = hosts or {}
+    ahead = interned(ahead)
     done: set[Action] = set()
     order: list[tuple[int, int, Action]] = []
     position = [0] * len(rank_actions)
@@ -128,7 +150,7 @@ def execution_order(
         for rank, acts in enumerate(rank_actions):
             while position[rank] < len(acts):
                 a = acts[position[rank]]
-                if not all(ready(d, a) for d in dependencies(a, num_stages, split_backward)):
+                if not all(ready(d, a) for d in dependencies(a, num_stages, split_backward, ahead)):
                     break
                 done.add(a)
                 order.append((rank, position[rank], a))

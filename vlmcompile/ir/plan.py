@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
 
-from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order, format_grid
+from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order, format_grid, interned
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.placement import Placement, PlacementStyle
 
@@ -89,6 +89,8 @@ class Reason(str, enum.Enum):
     """Microbatches and activation policy of a contrastive step, chosen by memory."""
     TOWER_PLACEMENT = "tower_placement"
     """Each tower of a contrastive model on ranks of its own (DistMM)."""
+    RUN_AHEAD = "run_ahead"
+    """A frozen encoder's forwards for the next global batch run in this step's bubbles."""
     TOWER_TIMES = "tower_times"
     """A contrastive plan predicted with layer times measured at each tower's microbatch."""
 
@@ -207,11 +209,25 @@ class Plan:
     first host starts; its outputs are ready when its last host ends. How the work spreads over
     the hosts is the simulator's (:mod:`vlmcompile.sim.kernel_stream`). The runtime runs them
     before their first host, one after the other."""
+    run_ahead: int = 0
+    """How many global batches ahead of the step the actions in :attr:`ahead` work: 0 (none) or
+    1. A frozen encoder's forwards do not depend on the step's weight update, so the next
+    batch's may run in this step's bubbles (Megatron MIMO's encoder prefetch does the same)."""
+    ahead: frozenset[Action] = frozenset()
+    """Forwards of stages no gradient reaches that run on the next global batch's microbatch
+    (its step then starts with their outputs: they wait for nothing this step, and nothing this
+    step waits for them). Their outputs are held across the step boundary (the simulator counts
+    them); the runtime computes them at the start of a step when it has none (the first step,
+    after a resume, or a batch other than the one promised)."""
     precision: Precision = field(default_factory=Precision)
     cluster: str = ""
     decisions: tuple[Decision, ...] = ()
     fingerprint: str = ""
     """``LayerGraph.fingerprint()`` of the model the plan was made for ("" for hand-made plans)."""
+
+    def __post_init__(self):
+        # One object per equal set: dependencies() is cached on it (see interned()).
+        object.__setattr__(self, "ahead", interned(frozenset(self.ahead)))
 
     # ---- views -----------------------------------------------------------------------------
     @property
@@ -260,6 +276,15 @@ class Plan:
         backward = {a.stage for acts in self.actions for a in acts if a.kind is not ActionKind.F}
         return frozenset(s.index for s in self.stages if s.index not in backward)
 
+    def carried(self) -> dict[Action, Action]:
+        """The forwards of :attr:`ahead` whose output crosses the step boundary -> the forward of
+        the next step that takes it (its consumer, not ahead itself)."""
+        return {
+            a: Action(a.stage + 1, ActionKind.F, a.microbatch)
+            for a in self.ahead
+            if Action(a.stage + 1, ActionKind.F, a.microbatch) not in self.ahead
+        }
+
     def split_backward(self) -> frozenset[int]:
         """Stages whose backward runs as separate I and W actions."""
         return frozenset(a.stage for acts in self.actions for a in acts if a.kind is ActionKind.I)
@@ -293,6 +318,8 @@ class Plan:
             f"plan '{self.policy}' for {self.model} on {self.cluster or '?'}: {par}; "
             f"{self.num_microbatches} microbatches of {self.microbatch_size}; schedule {self.schedule}"
         )
+        if self.ahead:
+            head += f"; {len(self.ahead)} forwards run one global batch ahead"
         decisions = [f"  - [{d.reason.value}] {d.subject}: {d.detail}" for d in self.decisions]
         return "\n".join([head, "", self.stage_table(), "", "decisions:", *decisions])
 
@@ -313,6 +340,8 @@ class Plan:
             "stages": [asdict(s) for s in self.stages],
             "recompute": {k: v.value for k, v in self.recompute.items()},
             "kernel_level": {str(a): span for a, span in sorted(self.kernel_level.items())},
+            "run_ahead": self.run_ahead,
+            "ahead": [str(a) for a in sorted(self.ahead)],
             "actions": [[str(a) for a in acts] for acts in self.actions],
             "decisions": [
                 {
@@ -376,6 +405,11 @@ class Plan:
                     Action.from_str(a): _Reader.typed(span, int, f"kernel_level[{a!r}]")
                     for a, span in r.get("kernel_level", dict, {}).items()
                 },
+                run_ahead=r.get("run_ahead", int, 0),
+                ahead=frozenset(
+                    Action.from_str(_Reader.typed(a, str, f"ahead[{i}]"))
+                    for i, a in enumerate(r.get("ahead", list, []))
+                ),
                 actions=tuple(
                     tuple(
                         Action.from_str(_Reader.typed(a, str, f"actions[{rank}][{step}]"))
@@ -422,6 +456,7 @@ class Plan:
         if layer_graph is not None:
             _check_layers(self, layer_graph)
         _check_actions(self)
+        _check_ahead(self)
         _check_kernel_level(self)
         _check_deadlock(self)
 
@@ -758,13 +793,42 @@ def _check_kernel_level(plan: Plan) -> None:
                 + plan.grid_around(rank, step, "<- too few hosts")
             )
         for host in hosts[a]:
-            if a in dependencies(host, plan.num_stages, split) or host in dependencies(
-                a, plan.num_stages, split
+            if a in dependencies(host, plan.num_stages, split, plan.ahead) or host in dependencies(
+                a, plan.num_stages, split, plan.ahead
             ):
                 raise PlanError(
                     f"rank {rank} step {step}: kernel-level {a} and its host {host} depend on each other; they "
                     "cannot run at once\n" + plan.grid_around(rank, step, "<- depends on its host")
                 )
+
+
+def _check_ahead(plan: Plan) -> None:
+    """Run-ahead forwards: one global batch ahead at most, of stages no gradient reaches, each
+    with its input made ahead too (or none: the first stage)."""
+    if plan.run_ahead not in (0, 1):
+        raise PlanError(
+            f"run_ahead={plan.run_ahead}; vlmcompile runs forwards at most one global batch ahead (0 or 1)"
+        )
+    if bool(plan.ahead) != bool(plan.run_ahead):
+        raise PlanError(
+            f"run_ahead={plan.run_ahead} with {len(plan.ahead)} forwards ahead; give run_ahead=1 with the "
+            "forwards that run for the next batch, or run_ahead=0 with none"
+        )
+    scheduled = {a for acts in plan.actions for a in acts}
+    forward_only = plan.forward_only_stages()
+    for a in sorted(plan.ahead):
+        if a not in scheduled:
+            raise PlanError(f"run-ahead forward {a} is in no rank's action list")
+        if a.kind is not ActionKind.F or a.stage not in forward_only:
+            raise PlanError(
+                f"{a} runs ahead, but only forwards of stages no gradient reaches may (their weights do "
+                f"not change in the step; forward-only stages: {sorted(forward_only)})"
+            )
+        if a.stage > 0 and Action(a.stage - 1, ActionKind.F, a.microbatch) not in plan.ahead:
+            raise PlanError(
+                f"{a} runs ahead, but its input {Action(a.stage - 1, ActionKind.F, a.microbatch)} does not: "
+                "a forward for the next batch needs its input from the next batch"
+            )
 
 
 def _holders_text(stage: Stage) -> str:
@@ -775,7 +839,7 @@ def _check_deadlock(plan: Plan) -> None:
     """Run the action lists with every action taking no time: a deadlock is a state where no
     rank's next action has its inputs."""
     split = plan.split_backward()
-    order, position = execution_order(plan.actions, plan.num_stages, split, plan.hosts_of())
+    order, position = execution_order(plan.actions, plan.num_stages, split, plan.hosts_of(), plan.ahead)
     done = {a for _, _, a in order}
     stuck = [r for r in range(plan.num_ranks) if position[r] < len(plan.actions[r])]
     if not stuck:
@@ -788,7 +852,7 @@ def _check_deadlock(plan: Plan) -> None:
     mark = {}
     for r in stuck:
         a = plan.actions[r][position[r]]
-        waits = [d for d in dependencies(a, plan.num_stages, split) if d not in done]
+        waits = [d for d in dependencies(a, plan.num_stages, split, plan.ahead) if d not in done]
         desc = ", ".join(
             f"{d} (rank {where[d][0]} step {where[d][1]})" if d in where else f"{d} (nowhere)" for d in waits
         )

@@ -34,10 +34,14 @@ class VLM(nn.Module):
         """(images, tokens, width): each image's tokens, every encoder's in order (the pixels in
         the encoders' dtype: data comes as fp32, a model may be bf16)."""
         pixel_values = pixel_values.to(self.encoders[0].embed.conv.weight.dtype)
-        parts = [
-            projector(encoder(pixel_values)) for encoder, projector in zip(self.encoders, self.projectors)
-        ]
-        return torch.cat(parts, dim=1)
+        return torch.cat(self._projected(pixel_values), dim=1)
+
+    def _projected(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+        """Each encoder's projected tokens. Every encoder runs before any projector, so the
+        captured layer order keeps the towers together: frozen towers under trainable projectors
+        are then a prefix no gradient reaches (forwards only, and may run a batch ahead)."""
+        features = [encoder(pixel_values) for encoder in self.encoders]
+        return [projector(f) for projector, f in zip(self.projectors, features)]
 
     def forward(
         self,
@@ -66,10 +70,7 @@ class VLM(nn.Module):
                 image_token_index,
                 num_items_in_batch,
             )
-        parts = []
-        for encoder, projector in zip(self.encoders, self.projectors):
-            tokens = projector(encoder(pixel_values))
-            parts.append(tokens.reshape(input_ids.shape[0], -1, tokens.shape[-1]))
+        parts = [t.reshape(input_ids.shape[0], -1, t.shape[-1]) for t in self._projected(pixel_values)]
         parts.append(self.llm.embed(input_ids))
         return self.head(self.llm(torch.cat(parts, dim=1)), labels)
 

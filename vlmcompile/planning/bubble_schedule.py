@@ -40,12 +40,12 @@ from ortools.sat.python import cp_model
 
 from vlmcompile.cost_models.memory import fits
 from vlmcompile.cost_models.stage_costs import PlanCosts
-from vlmcompile.ir.actions import Action, ActionKind, dependencies
+from vlmcompile.ir.actions import Action, ActionKind, dependencies, interned
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Plan
 from vlmcompile.planning.list_clock import ListClock, Proposal
 from vlmcompile.sim import dp
-from vlmcompile.sim.in_flight import in_flight, pattern_bytes
+from vlmcompile.sim.in_flight import held_across_steps, in_flight, pattern_bytes
 from vlmcompile.sim.kernel_stream import HostFill, KernelStream
 from vlmcompile.sim.simulator import dp_layer
 from vlmcompile.sim.timeline import run_actions
@@ -78,6 +78,8 @@ class StageUnits:
     fwd_tp: int = 0
     """The part of ``fwd`` spent in TP collectives (the compute stream's gaps)."""
     bwd_tp: int = 0
+    out: int = 0
+    """Bytes of one microbatch's output (held across the step boundary when it runs ahead)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,10 @@ class BubbleProblem:
     every microbatch as costed. Memory stays at the figures (the plan's bound)."""
     forward_only: frozenset[int] = frozenset()
     """Encoder stages no gradient reaches (frozen, nothing trainable before them): forwards only."""
+    ahead: frozenset[int] = frozenset()
+    """Microbatches whose encoder forwards run one global batch ahead (``Plan.ahead``): this
+    step's are for the next batch, and the LLM's first forward of one has its input at the
+    step's start. Only where every encoder stage is forward-only (a frozen encoder)."""
 
     def __post_init__(self):
         if not 0 < self.encoder_stages < len(self.stages):
@@ -119,6 +125,24 @@ class BubbleProblem:
             )
         if any(not (math.isfinite(f) and f >= 0) for pair in self.work for f in pair):
             raise PlanError(f"work factors must be finite and at least 0; got {self.work}")
+        if self.ahead and not set(range(self.encoder_stages)) <= self.forward_only:
+            raise PlanError(
+                "encoder forwards run ahead only when no gradient reaches the encoder (frozen, nothing "
+                "trainable before it)"
+            )
+        if any(not 0 <= j < self.num_microbatches for j in self.ahead):
+            raise PlanError(
+                f"run-ahead microbatches {sorted(self.ahead)} outside 0..{self.num_microbatches - 1}"
+            )
+
+    @property
+    def ahead_actions(self) -> frozenset[Action]:
+        """The forwards that run for the next batch (``Plan.ahead``)."""
+        return interned(frozenset(Action(s, F, j) for j in self.ahead for s in range(self.encoder_stages)))
+
+    def carried(self) -> dict[Action, Action]:
+        """Run-ahead output -> the LLM forward that takes it (``Plan.carried``)."""
+        return {Action(self.encoder_stages - 1, F, j): Action(self.encoder_stages, F, j) for j in self.ahead}
 
     def with_work(self, work: Sequence[tuple[float, float]]) -> BubbleProblem:
         """The same schedule problem for microbatches of ``work`` (see :attr:`work`)."""
@@ -224,6 +248,7 @@ def problem_from(
             transient=math.ceil(c.transient_bytes),
             fwd_tp=units(c.fwd_tp_comm_s),
             bwd_tp=units(c.bwd_tp_comm_s),
+            out=math.ceil(c.out_bytes),
         )
         for stage, c in zip(plan.stages, stage_costs)
     )
@@ -275,12 +300,20 @@ def evaluate_schedule(problem: BubbleProblem, actions: RankActions) -> ScheduleE
     return ScheduleEvaluation(round(_step(problem, actions)), peaks, fits(peaks, problem.mem_limit))
 
 
+def _timed(problem: BubbleProblem, actions: RankActions) -> list:
+    """The actions of a schedule timed by the problem's figures alone (no DP collectives)."""
+    return run_actions(
+        actions,
+        problem.num_stages,
+        duration=lambda a, _s: problem.duration(a),
+        transfer=problem.transfer,
+        ahead=problem.ahead_actions,
+    )
+
+
 def _step(problem: BubbleProblem, actions: RankActions) -> float:
     if not any(layer.gather or layer.reduce for stage in problem.dp_layers for layer in stage):
-        timed = run_actions(
-            actions, problem.num_stages, duration=lambda a, _s: problem.duration(a), transfer=problem.transfer
-        )
-        return max((t.end_s for t in timed), default=0)
+        return max((t.end_s for t in _timed(problem, actions)), default=0)
     gathered, _ = dp.gather_times(actions, problem.dp_layers)
     rank_of = {a: rank for rank, acts in enumerate(actions) for a in acts}
     first_forwards: set[tuple[int, int]] = set()
@@ -292,7 +325,9 @@ def _step(problem: BubbleProblem, actions: RankActions) -> float:
         first_forwards.add((rank, a.stage))
         return problem.duration(a) + dp.parameter_wait(problem.dp_layers[a.stage], start, gathered[rank])
 
-    timed = run_actions(actions, problem.num_stages, duration=duration, transfer=problem.transfer)
+    timed = run_actions(
+        actions, problem.num_stages, duration=duration, transfer=problem.transfer, ahead=problem.ahead_actions
+    )
     last_end = [0.0] * problem.num_ranks
     for t in timed:
         last_end[t.rank] = max(last_end[t.rank], t.end_s)
@@ -308,7 +343,10 @@ def _step(problem: BubbleProblem, actions: RankActions) -> float:
 def rank_peak(problem: BubbleProblem, acts: Sequence[Action]) -> int:
     keep = [s.keep for s in problem.stages]
     transient = [s.transient for s in problem.stages]
-    return max((pattern_bytes(p, keep, transient) for p in in_flight(acts)), default=0)
+    across = held_across_steps(acts, problem.carried(), [s.out for s in problem.stages])
+    return max(
+        (pattern_bytes(p, keep, transient) + held for p, held in zip(in_flight(acts), across)), default=0
+    )
 
 
 # ---- the list scheduler ----------------------------------------------------------------------
@@ -350,7 +388,9 @@ class _ListScheduler:
 
     def __init__(self, problem: BubbleProblem, lookahead: int, fill_only: bool, *, kernels: _Kernels | None):
         self.p, self.lookahead, self.fill_only, self.kernels = problem, lookahead, fill_only, kernels
-        self.clock = ListClock(problem.num_ranks, problem.num_stages, transfer=problem.transfer)
+        self.clock = ListClock(
+            problem.num_ranks, problem.num_stages, transfer=problem.transfer, ahead=problem.ahead_actions
+        )
         m = problem.num_microbatches
         self.position = [0] * problem.num_ranks
         self.out: list[list[Action]] = [[] for _ in range(problem.num_ranks)]
@@ -414,15 +454,15 @@ class _ListScheduler:
             start = clock.start_at(a, rank)
             if start is None:
                 continue
-            urgent = a.kind is F and a.microbatch == self.need
+            urgent = a.kind is F and a.microbatch == self.need and a.microbatch not in p.ahead
             if not urgent and a.kind is F and self.live[rank] + self.keep[a.stage] > p.mem_limit[rank]:
                 continue  # the one the LLM waits for runs anyway: the evaluation says if it fits
             if llm_start is not None and not urgent:
                 if start + p.duration(a) > llm_start if self.fill_only else start >= llm_start:
                     continue
-            priority = (
-                (0 if urgent else 1 if a.kind is B else 2) * (p.num_microbatches + 1) + a.microbatch + 1
-            )
+            # Run-ahead forwards (for the next batch) last: nothing this step waits for them.
+            rank_of_kind = 0 if urgent else 1 if a.kind is B else 3 if a.microbatch in p.ahead else 2
+            priority = rank_of_kind * (p.num_microbatches + 1) + a.microbatch + 1
             if choice is None or (start, priority) < choice[:2]:
                 choice = (start, priority, a)
         return choice
@@ -460,7 +500,10 @@ class _ListScheduler:
             and r <= start
             and (
                 e.kind is not F
-                or (e.microbatch > self.need and self.live[rank] + self.keep[e.stage] <= p.mem_limit[rank])
+                or (
+                    (e.microbatch > self.need or e.microbatch in p.ahead)
+                    and self.live[rank] + self.keep[e.stage] <= p.mem_limit[rank]
+                )
             )
         )
 
@@ -505,7 +548,12 @@ class _Kernels:
         closing = {
             e
             for e in stream.remaining
-            if after is None or (e.kind is F and (waited >> e.microbatch & 1 or e.microbatch <= need))
+            if after is None
+            or (
+                e.kind is F
+                and e.microbatch not in p.ahead
+                and (waited >> e.microbatch & 1 or e.microbatch <= need)
+            )
         }
         gap, busy = _split(p, a)
         fill = HostFill(gap, busy)
@@ -533,6 +581,7 @@ def _forward_needs(problem: BubbleProblem) -> dict[Action, int]:
     """Per LLM action, the microbatches whose encoder forward it waits for, directly or through
     the LLM's other actions (their rank order and stage dependencies), as a bit mask."""
     first = problem.first_llm_stage
+    ahead = problem.ahead_actions
     needs: dict[Action, int] = {}
     position = [0] * problem.num_ranks
     progress = True
@@ -541,13 +590,15 @@ def _forward_needs(problem: BubbleProblem) -> dict[Action, int]:
         for rank, acts in enumerate(problem.llm_actions):
             while position[rank] < len(acts):
                 a = acts[position[rank]]
-                inputs = [d for d in dependencies(a, problem.num_stages) if d.stage >= first]
+                inputs = [
+                    d for d in dependencies(a, problem.num_stages, frozenset(), ahead) if d.stage >= first
+                ]
                 if any(d not in needs for d in inputs):
                     break
                 mask = needs[acts[position[rank] - 1]] if position[rank] else 0
                 for d in inputs:
                     mask |= needs[d]
-                if a.stage == first and a.kind is F:
+                if a.stage == first and a.kind is F and a.microbatch not in problem.ahead:
                     mask |= 1 << a.microbatch
                 needs[a] = mask
                 position[rank] += 1
@@ -576,15 +627,17 @@ def _encoder_candidates(
     """Encoder actions ``rank`` may run next: each microbatch's next one (its encoder actions run
     in dependency order), on the rank its pipeline puts it (a microbatch not yet given to a
     pipeline: its first forward, on any first rank); forwards at most ``lookahead`` microbatches
-    ahead of the one the LLM needs next."""
+    ahead of the one the LLM needs next (run-ahead ones: of the first not started)."""
     out = []
+    unstarted = [j for j in sorted(problem.ahead) if j not in pipeline_of]
+    ahead_limit = unstarted[0] + lookahead if unstarted else problem.num_microbatches
     for j, seq in enumerate(sequences):
         if done[j] == len(seq):
             continue
         a = seq[done[j]]
         if kernels is not None and a in kernels.open:
             continue  # running at kernel level: its microbatch's next action waits for it
-        if a.kind is F and j >= need + lookahead:
+        if a.kind is F and j >= (ahead_limit if j in problem.ahead else need + lookahead):
             continue
         k = pipeline_of.get(j)
         if k is None:
@@ -739,8 +792,9 @@ class _ScheduleModel:
     def _dependencies(self) -> None:
         p, cp = self.p, self.cp
         every = [a for (a, k) in self.vars if k <= 0]
+        ahead = p.ahead_actions
         for a in every:
-            for d in dependencies(a, p.num_stages):
+            for d in dependencies(a, p.num_stages, frozenset(), ahead):
                 for start, _, rank, lit in self._copies(a):
                     for _, d_end, d_rank, d_lit in self._copies(d):
                         gap = p.transfer(d, a) if d_rank != rank else 0
@@ -779,8 +833,7 @@ class _ScheduleModel:
 
     def add_hint(self, actions: RankActions) -> None:
         p = self.p
-        timed = run_actions(actions, p.num_stages, duration=lambda a, _s: p.duration(a), transfer=p.transfer)
-        where = {t.action: (t.rank, int(t.start_s), int(t.end_s)) for t in timed}
+        where = {t.action: (t.rank, int(t.start_s), int(t.end_s)) for t in _timed(p, actions)}
         for j in range(p.num_microbatches):
             first = Action(0, F, j)
             k = p.stages[0].ranks.index(where[first][0]) if first in where else 0

@@ -29,7 +29,10 @@ from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.placement import replicated_stage_ranks
 from vlmcompile.ir.plan import Parallel, Stage
-from vlmcompile.ir.regions import ENCODER_SIDE  # the projector runs as the encoder's last layer (Optimus)
+from vlmcompile.ir.regions import (  # the projector runs as the encoder's last layer (Optimus)
+    ENCODER_SIDE,
+    Region,
+)
 from vlmcompile.planning.chunks import balanced_split, chunks_of
 
 ENCODER_GROUP = "encoder"
@@ -95,7 +98,11 @@ class EncoderPlan:
 def encoder_layer_count(layer_graph: LayerGraph) -> int:
     """How many layers at the start of the layer order are encoder work (vision towers and their
     projectors). 0 for a model without an encoder. A model whose encoder layers are not a prefix
-    (some LLM layer runs before an encoder's) cannot be given a plan of its own here."""
+    (some LLM layer runs before an encoder's) cannot be given a plan of its own here.
+
+    A frozen vision tower under a projector that trains (LLaVA's second stage) counts without
+    the projector, which joins the LLM's first stage: the tower then has no backward at all, and
+    its forwards may run a batch ahead (``Plan.ahead``)."""
     regions = [layer.region for layer in layer_graph.layers]
     count = next((i for i, r in enumerate(regions) if r not in ENCODER_SIDE), len(regions))
     later = [layer_graph.layers[i].name for i in range(count, len(regions)) if regions[i] in ENCODER_SIDE]
@@ -105,6 +112,12 @@ def encoder_layer_count(layer_graph: LayerGraph) -> int:
             "encoder plan needs the encoders (and projectors) before every LLM layer in the captured order, so "
             "only one chain of stage cuts plans this model (vlmcompile's partition, megatron_balanced)"
         )
+    no_gradient = layer_graph.forward_only()
+    frozen = next((i for i in range(count) if layer_graph.layers[i].name not in no_gradient), count)
+    if 0 < frozen < count and all(
+        layer_graph.layers[i].region == Region.PROJECTOR for i in range(frozen, count)
+    ):
+        return frozen
     return count
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-from vlmcompile.ir.actions import Action, dependencies
+from vlmcompile.ir.actions import Action, dependencies, interned
 from vlmcompile.ir.errors import PlanError
 
 Proposal = tuple[float, Any, Action]
@@ -32,8 +32,11 @@ class ListClock:
         *,
         transfer: Callable[[Action, Action], float] = lambda _dep, _action: 0,
         split_backward: frozenset[int] = frozenset(),
+        ahead: frozenset[Action] = frozenset(),
     ):
         self.num_ranks, self.num_stages = num_ranks, num_stages
+        self.ahead = interned(ahead)
+        """Forwards for the next global batch (``Plan.ahead``)."""
         self.transfer = transfer
         self.split_backward = split_backward
         self.free: list[float] = [0] * num_ranks
@@ -42,7 +45,7 @@ class ListClock:
         self._ready: dict[tuple[Action, int], float] = {}  # once every input is committed, it stays put
 
     def inputs(self, a: Action) -> tuple[Action, ...]:
-        return dependencies(a, self.num_stages, self.split_backward)
+        return dependencies(a, self.num_stages, self.split_backward, self.ahead)
 
     def ready_at(self, a: Action, rank: int) -> float | None:
         """When ``a``'s inputs are on ``rank``; None while one of them is not committed."""
@@ -52,7 +55,7 @@ class ListClock:
             return t
         t = 0
         ends = self.ends
-        for d in dependencies(a, self.num_stages, self.split_backward):
+        for d in dependencies(a, self.num_stages, self.split_backward, self.ahead):
             ended = ends.get(d)
             if ended is None:
                 return None

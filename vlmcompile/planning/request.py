@@ -129,6 +129,9 @@ class SolverOptions:
     closed_form: bool = True
     """False: skip the closed form and give the timeline model its share of the limit, started
     from the warm start's plan (a plan search's polish of a plan it already has)."""
+    run_ahead: bool = True
+    """Whether the encoder-in-bubbles pass may run a frozen encoder's forwards one global batch
+    ahead (``Plan.ahead``); off for pipelines the runtime runs ahead-less (packed samples)."""
 
     def __post_init__(self):
         positive_number("time_limit_s", self.time_limit_s, "CP-SAT's seconds")

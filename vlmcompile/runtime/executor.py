@@ -159,6 +159,16 @@ class _StepState:
     """Ordered transfers: per peer pipeline rank, how many of the pair's transfers were issued."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Carry:
+    """What this rank's run-ahead forwards (``Plan.ahead``) made during a step, for the next."""
+
+    batch: Mapping[str, Any]
+    """The global batch they were computed on (the ``next_batch`` that step was given)."""
+    outputs: dict[tuple[int, int], tuple]
+    """(consuming stage, microbatch) -> the outputs of the forward that ran ahead."""
+
+
 class PipelineRunner:
     """One rank's part of a compiled pipeline. Build it on every rank (``CompiledPipeline.runner``)
     after ``torch.distributed`` is initialised, or let ``CompiledPipeline.launch`` do both."""
@@ -212,6 +222,10 @@ class PipelineRunner:
         self.per_batch_schedules = False
         """Each step runs the schedule of the batch global rank 0 holds (``PackedBatch.schedule``,
         broadcast by rank 0 at the step's start; none: the plan's actions). Every rank must agree."""
+        self._carry: _Carry | None = None
+        self.run_ahead_recomputed = 0
+        """Steps whose run-ahead outputs this rank computed at their start (the first step, one
+        after a resume, or one whose batch was not the ``next_batch`` promised the step before)."""
         self.state_names = dict(state_names) if state_names is not None else None
         """Original name -> every name the original model's ``state_dict`` gives that tensor (tied
         parameters have several; non-persistent buffers none); None: parameters under their
@@ -261,6 +275,7 @@ class PipelineRunner:
         self.stages = {s.index: self.stages_all[s.index] for s in self.plan.stages_on(self.pp_rank)}
         self._trains_before = self._stages_after_trainable()
         self._forward_only = self._check_forward_only()
+        self._check_run_ahead()
         if self.device.type != "cpu":
             for stage in self.stages.values():
                 move_stage(stage, self.device)
@@ -316,6 +331,25 @@ class PipelineRunner:
                     + ": plan again for the model's requires_grad flags as they are now"
                 )
         return without
+
+    def _check_run_ahead(self) -> None:
+        """The runtime runs a plan's run-ahead forwards on batches of one shape, each chain of
+        them on one rank (their outputs stay there until the next step starts)."""
+        if not self.plan.ahead:
+            return
+        if self.packed is not None:
+            raise PlanError(
+                "this plan runs encoder forwards one batch ahead, which the runtime does for batches of one "
+                "shape only; plan packed pipelines without run-ahead (run_ahead=0)"
+            )
+        for a in sorted(a for a in self.plan.ahead if a.stage > 0):
+            before = Action(a.stage - 1, ActionKind.F, a.microbatch)
+            if self.rank_of_action[a] != self.rank_of_action[before]:
+                raise PlanError(
+                    f"run-ahead forward {a} runs on pipeline rank {self.rank_of_action[a]}, its input {before} on "
+                    f"{self.rank_of_action[before]}; the runtime keeps a chain of run-ahead forwards on one rank - "
+                    "plan the encoder's stages on one rank each, or without run-ahead"
+                )
 
     def _tied_groups(self) -> list[tuple[Any, list[torch.nn.Parameter]]]:
         """Parameters held on several pipeline ranks, one group per set of ranks: tied across
@@ -451,27 +485,39 @@ class PipelineRunner:
             for i in range(self.parallel.dp * self.plan.num_microbatches):
                 self._check_specialized(take(batch, i * mbs, mbs, self.sample_rows), i)
 
-    def step(self, batch: Mapping[str, Any] | PackedBatch) -> torch.Tensor:
+    def step(
+        self, batch: Mapping[str, Any] | PackedBatch, next_batch: Mapping[str, Any] | None = None
+    ) -> torch.Tensor:
         """Run this rank's actions on ``batch`` (the global batch, or a packed pipeline's
         :class:`PackedBatch`; every rank gets the same one) and return the global loss (the same
-        on every rank)."""
+        on every rank).
+
+        ``next_batch``: the batch the next step will take, for a plan whose forwards run one batch
+        ahead (``Plan.ahead``: a frozen encoder's forwards in this step's bubbles). Without it they
+        run at the next step's start instead; with it, it must not change before that step (a
+        different batch there is noticed, and its forwards run again)."""
         if self.packed is not None or isinstance(batch, PackedBatch):
             state = self._packed_state(batch)
+            if self.device.type != "cpu":
+                state.microbatches = [_to_device(mb, self.device) for mb in state.microbatches]
         else:
             self.check_batch(batch)
             self.setup()
-            m, mbs = self.plan.num_microbatches, self.plan.microbatch_size
-            shard = take(batch, self.dp_rank * m * mbs, m * mbs, self.sample_rows)
+            m = self.plan.num_microbatches
             weights = label_weights(batch, self.parallel.dp * m)
             state = _StepState(
-                microbatches=[take(shard, i * mbs, mbs, self.sample_rows) for i in range(m)],
+                microbatches=self._microbatches(batch),
                 weights=weights[self.dp_rank * m : (self.dp_rank + 1) * m],
                 loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
             )
         if self.per_batch_schedules:
             self.use_schedule(self._agreed_schedule(batch))
-        if self.device.type != "cpu":
-            state.microbatches = [_to_device(mb, self.device) for mb in state.microbatches]
+        ahead = None
+        if self.plan.ahead:
+            self._start_with_carried(batch, state)
+            if next_batch is not None:
+                self.check_batch(next_batch)
+                ahead = self._ahead_state(next_batch)
         self._state = state  # what the on_action hook may look at (tests: the receives posted ahead)
         params = self.parameters()
         stash = [p.grad for p in params]
@@ -481,12 +527,17 @@ class PipelineRunner:
             self._post_receives_ahead(index, state)
             if self.on_action is not None:
                 self.on_action(self.rank, action)
-            if action.kind is ActionKind.F:
+            if action in self.plan.ahead:
+                if ahead is not None:  # without the next batch, the next step makes them
+                    self._forward_ahead(action, ahead)
+            elif action.kind is ActionKind.F:
                 self._forward(action, state)
             elif action.kind is ActionKind.B:
                 self._backward(action, state)
             else:  # runnable_degrees rejects I/W plans
                 raise AssertionError(action)
+        if ahead is not None:
+            self._carry = _Carry(next_batch, ahead.local_fwd)
         for work, what, peer in state.sends:
             self._wait(work, what, peer)
         self._reduce_gradients(params)
@@ -498,6 +549,53 @@ class PipelineRunner:
         loss = state.loss_sum.clone()
         self._wait(dist.all_reduce(loss, async_op=True), "the loss all-reduce")
         return loss.float()
+
+    def _microbatches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """This rank's data-parallel shard of a global batch, cut into microbatches (on its device)."""
+        m, mbs = self.plan.num_microbatches, self.plan.microbatch_size
+        shard = take(batch, self.dp_rank * m * mbs, m * mbs, self.sample_rows)
+        microbatches = [take(shard, i * mbs, mbs, self.sample_rows) for i in range(m)]
+        if self.device.type != "cpu":
+            microbatches = [_to_device(mb, self.device) for mb in microbatches]
+        return microbatches
+
+    # ---- forwards one batch ahead (Plan.ahead) ----------------------------------------------
+    def _ahead_state(self, batch: Mapping[str, Any]) -> _StepState:
+        """The state run-ahead forwards on ``batch`` work in (no loss, no gradients)."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        return _StepState(microbatches=self._microbatches(batch), weights=(), loss_sum=zero)
+
+    def _forward_ahead(self, action: Action, ahead: _StepState) -> None:
+        """A forward of a stage no gradient reaches on the next batch's microbatch: its output
+        stays on this rank (for the next run-ahead stage, or for the next step)."""
+        s, i = action.stage, action.microbatch
+        received = ahead.local_fwd.pop((s, i)) if s > 0 else ()
+        _, out = self._run_stage(s, received, ahead.microbatches[i])
+        ahead.local_fwd[(s + 1, i)] = out
+
+    def _start_with_carried(self, batch: Mapping[str, Any], state: _StepState) -> None:
+        """Hand this step the outputs the step before made ahead for it (computed now when there
+        are none for this batch), as the step starts."""
+        mine = [a for a in sorted(self.plan.carried()) if self.rank_of_action[a] == self.pp_rank]
+        carry, self._carry = self._carry, None
+        if not mine:
+            return
+        if carry is not None and (carry.batch is batch or _same_batch(carry.batch, batch)):
+            outputs = carry.outputs
+        else:  # the first step, a resume, or not the batch promised: make them now
+            self.run_ahead_recomputed += 1
+            prologue = self._ahead_state(batch)
+            for a in self.actions:
+                if a in self.plan.ahead:
+                    self._forward_ahead(a, prologue)
+            outputs = prologue.local_fwd
+        for a in mine:
+            s, i = a.stage, a.microbatch
+            out = outputs.pop((s + 1, i))
+            if self._rank_running(s + 1, ActionKind.F, i) == self.pp_rank:
+                state.local_fwd[(s + 1, i)] = out
+            else:
+                state.sends += self._send_activations(s, i, out, state)
 
     def _agreed_schedule(self, batch: Any) -> BatchPlan | None:
         """Global rank 0's schedule for this step, on every rank."""
@@ -512,6 +610,11 @@ class PipelineRunner:
         """Run ``schedule``'s actions from the next step on (None: the plan's). They are checked
         as a plan's are (every action once, no deadlock) before any runs."""
         self.setup()
+        if schedule is not None and self.plan.ahead:
+            raise PlanError(
+                "this plan runs encoder forwards one batch ahead, and per-batch schedules do not keep them; "
+                "plan without run-ahead (run_ahead=0) to re-plan every batch"
+            )
         if schedule is None:
             actions = self.plan.actions
         elif len(schedule.actions) != self.parallel.dp:
@@ -610,20 +713,7 @@ class PipelineRunner:
             received = tuple(b.item() if flag else b for b, (_, _, flag) in zip(buffers, meta))
         else:
             received = self._recv_activations(s, i, state)
-        # Below a stage whose inputs come from frozen stages only, no gradient flows: eager's
-        # autograd never enters a frozen encoder, so neither does ours.
-        needs_grad = self._trains_before[s]
-        leaves = tuple(
-            x.detach().requires_grad_(needs_grad and x.is_floating_point())
-            if isinstance(x, torch.Tensor)
-            else x
-            for x in received
-        )
-        if self.autocast_dtype is None:
-            out = self.stages[s](leaves, state.microbatches[i])
-        else:
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-                out = self.stages[s](leaves, state.microbatches[i])
+        leaves, out = self._run_stage(s, received, state.microbatches[i])
         if s < self.plan.num_stages - 1:
             if s not in self._forward_only:  # no backward will read it
                 state.saved[(s, i)] = (leaves, out)
@@ -641,6 +731,22 @@ class PipelineRunner:
         scaled = out * weight
         state.loss_sum += scaled.detach().double()
         state.saved[(s, i)] = (leaves, scaled)
+
+    def _run_stage(self, s: int, received: tuple, microbatch: Mapping[str, Any]) -> tuple[tuple, Any]:
+        """Stage ``s``'s forward on its inputs from the stage before: (its input leaves, its outputs)."""
+        # Below a stage whose inputs come from frozen stages only, no gradient flows: eager's
+        # autograd never enters a frozen encoder, so neither does ours.
+        needs_grad = self._trains_before[s]
+        leaves = tuple(
+            x.detach().requires_grad_(needs_grad and x.is_floating_point())
+            if isinstance(x, torch.Tensor)
+            else x
+            for x in received
+        )
+        if self.autocast_dtype is None:
+            return leaves, self.stages[s](leaves, microbatch)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return leaves, self.stages[s](leaves, microbatch)
 
     def _backward(self, action: Action, state: _StepState) -> None:
         s, i = action.stage, action.microbatch
@@ -985,6 +1091,21 @@ def _parse_header(header: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dty
         meta.append((tuple(values[pos + 3 : pos + 3 + ndim]), dtype, bool(flag)))
         pos += 3 + ndim
     return meta
+
+
+def _same_batch(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two batches hold the same keys and values."""
+    if set(a) != set(b):
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+            if not (same and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:

@@ -338,15 +338,19 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
     skipped = 0
     stopped_by = None
     batches = _batches(data, first)
+    upcoming = None
     for step in range(first, config.steps):
         began = time.perf_counter()  # the step's data is part of it, as in Megatron-LM's iteration time
         if runner.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(runner.device)
-        batch = _checked_batch(runner, step, lambda: next(batches, None))
+        batch = upcoming or _checked_batch(runner, step, lambda: next(batches, None))
         if batch is None:
             raise ArgumentError(f"the data ran out after {step} global batches; config.steps={config.steps}")
+        # A plan that runs a frozen encoder's forwards one batch ahead takes the next batch now.
+        ahead = runner.plan.ahead and step + 1 < config.steps
+        upcoming = _checked_batch(runner, step + 1, lambda: next(batches, None)) if ahead else None
         opt.zero_grad(set_to_none=True)
-        loss = float(runner.step(batch))
+        loss = float(runner.step(batch, next_batch=upcoming))
         stats = clip_grad_norm(runner, config.max_grad_norm, _peak_memory(runner), preemption.requested())
         lr = opt.param_groups[0]["lr"]
         finite = math.isfinite(loss) and math.isfinite(stats.norm)

@@ -52,7 +52,8 @@ def interleaved_steps(
             optimizers[j].zero_grad(set_to_none=True)
             runners[j]._wait(dist.barrier(async_op=True), "the barrier that starts every step together")
             start = time.perf_counter()
-            loss = runners[j].step(batch)
+            # The same batch again: a plan that runs forwards a batch ahead runs them for it.
+            loss = runners[j].step(batch, next_batch=batch if k + 1 < num_steps else None)
             out[j]["step_s"].append(time.perf_counter() - start)
             optimizers[j].step()
             out[j]["losses"].append(float(loss))

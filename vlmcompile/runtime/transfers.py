@@ -50,12 +50,19 @@ class Transfer:
 
 def transfer_order(plan) -> dict[int, dict[int, list[Transfer]]]:
     """Per pipeline rank, per peer pipeline rank: the transfers between the two (either way) in
-    the order both issue them."""
+    the order both issue them. A run-ahead forward's output that crosses the step boundary
+    (``Plan.carried``) is sent as the next step starts."""
     rank_of = plan.rank_of_action()
-    order, _ = execution_order(plan.actions, plan.num_stages, plan.split_backward(), plan.hosts_of())
+    order, _ = execution_order(
+        plan.actions, plan.num_stages, plan.split_backward(), plan.hosts_of(), plan.ahead
+    )
     out: dict[int, dict[int, list[Transfer]]] = defaultdict(lambda: defaultdict(list))
     last = plan.num_stages - 1
-    for rank, _, a in order:
+    carried = plan.carried()
+    # The outputs the step before made for this step go first, as the step starts; those this
+    # step makes for the next are kept, not sent.
+    start = [(rank_of[a], -1, a) for a in sorted(carried)]
+    for rank, _, a in start + [x for x in order if x[2] not in carried]:
         if a.kind is ActionKind.F and a.stage < last:
             dst = rank_of[Action(a.stage + 1, ActionKind.F, a.microbatch)]
         elif (

@@ -10,7 +10,7 @@ same peak as constraints.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from vlmcompile.ir.actions import Action, ActionKind
@@ -42,3 +42,23 @@ def pattern_bytes(pattern: MemoryPattern, keep: Sequence, transient: Sequence) -
     expressions)."""
     live, busy = pattern
     return sum(n * keep[k] for k, n in live) + (transient[busy] if busy >= 0 else 0)
+
+
+def held_across_steps(
+    actions: Sequence[Action], carried: Mapping[Action, Action], out_bytes: Sequence[float]
+) -> list[float]:
+    """Per action of one rank's list, the run-ahead outputs (``Plan.carried``: forward for the
+    next batch -> the forward that takes its output) the rank holds while it runs: those the
+    step before made for forwards on this rank, until that forward has run; and those this step
+    makes for the next, from their forward on."""
+    taken_by = {consumer: made for made, consumer in carried.items()}
+    waiting = sum(out_bytes[made.stage] for consumer, made in taken_by.items() if consumer in set(actions))
+    kept = 0.0
+    out = []
+    for a in actions:
+        if a in carried:
+            kept += out_bytes[a.stage]
+        out.append(waiting + kept)
+        if a in taken_by:
+            waiting -= out_bytes[taken_by[a].stage]
+    return out

@@ -46,7 +46,7 @@ from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Plan
 from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.sim import dp
-from vlmcompile.sim.in_flight import in_flight, pattern_bytes
+from vlmcompile.sim.in_flight import held_across_steps, in_flight, pattern_bytes
 from vlmcompile.sim.kernel_stream import HostFill, host_fills
 from vlmcompile.sim.timeline import Timed, complete_order, run_actions, transfer_between_stages
 from vlmcompile.sim.units import format_ms, ms_decimals
@@ -250,7 +250,8 @@ class _Layout:
             steps: list[list[tuple[int, Action]]] = [[] for _ in plan.actions]
             for rank, step, a in self.order:
                 steps[rank].append((step, a))
-            held = (costs, [_peak_memory(mine, costs, self.hosts) for mine in steps])
+            carried = plan.carried()
+            held = (costs, [_peak_memory(mine, costs, self.hosts, carried) for mine in steps])
             _keep(self.peaks, id(costs), held)
         return held[1]
 
@@ -275,11 +276,12 @@ def _layout(plan: Plan) -> _Layout:
         frozenset((plan.kernel_level or {}).items()),
         tuple(s.group for s in plan.stages),
         plan.num_stages,
+        plan.ahead,
     )
     layout = _LAYOUTS.get(key)
     if layout is None:
         hosts = plan.hosts_of()
-        order = complete_order(plan.actions, plan.num_stages, plan.split_backward(), hosts)
+        order = complete_order(plan.actions, plan.num_stages, plan.split_backward(), hosts, plan.ahead)
         layout = _Layout(plan.rank_of_action(), hosts, order)
         _keep(_LAYOUTS, key, layout)
     return layout
@@ -341,6 +343,7 @@ def _time_step(plan, layer_graph, cluster, costs: PlanCosts, work) -> _Timed:
         hosts=hosts,
         fused_duration=fused,
         order=layout.order,
+        ahead=plan.ahead,
     )
     backwards = [(t.rank, t.action, t.start_s, t.end_s) for t in timed if t.action.kind in _BACKWARD]
     # Our runtime (what a plan for local ranks runs on) reduces the gradients after the rank's last
@@ -499,11 +502,15 @@ def _rank_stats(
 
 
 def _peak_memory(
-    mine: list[tuple[int, Action]], costs: PlanCosts, hosts: dict[Action, tuple[Action, ...]]
+    mine: list[tuple[int, Action]],
+    costs: PlanCosts,
+    hosts: dict[Action, tuple[Action, ...]],
+    carried: dict[Action, Action],
 ) -> tuple[float, int]:
     """The most activation bytes a rank holds while any of its actions (step, action) runs
-    (:mod:`vlmcompile.sim.in_flight`), and that action's step. A kernel-level backward frees its
-    microbatch's activations when its last host ends, not where it is listed."""
+    (:mod:`vlmcompile.sim.in_flight`, run-ahead outputs included), and that action's step. A
+    kernel-level backward frees its microbatch's activations when its last host ends, not where
+    it is listed."""
     step = dict((a, s) for s, a in mine)
 
     def held_until(run: tuple[int, Action]) -> float:
@@ -516,8 +523,10 @@ def _peak_memory(
     keep = [s.act_bytes for s in costs.stages]
     transient = [s.transient_bytes for s in costs.stages]
     peak, peak_step = 0.0, ordered[0][0] if ordered else 0
-    for (s, _), pattern in zip(ordered, in_flight([a for _, a in ordered])):
-        here = pattern_bytes(pattern, keep, transient)
+    acts = [a for _, a in ordered]
+    across = held_across_steps(acts, carried, [s.out_bytes for s in costs.stages])
+    for (s, _), pattern, held in zip(ordered, in_flight(acts), across):
+        here = pattern_bytes(pattern, keep, transient) + held
         if here > peak:
             peak, peak_step = here, s
     return peak, peak_step

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order
+from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order, interned
 from vlmcompile.ir.errors import PlanError
 
 
@@ -36,6 +36,7 @@ def run_actions(
     hosts: Mapping[Action, Sequence[Action]] | None = None,
     fused_duration: Callable[[Action, float], float] | None = None,
     order: Sequence[tuple[int, int, Action]] | None = None,
+    ahead: frozenset[Action] = frozenset(),
 ) -> list[Timed]:
     """Every action with its start and end, in an order in which each starts after its inputs.
 
@@ -50,8 +51,11 @@ def run_actions(
             host's end; a host with riders takes ``fused_duration(host, start)``.
         order: the lists' :func:`complete_order`, where the caller keeps it (the simulator
             times one set of lists on many batches).
+        ahead: forwards for the next global batch (``Plan.ahead``): the forwards that take their
+            outputs have them from the step's start.
     """
     hosts = hosts or {}
+    ahead = interned(ahead)
     first_of: dict[Action, list[Action]] = {}
     last_of: dict[Action, list[Action]] = {}
     for rider, span in hosts.items():
@@ -60,7 +64,7 @@ def run_actions(
     spanned = {host for span in hosts.values() for host in span}
     split = frozenset(a.stage for acts in actions for a in acts if a.kind is ActionKind.I)
     if order is None:
-        order = complete_order(actions, num_stages, split, hosts)
+        order = complete_order(actions, num_stages, split, hosts, ahead)
     end: dict[Action, float] = {}
     ran_on: dict[Action, int] = {}
     free = [0.0] * len(actions)
@@ -72,7 +76,7 @@ def run_actions(
         return max(
             (
                 end[d] + (transfer(d, a) if ran_on[d] != rank else 0.0)
-                for d in dependencies(a, num_stages, split)
+                for d in dependencies(a, num_stages, split, ahead)
                 if d not in ending  # a rider ending in this host runs before it, in the same host
             ),
             default=0.0,
@@ -108,9 +112,10 @@ def complete_order(
     num_stages: int,
     split: frozenset[int],
     hosts: Mapping[Action, Sequence[Action]],
+    ahead: frozenset[Action] = frozenset(),
 ) -> list[tuple[int, int, Action]]:
     """The lists' execution order; :class:`PlanError` where they deadlock."""
-    order, position = execution_order(actions, num_stages, split, hosts)
+    order, position = execution_order(actions, num_stages, split, hosts, ahead)
     if len(order) < sum(len(a) for a in actions):
         stuck = [str(acts[position[r]]) for r, acts in enumerate(actions) if position[r] < len(acts)]
         raise PlanError(f"the action lists deadlock (next actions {stuck}); run plan.validate() for the grid")
