@@ -707,26 +707,34 @@ def _improve(
     too (:func:`ahead_problem`)."""
     problems = _problems(cand, cluster.ranks_on_this_machine, run_ahead=run_ahead, screen=screen)
     for problem in problems:
-        layer_schedules = [
-            bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
-            for lookahead, fill_only in layer_settings
-        ]
-        schedules = []
-        if layer_schedules:
-            schedules.append(
-                (min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate_schedule(problem, acts))), {})
-            )
-        for lookahead, fill_only in kernel_settings:
-            riders: dict = {}
-            actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only, riders=riders)
-            schedules.append((actions, riders))
-        for actions, kernel_level in schedules:
-            plan = scheduled_plan(cand.phased, problem, actions, kernel_level)
-            sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
-            if not kernel_level and cand.fits(sim):
-                cand.layer_level_s = min(cand.layer_level_s or sim.step_time_s, sim.step_time_s)
-            if (not cand.fits(sim), sim.step_time_s) < (not cand.fits(cand.sim), cand.sim.step_time_s):
-                cand.plan, cand.sim, cand.problem = plan, sim, problem
+        _schedule_by(cand, problem, layer_graph, cluster, layer_settings, kernel_settings)
+    if not cand.fits(cand.sim) and all(p is not cand.base_problem for p in problems):
+        # The outputs held across the step may not fit where a schedule without them does.
+        _schedule_by(cand, cand.base_problem, layer_graph, cluster, layer_settings, kernel_settings)
+
+
+def _schedule_by(cand: _Candidate, problem, layer_graph, cluster, layer_settings, kernel_settings) -> None:
+    """The list scheduler's schedules of ``problem`` with these settings, the fastest kept in ``cand``."""
+    layer_schedules = [
+        bs.greedy(problem, lookahead=lookahead, fill_only=fill_only)
+        for lookahead, fill_only in layer_settings
+    ]
+    schedules = []
+    if layer_schedules:
+        schedules.append(
+            (min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate_schedule(problem, acts))), {})
+        )
+    for lookahead, fill_only in kernel_settings:
+        riders: dict = {}
+        actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only, riders=riders)
+        schedules.append((actions, riders))
+    for actions, kernel_level in schedules:
+        plan = scheduled_plan(cand.phased, problem, actions, kernel_level)
+        sim = simulate(plan, layer_graph, cluster, costs=cand.costs)
+        if not kernel_level and cand.fits(sim):
+            cand.layer_level_s = min(cand.layer_level_s or sim.step_time_s, sim.step_time_s)
+        if (not cand.fits(sim), sim.step_time_s) < (not cand.fits(cand.sim), cand.sim.step_time_s):
+            cand.plan, cand.sim, cand.problem = plan, sim, problem
 
 
 def _problems(

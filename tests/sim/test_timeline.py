@@ -44,3 +44,31 @@ def test_lists_that_deadlock_are_refused_naming_the_next_actions():
     lists = [[Action(0, B, 0), Action(0, F, 0)], [Action(1, F, 0), Action(1, B, 0)]]
     with pytest.raises(PlanError, match=r"deadlock \(next actions \['0B0', '1F0'\]\)"):
         run_actions(lists, 2, duration=lambda a, _s: 1.0, transfer=lambda d, a: 0.0)
+
+
+def test_an_output_made_a_batch_ahead_is_sent_as_the_step_starts():
+    """Rank 1 makes microbatch 0's encoder output for the next step (0F0 runs ahead); rank 0's 1F0
+    takes the one made the step before, which waits for nothing but its transfer from rank 1."""
+    from vlmcompile.ir.actions import Action, ActionKind
+    from vlmcompile.sim.timeline import run_actions
+
+    F = ActionKind.F
+    ahead = frozenset({Action(0, F, 0)})
+    timed = run_actions(
+        [[Action(1, F, 0)], [Action(0, F, 0)]],
+        2,
+        duration=lambda a, _start: 5.0,
+        transfer=lambda _made, _taker: 2.0,
+        ahead=ahead,
+    )
+    starts = {t.action: t.start_s for t in timed}
+    assert starts == {Action(1, F, 0): 2.0, Action(0, F, 0): 0.0}
+    # On one rank nothing moves: the taker starts at once.
+    same = run_actions(
+        [[Action(1, F, 0), Action(0, F, 0)]],
+        2,
+        duration=lambda a, _s: 5.0,
+        transfer=lambda *_: 2.0,
+        ahead=ahead,
+    )
+    assert {t.action: t.start_s for t in same}[Action(1, F, 0)] == 0.0

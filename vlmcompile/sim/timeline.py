@@ -54,8 +54,7 @@ def run_actions(
         ahead: forwards for the next global batch (``Plan.ahead``): the forwards that take their
             outputs have them from the step's start.
     """
-    hosts = hosts or {}
-    ahead = interned(ahead)
+    hosts, ahead = hosts or {}, interned(ahead)
     first_of: dict[Action, list[Action]] = {}
     last_of: dict[Action, list[Action]] = {}
     for rider, span in hosts.items():
@@ -72,14 +71,17 @@ def run_actions(
     rider_start: dict[Action, float] = {}
     out = []
 
+    carried = _carried_from(actions, ahead)
+
     def ready_at(a: Action, rank: int, ending: Sequence[Action] = ()) -> float:
+        made = carried.get(a)  # its input, made the step before, is sent as this step starts
         return max(
             (
                 end[d] + (transfer(d, a) if ran_on[d] != rank else 0.0)
                 for d in dependencies(a, num_stages, split, ahead)
                 if d not in ending  # a rider ending in this host runs before it, in the same host
             ),
-            default=0.0,
+            default=transfer(made[0], a) if made is not None and made[1] != rank else 0.0,
         )
 
     for rank, step, a in order:
@@ -104,6 +106,22 @@ def run_actions(
             out.append(Timed(rank, steps[r], r, rider_start[r], finish))
         out.append(Timed(rank, step, a, start, finish))
         free[rank] = finish
+    return out
+
+
+def _carried_from(
+    actions: Sequence[Sequence[Action]], ahead: frozenset[Action]
+) -> dict[Action, tuple[Action, int]]:
+    """Per forward that takes an output made the step before (``Plan.carried``): the run-ahead
+    forward that makes it, and its rank."""
+    if not ahead:
+        return {}
+    where = {a: rank for rank, acts in enumerate(actions) for a in acts if a in ahead}
+    out = {}
+    for made, rank in where.items():
+        taker = Action(made.stage + 1, ActionKind.F, made.microbatch)
+        if taker not in ahead:
+            out[taker] = (made, rank)
     return out
 
 
