@@ -43,11 +43,13 @@ def _frozen_vision(name: str):
     return model, batch, SyntheticBatches(name, GLOBAL_BATCH)
 
 
-def _steps_with_promises(runner, batches, promises):
+def _steps_with_promises(runner, batches, promises, drop_before=None):
     """Steps of ``batches`` with ``next_batch=promises[k]`` (no optimizer); per step the loss,
     this rank's gradients, and how many steps so far made their run-ahead outputs at their start."""
     out = []
-    for batch, promised in zip(batches, promises):
+    for k, (batch, promised) in enumerate(zip(batches, promises)):
+        if k == drop_before:
+            runner.drop_carried()  # what loading a checkpoint does
         for p in runner.parameters():
             p.grad = None
         loss = runner.step(batch, next_batch=promised)
@@ -111,15 +113,16 @@ def test_a_step_without_its_promised_batch_makes_the_encoder_outputs_itself(tran
     plan = run_ahead_plan(pipe.layer_graph, global_batch=GLOBAL_BATCH, ahead=4)
     b = [data(k) for k in range(5)]
     # step 0 makes its own; 1 and 2 use the ones made ahead; 2 promises nothing, so 3 makes its own;
-    # 3 promises b[4] but step 4 gets b[0]: it makes its own again.
-    batches, promises = [b[0], b[1], b[2], b[3], b[0]], [b[1], b[2], None, b[4], None]
+    # 3 promises b[4] but step 4 gets b[0]: it makes its own again; 4 promises b[1], but they are
+    # dropped before step 5 (as a checkpoint load does): it makes its own too.
+    batches, promises = [b[0], b[1], b[2], b[3], b[0], b[1]], [b[1], b[2], None, b[4], b[1], None]
     runner = pipe.runner(plan, timeout_s=60)
     runner.transfers = transfers
-    results = launch(_steps_with_promises, runner, 2, args=(batches, promises), timeout_s=60)
+    results = launch(_steps_with_promises, runner, 2, args=(batches, promises, 5), timeout_s=60)
     for k, batch in enumerate(batches):  # no optimizer step: each step is eager's on its batch
         check_equal_to_eager(model, batch, [steps[k][0] for steps in results])
     producers = {r for r, acts in enumerate(plan.actions) if set(acts) & set(plan.carried())}
     assert producers, "some rank makes outputs for the next step"
     for rank, steps in enumerate(results):
         made = [count for _, count in steps]
-        assert made == ([1, 1, 1, 2, 3] if rank in producers else [0] * 5), (rank, made)
+        assert made == ([1, 1, 1, 2, 3, 4] if rank in producers else [0] * 6), (rank, made)

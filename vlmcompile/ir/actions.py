@@ -79,6 +79,17 @@ def interned(ahead: frozenset[Action]) -> frozenset[Action]:
     return _INTERNED.setdefault(ahead, ahead)
 
 
+def carried(ahead: frozenset[Action]) -> dict[Action, Action]:
+    """The forwards of ``ahead`` (run one global batch ahead) whose output crosses the step
+    boundary -> the forward of the next step that takes it (not ahead itself)."""
+    out = {}
+    for a in ahead:
+        taker = Action(a.stage + 1, ActionKind.F, a.microbatch)
+        if taker not in ahead:
+            out[a] = taker
+    return out
+
+
 @lru_cache(maxsize=1 << 18)
 def dependencies(
     action: Action,

@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
 
-from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order, format_grid, interned
+from vlmcompile.ir.actions import (
+    Action,
+    ActionKind,
+    carried,
+    dependencies,
+    execution_order,
+    format_grid,
+    interned,
+)
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.placement import Placement, PlacementStyle
 
@@ -278,12 +286,8 @@ class Plan:
 
     def carried(self) -> dict[Action, Action]:
         """The forwards of :attr:`ahead` whose output crosses the step boundary -> the forward of
-        the next step that takes it (its consumer, not ahead itself)."""
-        return {
-            a: Action(a.stage + 1, ActionKind.F, a.microbatch)
-            for a in self.ahead
-            if Action(a.stage + 1, ActionKind.F, a.microbatch) not in self.ahead
-        }
+        the next step that takes it (:func:`~vlmcompile.ir.actions.carried`)."""
+        return carried(self.ahead)
 
     def split_backward(self) -> frozenset[int]:
         """Stages whose backward runs as separate I and W actions."""

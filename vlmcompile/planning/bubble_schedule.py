@@ -40,7 +40,7 @@ from ortools.sat.python import cp_model
 
 from vlmcompile.cost_models.memory import fits
 from vlmcompile.cost_models.stage_costs import PlanCosts
-from vlmcompile.ir.actions import Action, ActionKind, dependencies, interned
+from vlmcompile.ir.actions import Action, ActionKind, carried, dependencies, interned
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Plan
 from vlmcompile.planning.list_clock import ListClock, Proposal
@@ -142,7 +142,7 @@ class BubbleProblem:
 
     def carried(self) -> dict[Action, Action]:
         """Run-ahead output -> the LLM forward that takes it (``Plan.carried``)."""
-        return {Action(self.encoder_stages - 1, F, j): Action(self.encoder_stages, F, j) for j in self.ahead}
+        return carried(self.ahead_actions)
 
     def with_work(self, work: Sequence[tuple[float, float]]) -> BubbleProblem:
         """The same schedule problem for microbatches of ``work`` (see :attr:`work`)."""

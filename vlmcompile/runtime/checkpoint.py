@@ -363,6 +363,8 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
     if found:
         raise CheckpointError(f"the checkpoint {path} changed since it was checked: {found[0]}")
     stored, paths = _entries(path)
+    # Outputs a frozen encoder made a batch ahead were made with the weights being replaced.
+    runner.drop_carried()
     params = runner.named_state()
     model_names = (
         {alias for aliases in runner.state_names.values() for alias in aliases}

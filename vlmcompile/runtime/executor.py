@@ -560,6 +560,11 @@ class PipelineRunner:
         return microbatches
 
     # ---- forwards one batch ahead (Plan.ahead) ----------------------------------------------
+    def drop_carried(self) -> None:
+        """Forget the outputs made ahead for the next step (its step makes them again): call it
+        when parameters change outside a step, as loading a checkpoint does."""
+        self._carry = None
+
     def _ahead_state(self, batch: Mapping[str, Any]) -> _StepState:
         """The state run-ahead forwards on ``batch`` work in (no loss, no gradients)."""
         zero = torch.zeros((), dtype=torch.float64, device=self.device)

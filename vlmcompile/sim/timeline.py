@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order, interned
+from vlmcompile.ir.actions import Action, ActionKind, carried, dependencies, execution_order, interned
 from vlmcompile.ir.errors import PlanError
 
 
@@ -114,15 +114,8 @@ def _carried_from(
 ) -> dict[Action, tuple[Action, int]]:
     """Per forward that takes an output made the step before (``Plan.carried``): the run-ahead
     forward that makes it, and its rank."""
-    if not ahead:
-        return {}
-    where = {a: rank for rank, acts in enumerate(actions) for a in acts if a in ahead}
-    out = {}
-    for made, rank in where.items():
-        taker = Action(made.stage + 1, ActionKind.F, made.microbatch)
-        if taker not in ahead:
-            out[taker] = (made, rank)
-    return out
+    takers = carried(ahead)
+    return {takers[a]: (a, rank) for rank, acts in enumerate(actions) for a in acts if a in takers}
 
 
 def complete_order(
