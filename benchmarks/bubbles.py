@@ -19,7 +19,9 @@ every policy gets the same freezing):
 
 Columns: step per policy (s), ours over the best baseline that fits, our step over the LLM
 alone (the goal: <= 1.08 with the encoder trained, <= 1.02 frozen), every rank busy over the LLM
-alone (where it is above the goal, the goal is above the bound), the share of the encoder's cost
+alone and the dependency bound over it (the LLM alone with one microbatch's encoder forward
+before its first stage and its encoder backward after: :func:`~vlmcompile.passes.llm_alone.dependency_bound`;
+where either bound is above the goal, the goal is above its bound), the share of the encoder's cost
 we recover against the best baseline, (best - ours) / (best - LLM alone), the share of encoder
 compute run in the LLM's bubbles (layer level: while the rank's next LLM action lacked its LLM
 inputs; kernel level: inside TP gaps), our peak memory over the best baseline's, our plan held
@@ -27,7 +29,7 @@ to that memory, and the pass's wall time on this machine (measured).
 
 Targets (issue 36): never slower than a baseline; held to the best baseline's peak memory, never
 slower than it; our step within 1.08x (trained) or 1.02x (frozen) of the LLM alone, or where
-every rank busy allows less, reported as above its bound; the pass within 30 s per setup. The
+a bound allows less, reported as above its bound; the pass within 30 s per setup. The
 script exits 1 when one is missed and says which.
 """
 
@@ -115,6 +117,8 @@ def setup_row(name: str, graphs: dict, *, frozen: bool = False) -> dict:
         kernel_hidden_share=report.kernel_hidden_share,
         llm_alone_s=report.llm_alone_step_s,
         work_bound_s=sum(r.busy_s for r in ours.sim.ranks) / len(ours.sim.ranks),
+        dependency_bound_s=report.dependency_bound.step_s,
+        dependency_head_tail_s=[report.dependency_bound.head_s, report.dependency_bound.tail_s],
         encoder_overhead=report.encoder_overhead,
         phased_s=report.phased_step_s,
         wall_s=report.wall_s,
@@ -146,6 +150,7 @@ def markdown_table(rows: list[dict]) -> str:
     head += [
         "ours / LLM alone (goal)",
         "every rank busy / LLM alone",
+        "dependency bound / LLM alone",
         "encoder cost recovered vs best",
         "encoder compute in bubbles (layer + kernel)",
         "peak vs best baseline's",
@@ -166,6 +171,8 @@ def markdown_table(rows: list[dict]) -> str:
         cells.append(f"{best[1] / ours:.2f}x ({best[0]})" if best else "-")
         cells.append(f"{ours / alone:.3f} ({goal(r):.2f})")
         cells.append(f"{r['work_bound_s'] / alone:.3f}")
+        dep = r.get("dependency_bound_s")
+        cells.append(f"{dep / alone:.3f}" if dep else "-")
         cells.append(f"{100 * encoder_cost_recovered(ours, best[1], alone):.0f} %" if best else "-")
         cells.append(f"{100 * r['layer_hidden_share']:.0f} + {100 * r['kernel_hidden_share']:.0f} %")
         held = r.get("best_baseline_gib")
@@ -209,13 +216,14 @@ def missed_targets(rows: list[dict]) -> tuple[list[str], list[str]]:
                 )
         if r["wall_s"] > TARGETS["wall_s"]:
             missed.append(f"{what}: the pass took {r['wall_s']:.1f} s > 30 s")
-        alone, busy = r["llm_alone_s"], r["work_bound_s"]
+        alone, busy, dep = r["llm_alone_s"], r["work_bound_s"], r.get("dependency_bound_s") or 0.0
         if ours / alone > goal(r) * (1 + 1e-9):
             figures = f"ours {ours:.3f} s = {ours / alone:.3f}x the LLM alone {alone:.3f} s > {goal(r):.2f}"
-            if busy / alone > goal(r):
-                above.append(f"{what}: {figures}; every rank busy is {busy / alone:.3f}x already")
+            bounds = f"every rank busy {busy / alone:.3f}x, the dependency bound {dep / alone:.3f}x"
+            if max(busy, dep) / alone > goal(r):
+                above.append(f"{what}: {figures}; {bounds} already (ours {ours / max(busy, dep):.3f}x it)")
             else:
-                missed.append(f"{what}: {figures} (every rank busy {busy / alone:.3f}x)")
+                missed.append(f"{what}: {figures} ({bounds})")
     return missed, above
 
 

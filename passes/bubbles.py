@@ -43,7 +43,7 @@ from vlmcompile.ir.actions import dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
-from vlmcompile.passes.llm_alone import llm_alone_step_s
+from vlmcompile.passes.llm_alone import DependencyBound, dependency_bound, llm_alone_plan, llm_alone_step_s
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.build import build_separate_plan
@@ -153,6 +153,10 @@ class BubbleReport:
     lengthened a host is not counted)."""
     layer_level_step_s: float | None = None
     """The step before encoder work moved into the TP gaps (None: the same as ``step_s``)."""
+    dependency_bound: DependencyBound | None = None
+    """The LLM alone with the encoder-LLM dependencies of one microbatch at each end
+    (:func:`~vlmcompile.passes.llm_alone.dependency_bound`), on this plan's LLM stages or
+    balanced anew, whichever is lower."""
 
     @property
     def hidden_share(self) -> float:
@@ -227,6 +231,15 @@ class BubbleReport:
                 else ""
             )
             + ")",
+            *(
+                [
+                    f"the LLM alone with the encoders' dependencies: {format_ms(self.dependency_bound.step_s)} ms "
+                    f"({self.dependency_bound.step_s / self.llm_alone_step_s:.3f}x the LLM alone): "
+                    f"{self.dependency_bound}"
+                ]
+                if self.dependency_bound is not None and self.llm_alone_step_s > 0
+                else []
+            ),
             f"CP-SAT {self.solver_status}: {objective}; pass wall time {self.wall_s:.1f} s",
             *self.notes,
             "",
@@ -604,6 +617,11 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
         simulate(llm_alone(plan), layer_graph, cluster).step_time_s,
         llm_alone_step_s(plan, layer_graph, cluster),
     )
+    bound = min(
+        dependency_bound(llm_alone(plan), layer_graph, cluster),
+        dependency_bound(llm_alone_plan(plan, layer_graph, cluster), layer_graph, cluster),
+        key=lambda b: b.step_s,
+    )
     encoder_stages = chosen.costs.stages[: chosen.problem.encoder_stages]
     encoder_compute = plan.num_microbatches * sum(
         c.action_s(kind) - c.tp_comm_s(kind) for c in encoder_stages for kind in (bs.F, bs.B)
@@ -645,6 +663,7 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
         layer_hidden_share=_share(_layer_level_hidden_s(plan, sim, chosen.costs), encoder_compute),
         kernel_hidden_share=_share(kernel_compute, encoder_compute),
         layer_level_step_s=layer_level_s if plan.kernel_level else None,
+        dependency_bound=bound,
     )
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung)).with_decisions(*decisions)
 

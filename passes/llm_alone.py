@@ -8,14 +8,22 @@ pp x v virtual stages balanced by their forward + backward time (the Optimus app
 simulated. A benchmark states a plan's step over it (``llm_alone_step_s`` in ``vlmcompile plan
 --json``) and the share of the encoder's cost a plan recovers against a baseline,
 (baseline - ours) / (baseline - LLM alone).
+
+The LLM alone ignores when the encoders' work may run. :func:`dependency_bound` adds it: the
+LLM's first stage cannot start a microbatch before that microbatch's encoder forward can have
+ended, and the step cannot end before the encoder backward of the microbatch the first stage
+finishes last. Optimus (sec. 3.1, challenge 2) states these microbatch-level dependencies; every
+plan made here keeps them, runs the encoders on whole microbatches, each encoder stage's
+backward whole, and the LLM's actions in their schedule's order per rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.cost_models.stage_costs import layer_costs
+from vlmcompile.cost_models.stage_costs import layer_costs, plan_costs
+from vlmcompile.ir.actions import ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason
@@ -24,6 +32,8 @@ from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import balanced_split, chunks_of
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.sim.simulator import simulate
+from vlmcompile.sim.timeline import run_actions, transfer_between_stages
+from vlmcompile.sim.units import format_ms
 
 
 def llm_graph(layer_graph: LayerGraph) -> LayerGraph:
@@ -85,3 +95,122 @@ def encoder_cost_recovered(ours_s: float, baseline_s: float, llm_alone_s: float)
     baseline, below 0 when slower."""
     cost = baseline_s - llm_alone_s
     return (baseline_s - ours_s) / cost if cost > 0 else float("nan")
+
+
+@dataclass(frozen=True, slots=True)
+class DependencyBound:
+    """A step no plan reaches that runs the given LLM stages, in their schedule's order, with the
+    encoders' work of whole microbatches around them (see the module docstring)."""
+
+    step_s: float
+    head_s: float
+    """The least time one microbatch's encoder forward takes along its longest path of layers into
+    an LLM stage (compute only; 0 where no gradient reaches the encoder, which may run a batch
+    ahead): that stage's forward of the microbatch starts no sooner."""
+    tail_s: float
+    """The same for one microbatch's encoder backward: the step ends no sooner after the LLM stage
+    that sends the encoder its gradient has run that microbatch's backward."""
+    llm_span_s: float
+    """The LLM's actions alone, timed by the simulator's rule without DP collectives or encoders."""
+    encoder_tp: int
+    """The encoder TP the bound is taken at (its least over the TPs a plan may give the encoders)."""
+
+    def __str__(self) -> str:
+        return (
+            f"the LLM's actions alone {format_ms(self.llm_span_s)} ms; no LLM forward of a microbatch before "
+            f"its encoder forward ({format_ms(self.head_s)} ms) and no step end before its encoder backward "
+            f"({format_ms(self.tail_s)} ms) after the LLM's; encoder TP {self.encoder_tp}"
+        )
+
+
+def dependency_bound(llm_plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> DependencyBound:
+    """The least step of a plan of ``layer_graph``'s model whose LLM runs as ``llm_plan`` does
+    (its stages, schedule and per-rank order: :func:`llm_alone_plan`, or a plan's own LLM stages)
+    with the encoder-side layers ``llm_plan`` does not hold around it: an LLM stage's forward of a
+    microbatch starts after the encoder forward it reads can have run, and the encoder backward
+    of a microbatch runs after the backward of the LLM stage that sends it the gradient. Compute
+    only (TP collectives may hide), at each encoder TP a plan may choose (a divisor of the LLM's
+    whose replicas share a microbatch), the least kept."""
+    held = {name for stage in llm_plan.stages for name in stage.layers}
+    outside = [layer.name for layer in layer_graph.layers if layer.name not in held]
+    llm = llm_plan.pipeline_parallel
+    stages = plan_costs(llm_plan, layer_graph, cluster).stages
+    transfer = transfer_between_stages([s.send_fwd_s for s in stages], [s.send_bwd_s for s in stages])
+
+    def bound(paths: dict[int, tuple[float, float]], tp: int) -> DependencyBound:
+        def duration(a, start: float) -> float:
+            head = paths[a.stage][0] if a.kind is ActionKind.F and a.stage in paths else 0.0
+            return max(0.0, head - start) + stages[a.stage].action_s(a.kind)
+
+        timed = run_actions(llm_plan.actions, llm_plan.num_stages, duration=duration, transfer=transfer)
+        step = max(t.end_s for t in timed)
+        for t in timed:
+            if t.action.kind in (ActionKind.B, ActionKind.I) and t.action.stage in paths:
+                step = max(step, t.end_s + paths[t.action.stage][1])
+        heads, tails = [h for h, _ in paths.values()], [b for _, b in paths.values()]
+        return DependencyBound(step, max(heads, default=0.0), max(tails, default=0.0), 0.0, tp)
+
+    span = bound({}, llm.tp).step_s
+    options = {
+        tp: _encoder_paths(layer_graph, cluster, llm, tp, llm_plan, outside)
+        for tp in range(1, llm.tp + 1)
+        if llm.tp % tp == 0 and llm_plan.microbatch_size % (llm.tp // tp) == 0
+    }
+    # The step grows with every stage's encoder work: a TP whose work is nowhere less than
+    # another's cannot give a lower bound (timing the LLM's actions is the cost here).
+    kept = [tp for tp in options if not any(_dominates(options[o], options[tp]) for o in options if o != tp)]
+    best = min((bound(options[tp], tp) for tp in kept), key=lambda b: b.step_s)
+    return replace(best, llm_span_s=span)
+
+
+def _dominates(a: dict[int, tuple[float, float]], b: dict[int, tuple[float, float]]) -> bool:
+    """``a``'s encoder work is nowhere more than ``b``'s and somewhere less."""
+    pairs = [(a[k][i], b[k][i]) for k in b for i in (0, 1)]
+    return all(x <= y for x, y in pairs) and any(x < y for x, y in pairs)
+
+
+def _encoder_paths(
+    layer_graph: LayerGraph, cluster: Cluster, llm, tp: int, llm_plan: Plan, outside: list[str]
+) -> dict[int, tuple[float, float]]:
+    """Per LLM stage that reads encoder-side layers: the (forward, backward) compute of one
+    microbatch along the longest path of them into it, at encoder TP ``tp`` (its replicas share
+    the microbatch). Layers no gradient reaches may run a batch ahead: their forward waits for
+    nothing."""
+    if not outside:
+        return {}
+    stage_of = {name: stage.index for stage in llm_plan.stages for name in stage.layers}
+    costs = dict(
+        zip(
+            (layer.name for layer in layer_graph.layers),
+            layer_costs(
+                layer_graph,
+                cluster,
+                replace(llm, tp=tp),
+                microbatch_size=llm_plan.microbatch_size // (llm.tp // tp),
+                precision=llm_plan.precision,
+            ),
+        )
+    )
+    ahead = layer_graph.forward_only()
+    preds: dict[str, list[str]] = {n: [] for n in outside}
+    into: dict[int, list[str]] = {}
+    for src, dst, _ in layer_graph.edges:
+        if src in preds and dst in preds:
+            preds[dst].append(src)
+        elif src in preds and dst in stage_of:
+            into.setdefault(stage_of[dst], []).append(src)
+    forward: dict[str, float] = {}
+    backward: dict[str, float] = {}
+    trained_before: dict[str, bool] = {}
+    for n in outside:  # pipeline order: a layer's inputs come before it
+        c, before = costs[n], preds[n]
+        trained_before[n] = any(
+            layer_graph[p].num_params > layer_graph[p].num_frozen_params or trained_before[p] for p in before
+        )
+        forward[n] = (0.0 if n in ahead else c.fwd_s) + max((forward[p] for p in before), default=0.0)
+        own = (c.input_grad_s if trained_before[n] else 0.0) + c.weight_grad_s
+        backward[n] = own + max((backward[p] for p in before), default=0.0)
+    return {
+        stage: (max(forward[n] for n in sources), max(backward[n] for n in sources))
+        for stage, sources in into.items()
+    }

@@ -1,12 +1,21 @@
-"""The LLM alone at a plan's degrees: the bound no plan of the VLM at those degrees beats."""
+"""The LLM alone at a plan's degrees, and with the encoders' dependencies: the bounds no plan of the
+VLM at those degrees beats."""
 
 import pytest
 
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.stage_costs import layer_costs
 from vlmcompile.ir.regions import ENCODER_SIDE
-from vlmcompile.passes.llm_alone import encoder_cost_recovered, llm_alone_plan, llm_alone_step_s, llm_graph
+from vlmcompile.passes.bubbles import bubbles
+from vlmcompile.passes.llm_alone import (
+    dependency_bound,
+    encoder_cost_recovered,
+    llm_alone_plan,
+    llm_alone_step_s,
+    llm_graph,
+)
 from vlmcompile.passes.policies import plan_and_simulate
-from vlmcompile.planning.request import PlanRequest
+from vlmcompile.planning.request import PlanRequest, SolverOptions
 
 CLUSTER = Cluster.preset("h100x16")
 
@@ -41,3 +50,77 @@ def test_the_share_recovered_runs_from_the_baseline_to_the_bound():
     assert encoder_cost_recovered(ours_s=0.8, baseline_s=1.0, llm_alone_s=0.8) == 1.0
     assert encoder_cost_recovered(ours_s=0.9, baseline_s=1.0, llm_alone_s=0.8) == pytest.approx(0.5)
     assert encoder_cost_recovered(ours_s=1.1, baseline_s=1.0, llm_alone_s=0.8) < 0
+
+
+FAST = SolverOptions(time_limit_s=4, workers=2)
+
+
+@pytest.mark.parametrize(
+    ("cluster", "tp", "pp", "v", "frozen"),
+    [
+        ("cpu:2", 1, 2, 1, False),
+        ("h100x4", 2, 2, 1, False),
+        ("h100x4", 1, 2, 2, False),
+        ("h100x4", 2, 2, 1, True),
+    ],
+)
+def test_no_schedule_the_bubble_pass_tries_beats_the_dependency_bound(demo_graph, cluster, tp, pp, v, frozen):
+    """Every schedule the pass simulated (phased, list, CP-SAT at its optimum where it proves one,
+    kernel level) takes at least the bound; the bound is above the LLM's actions alone by the
+    encoder work at the two ends."""
+    cluster = Cluster.preset(cluster)
+    graph = demo_graph.with_frozen(["vision"]) if frozen else demo_graph
+    request = PlanRequest.on(cluster, tp=tp, pp=pp, v=v, global_batch=8)
+    report = bubbles(graph, cluster, request, solver=FAST).report
+    bound = report.dependency_bound
+    steps = [report.step_s, report.phased_step_s]
+    steps += [s for r in report.rows for s in (r.greedy_step_s, r.solved_step_s) if s is not None]
+    assert len(steps) > 3
+    assert min(steps) >= bound.step_s * (1 - 1e-9)
+    assert bound.step_s <= report.step_s
+    if frozen:
+        # The tower's forwards may run a batch ahead, and no gradient goes below the projector.
+        trained = bubbles(demo_graph, cluster, request, solver=FAST).report.dependency_bound
+        assert bound.head_s < trained.head_s and bound.tail_s < trained.tail_s
+    else:
+        assert 0 < bound.head_s < bound.tail_s  # a backward costs more than its forward
+        assert bound.step_s >= bound.llm_span_s + bound.head_s
+    if report.solver_status.startswith("OPTIMAL") and tp == 1:
+        # CP-SAT proved its layer-level schedule optimal: the bound is below it as well.
+        assert report.bound_s is not None and report.bound_s >= 0
+        assert any(r.solved_step_s is not None and r.solved_step_s >= bound.step_s for r in report.rows)
+
+
+def test_an_encoder_nothing_trains_in_costs_the_bound_nothing(demo_graph):
+    """With every encoder-side layer frozen (LLaVA's second stage with the projector frozen too),
+    the encoders run a batch ahead and no gradient reaches them: the bound is the LLM's actions."""
+    request = PlanRequest.on(CLUSTER, tp=2, pp=4, v=1, global_batch=32)
+    run = plan_and_simulate(demo_graph, CLUSTER, "megatron_balanced", request)
+    graph = demo_graph.with_frozen(["vision", "projector"])
+    bound = dependency_bound(llm_alone_plan(run.plan, graph, CLUSTER), graph, CLUSTER)
+    assert bound.head_s == bound.tail_s == 0
+    assert bound.step_s == pytest.approx(bound.llm_span_s)
+    trained = dependency_bound(llm_alone_plan(run.plan, demo_graph, CLUSTER), demo_graph, CLUSTER)
+    assert trained.step_s > trained.llm_span_s
+    # Without DP collectives the LLM's actions take no longer than the simulated LLM alone.
+    assert trained.llm_span_s <= llm_alone_step_s(run.plan, demo_graph, CLUSTER) * (1 + 1e-9)
+
+
+def test_two_towers_in_parallel_wait_for_the_longer_not_for_both(two_encoder_graph):
+    """The tiny two-encoder model's towers both feed the LLM: a microbatch's encoder forward is
+    the longer tower (with its projector), not the two in a row, which a plan could run on two
+    ranks at once."""
+    cluster = Cluster.preset("h100x4")
+    request = PlanRequest.on(cluster, tp=1, pp=2, global_batch=8)
+    run = plan_and_simulate(two_encoder_graph, cluster, "megatron_balanced", request)
+    bound = dependency_bound(llm_alone_plan(run.plan, two_encoder_graph, cluster), two_encoder_graph, cluster)
+    costs = layer_costs(
+        two_encoder_graph, cluster, request.parallel, microbatch_size=run.plan.microbatch_size
+    )
+    forward = {layer.name: c.fwd_s for layer, c in zip(two_encoder_graph.layers, costs)}
+    towers = [
+        sum(s for name, s in forward.items() if name.startswith((f"encoders.{i}.", f"projectors.{i}")))
+        for i in (0, 1)
+    ]
+    assert bound.head_s == pytest.approx(max(towers))
+    assert bound.head_s < sum(towers)
