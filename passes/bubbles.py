@@ -739,7 +739,9 @@ def _schedule_by(cand: _Candidate, problem, layer_graph, cluster, layer_settings
         for lookahead, fill_only in layer_settings
     ]
     schedules = []
-    if layer_schedules:
+    if len(layer_schedules) == 1:  # nothing to rank
+        schedules.append((layer_schedules[0], {}))
+    elif layer_schedules:
         schedules.append(
             (min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate_schedule(problem, acts))), {})
         )
