@@ -124,27 +124,33 @@ def _plan(args: argparse.Namespace) -> int:
     print(cluster)
     print()
     print(run)
-    alone_s = _llm_alone_s(run, graph, cluster)
+    alone_s, bound_s = _llm_alone_s(run, graph, cluster)
     if alone_s is not None:
+        from vlmcompile.sim.units import format_ms
+
         print(
-            f"the same LLM without its encoders at these degrees: {alone_s * 1e3:.0f} ms simulated "
-            f"(this plan {run.sim.step_time_s / alone_s:.2f}x of it)"
+            f"the same LLM without its encoders at these degrees: {format_ms(alone_s)} ms simulated "
+            f"(this plan {run.sim.step_time_s / alone_s:.2f}x of it); with one microbatch's encoder "
+            f"forward before it and backward after: {format_ms(bound_s)} ms "
+            f"(this plan {run.sim.step_time_s / bound_s:.2f}x of it)"
         )
     if not run.fits:
         print(f"\nwarning: the plan does not fit in {cluster.device.name} memory", file=sys.stderr)
-    _write_plan_outputs(args, run, graph, alone_s)
+    _write_plan_outputs(args, run, graph, alone_s, bound_s)
     return 0 if run.fits else 3
 
 
-def _llm_alone_s(run, graph, cluster) -> float | None:
-    """The bound's step (passes/llm_alone.py); None for a model with nothing but encoders."""
+def _llm_alone_s(run, graph, cluster) -> tuple[float | None, float | None]:
+    """The bounds' steps (passes/llm_alone.py): the LLM alone, and with the encoders'
+    dependencies; None for a model with nothing but encoders."""
     from vlmcompile.ir.errors import PlanError
-    from vlmcompile.passes.llm_alone import llm_alone_step_s
+    from vlmcompile.passes.llm_alone import dependency_bound, llm_alone_plan, llm_alone_step_s
 
     try:
-        return llm_alone_step_s(run.plan, graph, cluster)
+        alone = llm_alone_step_s(run.plan, graph, cluster)
     except PlanError:
-        return None
+        return None, None
+    return alone, dependency_bound(llm_alone_plan(run.plan, graph, cluster), graph, cluster).step_s
 
 
 def _data_layer_graph(args: argparse.Namespace):
@@ -239,7 +245,9 @@ def _plan_run(args: argparse.Namespace, graph, cluster):
     )
 
 
-def _write_plan_outputs(args: argparse.Namespace, run, graph, llm_alone_s: float | None) -> None:
+def _write_plan_outputs(
+    args: argparse.Namespace, run, graph, llm_alone_s: float | None, dependency_bound_s: float | None
+) -> None:
     import dataclasses
 
     from vlmcompile.planning.megatron_layout import megatron_layout
@@ -250,6 +258,7 @@ def _write_plan_outputs(args: argparse.Namespace, run, graph, llm_alone_s: float
             "frozen_layers": list(graph.meta.get("frozen", [])),
             "simulation": run.sim.to_json(),
             "llm_alone_step_s": llm_alone_s,
+            "dependency_bound_s": dependency_bound_s,
             "megatron_layout": megatron_layout(run.plan, graph)[0],
             "policies": [dataclasses.asdict(r) for r in run.baselines],
         }

@@ -41,6 +41,7 @@ def test_no_baseline_at_the_same_degrees_beats_the_llm_alone(demo_graph, tp, pp,
         assert alone.num_microbatches == run.plan.num_microbatches and alone.schedule == run.plan.schedule
         bound = llm_alone_step_s(run.plan, demo_graph, CLUSTER)
         assert 0 < bound < run.sim.step_time_s
+        assert dependency_bound(alone, demo_graph, CLUSTER).step_s < run.sim.step_time_s
         bounds.add(round(bound, 12))
     assert len(bounds) == 1, "the bound depends on the degrees, not on the policy"
 
