@@ -613,15 +613,12 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
     plan, sim, solution = chosen.plan, chosen.sim, chosen.solution
     phased_sim = chosen.phased_sim
     # The bound: the LLM alone, on our plan's LLM stages or balanced anew, whichever is faster.
+    own, balanced = llm_alone(plan), llm_alone_plan(plan, layer_graph, cluster)
     alone_s = min(
-        simulate(llm_alone(plan), layer_graph, cluster).step_time_s,
-        llm_alone_step_s(plan, layer_graph, cluster),
+        simulate(own, layer_graph, cluster).step_time_s,
+        llm_alone_step_s(plan, layer_graph, cluster, alone=balanced),
     )
-    bound = min(
-        dependency_bound(llm_alone(plan), layer_graph, cluster),
-        dependency_bound(llm_alone_plan(plan, layer_graph, cluster), layer_graph, cluster),
-        key=lambda b: b.step_s,
-    )
+    bound = min((dependency_bound(p, layer_graph, cluster) for p in (own, balanced)), key=lambda b: b.step_s)
     encoder_stages = chosen.costs.stages[: chosen.problem.encoder_stages]
     encoder_compute = plan.num_microbatches * sum(
         c.action_s(kind) - c.tp_comm_s(kind) for c in encoder_stages for kind in (bs.F, bs.B)

@@ -9,10 +9,10 @@ simulated. A benchmark states a plan's step over it (``llm_alone_step_s`` in ``v
 --json``) and the share of the encoder's cost a plan recovers against a baseline,
 (baseline - ours) / (baseline - LLM alone).
 
-The LLM alone ignores when the encoders' work may run. :func:`dependency_bound` adds it: the
-LLM's first stage cannot start a microbatch before that microbatch's encoder forward can have
-ended, and the step cannot end before the encoder backward of the microbatch the first stage
-finishes last. Optimus (sec. 3.1, challenge 2) states these microbatch-level dependencies; every
+The LLM alone ignores when the encoders' work may run. :func:`dependency_bound` adds it: an LLM
+stage that reads encoder outputs cannot start a microbatch's forward before that microbatch's
+encoder forward can have ended, and the step cannot end before each microbatch's encoder
+backward has run after that stage's backward of it. Optimus (sec. 3.1, challenge 2) states these microbatch-level dependencies; every
 plan made here keeps them, runs the encoders on whole microbatches, each encoder stage's
 backward whole, and the LLM's actions in their schedule's order per rank.
 """
@@ -26,7 +26,7 @@ from vlmcompile.cost_models.stage_costs import layer_costs, plan_costs
 from vlmcompile.ir.actions import ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Decision, Plan, Reason
+from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason
 from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import balanced_split, chunks_of
@@ -83,9 +83,12 @@ def llm_alone_plan(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> Pla
     )
 
 
-def llm_alone_step_s(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> float:
-    """The simulated step of :func:`llm_alone_plan` (a prediction of the cost model)."""
-    alone = llm_alone_plan(plan, layer_graph, cluster)
+def llm_alone_step_s(
+    plan: Plan, layer_graph: LayerGraph, cluster: Cluster, *, alone: Plan | None = None
+) -> float:
+    """The simulated step of :func:`llm_alone_plan` (a prediction of the cost model); ``alone``:
+    that plan, where the caller has it already."""
+    alone = alone or llm_alone_plan(plan, layer_graph, cluster)
     return simulate(alone, llm_graph(layer_graph), cluster).step_time_s
 
 
@@ -170,7 +173,7 @@ def _dominates(a: dict[int, tuple[float, float]], b: dict[int, tuple[float, floa
 
 
 def _encoder_paths(
-    layer_graph: LayerGraph, cluster: Cluster, llm, tp: int, llm_plan: Plan, outside: list[str]
+    layer_graph: LayerGraph, cluster: Cluster, llm: Parallel, tp: int, llm_plan: Plan, outside: list[str]
 ) -> dict[int, tuple[float, float]]:
     """Per LLM stage that reads encoder-side layers: the (forward, backward) compute of one
     microbatch along the longest path of them into it, at encoder TP ``tp`` (its replicas share

@@ -147,10 +147,11 @@ def _llm_alone_s(run, graph, cluster) -> tuple[float | None, float | None]:
     from vlmcompile.passes.llm_alone import dependency_bound, llm_alone_plan, llm_alone_step_s
 
     try:
-        alone = llm_alone_step_s(run.plan, graph, cluster)
+        alone = llm_alone_plan(run.plan, graph, cluster)
     except PlanError:
         return None, None
-    return alone, dependency_bound(llm_alone_plan(run.plan, graph, cluster), graph, cluster).step_s
+    bound = dependency_bound(alone, graph, cluster).step_s
+    return llm_alone_step_s(run.plan, graph, cluster, alone=alone), bound
 
 
 def _data_layer_graph(args: argparse.Namespace):

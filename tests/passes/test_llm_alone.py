@@ -86,10 +86,6 @@ def test_no_schedule_the_bubble_pass_tries_beats_the_dependency_bound(demo_graph
     else:
         assert 0 < bound.head_s < bound.tail_s  # a backward costs more than its forward
         assert bound.step_s >= bound.llm_span_s + bound.head_s
-    if report.solver_status.startswith("OPTIMAL") and tp == 1:
-        # CP-SAT proved its layer-level schedule optimal: the bound is below it as well.
-        assert report.bound_s is not None and report.bound_s >= 0
-        assert any(r.solved_step_s is not None and r.solved_step_s >= bound.step_s for r in report.rows)
 
 
 def test_an_encoder_nothing_trains_in_costs_the_bound_nothing(demo_graph):
