@@ -291,6 +291,7 @@ def capture(
     region_overrides: Mapping[str, str | Region] | None = None,
     method: CaptureMethod | Literal["auto"] = "auto",
     check_numerics: bool = True,
+    specialise_first: tuple[str, ...] = (),
 ) -> CaptureResult:
     """Capture ``model``'s forward on ``sample_batch`` and tag each node with layer and region.
 
@@ -300,6 +301,8 @@ def capture(
         region_overrides: module-path prefix -> region, taking precedence over detection.
         method: ``fx``, ``export``, or ``auto`` (export for transformers models, else fx first).
         check_numerics: run the captured graph and eager on the batch and compare (skipped on meta).
+        specialise_first: for export, the batch inputs to specialise on first (those a capture of
+            the model at another batch size needed), before the export without them.
     """
     if not isinstance(model, nn.Module):
         raise ModelError(f"model is a {type(model).__name__}; give a torch.nn.Module")
@@ -318,7 +321,7 @@ def capture(
     eager = root  # what the loss-split check runs: export may wrap root further
     assigner = LayerAssigner(model, overrides)
 
-    graph = _first_that_captures(model, root, batch, assigner, method)
+    graph = _first_that_captures(model, root, batch, assigner, method, specialise_first)
     gm, used, root, specialized = graph.gm, graph.method, graph.root, graph.specialized
     layers = _tag_layers(model, gm, root, assigner, overrides, used)
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
@@ -384,7 +387,12 @@ class _Captured:
 
 
 def _first_that_captures(
-    model: nn.Module, root: nn.Module, batch: Mapping[str, Any], assigner: LayerAssigner, method: str
+    model: nn.Module,
+    root: nn.Module,
+    batch: Mapping[str, Any],
+    assigner: LayerAssigner,
+    method: str,
+    specialise_first: tuple[str, ...] = (),
 ) -> _Captured:
     """The graph of the first capture method that works (``auto``: fx, then export; export only
     for transformers models, as symbolic tracing fails on every transformers-5 VLM), with why the
@@ -397,7 +405,9 @@ def _first_that_captures(
     for attempt in order:
         try:
             if attempt != "fx":
-                gm, checks, wrapped, specialized = export_specialising(model, root, batch)
+                gm, checks, wrapped, specialized = export_specialising(
+                    model, root, batch, first=specialise_first
+                )
                 return _Captured(gm, attempt, wrapped, checks, specialized, tuple(fallbacks))  # type: ignore[arg-type]
             # The wrapper would hide the blocks' paths from the tracer: trace the bare model.
             if root is not model:

@@ -187,6 +187,29 @@ def test_shapes_from_image_grids_specialise_the_capture_on_their_values():
     assert torch.equal(result.gm.meta[SPECIALIZED_META]["image_grid_thw"], batch["image_grid_thw"])
 
 
+@pytest.mark.hf
+def test_a_capture_at_another_batch_size_specialises_at_once_on_what_the_first_needed(monkeypatch):
+    """Codegen captures an exported model again at its microbatch size: on the inputs the first
+    capture specialised on, in one export, where trying the tiers again took three."""
+    from vlmcompile.graph import export as export_module
+    from vlmcompile.ir.microbatch import rows_per_sample, take
+    from vlmcompile.models import hf_tiny
+
+    model, batch = hf_tiny.build("hf-qwen2-vl")
+    real, calls = export_module.export_graph, []
+    monkeypatch.setattr(export_module, "export_graph", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = capture(model, batch)
+    keys = first.report.specialized.keys
+    assert len(calls) == 3, "the plain export and the first tier fail, the second tier captures"
+    calls.clear()
+    one = take(batch, 0, 1, rows_per_sample(batch))
+    again = capture(model, one, specialise_first=keys)
+    assert len(calls) == 1
+    assert again.report.specialized.keys == keys and "equal to eager" in again.report.numerics
+    calls.clear()
+    assert capture(model, one).report.specialized.keys == keys and len(calls) == 3
+
+
 class _BranchOnValues(nn.Module):
     """Branches on a float value: no specialisation on integer inputs can capture it."""
 

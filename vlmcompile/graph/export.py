@@ -205,11 +205,13 @@ def is_data_dependent(err: BaseException) -> bool:
 
 
 def export_specialising(
-    model: nn.Module, root: nn.Module, batch: dict[str, Any]
+    model: nn.Module, root: nn.Module, batch: dict[str, Any], *, first: tuple[str, ...] = ()
 ) -> tuple[fx.GraphModule, tuple[str, ...], nn.Module, Specialization | None]:
     """Export ``root``; if a shape depends on tensor values, export again specialised on the
-    fewest batch inputs that get it through. Returns the graph, its runtime checks, the module
-    exported and the specialisation."""
+    fewest batch inputs that get it through. ``first``: the inputs a capture of the same model at
+    another batch size was specialised on, tried before anything else (an export that fails
+    costs as much as one that works). Returns the graph, its runtime checks, the module exported
+    and the specialisation."""
     no_cache = root.no_cache if isinstance(root, LossOf) else takes_use_cache(model)
     # Python values are constants of the graph, not inputs: export would make an input of
     # every int in a list (``image_sizes_0_0``), which no batch key names.
@@ -223,34 +225,51 @@ def export_specialising(
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     if constants:
         root = LossOf(model, no_cache, constants=constants)
+    tiers = value_input_tiers(batch)
+    if first and first in tiers and not _on_meta(batch, first):
+        try:
+            return _specialised(
+                model, no_cache, batch, tensors, constants, first, "as its capture at another batch size was"
+            )
+        except Exception as err:
+            if not is_data_dependent(err):
+                raise
     try:
         return (*export_graph(root, tensors), root, None)
     except Exception as err:
         if not is_data_dependent(err):
             raise
-        first = err
-    for keys in value_input_tiers(batch):
-        on_meta = [k for k in keys if batch[k].device.type == "meta"]
+        first_failure = err
+    for keys in tiers:
+        on_meta = _on_meta(batch, keys)
         if on_meta:
             raise CaptureError(
-                f"{type(model).__name__}'s shapes depend on the values of batch inputs ({describe_failure(first)}); "
+                f"{type(model).__name__}'s shapes depend on the values of batch inputs ({describe_failure(first_failure)}); "
                 f"capture specialises on {list(keys)}, but {on_meta} are meta tensors, which hold no values. "
                 "Give those inputs as CPU tensors (they are small: image sizes and grids, token types) and "
                 "keep the rest on meta"
-            ) from first
-        # Copies: the graph's constants must not share memory with the caller's batch.
-        wrapped = LossOf(
-            model, no_cache, fixed={k: batch[k].detach().clone() for k in keys}, constants=constants
-        )
+            ) from first_failure
         try:
-            gm, checks = export_graph(wrapped, {k: v for k, v in tensors.items() if k not in keys})
+            return _specialised(
+                model, no_cache, batch, tensors, constants, keys, describe_failure(first_failure)
+            )
         except Exception as err:
             if not is_data_dependent(err):
                 raise
-            continue
-        gm.meta[SPECIALIZED_META] = dict(wrapped.fixed)
-        return gm, checks, wrapped, Specialization(keys, describe_failure(first))
-    raise first
+    raise first_failure
+
+
+def _on_meta(batch: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
+    return [k for k in keys if batch[k].device.type == "meta"]
+
+
+def _specialised(model, no_cache, batch, tensors, constants, keys, why: str):
+    """The export of ``model`` with the values of ``keys`` fixed into the graph."""
+    # Copies: the graph's constants must not share memory with the caller's batch.
+    wrapped = LossOf(model, no_cache, fixed={k: batch[k].detach().clone() for k in keys}, constants=constants)
+    gm, checks = export_graph(wrapped, {k: v for k, v in tensors.items() if k not in keys})
+    gm.meta[SPECIALIZED_META] = dict(wrapped.fixed)
+    return gm, checks, wrapped, Specialization(keys, why)
 
 
 _LIBRARY_DIRS = tuple(
