@@ -1,8 +1,5 @@
 """Start N local ranks (one process and one thread each, gloo over 127.0.0.1) and run a function
-on each, for demos and tests; ``torchrun`` does the same job on a real cluster. The ranks fork
-from multiprocessing's forkserver, which has imported torch once (a launch of 2 ranks starts in
-0.13 s instead of 1.2 s, measured on idle cores), each with the launcher's environment as it is
-at the launch, and are named ``vlmcompile-r<rank>`` in ps.
+on each, for demos and tests; ``torchrun`` does the same job on a real cluster.
 
 No hang and no orphan, ever:
 
@@ -37,7 +34,6 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing import connection as mp_connection
-from multiprocessing import reduction
 from typing import Any
 
 from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int, positive_number
@@ -117,36 +113,24 @@ def _listening_socket() -> socket.socket:
     return sock
 
 
-def _die_with_launcher(launcher_pid: int, alive) -> None:
-    """Exit when the launcher disappears: ``alive`` (the read end of a pipe whose write end only
-    the launcher holds) reads end-of-file the moment it dies, on a watchdog thread; where the
-    launcher is this process's parent (ranks spawned, not forked from a server), the kernel's
-    parent-death signal too. A rank forked from the forkserver must not arm it: a SIGTERM to the
-    job's process group ends the server, not the job."""
-    if os.getppid() == launcher_pid:
-        try:
-            pr_set_pdeathsig = 1
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-
-    def watch():
-        try:
-            alive.recv_bytes()
-        except (EOFError, OSError):
-            pass
-        os._exit(70)
-
-    threading.Thread(target=watch, name="vlmcompile-launcher-watch", daemon=True).start()
-
-
-def _name_process(rank: int) -> None:
-    """The rank's name in ps and top, and in /proc/PID/comm: ``vlmcompile-r0``."""
+def _die_with_parent(parent_pid: int) -> None:
+    """Exit when the launcher disappears: the kernel's parent-death signal on Linux, and a watchdog
+    thread everywhere (it also covers a parent that died before the signal was armed)."""
     try:
-        pr_set_name = 15
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_name, f"vlmcompile-r{rank}".encode(), 0, 0, 0)
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(70)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="vlmcompile-parent-watch", daemon=True).start()
+    if os.getppid() != parent_pid:
+        os._exit(70)
 
 
 def _leave_store(store, rank: int, nprocs: int, timeout_s: float, wait: bool) -> None:
@@ -167,23 +151,11 @@ def _leave_store(store, rank: int, nprocs: int, timeout_s: float, wait: bool) ->
         pass
 
 
-def _rank_main(
-    rank, nprocs, store_socket, port, launcher_pid, alive, environ, outputs, work, report, timeout_s
-) -> None:
-    # Armed first: where the rank was spawned, its imports (torch alone takes seconds) come after,
-    # so a launcher killed while its ranks start up takes them with it at once. Hence torch is
-    # imported here and the function to run arrives with the work, not as an argument the child
-    # unpickles on start.
-    _die_with_launcher(launcher_pid, alive)
-    _name_process(rank)
-    # A rank forked from the forkserver has the server's environment and standard output and
-    # error, from when it started: the launcher's, as they are now, as a spawned rank would.
-    os.environ.clear()
-    os.environ.update(environ)
-    for fd, target in zip(outputs, (1, 2)):
-        os.dup2(fd, target)
-        os.close(fd)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # born ignored, as the forkserver must
+def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeout_s) -> None:
+    # Armed first: a rank's imports (torch alone takes seconds) come after, so a launcher killed
+    # while its ranks start up takes them with it at once. Hence torch is imported here and the
+    # function to run arrives with the work, not as an argument the child unpickles on start.
+    _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, preemption.note)  # the launcher's stop request (born ignored)
     if hasattr(signal, "pthread_sigmask"):  # born with the launcher's mask, which held them back
@@ -267,7 +239,7 @@ def _how(code: int | None) -> str:
 
 _NO_GUARD = (
     "a rank process ran the launching script's top-level code again: guard the script's entry point "
-    'with `if __name__ == "__main__":` (each local rank imports the script, as a spawned process does)'
+    'with `if __name__ == "__main__":` (local ranks are spawned, and spawning imports the script)'
 )
 
 
@@ -320,7 +292,7 @@ def launch(
     """
     check_launchable(nprocs, timeout_s)
     positive_number("grace_s", grace_s, "the seconds ranks get to report after the first failure")
-    ctx = _rank_context()
+    ctx = multiprocessing.get_context("spawn")
     # The payload and args reach the ranks through a pipe after they start, not as Process
     # arguments: multiprocessing writes those while it still holds the child's end of the pipe, so
     # a child that dies before reading them (a script without a main guard) would block that
@@ -328,66 +300,27 @@ def launch(
     work = _work(fn, payload, args, arg_names)
     procs: list[Any] = []
     reports: list[Any] = []
-    # Its write end stays here alone: the ranks read end-of-file from it when this process dies.
-    alive_r, alive_w = ctx.Pipe(duplex=False)
     previous = interrupt_on_stop_signals((signal.SIGINT,) if forward_stop_requests else _STOP_SIGNALS)
     try:
-        senders = _start_ranks(ctx, nprocs, timeout_s, alive_r, procs, reports)
-        alive_r.close()
+        senders = _start_ranks(ctx, nprocs, timeout_s, procs, reports)
         _send_work(senders, work)
         return _watch(procs, reports, limit_s, grace_s, timeout_s, forward_stop_requests)
     finally:
         with _signals_held():  # a second Ctrl-C must not cut the clean-up short
             _stop(procs)
-            for r in (*reports, alive_r, alive_w):
+            for r in reports:
                 r.close()
             restore_signals(previous)  # a signal held meanwhile goes to the caller's handler
 
 
-class _Inherited:
-    """A descriptor of this process that a rank gets its own copy of, as it would inherit it
-    when spawned (multiprocessing passes it over at the start; the rank reads the number)."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __reduce__(self):
-        return _detach, (reduction.DupFd(self.fd),)
-
-
-def _detach(passed) -> int:
-    return passed.detach()
-
-
-_PRELOADED = ("torch", "torch.distributed", "vlmcompile.runtime.launch", "vlmcompile.runtime.executor")
-"""What the forkserver imports once, so that each rank forked from it starts in a tenth of a
-second instead of importing torch itself (1.2 s a launch of 2 ranks on idle cores, measured; CI's
-tests launch ranks some hundred times)."""
-
-
-def _rank_context():
-    """Ranks fork from a server that has imported torch (multiprocessing's forkserver, started at
-    the first launch and ended with this process), where the platform has one; else spawned.
-    Never forked from this process itself: its threads (CP-SAT's, torch's) would be copied
-    mid-work."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    preload = [*_PRELOADED, *(["transformers"] if "transformers" in sys.modules else [])]
-    ctx.set_forkserver_preload(preload)  # read when the server starts; a no-op once it runs
-    return ctx
-
-
-def _start_ranks(
-    ctx, nprocs: int, timeout_s: float, alive: Any, procs: list[Any], reports: list[Any]
-) -> list[Any]:
+def _start_ranks(ctx, nprocs: int, timeout_s: float, procs: list[Any], reports: list[Any]) -> list[Any]:
     """Start the ranks (appended to ``procs``, their report pipes to ``reports``, so that the
     caller reaps them whatever happens); return the pipes their work goes down. A stop signal
     while a rank is being started would cut its start-up data short: it waits until every rank
     has started. The ranks are born ignoring SIGINT, so a terminal's Ctrl-C during their
     start-up reaches the launcher alone."""
     senders = []
-    with _listening_socket() as store_socket, _signals_held(), _children_born_ignoring_stop_signals():
+    with _listening_socket() as store_socket, _signals_held(), _children_ignore_sigint():
         port = store_socket.getsockname()[1]
         for rank in range(nprocs):
             work_r, work_w = ctx.Pipe(duplex=False)
@@ -400,9 +333,6 @@ def _start_ranks(
                     store_socket if rank == 0 else None,
                     port,
                     os.getpid(),
-                    alive,
-                    dict(os.environ),
-                    (_Inherited(1), _Inherited(2)),
                     work_r,
                     report_w,
                     timeout_s,
@@ -432,7 +362,7 @@ def _send_work(senders: list[Any], work: bytes) -> None:
 
 
 def _work(fn: Callable[..., Any], payload: Any, args: Sequence[Any], arg_names: Sequence[str]) -> bytes:
-    """What every rank receives, pickled once: the ranks are other processes. A value that does
+    """What every rank receives, pickled once: the ranks are spawned processes. A value that does
     not pickle is refused naming it (``arg_names``: the args' names) and the fix."""
     unpicklable = (pickle.PicklingError, TypeError, AttributeError)
     try:
@@ -469,21 +399,19 @@ def _signals_held():
 
 
 @contextlib.contextmanager
-def _children_born_ignoring_stop_signals():
-    """Processes started inside ignore SIGINT, SIGTERM and SIGUSR1 from birth (the disposition
-    survives exec, and Python keeps an ignored signal ignored): the forkserver, which a SIGTERM
-    to the job's process group must not end (the launcher reads its ranks' exit codes through
-    it), and spawned ranks, which set their own first thing. Call with the signals held: one
-    that comes meanwhile stays pending for the handler restored on leaving (Linux never discards
-    a blocked signal)."""
+def _children_ignore_sigint():
+    """Processes started inside ignore SIGINT and SIGUSR1 from birth (the disposition survives
+    exec, and Python keeps an ignored signal ignored; a rank listens to SIGUSR1 from its first
+    line). Call with the signals held: one that comes meanwhile stays pending for the handler
+    restored on leaving (Linux never discards a blocked signal)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    born_ignoring = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    born_ignoring = (signal.SIGINT, signal.SIGUSR1)
     pending = signal.sigpending() if hasattr(signal, "sigpending") else set()
     for signum in born_ignoring:
         if signum in pending:  # setting SIG_IGN would discard it
-            if signal.getsignal(signum) in preemption.STOP_REQUEST_HANDLERS:
+            if signum == signal.SIGUSR1 and signal.getsignal(signum) in preemption.STOP_REQUEST_HANDLERS:
                 preemption.note(signum)  # a training launch's stop request: kept as one
             else:
                 raise Interrupted(signum)
