@@ -323,7 +323,7 @@ def capture(
 
     graph = _first_that_captures(model, root, batch, assigner, method, specialise_first)
     gm, used, root, specialized = graph.gm, graph.method, graph.root, graph.specialized
-    layers = _tag_layers(model, gm, root, assigner, overrides, used)
+    layers = _tag_layers(model, gm, root, assigner, overrides, used, specialized)
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
     loss_split = _loss_split(eager, batch, specialized) if check_numerics else None
     gm.meta[LOSS_SPLIT_META] = loss_split = loss_split or LossSplitCheck(
@@ -356,9 +356,11 @@ def _tag_layers(
     assigner: LayerAssigner,
     overrides: Mapping[str, Region] | None,
     method: str,
+    specialized: Specialization | None,
 ) -> tuple[LayerRegion, ...]:
     """Tag every node of ``gm`` with its layer and region and record the layer order and the
-    capture options in ``gm.meta``; returns each layer's region."""
+    options to capture the model again with (at another batch size: specialised first on what
+    this capture needed) in ``gm.meta``; returns each layer's region."""
     strip = f"{WRAPPED}." if root is not model else ""
     regions = assign_layers(gm, assigner, strip_prefix=strip)
     layer_order = list(regions)
@@ -370,7 +372,11 @@ def _tag_layers(
     )
     gm.meta[LAYER_ORDER_META] = layer_order
     gm.meta[BLOCK_LAYERS_META] = frozenset(layer for layer in layer_order if layer in assigner.blocks)
-    gm.meta[CAPTURE_OPTIONS_META] = {"region_overrides": overrides or None, "method": method}
+    gm.meta[CAPTURE_OPTIONS_META] = {
+        "region_overrides": overrides or None,
+        "method": method,
+        "specialise_first": specialized.keys if specialized else (),
+    }
     gm.meta[WRAPPER_PREFIX_META] = strip
     return layers
 

@@ -29,7 +29,6 @@ from vlmcompile.ir.meta_keys import (
     LAYER_META,
     LAYER_ORDER_META,
     PACKED_META,
-    SPECIALIZED_META,
     WRAPPER_PREFIX_META,
 )
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
@@ -254,8 +253,7 @@ def graph_for(
             f"{plan.microbatch_size}. Compile with a sample batch of {plan.microbatch_size} samples"
         )
     microbatch = take(sample_batch, 0, plan.microbatch_size, rows_per_sample(sample_batch))
-    first = tuple(gm.meta.get(SPECIALIZED_META, {}))
-    return capture(model, microbatch, check_numerics=False, specialise_first=first, **options).gm
+    return capture(model, microbatch, check_numerics=False, **options).gm
 
 
 def codegen_for(

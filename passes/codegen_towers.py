@@ -24,7 +24,7 @@ from vlmcompile.graph.coupling import CouplingCut, record_values
 from vlmcompile.graph.subgraph import ancestors, extract
 from vlmcompile.ir.coupled_loss import CoupledLoss
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.ir.meta_keys import CAPTURE_OPTIONS_META, COUPLING_META, SPECIALIZED_META, WRAPPER_PREFIX_META
+from vlmcompile.ir.meta_keys import CAPTURE_OPTIONS_META, COUPLING_META, WRAPPER_PREFIX_META
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
 from vlmcompile.ir.tower_plan import MemoryPolicy, TowerPlan
 from vlmcompile.passes.capture import capture
@@ -159,10 +159,7 @@ def _capture_at(
     gm: fx.GraphModule, model: nn.Module, sample_batch: Mapping[str, Any], size: int
 ) -> fx.GraphModule:
     options = dict(gm.meta.get(CAPTURE_OPTIONS_META, {}))
-    first = tuple(gm.meta.get(SPECIALIZED_META, {}))
-    return capture(
-        model, _repeated(sample_batch, size), check_numerics=False, specialise_first=first, **options
-    ).gm
+    return capture(model, _repeated(sample_batch, size), check_numerics=False, **options).gm
 
 
 def _check_like(pair, batch: Mapping[str, Any], reference: list[torch.Tensor], size: int) -> None:

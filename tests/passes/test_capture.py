@@ -14,6 +14,7 @@ from tests.pipeline_helpers import even_plan
 from vlmcompile import CaptureError, ModelError, Region, RegionError, SampleBatchError
 from vlmcompile.graph.export import mark_runtime_checks
 from vlmcompile.ir.meta_keys import (
+    CAPTURE_OPTIONS_META,
     LAYER_META,
     LAYER_ORDER_META,
     REGION_META,
@@ -203,7 +204,9 @@ def test_a_capture_at_another_batch_size_specialises_at_once_on_what_the_first_n
     assert len(calls) == 3, "the plain export and the first tier fail, the second tier captures"
     calls.clear()
     one = take(batch, 0, 1, rows_per_sample(batch))
-    again = capture(model, one, specialise_first=keys)
+    options = first.gm.meta[CAPTURE_OPTIONS_META]  # what codegen captures again with
+    assert options["specialise_first"] == keys
+    again = capture(model, one, **options)
     assert len(calls) == 1
     assert again.report.specialized.keys == keys and "equal to eager" in again.report.numerics
     calls.clear()

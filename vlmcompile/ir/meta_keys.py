@@ -46,8 +46,9 @@ WRAPPER_PREFIX_META = "vlmcompile.wrapper_prefix"
 names (``"inner."`` for transformers models, which capture wraps to return the loss; else "")."""
 
 CAPTURE_OPTIONS_META = "vlmcompile.capture_options"
-"""On ``GraphModule.meta``: the keyword options capture ran with (region overrides, method), so
-that a capture again at a microbatch's size (the runtime's) makes the same layers."""
+"""On ``GraphModule.meta``: the keyword options capture ran with (region overrides, method, and
+the inputs export specialised on, to try first), so that a capture again at a microbatch's size
+(the runtime's) makes the same layers at the cost of one export."""
 
 OUTPUT_META = "vlmcompile.output"
 """On ``GraphModule.meta``, set by annotate: the graph's output as annotate ran it (on fake or
