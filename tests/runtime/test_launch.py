@@ -15,13 +15,35 @@ import pytest
 
 from tests.proc_helpers import LOOPBACK, listening_sockets
 from vlmcompile.ir.errors import ArgumentError
+from vlmcompile.runtime import rank_server
 from vlmcompile.runtime.launch import LaunchError, launch
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
 
-def _children(pid: int) -> list[int]:
-    """Rank processes started by ``pid`` (spawned interpreters; the resource tracker is not one)."""
+def _ranks_of(pid: int) -> list[int]:
+    """The rank processes of the launcher ``pid``: named ``vlmcompile-r<rank>``, its children
+    (spawned) or its rank server's (forked)."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        names[int(entry.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+    return [
+        child
+        for child, parent in parents.items()
+        if names[child].startswith("vlmcompile-r") and pid in (parent, parents.get(parent))
+    ]
+
+
+def _rank_servers_of(pid: int) -> list[int]:
+    """The rank server the launcher ``pid`` forks its ranks from (none where it spawns them)."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -31,8 +53,7 @@ def _children(pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"spawn_main" in cmdline:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"rank_server_process" in cmdline:
             out.append(int(entry.name))
     return out
 
@@ -61,7 +82,7 @@ def _wait_for_ranks(parent: subprocess.Popen) -> list[int]:
             raise AssertionError(
                 f"vlmcompile run exited {parent.returncode} early: {parent.communicate()[1][-3000:]}"
             )
-        ranks = _children(parent.pid)
+        ranks = _ranks_of(parent.pid)
         return ranks if len(ranks) == 2 else None
 
     return _wait_for(started, 180, "2 ranks")
@@ -131,9 +152,12 @@ def test_ranks_exit_on_their_own_when_the_launcher_is_killed():
     try:
         ranks = _wait_for_ranks(parent)
         time.sleep(1.0)
+        servers = _rank_servers_of(parent.pid)
+        assert servers or not rank_server._supported() or os.environ.get(rank_server.START_ENV) == "spawn"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
-        _wait_for(lambda: not any(_alive(r) for r in ranks), 5, f"orphaned ranks {ranks} to exit")
+        left = ranks + servers
+        _wait_for(lambda: not any(_alive(r) for r in left), 5, f"orphaned ranks and servers {left} to exit")
     finally:
         parent.kill()
 

@@ -1,5 +1,8 @@
 """Start N local ranks (one process and one thread each, gloo over 127.0.0.1) and run a function
-on each, for demos and tests; ``torchrun`` does the same job on a real cluster.
+on each, for demos and tests; ``torchrun`` does the same job on a real cluster. The ranks fork
+from this process's rank server (:mod:`~vlmcompile.runtime.rank_server`), which imported torch
+once, and start as spawned ranks would; they are spawned where it cannot run. Each is named
+``vlmcompile-r<rank>`` in ps.
 
 No hang and no orphan, ever:
 
@@ -37,8 +40,9 @@ from multiprocessing import connection as mp_connection
 from typing import Any
 
 from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int, positive_number
-from vlmcompile.runtime import preemption
+from vlmcompile.runtime import preemption, rank_server
 from vlmcompile.runtime.preemption import Interrupted
+from vlmcompile.runtime.rank_server_process import name_process
 
 __all__ = ["GRACE_S", "Interrupted", "LaunchError", "launch"]
 
@@ -155,7 +159,9 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
     # Armed first: a rank's imports (torch alone takes seconds) come after, so a launcher killed
     # while its ranks start up takes them with it at once. Hence torch is imported here and the
     # function to run arrives with the work, not as an argument the child unpickles on start.
-    _die_with_parent(parent_pid)
+    if parent_pid is not None:  # spawned; a forked rank watches its launcher's pipe instead
+        _die_with_parent(parent_pid)
+    name_process(f"vlmcompile-r{rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, preemption.note)  # the launcher's stop request (born ignored)
     if hasattr(signal, "pthread_sigmask"):  # born with the launcher's mask, which held them back
@@ -215,6 +221,29 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
     os._exit(code)
 
 
+def _served_rank_main(passed: list[int], rank, nprocs, port, timeout_s) -> None:
+    """A rank forked from the rank server: its descriptors arrive as numbers (``passed``)."""
+    alive, work, report, *store = passed
+    _die_with_launcher(alive)
+    store_socket = socket.socket(fileno=store[0]) if store else None
+    work_conn = mp_connection.Connection(work, writable=False)
+    report_conn = mp_connection.Connection(report, readable=False)
+    _rank_main(rank, nprocs, store_socket, port, None, work_conn, report_conn, timeout_s)
+
+
+def _die_with_launcher(alive: int) -> None:
+    """Exit when the launcher disappears: ``alive`` is the read end of a pipe whose write end it
+    alone holds, which reads end-of-file the moment it dies (its parent is the rank server, so
+    the parent-death signal would not tell)."""
+
+    def watch():
+        with contextlib.suppress(OSError):
+            os.read(alive, 1)
+        os._exit(70)
+
+    threading.Thread(target=watch, name="vlmcompile-launcher-watch", daemon=True).start()
+
+
 def _as_bytes(err: BaseException) -> bytes | None:
     """A user error itself, for the launcher to raise when every rank raised the same; None for
     anything else (a bug keeps its rank and line) or what does not pickle."""
@@ -239,7 +268,7 @@ def _how(code: int | None) -> str:
 
 _NO_GUARD = (
     "a rank process ran the launching script's top-level code again: guard the script's entry point "
-    'with `if __name__ == "__main__":` (local ranks are spawned, and spawning imports the script)'
+    'with `if __name__ == "__main__":` (each local rank imports the script, as a spawned process does)'
 )
 
 
@@ -292,60 +321,143 @@ def launch(
     """
     check_launchable(nprocs, timeout_s)
     positive_number("grace_s", grace_s, "the seconds ranks get to report after the first failure")
-    ctx = multiprocessing.get_context("spawn")
     # The payload and args reach the ranks through a pipe after they start, not as Process
     # arguments: multiprocessing writes those while it still holds the child's end of the pipe, so
     # a child that dies before reading them (a script without a main guard) would block that
     # write forever.
     work = _work(fn, payload, args, arg_names)
+    # Started (or found running) before any signal is held: it takes seconds the first time.
+    with rank_server.in_use() as server:
+        return _run(server, work, nprocs, timeout_s, limit_s, grace_s, forward_stop_requests)
+
+
+def _run(server, work: bytes, nprocs, timeout_s, limit_s, grace_s, forward_stop_requests) -> list[Any]:
     procs: list[Any] = []
     reports: list[Any] = []
+    alive_r, alive_w = _alive_pipe()
     previous = interrupt_on_stop_signals((signal.SIGINT,) if forward_stop_requests else _STOP_SIGNALS)
     try:
-        senders = _start_ranks(ctx, nprocs, timeout_s, procs, reports)
+        senders = _start_ranks(server, nprocs, timeout_s, alive_r, procs, reports)
         _send_work(senders, work)
         return _watch(procs, reports, limit_s, grace_s, timeout_s, forward_stop_requests)
     finally:
         with _signals_held():  # a second Ctrl-C must not cut the clean-up short
-            _stop(procs)
-            for r in reports:
-                r.close()
-            restore_signals(previous)  # a signal held meanwhile goes to the caller's handler
+            try:
+                _close_alive_pipe(alive_r, alive_w)  # first: whatever fails below, forked ranks end
+                _stop(procs)
+                for r in reports:
+                    r.close()
+            finally:
+                restore_signals(previous)  # a signal held meanwhile goes to the caller's handler
 
 
-def _start_ranks(ctx, nprocs: int, timeout_s: float, procs: list[Any], reports: list[Any]) -> list[Any]:
+_ALIVE_PIPES: set[int] = set()
+"""The write ends of the launches' pipes that forked ranks watch: a process forked from this
+one (a data loader's worker) closes them, or the ranks would outlive a launcher killed while it
+runs."""
+
+
+def _alive_pipe() -> tuple[int, int]:
+    """A pipe whose write end this process alone holds: forked ranks read end-of-file from it
+    when the launch ends or this process dies."""
+    alive_r, alive_w = os.pipe()
+    _ALIVE_PIPES.add(alive_w)
+    return alive_r, alive_w
+
+
+def _close_alive_pipe(alive_r: int, alive_w: int) -> None:
+    _ALIVE_PIPES.discard(alive_w)
+    os.close(alive_w)
+    os.close(alive_r)
+
+
+def _close_alive_pipes_after_fork() -> None:
+    for fd in _ALIVE_PIPES:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _ALIVE_PIPES.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_alive_pipes_after_fork)
+
+
+def _start_ranks(
+    server: rank_server.RankServer | None,
+    nprocs: int,
+    timeout_s: float,
+    alive: int,
+    procs: list[Any],
+    reports: list[Any],
+) -> list[Any]:
     """Start the ranks (appended to ``procs``, their report pipes to ``reports``, so that the
-    caller reaps them whatever happens); return the pipes their work goes down. A stop signal
-    while a rank is being started would cut its start-up data short: it waits until every rank
-    has started. The ranks are born ignoring SIGINT, so a terminal's Ctrl-C during their
-    start-up reaches the launcher alone."""
-    senders = []
-    with _listening_socket() as store_socket, _signals_held(), _children_ignore_sigint():
+    caller reaps them whatever happens); return the pipes their work goes down. They fork from
+    ``server``; spawned where it is None or fails (then every rank is, the forked ones stopped).
+    A stop signal while a rank is being started would cut its start-up data short: it waits
+    until every rank has started. The ranks are born ignoring SIGINT, so a terminal's Ctrl-C
+    during their start-up reaches the launcher alone."""
+    with _listening_socket() as store_socket, _signals_held():
         port = store_socket.getsockname()[1]
-        for rank in range(nprocs):
-            work_r, work_w = ctx.Pipe(duplex=False)
-            report_r, report_w = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_rank_main,
-                args=(
-                    rank,
-                    nprocs,
-                    store_socket if rank == 0 else None,
-                    port,
-                    os.getpid(),
-                    work_r,
-                    report_w,
-                    timeout_s,
-                ),
-                name=f"vlmcompile-rank{rank}",
-            )
-            p.start()
+        if server is not None:
+            try:
+                return _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, reports)
+            except rank_server.Unavailable:
+                rank_server.forget(server)
+                _stop(procs)
+                for r in reports:
+                    r.close()
+                procs.clear()
+                reports.clear()
+        with _children_ignore_sigint():
+            return _spawn_ranks(nprocs, timeout_s, port, store_socket, procs, reports)
+
+
+def _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, reports) -> list[Any]:
+    senders = []
+    for rank in range(nprocs):
+        work_r, work_w = mp_connection.Pipe(duplex=False)
+        report_r, report_w = mp_connection.Pipe(duplex=False)
+        senders.append(work_w)
+        reports.append(report_r)
+        fds = [alive, work_r.fileno(), report_w.fileno()]
+        if rank == 0:
+            fds.append(store_socket.fileno())
+        try:
+            call = pickle.dumps((_served_rank_main, (rank, nprocs, port, timeout_s)))
+            procs.append(server.start(f"vlmcompile-r{rank}", call, fds))
+        finally:
             # The rank's ends close here, or a dead rank's pipes would never break.
             work_r.close()
             report_w.close()
-            procs.append(p)
-            senders.append(work_w)
-            reports.append(report_r)
+    return senders
+
+
+def _spawn_ranks(nprocs, timeout_s, port, store_socket, procs, reports) -> list[Any]:
+    ctx = multiprocessing.get_context("spawn")
+    senders = []
+    for rank in range(nprocs):
+        work_r, work_w = ctx.Pipe(duplex=False)
+        report_r, report_w = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_rank_main,
+            args=(
+                rank,
+                nprocs,
+                store_socket if rank == 0 else None,
+                port,
+                os.getpid(),
+                work_r,
+                report_w,
+                timeout_s,
+            ),
+            name=f"vlmcompile-rank{rank}",
+        )
+        p.start()
+        work_r.close()
+        report_w.close()
+        procs.append(p)
+        senders.append(work_w)
+        reports.append(report_r)
     return senders
 
 
@@ -362,7 +474,7 @@ def _send_work(senders: list[Any], work: bytes) -> None:
 
 
 def _work(fn: Callable[..., Any], payload: Any, args: Sequence[Any], arg_names: Sequence[str]) -> bytes:
-    """What every rank receives, pickled once: the ranks are spawned processes. A value that does
+    """What every rank receives, pickled once: the ranks are other processes. A value that does
     not pickle is refused naming it (``arg_names``: the args' names) and the fix."""
     unpicklable = (pickle.PicklingError, TypeError, AttributeError)
     try:
@@ -432,6 +544,8 @@ def _stop(procs: list[Any]) -> None:
             p.kill()
     for p in procs:
         p.join(5)
+        if isinstance(p, rank_server.ServedRank):
+            p.close()
 
 
 def _watch(
@@ -440,7 +554,9 @@ def _watch(
     """Every rank's result, once all have ended; else the :class:`LaunchError` naming them."""
     watch = _Watch(procs, reports, limit_s, grace_s, forward_stop)
     watch.run()
-    if all(c == 0 for c in watch.codes.values()) and len(watch.values) == len(procs):
+    # A rank that reported its result has finished, whatever ended its process afterwards (rank 0
+    # waiting on the store for a peer, a rank server that died before it reported the exit).
+    if len(watch.values) == len(procs):
         return [watch.values[r] for r in range(len(procs))]
     same = {_strip_where(e) for e in watch.errors.values()}
     if len(watch.errors) == len(procs) and len(same) == 1 and all(watch.raised.values()):
@@ -562,6 +678,12 @@ class _Watch:
         lines = [paused or header]
         if self.over_limit and not errors:
             lines.insert(0, f"the ranks ran past the {self.limit_s:.0f} s limit")
+        orphaned = [r for r, p in enumerate(self.procs) if getattr(p, "lost_server", False)]
+        if orphaned:
+            lines.insert(
+                0,
+                f"the rank server died while ranks {orphaned} ran, so the launcher killed them (launch again)",
+            )
         why_killed = (
             "at the run's time limit"
             if self.over_limit
