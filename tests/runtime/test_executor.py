@@ -186,11 +186,7 @@ def test_a_plan_made_for_another_model_is_refused(tmp_path):
         pipe.runner(Plan.load(path))
 
 
-@pytest.mark.parametrize(
-    "policy",
-    # Outside CI's 15 minutes: a baseline's plan runs through the same CLI path as ours.
-    [pytest.param("megatron", marks=pytest.mark.extended), "vlmcompile"],
-)
+@pytest.mark.parametrize("policy", ["megatron", "vlmcompile"])
 def test_cli_run_trains_a_zoo_model_on_local_ranks(policy, capsys):
     from vlmcompile.cli import main
 
