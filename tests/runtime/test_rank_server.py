@@ -183,3 +183,17 @@ def test_a_launch_keeps_its_server_while_another_thread_starts_a_new_one(monkeyp
     assert new is not old and second == [new.process.pid] * 2
     assert results["first"] == [old.process.pid] * 2, results["first"]
     assert not old.alive()  # closed once the first launch no longer used it
+
+
+def test_a_server_that_cannot_start_leaves_the_ranks_spawned_and_is_not_tried_again(monkeypatch, tmp_path):
+    _server()  # this process's running server, put back when the test ends
+    monkeypatch.setattr(rank_server, "_server", None)
+    monkeypatch.setattr(rank_server, "_failed_key", None)
+    real = rank_server._PROCESS_FILE
+    monkeypatch.setattr(rank_server, "_PROCESS_FILE", tmp_path / "no_such_server.py")
+    for _ in range(2):
+        parents = {parent for _, parent in launch(_pid_and_parent, None, 2, timeout_s=30)}
+        assert parents == {os.getpid()}  # spawned by this process
+        # A server that could start now is not tried again in the environment it failed in.
+        monkeypatch.setattr(rank_server, "_PROCESS_FILE", real)
+    assert rank_server._server is None and rank_server._failed_key is not None

@@ -69,7 +69,10 @@ class RankServer:
         self.lock = threading.Lock()
         self.users = 0
         self.retired = False
-        launcher_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            launcher_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as err:  # no SOCK_SEQPACKET here, or out of descriptors
+            raise Unavailable(f"the rank server has no control socket: {err}") from None
         self.control = launcher_end
         try:
             self.process = subprocess.Popen(
