@@ -413,22 +413,27 @@ def _start_ranks(
 
 
 def _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, reports) -> list[Any]:
-    senders = []
-    for rank in range(nprocs):
-        work_r, work_w = mp_connection.Pipe(duplex=False)
-        report_r, report_w = mp_connection.Pipe(duplex=False)
-        senders.append(work_w)
-        reports.append(report_r)
-        fds = [alive, work_r.fileno(), report_w.fileno()]
-        if rank == 0:
-            fds.append(store_socket.fileno())
-        try:
-            call = pickle.dumps((_served_rank_main, (rank, nprocs, port, timeout_s)))
-            procs.append(server.start(f"vlmcompile-r{rank}", call, fds))
-        finally:
-            # The rank's ends close here, or a dead rank's pipes would never break.
-            work_r.close()
-            report_w.close()
+    senders: list[Any] = []
+    try:
+        for rank in range(nprocs):
+            work_r, work_w = mp_connection.Pipe(duplex=False)
+            report_r, report_w = mp_connection.Pipe(duplex=False)
+            senders.append(work_w)
+            reports.append(report_r)
+            fds = [alive, work_r.fileno(), report_w.fileno()]
+            if rank == 0:
+                fds.append(store_socket.fileno())
+            try:
+                call = pickle.dumps((_served_rank_main, (rank, nprocs, port, timeout_s)))
+                procs.append(server.start(f"vlmcompile-r{rank}", call, fds))
+            finally:
+                # The rank's ends close here, or a dead rank's pipes would never break.
+                work_r.close()
+                report_w.close()
+    except rank_server.Unavailable:
+        for sender in senders:  # the caller spawns every rank afresh, with pipes of their own
+            sender.close()
+        raise
     return senders
 
 
