@@ -13,7 +13,9 @@ every policy gets the same freezing):
   ``megatron`` at its faster even placement, ``megatron_balanced``, ``omnibal``,
   ``torchtitan_vlm``, ``mimo_colocated``), the least global recompute that fits;
 * ours: the encoder-in-bubbles pass (:func:`~vlmcompile.passes.bubbles.bubbles`) at the same LLM
-  degrees, and again held to the best baseline's peak memory where ours holds more;
+  degrees; where it holds more memory than the best baseline, ours held to that baseline's peak:
+  the faster of the encoder-in-bubbles pass and the stage-cut partition (started from the fastest
+  baseline that fits) planned there, as ``vlmcompile`` chooses;
 * the bound: the same LLM without its encoders at these degrees, schedule and recompute
   (:mod:`vlmcompile.passes.llm_alone`), and every rank busy (our plan's compute over the ranks).
 
@@ -24,8 +26,12 @@ before its first stage and its encoder backward after: :func:`~vlmcompile.passes
 where either bound is above the goal, the goal is above its bound), the share of the encoder's cost
 we recover against the best baseline, (best - ours) / (best - LLM alone), the share of encoder
 compute run in the LLM's bubbles (layer level: while the rank's next LLM action lacked its LLM
-inputs; kernel level: inside TP gaps), our peak memory over the best baseline's, our plan held
-to that memory, and the pass's wall time on this machine (measured).
+inputs; kernel level: inside TP gaps), where our step goes past our own LLM stages run alone
+(:func:`~vlmcompile.passes.llm_alone.encoder_delays`: how much later the LLM starts, how much its
+actions stretch, how long the step runs past its last action; in brackets the dependency bound's
+head and tail), our peak memory over the best baseline's, our plan held to that memory (its
+speedup over the best baseline, the pass that made it, and the encoder-in-bubbles pass's own
+held plan), and the pass's wall time on this machine (measured).
 
 Targets (issue 36): never slower than a baseline; held to the best baseline's peak memory, never
 slower than it; our step within 1.08x (trained) or 1.02x (frozen) of the LLM alone, or where
@@ -49,7 +55,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.passes.bubbles import bubbles
 from vlmcompile.passes.llm_alone import encoder_cost_recovered
-from vlmcompile.passes.policies import BASELINES, compare_baselines
+from vlmcompile.passes.policies import BASELINES, compare_baselines, stage_cuts
 from vlmcompile.planning.request import SolverOptions
 from vlmcompile.planning.setups import SETUPS
 
@@ -106,6 +112,7 @@ def setup_row(name: str, graphs: dict, *, frozen: bool = False) -> dict:
             }
         except PlanError as err:
             row["within_memory"] = {"note": str(err)}
+        row["within_memory"]["stage_cuts"] = held_stage_cuts(graph, cluster, request, held, solver)
     row.update(
         ours=ours.sim.step_time_s,
         fits=ours.fits,
@@ -119,6 +126,8 @@ def setup_row(name: str, graphs: dict, *, frozen: bool = False) -> dict:
         work_bound_s=sum(r.busy_s for r in ours.sim.ranks) / len(ours.sim.ranks),
         dependency_bound_s=report.dependency_bound.step_s,
         dependency_head_tail_s=[report.dependency_bound.head_s, report.dependency_bound.tail_s],
+        own_llm_alone_s=report.own_llm_alone_step_s,
+        delays_s=[report.delays.start_s, report.delays.stretch_s, report.delays.tail_s],
         encoder_overhead=report.encoder_overhead,
         phased_s=report.phased_step_s,
         wall_s=report.wall_s,
@@ -133,6 +142,33 @@ def setup_row(name: str, graphs: dict, *, frozen: bool = False) -> dict:
         file=sys.stderr,
     )
     return row
+
+
+def held_stage_cuts(graph, cluster: Cluster, request, held_gib: float, solver: SolverOptions) -> dict:
+    """Our other pass held to ``held_gib`` per rank: the stage-cut partition started from the
+    fastest baseline that fits there (what ``vlmcompile`` plans when the encoder-in-bubbles plan
+    is the slower or does not fit)."""
+    try:
+        chain = stage_cuts(graph, cluster.with_memory_cap(held_gib * 2**30), request, solver=solver)
+    except PlanError as err:
+        return {"note": str(err)}
+    return {
+        "step_s": chain.sim.step_time_s,
+        "peak_gib": max(chain.sim.peak_mem_bytes) / 2**30,
+        "fits": chain.fits,
+        "recompute": chain.recompute,
+    }
+
+
+def held_ours(row: dict) -> tuple[float, str] | None:
+    """(step, pass) of our plan held to the best baseline's peak memory: the faster of the
+    encoder-in-bubbles pass and the stage-cut partition held there (``vlmcompile``'s rule);
+    None where neither has a plan."""
+    lean = row.get("within_memory") or {}
+    chain = lean.get("stage_cuts") or {}
+    tried = [(lean["step_s"], "bubbles")] if "step_s" in lean else []
+    tried += [(chain["step_s"], "partition")] if chain.get("fits") else []
+    return min(tried) if tried else None
 
 
 def best_baseline(row: dict) -> tuple[str, float] | None:
@@ -153,6 +189,7 @@ def markdown_table(rows: list[dict]) -> str:
         "dependency bound / LLM alone",
         "encoder cost recovered vs best",
         "encoder compute in bubbles (layer + kernel)",
+        "LLM start / stretch / tail ms over its stages alone (bound)",
         "peak vs best baseline's",
         "held to the best baseline's memory",
         "pass wall s",
@@ -175,6 +212,7 @@ def markdown_table(rows: list[dict]) -> str:
         cells.append(f"{dep / alone:.3f}" if dep else "-")
         cells.append(f"{100 * encoder_cost_recovered(ours, best[1], alone):.0f} %" if best else "-")
         cells.append(f"{100 * r['layer_hidden_share']:.0f} + {100 * r['kernel_hidden_share']:.0f} %")
+        cells.append(_delays_cell(r))
         held = r.get("best_baseline_gib")
         cells.append(f"{r['peak_gib'] / held:.2f}" if held else "-")
         cells.append(_within_memory_cell(r, best))
@@ -187,10 +225,28 @@ def _within_memory_cell(row: dict, best: tuple[str, float] | None) -> str:
     lean = row.get("within_memory")
     if lean is None:
         return "(ours already)"
-    if "step_s" not in lean:
-        return "no plan"
-    over = f", {best[1] / lean['step_s']:.2f}x" if best else ""
-    return f"{lean['step_s']:.2f} s ({lean['recompute']}{over})"
+    bubbles_cell = (
+        f"bubbles {lean['step_s']:.2f} s ({lean['recompute']}"
+        + (f", {best[1] / lean['step_s']:.2f}x)" if best else ")")
+        if "step_s" in lean
+        else "bubbles: no plan"
+    )
+    ours = held_ours(row) if "stage_cuts" in lean else None  # rows from before the partition was held
+    if ours is None:
+        return bubbles_cell + ("; partition: no plan" if "stage_cuts" in lean else "")
+    over = f"{best[1] / ours[0]:.2f}x" if best else "-"
+    if ours[1] == "bubbles":
+        return f"{over}: bubbles {ours[0]:.2f} s ({lean['recompute']})"
+    return f"{over}: partition {ours[0]:.2f} s; {bubbles_cell}"
+
+
+def _delays_cell(row: dict) -> str:
+    delays, bound = row.get("delays_s"), row.get("dependency_head_tail_s")
+    if not delays:
+        return "-"
+    start, stretch, tail = (round(1e3 * d) for d in delays)  # ints: no "-0" from float residue
+    cell = f"{start} / {stretch} / {tail}"
+    return f"{cell} ({round(1e3 * bound[0])} / - / {round(1e3 * bound[1])})" if bound else cell
 
 
 def missed_targets(rows: list[dict]) -> tuple[list[str], list[str]]:
@@ -207,12 +263,19 @@ def missed_targets(rows: list[dict]) -> tuple[list[str], list[str]]:
             missed.append(f"{what}: slower than {best[0]} ({ours:.3f} s vs {best[1]:.3f} s)")
         lean = r.get("within_memory")
         if best and lean is not None:
-            if "step_s" not in lean:
+            held = (
+                held_ours(r)
+                if "stage_cuts" in lean
+                else (lean["step_s"], "bubbles")
+                if "step_s" in lean
+                else None
+            )
+            if held is None:
                 missed.append(f"{what}: no plan within {best[0]}'s peak memory ({lean.get('note', '')})")
-            elif lean["step_s"] > best[1] * (1 + 1e-9):
+            elif held[0] > best[1] * (1 + 1e-9):
                 missed.append(
-                    f"{what}: held to {best[0]}'s peak memory ({r['best_baseline_gib']:.1f} GiB) ours takes "
-                    f"{lean['step_s']:.3f} s vs its {best[1]:.3f} s"
+                    f"{what}: held to {best[0]}'s peak memory ({r['best_baseline_gib']:.1f} GiB) ours ({held[1]}) "
+                    f"takes {held[0]:.3f} s vs its {best[1]:.3f} s"
                 )
         if r["wall_s"] > TARGETS["wall_s"]:
             missed.append(f"{what}: the pass took {r['wall_s']:.1f} s > 30 s")

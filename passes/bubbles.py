@@ -43,7 +43,14 @@ from vlmcompile.ir.actions import dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
-from vlmcompile.passes.llm_alone import DependencyBound, dependency_bound, llm_alone_plan, llm_alone_step_s
+from vlmcompile.passes.llm_alone import (
+    DependencyBound,
+    EncoderDelays,
+    dependency_bound,
+    encoder_delays,
+    llm_alone_plan,
+    llm_alone_step_s,
+)
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.build import build_separate_plan
@@ -66,11 +73,18 @@ from vlmcompile.sim.units import column_decimals, format_ms, ms_decimals
 
 GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False), (8, False), (16, False))
 """(lookahead, fill_only) settings of the list scheduler tried on the fastest encoder plans."""
-KERNEL_SETTINGS = ((4, False), (8, False), (16, False), (8, True), (32, True))
-"""Settings of the list scheduler run with encoder work inside the LLM's TP gaps too. Where the
-LLM has TP collectives these schedules won on every Optimus setup (the layer-level ones by
-2-8 %), so the layer-level settings are cut to one there (the kernel level's reference)."""
-SCREEN_LAYER, SCREEN_KERNEL = ((8, False),), ((16, True),)
+KERNEL_SETTINGS = (
+    (4, False, False),
+    (8, False, False),
+    (16, False, True),
+    (8, True, False),
+    (32, True, True),
+)
+"""Settings (lookahead, fill_only, end_room) of the list scheduler run with encoder work inside
+the LLM's TP gaps too. Where the LLM has TP collectives these schedules won on every Optimus
+setup (the layer-level ones by 2-8 %), so the layer-level settings are cut to one there (the
+kernel level's reference)."""
+SCREEN_LAYER, SCREEN_KERNEL = ((8, False),), ((16, True, True),)
 """The settings every encoder plan is screened with: those that won most often."""
 REFINED_PLANS = 3
 """Encoder plans (the fastest after the screen) the list scheduler tries every setting on."""
@@ -157,6 +171,10 @@ class BubbleReport:
     """The LLM alone with the encoder-LLM dependencies of one microbatch at each end
     (:func:`~vlmcompile.passes.llm_alone.dependency_bound`), on this plan's LLM stages or
     balanced anew, whichever is lower."""
+    delays: EncoderDelays | None = None
+    """Where the step exceeds this plan's own LLM stages run alone, split by when."""
+    own_llm_alone_step_s: float | None = None
+    """This plan's own LLM stages run alone (what ``delays`` are measured against)."""
 
     @property
     def hidden_share(self) -> float:
@@ -210,6 +228,17 @@ class BubbleReport:
             )
         return tabulate(lines, headers=["rank", *[f"{c} ms" for c in CAUSES]], disable_numparse=True)
 
+    def delays_line(self) -> str:
+        """Where the step goes past this plan's LLM stages alone, each end against its bound."""
+        line = f"over its own LLM stages alone ({format_ms(self.own_llm_alone_step_s)} ms): {self.delays}"
+        bound = self.dependency_bound
+        if bound is None:
+            return line
+        return (
+            f"{line} (the dependency bound's: {format_ms(bound.head_s)} ms before the start, "
+            f"{format_ms(bound.tail_s)} ms past the end)"
+        )
+
     def __str__(self) -> str:
         gap = f", gap {100 * self.gap:.2f} %" if self.gap is not None else ""
         objective = (
@@ -240,6 +269,7 @@ class BubbleReport:
                 if self.dependency_bound is not None and self.llm_alone_step_s > 0
                 else []
             ),
+            *([self.delays_line()] if self.delays is not None else []),
             f"CP-SAT {self.solver_status}: {objective}; pass wall time {self.wall_s:.1f} s",
             *self.notes,
             "",
@@ -614,10 +644,9 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
     phased_sim = chosen.phased_sim
     # The bound: the LLM alone, on our plan's LLM stages or balanced anew, whichever is faster.
     own, balanced = llm_alone(plan), llm_alone_plan(plan, layer_graph, cluster)
-    alone_s = min(
-        simulate(own, layer_graph, cluster).step_time_s,
-        llm_alone_step_s(plan, layer_graph, cluster, alone=balanced),
-    )
+    own_sim = simulate(own, layer_graph, cluster)
+    alone_s = min(own_sim.step_time_s, llm_alone_step_s(plan, layer_graph, cluster, alone=balanced))
+    delays = encoder_delays(sim, range(chosen.problem.first_llm_stage, plan.num_stages), own_sim)
     bound = min((dependency_bound(p, layer_graph, cluster) for p in (own, balanced)), key=lambda b: b.step_s)
     encoder_stages = chosen.costs.stages[: chosen.problem.encoder_stages]
     encoder_compute = plan.num_microbatches * sum(
@@ -661,6 +690,8 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
         kernel_hidden_share=_share(kernel_compute, encoder_compute),
         layer_level_step_s=layer_level_s if plan.kernel_level else None,
         dependency_bound=bound,
+        delays=delays,
+        own_llm_alone_step_s=own_sim.step_time_s,
     )
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung)).with_decisions(*decisions)
 
@@ -742,9 +773,11 @@ def _schedule_by(cand: _Candidate, problem, layer_graph, cluster, layer_settings
         schedules.append(
             (min(layer_schedules, key=lambda acts: _rank_key(bs.evaluate_schedule(problem, acts))), {})
         )
-    for lookahead, fill_only in kernel_settings:
+    for lookahead, fill_only, end_room in kernel_settings:
         riders: dict = {}
-        actions = bs.greedy(problem, lookahead=lookahead, fill_only=fill_only, riders=riders)
+        actions = bs.greedy(
+            problem, lookahead=lookahead, fill_only=fill_only, riders=riders, end_room=end_room
+        )
         schedules.append((actions, riders))
     for actions, kernel_level in schedules:
         plan = scheduled_plan(cand.phased, problem, actions, kernel_level)

@@ -31,7 +31,7 @@ from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import balanced_split, chunks_of
 from vlmcompile.planning.request import PlanRequest
-from vlmcompile.sim.simulator import simulate
+from vlmcompile.sim.simulator import SimResult, simulate
 from vlmcompile.sim.timeline import run_actions, transfer_between_stages
 from vlmcompile.sim.units import format_ms
 
@@ -217,3 +217,46 @@ def _encoder_paths(
         stage: (max(forward[n] for n in sources), max(backward[n] for n in sources))
         for stage, sources in into.items()
     }
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderDelays:
+    """Where a plan's step exceeds its own LLM stages run alone (the same actions in the same
+    order per rank, no encoder work), split by when; the three add up to the difference."""
+
+    start_s: float
+    """How much later the LLM's first action starts: its first stage waits for encoder forwards
+    (the dependency bound's head, less what the LLM alone waits for its parameters' all-gather)."""
+    stretch_s: float
+    """How much later again the LLM's last action ends: encoder work run among the LLM's actions
+    that delayed them (in the pipeline's warm-up and cool-down, or beyond a host's TP gaps)."""
+    tail_s: float
+    """How much longer the step runs past the LLM's last action than the LLM alone's does: the
+    encoder backwards left for the end (the dependency bound's tail is one microbatch's) and
+    their DP collectives."""
+
+    @property
+    def total_s(self) -> float:
+        return self.start_s + self.stretch_s + self.tail_s
+
+    def __str__(self) -> str:
+        return (
+            f"the LLM starts {format_ms(self.start_s)} ms later, its actions stretch {format_ms(self.stretch_s)} ms, "
+            f"the step runs {format_ms(self.tail_s)} ms longer past its last action"
+        )
+
+
+def encoder_delays(sim: SimResult, llm_stages: range, alone: SimResult) -> EncoderDelays:
+    """:class:`EncoderDelays` of a plan simulated as ``sim`` whose LLM is ``llm_stages``, against
+    ``alone``: the same LLM stages and per-rank order without the encoders, simulated (its
+    stages numbered from 0)."""
+    llm = [r for r in sim.runs if r.action.stage in llm_stages]
+    if not llm or not alone.runs:
+        raise PlanError("a plan without LLM actions has no encoder delays; give the plan's LLM stages")
+    start = min(r.start_s for r in llm) - min(r.start_s for r in alone.runs)
+    llm_end, alone_end = max(r.end_s for r in llm), max(r.end_s for r in alone.runs)
+    return EncoderDelays(
+        start_s=start,
+        stretch_s=llm_end - alone_end - start,
+        tail_s=(sim.step_time_s - llm_end) - (alone.step_time_s - alone_end),
+    )

@@ -5,11 +5,13 @@ import pytest
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import layer_costs
+from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.passes.bubbles import bubbles
 from vlmcompile.passes.llm_alone import (
     dependency_bound,
     encoder_cost_recovered,
+    encoder_delays,
     llm_alone_plan,
     llm_alone_step_s,
     llm_graph,
@@ -79,6 +81,14 @@ def test_no_schedule_the_bubble_pass_tries_beats_the_dependency_bound(demo_graph
     assert len(steps) > 3
     assert min(steps) >= bound.step_s * (1 - 1e-9)
     assert bound.step_s <= report.step_s
+    # Where the step goes past the plan's own LLM stages alone adds up to the difference (the
+    # start is not held to the bound's head: the LLM alone waits for its parameters' all-gather
+    # at the start too, which the encoder's first forwards overlap).
+    delays = report.delays
+    assert delays.total_s == pytest.approx(report.step_s - report.own_llm_alone_step_s, abs=1e-12)
+    assert report.own_llm_alone_step_s >= report.llm_alone_step_s * (1 - 1e-9)
+    assert delays.start_s >= 0
+    assert "over its own LLM stages alone" in str(report)
     if frozen:
         # The tower's forwards may run a batch ahead, and no gradient goes below the projector.
         trained = bubbles(demo_graph, cluster, request, solver=FAST).report.dependency_bound
@@ -121,3 +131,10 @@ def test_two_towers_in_parallel_wait_for_the_longer_not_for_both(two_encoder_gra
     ]
     assert bound.head_s == pytest.approx(max(towers))
     assert bound.head_s < sum(towers)
+
+
+def test_encoder_delays_refuse_a_plan_without_llm_stages(demo_graph):
+    request = PlanRequest.on(CLUSTER, tp=2, pp=4, v=1, global_batch=32)
+    run = plan_and_simulate(demo_graph, CLUSTER, "megatron_balanced", request)
+    with pytest.raises(PlanError, match="LLM stages"):
+        encoder_delays(run.sim, range(0), run.sim)

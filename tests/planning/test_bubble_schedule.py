@@ -328,3 +328,58 @@ def test_encoder_forwards_a_batch_ahead_wait_for_nothing_and_fill_the_cool_down(
         assert evaluate_schedule(ahead, actions).step <= in_step.step
     with pytest.raises(PlanError, match="only when no gradient reaches the encoder"):
         dataclasses.replace(base, forward_only=frozenset(), ahead=frozenset({0}))
+
+
+def _last_host_overruns(problem: BubbleProblem, actions, riders) -> dict[int, float]:
+    """Per rank, the rider compute its last LLM action runs beyond its TP gaps (the simulator's
+    rule for kernel-level work, :func:`~vlmcompile.sim.kernel_stream.host_fills`)."""
+    from vlmcompile.planning.bubble_schedule import _split
+    from vlmcompile.sim.kernel_stream import host_fills
+
+    hosts = {}
+    for acts in actions:
+        llm = [a for a in acts if a.stage >= problem.encoder_stages]
+        seen = 0
+        for a in acts:
+            if a in riders:
+                hosts[a] = tuple(llm[seen : seen + riders[a]])
+            elif a.stage >= problem.encoder_stages:
+                seen += 1
+    fills = host_fills(
+        hosts,
+        actions,
+        work=lambda a: _split(problem, a)[::-1],
+        capacity=lambda a: _split(problem, a),
+    )
+    out = {}
+    for rank, acts in enumerate(actions):
+        last = [a for a in acts if a.stage >= problem.encoder_stages][-1]
+        fill = fills.get(last)
+        out[rank] = max(0.0, fill.rider_compute - fill.gap) if fill else 0.0
+    return out
+
+
+def test_end_room_keeps_riders_off_the_final_backward_wave():
+    """With ``end_room`` the list scheduler opens a rider only where the rank's TP gaps from there
+    on can take it: on the ranks whose last LLM action passes the final backward wave on (every
+    rank but the first LLM stage's), that action runs no rider compute beyond its gap. Without
+    it a rider left open runs there (on this instance), lengthening the wave."""
+    import dataclasses
+
+    problem = make_problem(
+        ranks=4, microbatches=8, encoder_pp=2, enc_times=[(6, 12), (6, 12)], llm_times=[(8, 16)] * 4
+    )
+    stages = tuple(
+        dataclasses.replace(s, fwd_tp=3, bwd_tp=6) if i >= problem.encoder_stages else s
+        for i, s in enumerate(problem.stages)
+    )
+    problem = dataclasses.replace(problem, stages=stages)
+    first_llm_rank = problem.stages[problem.first_llm_stage].ranks[0]
+    overruns = {}
+    for end_room in (False, True):
+        riders: dict = {}
+        actions = greedy(problem, lookahead=8, fill_only=True, riders=riders, end_room=end_room)
+        assert riders, "the instance runs encoder work inside the LLM's TP gaps"
+        overruns[end_room] = _last_host_overruns(problem, actions, riders)
+    assert all(v == 0 for rank, v in overruns[True].items() if rank != first_llm_rank)
+    assert any(v > 0 for rank, v in overruns[False].items() if rank != first_llm_rank)

@@ -356,6 +356,7 @@ def greedy(
     lookahead: int = 1,
     fill_only: bool = False,
     riders: dict[Action, int] | None = None,
+    end_room: bool = False,
 ) -> RankActions:
     """A schedule made one action at a time, the earliest-starting first: a rank runs its next
     LLM action when it can, and while it would wait, ready encoder work (forwards of the
@@ -370,9 +371,11 @@ def greedy(
     riders first, then ready encoder actions while its TP gaps have room. A rider stays open
     over the rank's next LLM actions until its work is done, and closes early (its rest
     lengthening the host) where the rank's next LLM action would wait for it, directly or
-    through the pipeline."""
+    through the pipeline. With ``end_room`` a rider is opened only where the TP gaps of the
+    rank's LLM actions from there on can take it and the riders open before it: what they cannot
+    take would lengthen the rank's last LLM action, on the pipeline's final backward wave."""
     scheduler = _ListScheduler(
-        problem, lookahead, fill_only, kernels=_Kernels(problem) if riders is not None else None
+        problem, lookahead, fill_only, kernels=_Kernels(problem, end_room) if riders is not None else None
     )
     actions = scheduler.run()
     if riders is not None:
@@ -529,12 +532,25 @@ class _Kernels:
     """The list scheduler's kernel level: per rank, the open riders (:class:`KernelStream`) and
     how many LLM actions each has spanned so far."""
 
-    def __init__(self, problem: BubbleProblem):
+    def __init__(self, problem: BubbleProblem, end_room: bool = False):
         self.p = problem
         self.streams = [KernelStream(lambda a: _split(problem, a)[::-1]) for _ in range(problem.num_ranks)]
         self.spans: dict[Action, int] = {}
         self.open: set[Action] = set()
         self.needs = _forward_needs(problem)
+        # Per rank, the TP gaps of its LLM actions from each on to its last: a rider opened where
+        # those cannot take it is closed at the rank's last LLM action, lengthening it, and a
+        # rank's last LLM action is on the pipeline's final backward wave - except the first LLM
+        # stage's, which ends the LLM: what is left there runs at the end either way.
+        self.gaps_left = []
+        last = problem.first_llm_stage
+        for acts in problem.llm_actions:
+            left, total = [0] * (len(acts) + 1), 0
+            for i in range(len(acts) - 1, -1, -1):
+                total += _split(problem, acts[i])[0]
+                left[i] = total
+            ends_llm = bool(acts) and acts[-1].stage == last
+            self.gaps_left.append([math.inf] * len(left) if ends_llm or not end_room else left)
 
     def host(self, a: Action, rank: int, index: int, need: int, candidates, start_encoder):
         """Run the rank's open riders and new ones inside LLM action ``a`` (its ``index``-th);
@@ -560,11 +576,18 @@ class _Kernels:
         spanning = list(stream.remaining)
         finished = stream.fill(fill, closing)
         opened = []
+        # What the rank's TP gaps from this host on can still take (all: without end_room).
+        room = self.gaps_left[rank][index]
+        if room < math.inf:
+            room -= fill.rider_compute + sum(left * stream.work(r)[0] for r, left in stream.remaining.items())
         for e in candidates:
             if fill.gap_left <= 0 or fill.compute_left <= 0:
                 break
             if e.kind is F and waited >> e.microbatch & 1:
                 continue  # the next LLM action needs it: it would close at once, beyond the gap
+            if stream.work(e)[0] > room:
+                continue  # it would run on past the rank's last LLM action's gap, delaying it
+            room -= stream.work(e)[0]
             stream.open(e)
             start_encoder(e, rank)
             self.open.add(e)
