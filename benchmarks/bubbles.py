@@ -36,7 +36,8 @@ held plan), and the pass's wall time on this machine (measured).
 Targets (issue 36): never slower than a baseline; held to the best baseline's peak memory, never
 slower than it; our step within 1.08x (trained) or 1.02x (frozen) of the LLM alone, or where
 a bound allows less, reported as above its bound; the pass within 30 s per setup. The
-script exits 1 when one is missed and says which.
+script exits 1 when one is missed and says which, and lists the held rows met only by the best
+baseline's own plan (the partition's warm start, unimproved).
 """
 
 from __future__ import annotations
@@ -237,7 +238,20 @@ def _within_memory_cell(row: dict, best: tuple[str, float] | None) -> str:
     over = f"{best[1] / ours[0]:.2f}x" if best else "-"
     if ours[1] == "bubbles":
         return f"{over}: bubbles {ours[0]:.2f} s ({lean['recompute']})"
+    if best and _baselines_own(row, ours, best):
+        return f"{over}: {best[0]}'s own plan (the partition found none faster); {bubbles_cell}"
     return f"{over}: partition {ours[0]:.2f} s; {bubbles_cell}"
+
+
+def _baselines_own(row: dict, held: tuple[float, str], best: tuple[str, float]) -> bool:
+    """Whether our held plan is the stage-cut partition returning its warm start, the best
+    baseline's plan: the same step and peak."""
+    chain = row["within_memory"].get("stage_cuts") or {}
+    return (
+        held[1] == "partition"
+        and abs(held[0] - best[1]) <= 1e-9 * best[1]
+        and abs(chain.get("peak_gib", 0.0) - row["best_baseline_gib"]) <= 1e-9 * row["best_baseline_gib"]
+    )
 
 
 def _delays_cell(row: dict) -> str:
@@ -249,9 +263,10 @@ def _delays_cell(row: dict) -> str:
     return f"{cell} ({round(1e3 * bound[0])} / - / {round(1e3 * bound[1])})" if bound else cell
 
 
-def missed_targets(rows: list[dict]) -> tuple[list[str], list[str]]:
-    """(targets missed, goals above their bound: reported with the figures, not missed)."""
-    missed, above = [], []
+def missed_targets(rows: list[dict]) -> tuple[list[str], list[str], list[str]]:
+    """(targets missed, goals above their bound: reported with the figures, not missed, targets
+    met only by the best baseline's own plan: reported, not missed)."""
+    missed, above, fallback = [], [], []
     for r in rows:
         what = f"{r['setup']} ({'frozen' if r.get('frozen') else 'trained'} vision)"
         ours = r.get("ours")
@@ -271,11 +286,20 @@ def missed_targets(rows: list[dict]) -> tuple[list[str], list[str]]:
                 else None
             )
             if held is None:
-                missed.append(f"{what}: no plan within {best[0]}'s peak memory ({lean.get('note', '')})")
+                why = [lean.get("note"), (lean.get("stage_cuts") or {}).get("note")]
+                missed.append(
+                    f"{what}: no plan within {best[0]}'s peak memory ({'; '.join(w for w in why if w)})"
+                )
             elif held[0] > best[1] * (1 + 1e-9):
                 missed.append(
                     f"{what}: held to {best[0]}'s peak memory ({r['best_baseline_gib']:.1f} GiB) ours ({held[1]}) "
                     f"takes {held[0]:.3f} s vs its {best[1]:.3f} s"
+                )
+            elif _baselines_own(r, held, best) and "step_s" in lean:
+                fallback.append(
+                    f"{what}: held to {best[0]}'s peak memory, ours is {best[0]}'s own plan (the stage-cut "
+                    f"partition found nothing faster); the encoder-in-bubbles pass there is "
+                    f"{best[1] / lean['step_s']:.3f}x it"
                 )
         if r["wall_s"] > TARGETS["wall_s"]:
             missed.append(f"{what}: the pass took {r['wall_s']:.1f} s > 30 s")
@@ -287,7 +311,7 @@ def missed_targets(rows: list[dict]) -> tuple[list[str], list[str]]:
                 above.append(f"{what}: {figures}; {bounds} already (ours {ours / max(busy, dep):.3f}x it)")
             else:
                 missed.append(f"{what}: {figures} ({bounds})")
-    return missed, above
+    return missed, above, fallback
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,9 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = data.get("rows", [])
     table = markdown_table(rows)
     print(table)
-    missed, above = missed_targets(rows)
+    missed, above, fallback = missed_targets(rows)
     for line in above:
         print(f"goal above its bound: {line}", file=sys.stderr)
+    for line in fallback:
+        print(f"met by the baseline's own plan: {line}", file=sys.stderr)
     for line in missed:
         print(f"target missed: {line}", file=sys.stderr)
     if args.readme:

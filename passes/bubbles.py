@@ -319,6 +319,9 @@ def llm_alone(plan: Plan) -> Plan:
         actions=actions,
         parallel={ep.LLM_GROUP: plan.parallel[ep.LLM_GROUP]},
         kernel_level={},
+        # The run-ahead forwards are the encoder's; renumbered they would name LLM stages.
+        run_ahead=0,
+        ahead=frozenset(),
         recompute={k: v for k, v in plan.recompute.items() if any(k in s.layers for s in stages)},
     )
 

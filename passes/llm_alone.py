@@ -229,11 +229,13 @@ class EncoderDelays:
     (the dependency bound's head, less what the LLM alone waits for its parameters' all-gather)."""
     stretch_s: float
     """How much later again the LLM's last action ends: encoder work run among the LLM's actions
-    that delayed them (in the pipeline's warm-up and cool-down, or beyond a host's TP gaps)."""
+    that delayed them (in the pipeline's warm-up and cool-down, or beyond a host's TP gaps).
+    Below 0 where the LLM's actions took less time from first to last than alone (waits of the
+    LLM alone, e.g. for its parameters' all-gather, hidden under the encoder's work)."""
     tail_s: float
     """How much longer the step runs past the LLM's last action than the LLM alone's does: the
-    encoder backwards left for the end (the dependency bound's tail is one microbatch's) and
-    their DP collectives."""
+    encoder work left for the end (backwards, the dependency bound's tail being one microbatch's;
+    with a frozen encoder run ahead, the next batch's forwards) and its DP collectives."""
 
     @property
     def total_s(self) -> float:

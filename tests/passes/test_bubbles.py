@@ -291,3 +291,8 @@ def test_a_frozen_encoder_runs_the_next_batchs_forwards_in_this_steps_bubbles():
     assert ahead.sim.step_time_s < without.sim.step_time_s
     assert ahead.sim.step_time_s <= 1.02 * ahead.report.llm_alone_step_s
     assert ahead.sim.step_time_s == pytest.approx(simulate(plan, graph, cluster).step_time_s)
+    # The LLM alone the pass measures against keeps none of the encoder's run-ahead forwards
+    # (renumbered from stage 0 they would name LLM stages and skip their dependencies).
+    alone = llm_alone(plan)
+    assert not alone.ahead and alone.run_ahead == 0
+    assert ahead.report.own_llm_alone_step_s == pytest.approx(simulate(alone, graph, cluster).step_time_s)

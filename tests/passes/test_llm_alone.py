@@ -86,8 +86,9 @@ def test_no_schedule_the_bubble_pass_tries_beats_the_dependency_bound(demo_graph
     # at the start too, which the encoder's first forwards overlap).
     delays = report.delays
     assert delays.total_s == pytest.approx(report.step_s - report.own_llm_alone_step_s, abs=1e-12)
-    assert report.own_llm_alone_step_s >= report.llm_alone_step_s * (1 - 1e-9)
     assert delays.start_s >= 0
+    if not frozen and request.parallel.dp == 1:  # no all-gather for the encoder to overlap
+        assert delays.start_s >= bound.head_s * (1 - 1e-9)
     assert "over its own LLM stages alone" in str(report)
     if frozen:
         # The tower's forwards may run a batch ahead, and no gradient goes below the projector.

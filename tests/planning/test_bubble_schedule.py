@@ -381,5 +381,5 @@ def test_end_room_keeps_riders_off_the_final_backward_wave():
         actions = greedy(problem, lookahead=8, fill_only=True, riders=riders, end_room=end_room)
         assert riders, "the instance runs encoder work inside the LLM's TP gaps"
         overruns[end_room] = _last_host_overruns(problem, actions, riders)
-    assert all(v == 0 for rank, v in overruns[True].items() if rank != first_llm_rank)
-    assert any(v > 0 for rank, v in overruns[False].items() if rank != first_llm_rank)
+    assert all(v <= 1e-9 for rank, v in overruns[True].items() if rank != first_llm_rank)
+    assert any(v > 1e-9 for rank, v in overruns[False].items() if rank != first_llm_rank)

@@ -373,7 +373,9 @@ def greedy(
     lengthening the host) where the rank's next LLM action would wait for it, directly or
     through the pipeline. With ``end_room`` a rider is opened only where the TP gaps of the
     rank's LLM actions from there on can take it and the riders open before it: what they cannot
-    take would lengthen the rank's last LLM action, on the pipeline's final backward wave."""
+    take would lengthen the rank's last LLM action, on the pipeline's final backward wave. (A
+    heuristic: it counts whole gaps, while a rider whose TP collectives outgrow a host's compute
+    leaves part of that host's gap unused.)"""
     scheduler = _ListScheduler(
         problem, lookahead, fill_only, kernels=_Kernels(problem, end_room) if riders is not None else None
     )
