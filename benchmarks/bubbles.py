@@ -232,9 +232,9 @@ def _within_memory_cell(row: dict, best: tuple[str, float] | None) -> str:
         if "step_s" in lean
         else "bubbles: no plan"
     )
-    ours = held_ours(row) if "stage_cuts" in lean else None  # rows from before the partition was held
+    ours = held_ours(row)
     if ours is None:
-        return bubbles_cell + ("; partition: no plan" if "stage_cuts" in lean else "")
+        return f"{bubbles_cell}; partition: no plan"
     over = f"{best[1] / ours[0]:.2f}x" if best else "-"
     if ours[1] == "bubbles":
         return f"{over}: bubbles {ours[0]:.2f} s ({lean['recompute']})"
@@ -278,13 +278,7 @@ def missed_targets(rows: list[dict]) -> tuple[list[str], list[str], list[str]]:
             missed.append(f"{what}: slower than {best[0]} ({ours:.3f} s vs {best[1]:.3f} s)")
         lean = r.get("within_memory")
         if best and lean is not None:
-            held = (
-                held_ours(r)
-                if "stage_cuts" in lean
-                else (lean["step_s"], "bubbles")
-                if "step_s" in lean
-                else None
-            )
+            held = held_ours(r)
             if held is None:
                 why = [lean.get("note"), (lean.get("stage_cuts") or {}).get("note")]
                 missed.append(

@@ -333,18 +333,11 @@ def test_encoder_forwards_a_batch_ahead_wait_for_nothing_and_fill_the_cool_down(
 def _last_host_overruns(problem: BubbleProblem, actions, riders) -> dict[int, float]:
     """Per rank, the rider compute its last LLM action runs beyond its TP gaps (the simulator's
     rule for kernel-level work, :func:`~vlmcompile.sim.kernel_stream.host_fills`)."""
+    from vlmcompile.ir.actions import hosts_of
     from vlmcompile.planning.bubble_schedule import _split
     from vlmcompile.sim.kernel_stream import host_fills
 
-    hosts = {}
-    for acts in actions:
-        llm = [a for a in acts if a.stage >= problem.encoder_stages]
-        seen = 0
-        for a in acts:
-            if a in riders:
-                hosts[a] = tuple(llm[seen : seen + riders[a]])
-            elif a.stage >= problem.encoder_stages:
-                seen += 1
+    hosts = hosts_of(actions, riders, lambda a: a.stage >= problem.encoder_stages)
     fills = host_fills(
         hosts,
         actions,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -114,6 +114,25 @@ def dependencies(
         grad = ActionKind.I if s + 1 in split_backward else ActionKind.B
         return (Action(s, ActionKind.F, m), Action(s + 1, grad, m))
     return (Action(s, ActionKind.F, m),)
+
+
+def hosts_of(
+    rank_actions: Sequence[Sequence[Action]],
+    kernel_level: Mapping[Action, int],
+    is_host: Callable[[Action], bool],
+) -> dict[Action, tuple[Action, ...]]:
+    """Each kernel-level action's hosts: the ``kernel_level[a]`` actions after it on its rank for
+    which ``is_host`` holds (the pipeline group's; fewer where the list ends first)."""
+    hosts: dict[Action, tuple[Action, ...]] = {}
+    for acts in rank_actions:
+        llm = [a for a in acts if is_host(a)]
+        seen = 0  # the rank's hosts before the current action
+        for a in acts:
+            if a in kernel_level:
+                hosts[a] = tuple(llm[seen : seen + kernel_level[a]])
+            elif is_host(a):
+                seen += 1
+    return hosts
 
 
 def without_backward(

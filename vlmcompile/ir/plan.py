@@ -32,6 +32,7 @@ from vlmcompile.ir.actions import (
     dependencies,
     execution_order,
     format_grid,
+    hosts_of,
     interned,
 )
 from vlmcompile.ir.errors import PlanError
@@ -267,16 +268,9 @@ class Plan:
         """Each kernel-level action's hosts: the ``kernel_level[a]`` actions of the pipeline's
         group after it on its rank (fewer where the list ends first: ``validate`` refuses that)."""
         pipeline_group = self.stages[-1].group
-        hosts: dict[Action, tuple[Action, ...]] = {}
-        for acts in self.actions:
-            llm = [a for a in acts if self.stages[a.stage].group == pipeline_group]
-            seen = 0  # the rank's LLM actions before the current one
-            for a in acts:
-                if a in self.kernel_level:
-                    hosts[a] = tuple(llm[seen : seen + self.kernel_level[a]])
-                elif self.stages[a.stage].group == pipeline_group:
-                    seen += 1
-        return hosts
+        return hosts_of(
+            self.actions, self.kernel_level, lambda a: self.stages[a.stage].group == pipeline_group
+        )
 
     def forward_only_stages(self) -> frozenset[int]:
         """Stages with no backward action: no gradient reaches them (frozen, nothing trainable

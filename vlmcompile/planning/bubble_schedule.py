@@ -544,15 +544,16 @@ class _Kernels:
         # those cannot take it is closed at the rank's last LLM action, lengthening it, and a
         # rank's last LLM action is on the pipeline's final backward wave - except the first LLM
         # stage's, which ends the LLM: what is left there runs at the end either way.
-        self.gaps_left = []
-        last = problem.first_llm_stage
-        for acts in problem.llm_actions:
-            left, total = [0] * (len(acts) + 1), 0
-            for i in range(len(acts) - 1, -1, -1):
-                total += _split(problem, acts[i])[0]
-                left[i] = total
-            ends_llm = bool(acts) and acts[-1].stage == last
-            self.gaps_left.append([math.inf] * len(left) if ends_llm or not end_room else left)
+        self.gaps_left: list[list[float]] | None = None
+        if end_room:
+            self.gaps_left = []
+            for acts in problem.llm_actions:
+                left, total = [0.0] * (len(acts) + 1), 0.0
+                for i in range(len(acts) - 1, -1, -1):
+                    total += _split(problem, acts[i])[0]
+                    left[i] = total
+                ends_llm = bool(acts) and acts[-1].stage == problem.first_llm_stage
+                self.gaps_left.append([math.inf] * len(left) if ends_llm else left)
 
     def host(self, a: Action, rank: int, index: int, need: int, candidates, start_encoder):
         """Run the rank's open riders and new ones inside LLM action ``a`` (its ``index``-th);
@@ -579,7 +580,7 @@ class _Kernels:
         finished = stream.fill(fill, closing)
         opened = []
         # What the rank's TP gaps from this host on can still take (all: without end_room).
-        room = self.gaps_left[rank][index]
+        room = self.gaps_left[rank][index] if self.gaps_left is not None else math.inf
         if room < math.inf:
             room -= fill.rider_compute + sum(left * stream.work(r)[0] for r, left in stream.remaining.items())
         for e in candidates:
