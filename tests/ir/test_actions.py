@@ -1,6 +1,8 @@
 """Actions written like torch's (2F0), what each waits for, and action lists run with no time:
 their order, and where a deadlock stops them."""
 
+import copy
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -22,6 +24,33 @@ def test_an_action_reads_back_as_written():
         Action(-1, F, 0)
 
 
+def test_equal_actions_are_one_object_however_they_are_made():
+    # Equality is identity (and the hash the object's): any way of making an action must give
+    # the one already made, or a dict keyed by it would miss.
+    a = Action(2, B, 3)
+    made = [
+        Action(2, "B", 3),
+        Action.from_str("2B3"),
+        dataclasses.replace(Action(5, B, 3), stage=2),
+        copy.copy(a),
+        copy.deepcopy(a),
+        pickle.loads(pickle.dumps(a)),
+    ]
+    assert all(b is a for b in made)
+    assert a.kind is B and {a: 1}[Action(2, B, 3)] == 1
+    assert Action(2, F, 3) != a and Action(2, B, 4) != a
+    assert sorted([Action(1, W, 0), Action(0, F, 9), Action(1, B, 2), Action(1, B, 1)]) == [
+        Action(0, F, 9),
+        Action(1, B, 1),
+        Action(1, B, 2),
+        Action(1, W, 0),
+    ]
+    with pytest.raises(ValueError, match="'X' is not a valid ActionKind"):
+        Action(0, "X", 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.stage = 1
+
+
 def test_what_each_kind_waits_for():
     assert dependencies(Action(0, F, 3), 4) == ()
     assert dependencies(Action(2, F, 3), 4) == (Action(1, F, 3),)
@@ -33,8 +62,8 @@ def test_what_each_kind_waits_for():
 
 
 def test_an_action_unpickled_in_a_process_with_another_hash_seed_finds_its_key():
-    # An action keeps its hash, and a str's hash (its kind's) differs from process to process:
-    # plans travel to spawned ranks as pickles.
+    # An action's hash is its object's, and a str's hash (its kind's) differs from process to
+    # process: plans travel to spawned ranks as pickles, whose actions must be this process's.
     code = (
         "import pickle, sys; from vlmcompile.ir.actions import Action, ActionKind; "
         "sys.stdout.buffer.write(pickle.dumps({Action(2, ActionKind.B, 3): 'here'}))"

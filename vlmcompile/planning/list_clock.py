@@ -42,15 +42,16 @@ class ListClock:
         self.free: list[float] = [0] * num_ranks
         self.ends: dict[Action, tuple[float, int]] = {}
         """Committed action -> (its end, its rank)."""
-        self._ready: dict[tuple[Action, int], float] = {}  # once every input is committed, it stays put
+        # Per rank, action -> when its inputs are there: once every input is committed, it stays put.
+        self._ready: list[dict[Action, float]] = [{} for _ in range(num_ranks)]
 
     def inputs(self, a: Action) -> tuple[Action, ...]:
         return dependencies(a, self.num_stages, self.split_backward, self.ahead)
 
     def ready_at(self, a: Action, rank: int) -> float | None:
         """When ``a``'s inputs are on ``rank``; None while one of them is not committed."""
-        key = (a, rank)
-        t = self._ready.get(key)
+        known = self._ready[rank]
+        t = known.get(a)
         if t is not None:
             return t
         t = 0
@@ -64,7 +65,7 @@ class ListClock:
                 end += self.transfer(d, a)
             if end > t:
                 t = end
-        self._ready[key] = t
+        known[a] = t
         return t
 
     def start_at(self, a: Action, rank: int) -> float | None:
