@@ -29,7 +29,9 @@ compute run in the LLM's bubbles (layer level: while the rank's next LLM action 
 inputs; kernel level: inside TP gaps), where our step goes past our own LLM stages run alone
 (:func:`~vlmcompile.passes.llm_alone.encoder_delays`: how much later the LLM starts, how much its
 actions stretch, how long the step runs past its last action; in brackets the dependency bound's
-head and tail), our peak memory over the best baseline's, our plan held to that memory (its
+head and tail), our placement's bound over the LLM alone (the least step any schedule of our
+plan's stages on their ranks reaches: :func:`~vlmcompile.passes.llm_alone.placement_bound`; it
+bounds our schedule, not every plan, so it does not make a goal "above its bound"), our peak memory over the best baseline's, our plan held to that memory (its
 speedup over the best baseline, the pass that made it, and the encoder-in-bubbles pass's own
 held plan), and the pass's wall time on this machine (measured).
 
@@ -127,6 +129,7 @@ def setup_row(name: str, graphs: dict, *, frozen: bool = False) -> dict:
         work_bound_s=sum(r.busy_s for r in ours.sim.ranks) / len(ours.sim.ranks),
         dependency_bound_s=report.dependency_bound.step_s,
         dependency_head_tail_s=[report.dependency_bound.head_s, report.dependency_bound.tail_s],
+        placement_bound_s=report.placement_bound.step_s,
         own_llm_alone_s=report.own_llm_alone_step_s,
         delays_s=[report.delays.start_s, report.delays.stretch_s, report.delays.tail_s],
         encoder_overhead=report.encoder_overhead,
@@ -188,6 +191,7 @@ def markdown_table(rows: list[dict]) -> str:
         "ours / LLM alone (goal)",
         "every rank busy / LLM alone",
         "dependency bound / LLM alone",
+        "our placement's bound / LLM alone",
         "encoder cost recovered vs best",
         "encoder compute in bubbles (layer + kernel)",
         "LLM start / stretch / tail ms over its stages alone (bound)",
@@ -211,6 +215,7 @@ def markdown_table(rows: list[dict]) -> str:
         cells.append(f"{r['work_bound_s'] / alone:.3f}")
         dep = r.get("dependency_bound_s")
         cells.append(f"{dep / alone:.3f}" if dep else "-")
+        cells.append(f"{r['placement_bound_s'] / alone:.3f}")
         cells.append(f"{100 * encoder_cost_recovered(ours, best[1], alone):.0f} %" if best else "-")
         cells.append(f"{100 * r['layer_hidden_share']:.0f} + {100 * r['kernel_hidden_share']:.0f} %")
         cells.append(_delays_cell(r))
@@ -304,7 +309,8 @@ def missed_targets(rows: list[dict]) -> tuple[list[str], list[str], list[str]]:
             if max(busy, dep) / alone > goal(r):
                 above.append(f"{what}: {figures}; {bounds} already (ours {ours / max(busy, dep):.3f}x it)")
             else:
-                missed.append(f"{what}: {figures} ({bounds})")
+                placed = r["placement_bound_s"] / alone  # our plan's alone: not a bound on every plan
+                missed.append(f"{what}: {figures} ({bounds}; our placement's bound {placed:.3f}x)")
     return missed, above, fallback
 
 

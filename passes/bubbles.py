@@ -46,10 +46,12 @@ from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
 from vlmcompile.passes.llm_alone import (
     DependencyBound,
     EncoderDelays,
+    PlacementBound,
     dependency_bound,
     encoder_delays,
     llm_alone_plan,
     llm_alone_step_s,
+    placement_bound,
 )
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
@@ -175,6 +177,9 @@ class BubbleReport:
     """Where the step exceeds this plan's own LLM stages run alone, split by when."""
     own_llm_alone_step_s: float | None = None
     """This plan's own LLM stages run alone (what ``delays`` are measured against)."""
+    placement_bound: PlacementBound | None = None
+    """The least step any schedule of this plan's placement can reach
+    (:func:`~vlmcompile.passes.llm_alone.placement_bound`): what is above it is the schedule's."""
 
     @property
     def hidden_share(self) -> float:
@@ -270,6 +275,14 @@ class BubbleReport:
                 else []
             ),
             *([self.delays_line()] if self.delays is not None else []),
+            *(
+                [
+                    f"simulated, no schedule of this placement ends sooner than {self.placement_bound} "
+                    f"({self.placement_bound.step_s / self.llm_alone_step_s:.3f}x the LLM alone)"
+                ]
+                if self.placement_bound is not None and self.llm_alone_step_s > 0
+                else []
+            ),
             f"CP-SAT {self.solver_status}: {objective}; pass wall time {self.wall_s:.1f} s",
             *self.notes,
             "",
@@ -649,7 +662,8 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
     own, balanced = llm_alone(plan), llm_alone_plan(plan, layer_graph, cluster)
     own_sim = simulate(own, layer_graph, cluster)
     alone_s = min(own_sim.step_time_s, llm_alone_step_s(plan, layer_graph, cluster, alone=balanced))
-    delays = encoder_delays(sim, range(chosen.problem.first_llm_stage, plan.num_stages), own_sim)
+    llm_stages = range(chosen.problem.first_llm_stage, plan.num_stages)
+    delays = encoder_delays(sim, llm_stages, own_sim)
     bound = min((dependency_bound(p, layer_graph, cluster) for p in (own, balanced)), key=lambda b: b.step_s)
     encoder_stages = chosen.costs.stages[: chosen.problem.encoder_stages]
     encoder_compute = plan.num_microbatches * sum(
@@ -695,6 +709,7 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
         dependency_bound=bound,
         delays=delays,
         own_llm_alone_step_s=own_sim.step_time_s,
+        placement_bound=placement_bound(plan, sim, llm_stages, own_sim, _transfer(chosen.costs)),
     )
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung)).with_decisions(*decisions)
 
@@ -841,9 +856,7 @@ def _layer_level_hidden_s(plan: Plan, sim: SimResult, costs: PlanCosts) -> float
             runs_of.setdefault(run.rank, []).append(run)
     llm_end = max(r.end_s for r in sim.runs if plan.stages[r.action.stage].group == llm)
 
-    transfer = transfer_between_stages(
-        [c.send_fwd_s for c in costs.stages], [c.send_bwd_s for c in costs.stages]
-    )
+    transfer = _transfer(costs)
 
     def llm_inputs_at(run) -> float:
         return max(
@@ -866,6 +879,11 @@ def _layer_level_hidden_s(plan: Plan, sim: SimResult, costs: PlanCosts) -> float
             if span > 0:
                 hidden += run.compute_s * max(0.0, min(run.end_s, could_start) - run.start_s) / span
     return hidden
+
+
+def _transfer(costs: PlanCosts):
+    """The simulator's transfer rule for a plan of these costs."""
+    return transfer_between_stages([s.send_fwd_s for s in costs.stages], [s.send_bwd_s for s in costs.stages])
 
 
 def _unscreened(settings, screened):

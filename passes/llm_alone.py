@@ -19,11 +19,12 @@ backward whole, and the LLM's actions in their schedule's order per rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import layer_costs, plan_costs
-from vlmcompile.ir.actions import ActionKind
+from vlmcompile.ir.actions import Action, ActionKind, dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason
@@ -32,7 +33,7 @@ from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import balanced_split, chunks_of
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.sim.simulator import SimResult, simulate
-from vlmcompile.sim.timeline import run_actions, transfer_between_stages
+from vlmcompile.sim.timeline import complete_order, run_actions, transfer_between_stages
 from vlmcompile.sim.units import format_ms
 
 
@@ -262,3 +263,101 @@ def encoder_delays(sim: SimResult, llm_stages: range, alone: SimResult) -> Encod
         stretch_s=llm_end - alone_end - start,
         tail_s=(sim.step_time_s - llm_end) - (alone.step_time_s - alone_end),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementBound:
+    """A step no schedule of a plan's placement reaches: its stages on their ranks, its LLM
+    actions in their order per rank, any order and level (layer or kernel) of its encoder work.
+
+    Each action has a release, a time before which it cannot start: an LLM action not before it
+    starts with the LLM alone (encoder work only delays the LLM's), and no action before its
+    inputs can have been made and sent (along the dependencies: releases, then an LLM action's
+    own compute and TP collectives or an encoder action's compute, then the transfers between
+    ranks). A rank computes one thing at a time (a kernel-level rider's compute fills its host's
+    TP gaps; it does not run beside the host's own) and runs its LLM actions one after another,
+    so it finishes no sooner than any release T plus the compute of its actions released at T or
+    later, or their LLM actions' own time where that is more. The bound is the largest such
+    figure over every rank and release, or the LLM alone's last action's end where that is
+    later. Against the step it says how much of a plan's gap is its schedule's: the dependency
+    bound (:func:`dependency_bound`) holds for any encoder placement, this one for the plan's."""
+
+    step_s: float
+    rank: int
+    """The rank the bound is reached on (-1: the LLM alone's last action)."""
+    release_s: float
+    """From when that rank's work ``work_s`` cannot start earlier."""
+    work_s: float
+    """What the rank runs of the actions released then or later: their compute, or where more,
+    its LLM actions' own time (compute and TP collectives)."""
+    encoder_compute_s: float
+    """The encoder's compute among those actions."""
+
+    def __str__(self) -> str:
+        if self.rank < 0:
+            return f"{format_ms(self.step_s)} ms, the end of its LLM actions alone"
+        return (
+            f"{format_ms(self.step_s)} ms: rank {self.rank} has {format_ms(self.work_s)} ms of work "
+            f"({format_ms(self.encoder_compute_s)} ms of it encoder compute) that cannot start before "
+            f"{format_ms(self.release_s)} ms"
+        )
+
+
+def placement_bound(
+    plan: Plan,
+    sim: SimResult,
+    llm_stages: range,
+    alone: SimResult,
+    transfer: Callable[[Action, Action], float],
+) -> PlacementBound:
+    """:class:`PlacementBound` of ``plan`` (simulated as ``sim``, for its actions' compute and
+    ranks) whose LLM is ``llm_stages``, against ``alone``: the same LLM stages and per-rank
+    order without the encoders, simulated at the same work per microbatch (its stages numbered
+    from 0). ``transfer``: the simulator's time from an action's end until one on another rank
+    may use its output."""
+    if not alone.runs or not any(r.action.stage in llm_stages for r in sim.runs):
+        raise PlanError("a plan without LLM actions has no placement bound; give the plan's LLM stages")
+    first = llm_stages.start
+    # An LLM action starts no sooner than alone and takes its own time at least (its compute and
+    # TP collectives; riders only fill the gaps): its output exists no sooner than that after.
+    alone_run = {Action(r.action.stage + first, r.action.kind, r.action.microbatch): r for r in alone.runs}
+    run_of = {r.action: r for r in sim.runs}
+    split = plan.split_backward()
+    release: dict[Action, float] = {}
+    ready: dict[Action, float] = {}  # the earliest its output can exist
+    last_llm: dict[int, Action] = {}
+    order = complete_order(plan.actions, plan.num_stages, split, plan.hosts_of(), plan.ahead)
+    for rank, _, a in order:
+        t = max(
+            (
+                ready[d] + (transfer(d, a) if run_of[d].rank != rank else 0.0)
+                for d in dependencies(a, plan.num_stages, split, plan.ahead)
+            ),
+            default=0.0,
+        )
+        if a.stage in llm_stages:
+            own = alone_run[a]
+            t = max(t, own.start_s, ready[last_llm[rank]] if rank in last_llm else 0.0)
+            last_llm[rank] = a
+            ready[a] = t + own.compute_s + own.tp_comm_s
+        else:
+            ready[a] = t + run_of[a].compute_s
+        release[a] = t
+    best = PlacementBound(max(r.end_s for r in alone.runs), -1, 0.0, 0.0, 0.0)
+    by_rank: dict[int, list[Action]] = {}
+    for rank, _, a in order:
+        by_rank.setdefault(rank, []).append(a)
+    for rank, acts in by_rank.items():
+        # From a release on, the rank computes what is released then or later, one thing at a
+        # time, and runs its LLM actions (with their TP collectives) one after another.
+        compute = encoder = llm = 0.0
+        for a in sorted(acts, key=release.__getitem__, reverse=True):
+            compute += run_of[a].compute_s
+            if a.stage in llm_stages:
+                llm += alone_run[a].compute_s + alone_run[a].tp_comm_s
+            else:
+                encoder += run_of[a].compute_s
+            work = max(compute, llm)
+            if release[a] + work > best.step_s:
+                best = PlacementBound(release[a] + work, rank, release[a], work, encoder)
+    return best

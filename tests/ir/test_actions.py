@@ -8,9 +8,10 @@ import pickle
 import subprocess
 import sys
 
+import numpy
 import pytest
 
-from vlmcompile.ir.actions import Action, ActionKind, dependencies, execution_order, format_grid
+from vlmcompile.ir.actions import Action, ActionKind, carried, dependencies, execution_order, format_grid
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 
@@ -45,10 +46,23 @@ def test_equal_actions_are_one_object_however_they_are_made():
         Action(1, B, 2),
         Action(1, W, 0),
     ]
+    # Whoever makes an action first decides its fields for everyone: they are ints, however given.
+    assert str(Action(True, W, 77)) == "1W77" and Action(numpy.int64(1), W, 77) is Action(1, W, 77)
+    with pytest.raises(TypeError, match="'float' object cannot be interpreted as an integer"):
+        Action(0, F, 0.5)
     with pytest.raises(ValueError, match="'X' is not a valid ActionKind"):
         Action(0, "X", 0)
+    with pytest.raises(TypeError, match="not supported between instances of 'Action' and 'tuple'"):
+        assert Action(0, F, 1) < (0, "F", 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.stage = 1
+
+
+def test_the_outputs_carried_across_the_step_come_in_action_order():
+    # Built from a set, whose order is its actions' addresses: the dict is sorted all the same.
+    ahead = frozenset(Action(s, F, m) for s in (0, 1) for m in (3, 0, 2))
+    assert list(carried(ahead)) == [Action(1, F, 0), Action(1, F, 2), Action(1, F, 3)]
+    assert carried(ahead)[Action(1, F, 2)] is Action(2, F, 2)
 
 
 def test_what_each_kind_waits_for():

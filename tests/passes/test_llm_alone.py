@@ -1,10 +1,14 @@
 """The LLM alone at a plan's degrees, and with the encoders' dependencies: the bounds no plan of the
 VLM at those degrees beats."""
 
+import dataclasses
+import random
+
 import pytest
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import layer_costs
+from vlmcompile.ir.actions import execution_order
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.passes.bubbles import bubbles
@@ -15,9 +19,11 @@ from vlmcompile.passes.llm_alone import (
     llm_alone_plan,
     llm_alone_step_s,
     llm_graph,
+    placement_bound,
 )
 from vlmcompile.passes.policies import plan_and_simulate
 from vlmcompile.planning.request import PlanRequest, SolverOptions
+from vlmcompile.sim.simulator import simulate
 
 CLUSTER = Cluster.preset("h100x16")
 
@@ -74,7 +80,8 @@ def test_no_schedule_the_bubble_pass_tries_beats_the_dependency_bound(demo_graph
     cluster = Cluster.preset(cluster)
     graph = demo_graph.with_frozen(["vision"]) if frozen else demo_graph
     request = PlanRequest.on(cluster, tp=tp, pp=pp, v=v, global_batch=8)
-    report = bubbles(graph, cluster, request, solver=FAST).report
+    result = bubbles(graph, cluster, request, solver=FAST)
+    report = result.report
     bound = report.dependency_bound
     steps = [report.step_s, report.phased_step_s]
     steps += [s for r in report.rows for s in (r.greedy_step_s, r.solved_step_s) if s is not None]
@@ -90,6 +97,17 @@ def test_no_schedule_the_bubble_pass_tries_beats_the_dependency_bound(demo_graph
     if not frozen and request.parallel.dp == 1:  # no all-gather for the encoder to overlap
         assert delays.start_s >= bound.head_s * (1 - 1e-9)
     assert "over its own LLM stages alone" in str(report)
+    # No schedule of the chosen placement beats its placement bound: not the pass's, not the
+    # phased one, not others made from the pass's by moving encoder work.
+    placed = report.placement_bound
+    assert (
+        max(bound.llm_span_s, 0.0) <= placed.step_s <= min(report.step_s, report.phased_step_s) * (1 + 1e-9)
+    )
+    assert "simulated, no schedule of this placement ends sooner than" in str(report)
+    others = _reordered(result.plan, random.Random(len(steps)))
+    assert len(others) >= 3
+    for plan in others:
+        assert simulate(plan, graph, cluster).step_time_s >= placed.step_s * (1 - 1e-9)
     if frozen:
         # The tower's forwards may run a batch ahead, and no gradient goes below the projector.
         trained = bubbles(demo_graph, cluster, request, solver=FAST).report.dependency_bound
@@ -97,6 +115,33 @@ def test_no_schedule_the_bubble_pass_tries_beats_the_dependency_bound(demo_graph
     else:
         assert 0 < bound.head_s < bound.tail_s  # a backward costs more than its forward
         assert bound.step_s >= bound.llm_span_s + bound.head_s
+
+
+def _reordered(plan, rng: random.Random, tries: int = 12) -> list:
+    """Other schedules of ``plan``'s placement: its kernel-level work at layer level, and encoder
+    actions moved past a neighbouring LLM action at random (those that deadlock left out)."""
+    out = []
+    llm = {s.index for s in plan.stages if s.group == "llm"}
+    for k in range(tries):
+        lists = []
+        for acts in plan.actions:
+            acts = list(acts)
+            for j in range(len(acts) - 1):
+                if k and (acts[j].stage in llm) != (acts[j + 1].stage in llm) and rng.random() < 0.3:
+                    acts[j], acts[j + 1] = acts[j + 1], acts[j]
+            lists.append(tuple(acts))
+        other = dataclasses.replace(plan, actions=tuple(lists), kernel_level={})
+        order, _ = execution_order(other.actions, other.num_stages, other.split_backward(), {}, other.ahead)
+        if len(order) == sum(len(a) for a in other.actions):
+            out.append(other)
+    return out
+
+
+def test_the_placement_bound_refuses_a_plan_without_llm_stages(demo_graph):
+    request = PlanRequest.on(CLUSTER, tp=2, pp=4, v=1, global_batch=32)
+    run = plan_and_simulate(demo_graph, CLUSTER, "megatron_balanced", request)
+    with pytest.raises(PlanError, match="LLM stages"):
+        placement_bound(run.plan, run.sim, range(0), run.sim, lambda _d, _a: 0.0)
 
 
 def test_an_encoder_nothing_trains_in_costs_the_bound_nothing(demo_graph):

@@ -9,6 +9,7 @@ per pipeline rank, executed in order; :func:`format_grid` prints it as a step x 
 from __future__ import annotations
 
 import enum
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,9 @@ class ActionKind(str, enum.Enum):
 
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _ACTIONS: dict[tuple[int, ActionKind | str, int], Action] = {}
-"""Every action made in this process, by its fields: an action is one object for good."""
+"""Every action made in this process, by its fields: an action is one object for good. Never
+cleared: an action made after a clear would be another object than an equal one kept before it
+(in a plan, in :func:`dependencies`' cache), and a lookup of the one by the other would miss."""
 
 
 @dataclass(frozen=True, slots=True, eq=False, init=False)
@@ -52,7 +55,8 @@ class Action:
             raise ValueError(
                 f"action {stage}{getattr(kind, 'value', kind)}{microbatch}: stage and microbatch must be >= 0"
             )
-        kind = ActionKind(kind)
+        # The first maker's field types are everyone's after: 1, not True or numpy's int64.
+        stage, kind, microbatch = operator.index(stage), ActionKind(kind), operator.index(microbatch)
         self = object.__new__(cls)
         for name, value in (("stage", stage), ("kind", kind), ("microbatch", microbatch)):
             object.__setattr__(self, name, value)
@@ -62,16 +66,24 @@ class Action:
     def _key(self) -> tuple[int, str, int]:
         return (self.stage, self.kind.value, self.microbatch)
 
-    def __lt__(self, other: Action) -> bool:
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Action):
+            return NotImplemented
         return self._key() < other._key()
 
-    def __le__(self, other: Action) -> bool:
+    def __le__(self, other: object) -> bool:
+        if not isinstance(other, Action):
+            return NotImplemented
         return self._key() <= other._key()
 
-    def __gt__(self, other: Action) -> bool:
+    def __gt__(self, other: object) -> bool:
+        if not isinstance(other, Action):
+            return NotImplemented
         return self._key() > other._key()
 
-    def __ge__(self, other: Action) -> bool:
+    def __ge__(self, other: object) -> bool:
+        if not isinstance(other, Action):
+            return NotImplemented
         return self._key() >= other._key()
 
     def __reduce__(self):
@@ -108,7 +120,9 @@ def carried(ahead: frozenset[Action]) -> dict[Action, Action]:
     """The forwards of ``ahead`` (run one global batch ahead) whose output crosses the step
     boundary -> the forward of the next step that takes it (not ahead itself)."""
     out = {}
-    for a in ahead:
+    for a in sorted(
+        ahead
+    ):  # a set's order is its actions' addresses: sorted, the dict's is the same every run
         taker = Action(a.stage + 1, ActionKind.F, a.microbatch)
         if taker not in ahead:
             out[a] = taker
