@@ -29,9 +29,10 @@ compute run in the LLM's bubbles (layer level: while the rank's next LLM action 
 inputs; kernel level: inside TP gaps), where our step goes past our own LLM stages run alone
 (:func:`~vlmcompile.passes.llm_alone.encoder_delays`: how much later the LLM starts, how much its
 actions stretch, how long the step runs past its last action; in brackets the dependency bound's
-head and tail), our placement's bound over the LLM alone (the least step any schedule of our
-plan's stages on their ranks reaches: :func:`~vlmcompile.passes.llm_alone.placement_bound`; it
-bounds our schedule, not every plan, so it does not make a goal "above its bound"), our peak memory over the best baseline's, our plan held to that memory (its
+head and tail), our placement's bound over the LLM alone (the least step any schedule reaches
+with each of our plan's actions on its rank and the LLM's order:
+:func:`~vlmcompile.passes.llm_alone.placement_bound`; it bounds schedules of our placement, not
+every plan, so it does not make a goal "above its bound"), our peak memory over the best baseline's, our plan held to that memory (its
 speedup over the best baseline, the pass that made it, and the encoder-in-bubbles pass's own
 held plan), and the pass's wall time on this machine (measured).
 

@@ -178,8 +178,9 @@ class BubbleReport:
     own_llm_alone_step_s: float | None = None
     """This plan's own LLM stages run alone (what ``delays`` are measured against)."""
     placement_bound: PlacementBound | None = None
-    """The least step any schedule of this plan's placement can reach
-    (:func:`~vlmcompile.passes.llm_alone.placement_bound`): what is above it is the schedule's."""
+    """The least step any schedule of this plan's placement can reach (each action on its rank,
+    the LLM's order: :func:`~vlmcompile.passes.llm_alone.placement_bound`): what is above it is
+    the encoder's order and level on those ranks."""
 
     @property
     def hidden_share(self) -> float:
@@ -277,7 +278,7 @@ class BubbleReport:
             *([self.delays_line()] if self.delays is not None else []),
             *(
                 [
-                    f"simulated, no schedule of this placement ends sooner than {self.placement_bound} "
+                    f"simulated, no schedule with each action on its rank here ends sooner than {self.placement_bound} "
                     f"({self.placement_bound.step_s / self.llm_alone_step_s:.3f}x the LLM alone)"
                 ]
                 if self.placement_bound is not None and self.llm_alone_step_s > 0

@@ -267,8 +267,12 @@ def encoder_delays(sim: SimResult, llm_stages: range, alone: SimResult) -> Encod
 
 @dataclass(frozen=True, slots=True)
 class PlacementBound:
-    """A step no schedule of a plan's placement reaches: its stages on their ranks, its LLM
-    actions in their order per rank, any order and level (layer or kernel) of its encoder work.
+    """A step no schedule of a plan's placement reaches. The placement: every action on the
+    rank the plan runs it on (so which holder of a replicated encoder stage runs each
+    microbatch), the LLM's actions in their order per rank, and the same forwards run a batch
+    ahead; the encoder's actions in any order per rank and at either level (layer or kernel).
+    Another assignment of microbatches to an encoder stage's holders, or other forwards run
+    ahead, is another placement with a bound of its own.
 
     Each action has a release, a time before which it cannot start: an LLM action not before it
     starts with the LLM alone (encoder work only delays the LLM's), and no action before its
