@@ -32,9 +32,10 @@ actions stretch, how long the step runs past its last action; in brackets the de
 head and tail), our placement's bound over the LLM alone (the least step any schedule reaches
 with each of our plan's actions on its rank and the LLM's order:
 :func:`~vlmcompile.passes.llm_alone.placement_bound`; it bounds schedules of our placement, not
-every plan, so it does not make a goal "above its bound"), our peak memory over the best baseline's, our plan held to that memory (its
-speedup over the best baseline, the pass that made it, and the encoder-in-bubbles pass's own
-held plan), and the pass's wall time on this machine (measured).
+every plan, so it does not make a goal "above its bound"), our peak memory over the best
+baseline's, our plan held to that memory (its speedup over the best baseline, the pass that made
+it, and the encoder-in-bubbles pass's own held plan), and the pass's wall time on this machine
+(measured).
 
 Targets (issue 36): never slower than a baseline; held to the best baseline's peak memory, never
 slower than it; our step within 1.08x (trained) or 1.02x (frozen) of the LLM alone, or where

@@ -70,7 +70,7 @@ from vlmcompile.planning.model_parts import (
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.sim.simulator import CAUSES, SimResult, simulate
-from vlmcompile.sim.timeline import transfer_between_stages
+from vlmcompile.sim.timeline import transfer_of
 from vlmcompile.sim.units import column_decimals, format_ms, ms_decimals
 
 GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False), (8, False), (16, False))
@@ -710,7 +710,7 @@ def _result(inputs: _Inputs, rung: RecomputeRung, chosen: _Candidate, rows, laye
         dependency_bound=bound,
         delays=delays,
         own_llm_alone_step_s=own_sim.step_time_s,
-        placement_bound=placement_bound(plan, sim, llm_stages, own_sim, _transfer(chosen.costs)),
+        placement_bound=placement_bound(plan, sim, llm_stages, own_sim, transfer_of(chosen.costs.stages)),
     )
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=str(rung)).with_decisions(*decisions)
 
@@ -857,7 +857,7 @@ def _layer_level_hidden_s(plan: Plan, sim: SimResult, costs: PlanCosts) -> float
             runs_of.setdefault(run.rank, []).append(run)
     llm_end = max(r.end_s for r in sim.runs if plan.stages[r.action.stage].group == llm)
 
-    transfer = _transfer(costs)
+    transfer = transfer_of(costs.stages)
 
     def llm_inputs_at(run) -> float:
         return max(
@@ -880,11 +880,6 @@ def _layer_level_hidden_s(plan: Plan, sim: SimResult, costs: PlanCosts) -> float
             if span > 0:
                 hidden += run.compute_s * max(0.0, min(run.end_s, could_start) - run.start_s) / span
     return hidden
-
-
-def _transfer(costs: PlanCosts):
-    """The simulator's transfer rule for a plan of these costs."""
-    return transfer_between_stages([s.send_fwd_s for s in costs.stages], [s.send_bwd_s for s in costs.stages])
 
 
 def _unscreened(settings, screened):

@@ -33,7 +33,7 @@ from vlmcompile.planning.build import build_plan
 from vlmcompile.planning.chunks import balanced_split, chunks_of
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.sim.simulator import SimResult, simulate
-from vlmcompile.sim.timeline import complete_order, run_actions, transfer_between_stages
+from vlmcompile.sim.timeline import complete_order, run_actions, transfer_of
 from vlmcompile.sim.units import format_ms
 
 
@@ -139,7 +139,7 @@ def dependency_bound(llm_plan: Plan, layer_graph: LayerGraph, cluster: Cluster) 
     outside = [layer.name for layer in layer_graph.layers if layer.name not in held]
     llm = llm_plan.pipeline_parallel
     stages = plan_costs(llm_plan, layer_graph, cluster).stages
-    transfer = transfer_between_stages([s.send_fwd_s for s in stages], [s.send_bwd_s for s in stages])
+    transfer = transfer_of(stages)
 
     def bound(paths: dict[int, tuple[float, float]], tp: int) -> DependencyBound:
         def duration(a, start: float) -> float:
@@ -330,8 +330,9 @@ def placement_bound(
     release: dict[Action, float] = {}
     ready: dict[Action, float] = {}  # the earliest its output can exist
     last_llm: dict[int, Action] = {}
-    order = complete_order(plan.actions, plan.num_stages, split, plan.hosts_of(), plan.ahead)
-    for rank, _, a in order:
+    by_rank: dict[int, list[Action]] = {}
+    for rank, _, a in complete_order(plan.actions, plan.num_stages, split, plan.hosts_of(), plan.ahead):
+        by_rank.setdefault(rank, []).append(a)
         t = max(
             (
                 ready[d] + (transfer(d, a) if run_of[d].rank != rank else 0.0)
@@ -348,9 +349,6 @@ def placement_bound(
             ready[a] = t + run_of[a].compute_s
         release[a] = t
     best = PlacementBound(max(r.end_s for r in alone.runs), -1, 0.0, 0.0, 0.0)
-    by_rank: dict[int, list[Action]] = {}
-    for rank, _, a in order:
-        by_rank.setdefault(rank, []).append(a)
     for rank, acts in by_rank.items():
         # From a release on, the rank computes what is released then or later, one thing at a
         # time, and runs its LLM actions (with their TP collectives) one after another.

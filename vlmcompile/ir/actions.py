@@ -9,6 +9,7 @@ per pipeline rank, executed in order; :func:`format_grid` prints it as a step x 
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,7 @@ cleared: an action made after a clear would be another object than an equal one 
 (in a plan, in :func:`dependencies`' cache), and a lookup of the one by the other would miss."""
 
 
+@functools.total_ordering  # <=, >, >= from < and == (identity: equal actions are one object)
 @dataclass(frozen=True, slots=True, eq=False, init=False)
 class Action:
     """One pipeline action: a stage's forward or (part of its) backward of a microbatch.
@@ -63,28 +65,14 @@ class Action:
         # setdefault: of two threads making the same new action, both get the one kept.
         return _ACTIONS.setdefault((stage, kind, microbatch), self)
 
-    def _key(self) -> tuple[int, str, int]:
-        return (self.stage, self.kind.value, self.microbatch)
-
     def __lt__(self, other: object) -> bool:
         if not isinstance(other, Action):
             return NotImplemented
-        return self._key() < other._key()
-
-    def __le__(self, other: object) -> bool:
-        if not isinstance(other, Action):
-            return NotImplemented
-        return self._key() <= other._key()
-
-    def __gt__(self, other: object) -> bool:
-        if not isinstance(other, Action):
-            return NotImplemented
-        return self._key() > other._key()
-
-    def __ge__(self, other: object) -> bool:
-        if not isinstance(other, Action):
-            return NotImplemented
-        return self._key() >= other._key()
+        return (self.stage, self.kind.value, self.microbatch) < (
+            other.stage,
+            other.kind.value,
+            other.microbatch,
+        )
 
     def __reduce__(self):
         # Rebuilt from its fields, so an unpickled action is this process's one object.
@@ -120,9 +108,8 @@ def carried(ahead: frozenset[Action]) -> dict[Action, Action]:
     """The forwards of ``ahead`` (run one global batch ahead) whose output crosses the step
     boundary -> the forward of the next step that takes it (not ahead itself)."""
     out = {}
-    for a in sorted(
-        ahead
-    ):  # a set's order is its actions' addresses: sorted, the dict's is the same every run
+    # A set's order is its actions' addresses: sorted, the dict's order is the same every run.
+    for a in sorted(ahead):
         taker = Action(a.stage + 1, ActionKind.F, a.microbatch)
         if taker not in ahead:
             out[a] = taker

@@ -48,7 +48,7 @@ from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.sim import dp
 from vlmcompile.sim.in_flight import held_across_steps, in_flight, pattern_bytes
 from vlmcompile.sim.kernel_stream import HostFill, host_fills
-from vlmcompile.sim.timeline import Timed, complete_order, run_actions, transfer_between_stages
+from vlmcompile.sim.timeline import Timed, complete_order, run_actions, transfer_of
 from vlmcompile.sim.units import format_ms, ms_decimals
 
 CAUSES = ("dp_all_gather", "pp_warmup", "pp_other", "pp_cooldown", "tp_comm", "dp_reduce_scatter")
@@ -339,7 +339,7 @@ def _time_step(plan, layer_graph, cluster, costs: PlanCosts, work) -> _Timed:
         plan.actions,
         plan.num_stages,
         duration=duration,
-        transfer=transfer_between_stages([s.send_fwd_s for s in stages], [s.send_bwd_s for s in stages]),
+        transfer=transfer_of(stages),
         hosts=hosts,
         fused_duration=fused,
         order=layout.order,

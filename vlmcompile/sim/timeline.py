@@ -144,3 +144,8 @@ def transfer_between_stages(send_fwd_s: Sequence[float], send_bwd_s: Sequence[fl
         return send_fwd_s[dep.stage] if dep.kind is ActionKind.F else send_bwd_s[dep.stage]
 
     return transfer
+
+
+def transfer_of(stages: Sequence) -> Callable[[Action, Action], float]:
+    """:func:`transfer_between_stages` of stage costs (``send_fwd_s``, ``send_bwd_s`` each)."""
+    return transfer_between_stages([s.send_fwd_s for s in stages], [s.send_bwd_s for s in stages])
