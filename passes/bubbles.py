@@ -241,8 +241,8 @@ class BubbleReport:
         if bound is None:
             return line
         return (
-            f"{line} (the dependency bound's: {format_ms(bound.head_s)} ms before the start, "
-            f"{format_ms(bound.tail_s)} ms past the end)"
+            f"{line} (the dependency bound's: {format_ms(bound.first_head_s)} ms before the start, "
+            f"{format_ms(bound.last_tail_s)} ms past the end)"
         )
 
     def __str__(self) -> str:

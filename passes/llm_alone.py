@@ -15,12 +15,20 @@ encoder forward can have ended, and the step cannot end before each microbatch's
 backward has run after that stage's backward of it. Optimus (sec. 3.1, challenge 2) states these microbatch-level dependencies; every
 plan made here keeps them, runs the encoders on whole microbatches, each encoder stage's
 backward whole, and the LLM's actions in their schedule's order per rank.
+
+At the two ends of the step the encoder's TP collectives count too. Encoder work hides its TP
+collectives only inside an LLM action (kernel level, :mod:`vlmcompile.sim.kernel_stream`). Before
+the LLM's first action, which every other LLM action follows (in 1F1B and interleaved 1F1B,
+the first stage's first forward), no LLM action runs; after its last, which every other
+precedes (there, the first stage's last backward), none does. So the encoder forward that first
+action waits for, and the encoder backward after the last, run whole: compute and collectives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import layer_costs, plan_costs
@@ -109,8 +117,9 @@ class DependencyBound:
     step_s: float
     head_s: float
     """The least time one microbatch's encoder forward takes along its longest path of layers into
-    an LLM stage (compute only; 0 where no gradient reaches the encoder, which may run a batch
-    ahead): that stage's forward of the microbatch starts no sooner."""
+    an LLM stage (compute only, as the TP collectives may hide inside LLM actions; 0 where no
+    gradient reaches the encoder, which may run a batch ahead): that stage's forward of the
+    microbatch starts no sooner."""
     tail_s: float
     """The same for one microbatch's encoder backward: the step ends no sooner after the LLM stage
     that sends the encoder its gradient has run that microbatch's backward."""
@@ -118,12 +127,26 @@ class DependencyBound:
     """The LLM's actions alone, timed by the simulator's rule without DP collectives or encoders."""
     encoder_tp: int
     """The encoder TP the bound is taken at (its least over the TPs a plan may give the encoders)."""
+    first_head_s: float = 0.0
+    """The encoder forward the LLM's first action waits for, with its TP collectives (no LLM
+    action runs before it to hide them in): the step's start. ``head_s`` where the LLM's actions
+    have no one first action reading the encoder."""
+    last_tail_s: float = 0.0
+    """The encoder backward after the LLM's last action, with its TP collectives (no LLM action
+    runs after it): the step's end. ``tail_s`` where the last action sends the encoder nothing."""
 
     def __str__(self) -> str:
+        ends = (
+            f"; the first LLM action waits {format_ms(self.first_head_s)} ms and the step ends "
+            f"{format_ms(self.last_tail_s)} ms after the last (with the encoder's TP collectives: no LLM "
+            "action runs there to hide them)"
+            if (self.first_head_s, self.last_tail_s) != (self.head_s, self.tail_s)
+            else ""
+        )
         return (
             f"the LLM's actions alone {format_ms(self.llm_span_s)} ms; no LLM forward of a microbatch before "
             f"its encoder forward ({format_ms(self.head_s)} ms) and no step end before its encoder backward "
-            f"({format_ms(self.tail_s)} ms) after the LLM's; encoder TP {self.encoder_tp}"
+            f"({format_ms(self.tail_s)} ms) after the LLM's{ends}; encoder TP {self.encoder_tp}"
         )
 
 
@@ -140,19 +163,37 @@ def dependency_bound(llm_plan: Plan, layer_graph: LayerGraph, cluster: Cluster) 
     llm = llm_plan.pipeline_parallel
     stages = plan_costs(llm_plan, layer_graph, cluster).stages
     transfer = transfer_of(stages)
+    first, last = _ends(llm_plan)
 
-    def bound(paths: dict[int, tuple[float, float]], tp: int) -> DependencyBound:
+    def bound(paths: dict[int, _EncoderPath], tp: int) -> DependencyBound:
+        first_head = paths[first.stage].fwd_whole_s if first is not None and first.stage in paths else None
+        last_tail = paths[last.stage].bwd_whole_s if last is not None and last.stage in paths else None
+
         def duration(a, start: float) -> float:
-            head = paths[a.stage][0] if a.kind is ActionKind.F and a.stage in paths else 0.0
+            head = paths[a.stage].fwd_s if a.kind is ActionKind.F and a.stage in paths else 0.0
+            if a is first and first_head is not None:
+                head = first_head
             return max(0.0, head - start) + stages[a.stage].action_s(a.kind)
 
         timed = run_actions(llm_plan.actions, llm_plan.num_stages, duration=duration, transfer=transfer)
         step = max(t.end_s for t in timed)
         for t in timed:
             if t.action.kind in (ActionKind.B, ActionKind.I) and t.action.stage in paths:
-                step = max(step, t.end_s + paths[t.action.stage][1])
-        heads, tails = [h for h, _ in paths.values()], [b for _, b in paths.values()]
-        return DependencyBound(step, max(heads, default=0.0), max(tails, default=0.0), 0.0, tp)
+                tail = (
+                    last_tail if t.action is last and last_tail is not None else paths[t.action.stage].bwd_s
+                )
+                step = max(step, t.end_s + tail)
+        head = max((p.fwd_s for p in paths.values()), default=0.0)
+        tail = max((p.bwd_s for p in paths.values()), default=0.0)
+        return DependencyBound(
+            step,
+            head,
+            tail,
+            0.0,
+            tp,
+            first_head_s=head if first_head is None else first_head,
+            last_tail_s=tail if last_tail is None else last_tail,
+        )
 
     span = bound({}, llm.tp).step_s
     options = {
@@ -167,19 +208,60 @@ def dependency_bound(llm_plan: Plan, layer_graph: LayerGraph, cluster: Cluster) 
     return replace(best, llm_span_s=span)
 
 
-def _dominates(a: dict[int, tuple[float, float]], b: dict[int, tuple[float, float]]) -> bool:
+def _dominates(a: dict[int, _EncoderPath], b: dict[int, _EncoderPath]) -> bool:
     """``a``'s encoder work is nowhere more than ``b``'s and somewhere less."""
-    pairs = [(a[k][i], b[k][i]) for k in b for i in (0, 1)]
+    pairs = [(x, y) for k in b for x, y in zip(a[k], b[k])]
     return all(x <= y for x, y in pairs) and any(x < y for x, y in pairs)
+
+
+def _ends(plan: Plan, llm_stages: range | None = None) -> tuple[Action | None, Action | None]:
+    """Of the plan's LLM actions (on ``llm_stages``; default all), the one every other follows
+    and the one every other precedes (along the dependencies and each rank's order); None where
+    no one action is."""
+    split = plan.split_backward()
+    llm = [[a for a in acts if llm_stages is None or a.stage in llm_stages] for acts in plan.actions]
+    preceded: set[Action] = set()
+    followed: set[Action] = set()
+    for acts in llm:
+        for before, after in zip(acts, acts[1:]):
+            followed.add(before)
+            preceded.add(after)
+        for a in acts:
+            deps = [
+                d
+                for d in dependencies(a, plan.num_stages, split, plan.ahead)
+                if llm_stages is None or d.stage in llm_stages
+            ]
+            followed.update(deps)
+            if deps:
+                preceded.add(a)
+    every = [a for acts in llm for a in acts]
+    roots = [a for a in every if a not in preceded]
+    sinks = [a for a in every if a not in followed]
+    # In a DAG the one action nothing precedes is an ancestor of every other, and the one that
+    # nothing follows a descendant of every other.
+    return (roots[0] if len(roots) == 1 else None), (sinks[0] if len(sinks) == 1 else None)
+
+
+class _EncoderPath(NamedTuple):
+    """One microbatch's encoder work along its longest path of layers into an LLM stage."""
+
+    fwd_s: float
+    """Forward compute (TP collectives may hide inside LLM actions)."""
+    bwd_s: float
+    """Backward compute."""
+    fwd_whole_s: float
+    """Forward with its TP collectives: where no LLM action runs beside it."""
+    bwd_whole_s: float
+    """Backward with its TP collectives."""
 
 
 def _encoder_paths(
     layer_graph: LayerGraph, cluster: Cluster, llm: Parallel, tp: int, llm_plan: Plan, outside: list[str]
-) -> dict[int, tuple[float, float]]:
-    """Per LLM stage that reads encoder-side layers: the (forward, backward) compute of one
-    microbatch along the longest path of them into it, at encoder TP ``tp`` (its replicas share
-    the microbatch). Layers no gradient reaches may run a batch ahead: their forward waits for
-    nothing."""
+) -> dict[int, _EncoderPath]:
+    """Per LLM stage that reads encoder-side layers: one microbatch's encoder work along the
+    longest path of them into it, at encoder TP ``tp`` (its replicas share the microbatch). Layers
+    no gradient reaches may run a batch ahead: their forward waits for nothing."""
     if not outside:
         return {}
     stage_of = {name: stage.index for stage in llm_plan.stages for name in stage.layers}
@@ -203,19 +285,26 @@ def _encoder_paths(
             preds[dst].append(src)
         elif src in preds and dst in stage_of:
             into.setdefault(stage_of[dst], []).append(src)
-    forward: dict[str, float] = {}
-    backward: dict[str, float] = {}
+    path: dict[str, _EncoderPath] = {}
     trained_before: dict[str, bool] = {}
     for n in outside:  # pipeline order: a layer's inputs come before it
         c, before = costs[n], preds[n]
         trained_before[n] = any(
             layer_graph[p].num_params > layer_graph[p].num_frozen_params or trained_before[p] for p in before
         )
-        forward[n] = (0.0 if n in ahead else c.fwd_s) + max((forward[p] for p in before), default=0.0)
-        own = (c.input_grad_s if trained_before[n] else 0.0) + c.weight_grad_s
-        backward[n] = own + max((backward[p] for p in before), default=0.0)
+        waits = n not in ahead
+        input_grad = trained_before[n]
+        own = _EncoderPath(
+            c.fwd_s if waits else 0.0,
+            (c.input_grad_s if input_grad else 0.0) + c.weight_grad_s,
+            c.f_s if waits else 0.0,
+            (c.i_s if input_grad else 0.0) + c.w_s,
+        )
+        path[n] = _EncoderPath(
+            *(x + max((path[p][i] for p in before), default=0.0) for i, x in enumerate(own))
+        )
     return {
-        stage: (max(forward[n] for n in sources), max(backward[n] for n in sources))
+        stage: _EncoderPath(*(max(path[n][i] for n in sources) for i in range(len(_EncoderPath._fields))))
         for stage, sources in into.items()
     }
 
@@ -278,10 +367,12 @@ class PlacementBound:
     starts with the LLM alone (encoder work only delays the LLM's), and no action before its
     inputs can have been made and sent (along the dependencies: releases, then an LLM action's
     own compute and TP collectives or an encoder action's compute, then the transfers between
-    ranks). A rank computes one thing at a time (a kernel-level rider's compute fills its host's
-    TP gaps; it does not run beside the host's own) and runs its LLM actions one after another,
-    so it finishes no sooner than any release T plus the compute of its actions released at T or
-    later, or their LLM actions' own time where that is more. The bound is the largest such
+    ranks). An encoder action the LLM's first action waits for, or one after the LLM's last,
+    counts its TP collectives too: no LLM action runs beside it to hide them. A rank computes one
+    thing at a time (a kernel-level rider's compute fills its host's TP gaps; it does not run
+    beside the host's own) and runs its LLM actions one after another, so it finishes no sooner
+    than any release T plus the compute of its actions released at T or later, or their LLM
+    actions' own time where that is more. The bound is the largest such
     figure over every rank and release, or the LLM alone's last action's end where that is
     later. Against the step it says how much of a plan's gap is its schedule's: the dependency
     bound (:func:`dependency_bound`) holds for any encoder placement, this one for the plan's."""
@@ -295,14 +386,15 @@ class PlacementBound:
     """What the rank runs of the actions released then or later: their compute, or where more,
     its LLM actions' own time (compute and TP collectives)."""
     encoder_compute_s: float
-    """The encoder's compute among those actions."""
+    """The encoder's time among those actions: compute, and TP collectives where nothing hides
+    them."""
 
     def __str__(self) -> str:
         if self.rank < 0:
             return f"{format_ms(self.step_s)} ms, the end of its LLM actions alone"
         return (
             f"{format_ms(self.step_s)} ms: rank {self.rank} has {format_ms(self.work_s)} ms of work "
-            f"({format_ms(self.encoder_compute_s)} ms of it encoder compute) that cannot start before "
+            f"({format_ms(self.encoder_compute_s)} ms of it the encoder's) that cannot start before "
             f"{format_ms(self.release_s)} ms"
         )
 
@@ -327,11 +419,20 @@ def placement_bound(
     alone_run = {Action(r.action.stage + first, r.action.kind, r.action.microbatch): r for r in alone.runs}
     run_of = {r.action: r for r in sim.runs}
     split = plan.split_backward()
+    order = complete_order(plan.actions, plan.num_stages, split, plan.hosts_of(), plan.ahead)
+    whole = _encoder_work_at_the_ends(plan, llm_stages, order)
+    # An encoder action's time on its rank: its compute, and its TP collectives where no LLM
+    # action can run beside it to hide them.
+    encoder_s = {
+        a: r.compute_s + (r.tp_comm_s if a in whole else 0.0)
+        for a, r in run_of.items()
+        if a.stage not in llm_stages
+    }
     release: dict[Action, float] = {}
     ready: dict[Action, float] = {}  # the earliest its output can exist
     last_llm: dict[int, Action] = {}
     by_rank: dict[int, list[Action]] = {}
-    for rank, _, a in complete_order(plan.actions, plan.num_stages, split, plan.hosts_of(), plan.ahead):
+    for rank, _, a in order:
         by_rank.setdefault(rank, []).append(a)
         t = max(
             (
@@ -346,7 +447,7 @@ def placement_bound(
             last_llm[rank] = a
             ready[a] = t + own.compute_s + own.tp_comm_s
         else:
-            ready[a] = t + run_of[a].compute_s
+            ready[a] = t + encoder_s[a]
         release[a] = t
     best = PlacementBound(max(r.end_s for r in alone.runs), -1, 0.0, 0.0, 0.0)
     for rank, acts in by_rank.items():
@@ -354,12 +455,39 @@ def placement_bound(
         # time, and runs its LLM actions (with their TP collectives) one after another.
         compute = encoder = llm = 0.0
         for a in sorted(acts, key=release.__getitem__, reverse=True):
-            compute += run_of[a].compute_s
             if a.stage in llm_stages:
+                compute += run_of[a].compute_s
                 llm += alone_run[a].compute_s + alone_run[a].tp_comm_s
             else:
-                encoder += run_of[a].compute_s
+                compute += encoder_s[a]
+                encoder += encoder_s[a]
             work = max(compute, llm)
             if release[a] + work > best.step_s:
                 best = PlacementBound(release[a] + work, rank, release[a], work, encoder)
     return best
+
+
+def _encoder_work_at_the_ends(plan: Plan, llm_stages: range, order) -> set[Action]:
+    """The encoder actions no LLM action can run beside: those the LLM's first action waits for,
+    and those after its last (:func:`_ends`), in ``order`` (an execution order of the plan)."""
+    first, last = _ends(plan, llm_stages)
+    split = plan.split_backward()
+
+    def deps(a: Action) -> tuple[Action, ...]:
+        return dependencies(a, plan.num_stages, split, plan.ahead)
+
+    whole: set[Action] = set()
+    if first is not None:
+        stack = [d for d in deps(first) if d.stage not in llm_stages]
+        while stack:
+            d = stack.pop()
+            if d not in whole:
+                whole.add(d)
+                stack.extend(e for e in deps(d) if e.stage not in llm_stages)
+    if last is not None:
+        after = {last}
+        for _, _, a in order:
+            if a.stage not in llm_stages and any(d in after for d in deps(a)):
+                after.add(a)
+        whole |= after - {last}
+    return whole

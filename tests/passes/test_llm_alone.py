@@ -8,7 +8,7 @@ import pytest
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import layer_costs
-from vlmcompile.ir.actions import execution_order
+from vlmcompile.ir.actions import Action, execution_order
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.passes.bubbles import bubbles
@@ -95,7 +95,7 @@ def test_no_schedule_the_bubble_pass_tries_beats_the_dependency_bound(demo_graph
     assert delays.total_s == pytest.approx(report.step_s - report.own_llm_alone_step_s, abs=1e-12)
     assert delays.start_s >= 0
     if not frozen and request.parallel.dp == 1:  # no all-gather for the encoder to overlap
-        assert delays.start_s >= bound.head_s * (1 - 1e-9)
+        assert delays.start_s >= bound.first_head_s * (1 - 1e-9)
     assert "over its own LLM stages alone" in str(report)
     # No schedule of the chosen placement beats its placement bound: not the pass's, not the
     # phased one, not others made from the pass's by moving encoder work.
@@ -115,6 +115,10 @@ def test_no_schedule_the_bubble_pass_tries_beats_the_dependency_bound(demo_graph
     else:
         assert 0 < bound.head_s < bound.tail_s  # a backward costs more than its forward
         assert bound.step_s >= bound.llm_span_s + bound.head_s
+        # The encoder work at the two ends runs with its TP collectives: nothing hides them there.
+        assert bound.step_s >= (bound.llm_span_s + bound.last_tail_s) * (1 - 1e-9)
+        widened = (bound.first_head_s > bound.head_s, bound.last_tail_s > bound.tail_s)
+        assert widened == ((True, True) if tp > 1 else (False, False))
 
 
 def _reordered(plan, rng: random.Random, tries: int = 12) -> list:
@@ -135,6 +139,48 @@ def _reordered(plan, rng: random.Random, tries: int = 12) -> list:
         if len(order) == sum(len(a) for a in other.actions):
             out.append(other)
     return out
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "ends_whole"),
+    [("1f1b", 1, True), ("interleaved_1f1b", 2, True), ("zero_bubble", 1, False)],
+)
+def test_the_encoder_work_at_the_ends_counts_its_tp_collectives(demo_graph, schedule, v, ends_whole):
+    """Before the LLM's first action and after its last no LLM action runs to hide the encoder's
+    TP collectives in: the bound counts them there, and only there. A zero-bubble schedule ends
+    on weight gradients, after which the encoder's backward may still ride inside LLM actions."""
+    request = PlanRequest.on(CLUSTER, tp=2, pp=4, v=v, global_batch=32, schedule=schedule)
+    run = plan_and_simulate(demo_graph, CLUSTER, "megatron_balanced", request)
+    alone = llm_alone_plan(run.plan, demo_graph, CLUSTER)
+    bound = dependency_bound(alone, demo_graph, CLUSTER)
+    assert bound.first_head_s > bound.head_s > 0  # every schedule here starts on one forward
+    assert (bound.last_tail_s > bound.tail_s) == ends_whole
+    if not ends_whole:
+        assert bound.last_tail_s == bound.tail_s
+    assert bound.step_s >= (bound.llm_span_s + bound.first_head_s) * (1 - 1e-9)
+    assert bound.step_s < run.sim.step_time_s
+    assert "the first LLM action waits" in str(bound)
+
+
+def test_the_encoder_work_nothing_can_hide_is_the_first_forward_and_the_last_backward(demo_graph):
+    """In a plan of the bubble pass, the encoder actions no LLM action can run beside are the
+    forwards of the microbatch the LLM's first action reads and the backwards after its last."""
+    from vlmcompile.passes.llm_alone import _encoder_work_at_the_ends
+    from vlmcompile.sim.timeline import complete_order
+
+    cluster = Cluster.preset("h100x4")
+    request = PlanRequest.on(cluster, tp=2, pp=2, v=1, global_batch=8)
+    plan = bubbles(demo_graph, cluster, request, solver=FAST).plan
+    llm = range(min(s.index for s in plan.stages if s.group == "llm"), plan.num_stages)
+    order = complete_order(plan.actions, plan.num_stages, plan.split_backward(), plan.hosts_of(), plan.ahead)
+    whole = _encoder_work_at_the_ends(plan, llm, order)
+    llm_actions = [a for _, _, a in order if a.stage in llm]
+    first, last = llm_actions[0], llm_actions[-1]
+    assert (first.kind, last.kind, first.stage, last.stage) == ("F", "B", llm.start, llm.start)
+    encoder = [s.index for s in plan.stages if s.index not in llm]
+    assert whole == {Action(s, "F", first.microbatch) for s in encoder} | {
+        Action(s, "B", last.microbatch) for s in encoder
+    }
 
 
 def test_the_placement_bound_refuses_a_plan_without_llm_stages(demo_graph):
