@@ -15,6 +15,7 @@ from tests.models import build
 from vlmcompile import compile, models
 from vlmcompile import demo as demo_module
 from vlmcompile.cli import main
+from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.demo import (
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_STEPS,
@@ -54,6 +55,18 @@ def test_each_pipelined_baseline_runs_at_its_fastest_v():
     assert best.plan.pipeline_parallel.v == min(steps, key=steps.get)
     assert chosen["megatron"].plan.pipeline_parallel.pp == NUM_RANKS
     assert chosen["mimo_colocated"].plan.pipeline_parallel.pp == 1
+
+
+def test_our_search_takes_every_v_the_baselines_may_run_at():
+    """Ours and the baselines choose v from the same choices (v = 3 included: the demo model's 18
+    layers make 6 stages of 3), and ours from every layout of the two ranks."""
+    assert 3 in V_CHOICES
+    model, batch = build("tiny", batch_size=4)
+    pipe = demo_module._compiled(
+        model, batch, "tiny", 4, Cluster.preset(f"cpu:{NUM_RANKS}"), lambda *_: None, None
+    )
+    searched = re.findall(r"DP=\d+ TP=1 PP=(\d+) V=(\d+) mb=", str(pipe.report))
+    assert {(1, 1)} | {(NUM_RANKS, v) for v in V_CHOICES} <= {(int(pp), int(v)) for pp, v in searched}
 
 
 # ---- the prediction-error warning ------------------------------------------------------------

@@ -367,9 +367,12 @@ def eager_losses(model, batch, num_steps: int, lr: float) -> list[float]:
     return eager_training(model, [batch] * num_steps, config, optimizer_factory=sgd)
 
 
-V_CHOICES = SearchSpace().v_choices
+V_CHOICES = (1, 2, 3, 4)
 """The v each pipelined policy may run at: the plan search's choices for ours, and for a
-baseline the one its user would pick (its fastest predicted)."""
+baseline the one its user would pick (its fastest predicted). The plan search's default v
+(1, 2, 4) and 3: the demo model's 18 layers make 6 stages of 3 at v = 3, which Megatron-LM's
+interleaved schedule takes as they are (layers per virtual stage a whole number); held to a
+memory cap (``--memory-cap 0.6``) it can be ours' fastest."""
 
 
 def fastest(plans: Iterable[Callable[[], Any]], what: str):
@@ -520,7 +523,7 @@ def _compiled(model, batch, model_name: str, global_batch: int, cluster: Cluster
         model_name=model_name,
         global_batch=global_batch,
         profile=True,
-        search_space=SearchSpace(pp_choices=(1, NUM_RANKS), microbatch_sizes=(1,)),
+        search_space=SearchSpace(pp_choices=(1, NUM_RANKS), microbatch_sizes=(1,), v_choices=V_CHOICES),
         log=log,
     )
 
