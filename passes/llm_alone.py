@@ -127,11 +127,11 @@ class DependencyBound:
     """The LLM's actions alone, timed by the simulator's rule without DP collectives or encoders."""
     encoder_tp: int
     """The encoder TP the bound is taken at (its least over the TPs a plan may give the encoders)."""
-    first_head_s: float = 0.0
+    first_head_s: float
     """The encoder forward the LLM's first action waits for, with its TP collectives (no LLM
     action runs before it to hide them in): the step's start. ``head_s`` where the LLM's actions
     have no one first action reading the encoder."""
-    last_tail_s: float = 0.0
+    last_tail_s: float
     """The encoder backward after the LLM's last action, with its TP collectives (no LLM action
     runs after it): the step's end. ``tail_s`` where the last action sends the encoder nothing."""
 
