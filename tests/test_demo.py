@@ -27,6 +27,7 @@ from vlmcompile.demo import (
     PlanRun,
     baselines,
     demo_command,
+    is_our_plan,
     parse_memory_cap,
     prediction_warning,
 )
@@ -67,6 +68,36 @@ def test_our_search_takes_every_v_the_baselines_may_run_at():
     )
     searched = re.findall(r"DP=\d+ TP=1 PP=(\d+) V=(\d+) mb=", str(pipe.report))
     assert {(1, 1)} | {(NUM_RANKS, v) for v in V_CHOICES} <= {(int(pp), int(v)) for pp, v in searched}
+
+
+def test_a_baseline_whose_plan_is_ours_is_named_so_and_its_ratio_called_noise():
+    """Uncapped, ours is data parallelism over the two ranks: Megatron MIMO's colocated plan under
+    another name. Its measured ratio to ours is two runs of one plan, and the figures say so."""
+    model, batch = build("tiny", batch_size=4)
+    pipe = compile(
+        model,
+        batch,
+        cluster=f"cpu:{NUM_RANKS}",
+        global_batch=4,
+        search_space=SearchSpace(pp_choices=(1,), microbatch_sizes=(1,)),
+        log=None,
+    )
+    chosen = dict(baselines(pipe, 4))
+    assert pipe.plan.pipeline_parallel.pp == 1
+    assert is_our_plan(chosen["mimo_colocated"].plan, pipe.plan)
+    assert not is_our_plan(chosen["megatron"].plan, pipe.plan)
+    assert not is_our_plan(pipe.plan, pipe.plan), "ours is not a baseline"
+    runs = (
+        _run("vlmcompile", "DP=2 PP=1", 1.00, 1.02),
+        _run("megatron", "PP=2 V=2", 1.10, 1.12),
+        dataclasses.replace(_run("mimo_colocated", "DP=2 PP=1", 1.00, 1.00), ours_too=True),
+    )
+    lines = str(DemoResult(4, DEFAULT_STEPS, (7.8,) * DEFAULT_STEPS, runs, COMMAND, 0.1)).splitlines()
+    assert (
+        "  over mimo_colocated (DP=2 PP=1, the same plan as ours): measured 0.98x, predicted 1.00x" in lines
+    )
+    assert "  over megatron (PP=2 V=2, not our degrees): measured 1.10x, predicted 1.10x" in lines
+    assert lines[-1].endswith("(its plan is ours: the ratio is the noise between two runs of one plan)")
 
 
 # ---- the prediction-error warning ------------------------------------------------------------

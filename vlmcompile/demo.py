@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
 
 import torch
@@ -97,6 +97,9 @@ class PlanRun:
     """Every step's loss within torch.testing.assert_close's fp32 tolerance of eager's."""
     peak_gib: float | None = None
     """The simulator's peak memory of the plan's busiest rank."""
+    ours_too: bool = False
+    """A baseline whose plan is ours (the same stages, ranks and actions, only another policy's
+    name): its measured ratio to ours is the machine's noise between two runs of one plan."""
 
     @property
     def measured_s(self) -> float:
@@ -228,7 +231,10 @@ class DemoResult:
         ours = self.ours
         lines = []
         for r in self.runs[1:]:
-            other = "" if r in self.same_degrees else ", not our degrees"
+            if r.ours_too:
+                other = ", the same plan as ours"
+            else:
+                other = "" if r in self.same_degrees else ", not our degrees"
             lines.append(
                 f"  over {r.policy} ({r.degrees}{other}): measured {self.speedup_over(r.policy):.2f}x, "
                 f"predicted {self.speedup_over(r.policy, predicted=True):.2f}x"
@@ -241,9 +247,14 @@ class DemoResult:
         best = self.best_baseline
         if best is not None:
             where = ours.degrees.split()[0] if best in self.same_degrees else "any degrees"
+            noise = (
+                " (its plan is ours: the ratio is the noise between two runs of one plan)"
+                if best.ours_too
+                else ""
+            )
             lines.append(
                 f"{ours.policy} over the fastest measured baseline at {where}, {best.policy}: "
-                f"measured {self.speedup:.2f}x, predicted {self.predicted_speedup:.2f}x"
+                f"measured {self.speedup:.2f}x, predicted {self.predicted_speedup:.2f}x{noise}"
             )
         if self.bound_step_s:
             lines.append(
@@ -709,4 +720,11 @@ def _plan_run(policy: str, plan, mine: list[dict[str, list[float]]], eager: list
         diff,
         same,
         max(sim.peak_mem_bytes) / 2**30,
+        ours_too=is_our_plan(plan, pipe.plan),
     )
+
+
+def is_our_plan(plan, ours) -> bool:
+    """Whether ``plan`` is ``ours`` under another policy's name: the same stages, ranks and actions
+    (what a policy decided, and why, may differ)."""
+    return plan is not ours and replace(plan, policy=ours.policy, decisions=ours.decisions) == ours
