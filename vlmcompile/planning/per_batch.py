@@ -22,9 +22,7 @@ that runs it (:class:`~vlmcompile.data.steps.PackedSteps`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +32,7 @@ from vlmcompile.cost_models.memory import fits, usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import PlanCosts, plan_costs
 from vlmcompile.ir.actions import Action
 from vlmcompile.ir.errors import PlanError
+from vlmcompile.ir.gc_pause import collection_deferred
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.packed import BatchPlan
 from vlmcompile.ir.plan import Plan
@@ -118,7 +117,9 @@ class PerBatchScheduler:
     def schedule(self, work: Sequence[Sequence[tuple[float, float]]]) -> BatchPlan:
         """The schedule of one batch: ``work[d][j]`` is replica ``d``'s microbatch ``j``'s
         (encoder, LLM) work over the costed microbatch."""
-        with _collection_deferred():
+        # A collection of the whole heap inside a solve (0.29 s of a 0.18 s limit at Optimus
+        # scale here, the heap a training process holds) would take it past its limit.
+        with collection_deferred():
             return self._schedule(work)
 
     def _schedule(self, work: Sequence[Sequence[tuple[float, float]]]) -> BatchPlan:
@@ -217,22 +218,6 @@ class PerBatchScheduler:
         problem = self.problem.with_work(work) if work else self.problem
         evaluation = bs.evaluate_schedule(problem, schedule[0])
         return evaluation.step_s(problem), evaluation.fits
-
-
-@contextlib.contextmanager
-def _collection_deferred():
-    """Python's automatic garbage collection paused while one batch is re-planned: a collection
-    of the whole heap lands inside a solve now and then (0.29 s of a 0.18 s limit at Optimus
-    scale here, the heap a training process holds) and takes it past its limit. The garbage is
-    collected when collection resumes; a caller that had paused it keeps it paused (Megatron-LM's
-    ``--manual-gc`` pauses it for the same reason)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def ordered(work: Sequence[tuple[float, float]], order: str) -> tuple[int, ...]:
