@@ -331,6 +331,6 @@ def test_a_whole_run_prints_every_phase_as_it_goes_and_the_pairs_last(monkeypatc
     )
     assert best, tail[3]
     if best[3]:  # only Megatron MIMO's plan can be ours, at DP = 2
-        assert best[1:3] == ("DP=2", "mimo_colocated") and "the same plan as ours" in out
+        assert best.group(1, 2) == ("DP=2", "mimo_colocated") and "the same plan as ours" in out
     assert tail[4].startswith("the bound, every rank busy")
     assert tail[5:] == [] or tail[5].startswith("warning: prediction error over 10 %")
