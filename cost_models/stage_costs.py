@@ -5,6 +5,7 @@ collectives per layer. The simulator reads only this.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -278,19 +279,28 @@ def layer_costs(
     samples = samples_per_microbatch(layer_graph, microbatch_size)
     flags = recompute or {}
     before = layer_graph.trains_before()
-    return [
-        layer_cost(
-            layer,
-            layer_graph,
-            cluster,
-            par,
-            samples=samples,
-            recompute=flags.get(layer.name, Recompute.NONE),
-            precision=precision,
-            trains_before=before[layer.name],
-        )
-        for layer in layer_graph.layers
-    ]
+    # A model's repeated blocks cost the same: each distinct layer is costed once (its cost reads
+    # the layer's own figures, the boundary before it, whether a layer before it trains and its
+    # recompute flag; not its name or position).
+    made: dict[tuple, LayerCost] = {}
+    out = []
+    for layer in layer_graph.layers:
+        rc = flags.get(layer.name, Recompute.NONE)
+        previous = layer_graph.layers[layer.index - 1].boundary_fwd_bytes if layer.index > 0 else None
+        key = (dataclasses.replace(layer, index=0, name=""), previous, before[layer.name], rc)
+        if key not in made:
+            made[key] = layer_cost(
+                layer,
+                layer_graph,
+                cluster,
+                par,
+                samples=samples,
+                recompute=rc,
+                precision=precision,
+                trains_before=before[layer.name],
+            )
+        out.append(dataclasses.replace(made[key], name=layer.name))
+    return out
 
 
 def group_samples(plan: Plan, group: str, samples: float) -> float:

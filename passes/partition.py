@@ -26,6 +26,7 @@ compared are like for like.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,12 +40,14 @@ from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Parallel, Plan, Reason, Recompute
 from vlmcompile.planning.build import build_plan
+from vlmcompile.planning.candidate_bound import candidate_bound
 from vlmcompile.planning.chunks import balanced_split, chunks_by_stage, stage_of_counts
 from vlmcompile.planning.problem import PartitionProblem, model_evaluation_s, partition_problem
 from vlmcompile.planning.request import PlanRequest, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
 from vlmcompile.planning.stage_cuts import Infeasible, Solution, solve
+from vlmcompile.planning.step_bound import StepBound
 from vlmcompile.sim.simulator import SimResult, simulate
 from vlmcompile.sim.units import column_decimals, format_ms
 
@@ -79,6 +82,9 @@ class PartitionReport:
     model_step_s: float
     """The solver model's step time for the plan returned (compare with ``simulated_step_s``)."""
     warm_start_step_s: float | None
+    step_bound: StepBound | None = None
+    """No cut and recompute choice at these degrees simulates faster
+    (:mod:`vlmcompile.planning.step_bound`)."""
     """Simulated step of the warm start, when there was one."""
 
     @property
@@ -132,6 +138,14 @@ class PartitionReport:
             disable_numparse=True,
         )
 
+    @property
+    def bound_gap(self) -> float:
+        """How far the plan's simulated step is above the step bound, as a share of the step (the
+        solver's own gap is in its model's terms; this one is in the simulator's)."""
+        if self.step_bound is None or self.simulated_step_s <= 0:
+            return math.nan
+        return max(0.0, (self.simulated_step_s - self.step_bound.step_s) / self.simulated_step_s)
+
     def __str__(self) -> str:
         solver = self.solution.summary() if self.solution else "solver not run"
         lines = [
@@ -142,6 +156,11 @@ class PartitionReport:
         ]
         if self.warm_start_step_s is not None:
             lines.append(f"warm start simulated: {format_ms(self.warm_start_step_s)} ms")
+        if self.step_bound is not None:
+            lines.append(
+                f"no cut and recompute choice at these degrees simulates faster than {format_ms(self.step_bound.step_s)} ms "
+                f"({self.step_bound.binding} bound); this plan is {100 * self.bound_gap:.1f} % above it"
+            )
         lines += ["", self.stage_table(), "", self.recompute_table()]
         return "\n".join(lines)
 
@@ -153,6 +172,7 @@ def partition(
     *,
     solver: SolverOptions = SolverOptions(),
     warm_start: Plan | Sequence[Plan] | None = None,
+    explain_infeasible: bool = True,
 ) -> PolicyResult:
     """Choose stage cuts and per-layer recompute for ``request`` (see the module docstring).
 
@@ -163,6 +183,9 @@ def partition(
             stages, for this request or other degrees (their cuts and recompute are taken): the
             solver starts from the fastest in the simulator, and that one is returned instead of
             the solver's plan if it simulates faster. Plans with other stages are ignored.
+        explain_infeasible: where nothing fits, solve again for the least memory any cut needs
+            and say it (up to the time limit once more; a plan search, which has many
+            candidates and its own memory bound for each, skips it).
 
     Raises:
         PlanError: no cut and recompute choice fits in memory; the message gives the least
@@ -185,8 +208,13 @@ def partition(
     try:
         solution = solve(problem, solver, hint=_hint(problem, warm[0] if warm else None))
     except Infeasible as err:
-        if err.status == "INFEASIBLE":
+        if err.status == "INFEASIBLE" and explain_infeasible:
             raise PlanError(_no_fit_message(problem, request, solver)) from None
+        if err.status == "INFEASIBLE":
+            raise PlanError(
+                f"CP-SAT proved that no stage cut and recompute choice fits in "
+                f"{problem.mem_cap_bytes / GiB:.2f} GiB per rank at {par}, microbatch size {request.microbatch_size}"
+            ) from None
         raise PlanError(
             f"CP-SAT found no plan within {solver.time_limit_s} s ({err.status}) at {par}; "
             "raise time_limit_s (no claim is made that none fits)"
@@ -209,6 +237,7 @@ def partition(
         simulated_step_s=sim.step_time_s,
         model_step_s=model_evaluation_s(problem, stage_of, flags),
         warm_start_step_s=warm_s,
+        step_bound=candidate_bound(layer_graph, cluster, request).chain,
     )
     return PolicyResult(plan=plan, sim=sim, report=report, recompute=f"per layer ({len(plan.recompute)})")
 

@@ -28,23 +28,31 @@ Work is reused: layer costs per (TP, DP, microbatch size) are computed once for 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import math
+import multiprocessing
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
 
 from tabulate import tabulate
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.cost_models.memory import fits, usable_memory_bytes
-from vlmcompile.cost_models.stage_costs import layer_costs, layer_state_bytes
+from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.ir.errors import ClusterError, PlanError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph, format_bytes
 from vlmcompile.ir.plan import Parallel, Plan, Reason
 from vlmcompile.passes.partition import partition
+from vlmcompile.planning.candidate_bound import CandidateBound, candidate_bound
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
 from vlmcompile.planning.result import PolicyResult
+from vlmcompile.planning.step_bound import (
+    StepBound,
+)
 from vlmcompile.sim.units import column_decimals, format_ms
 
 REASON_WIDTH = 90
@@ -55,11 +63,17 @@ REASON_WIDTH = 90
 class CandidateRow:
     request: PlanRequest
     outcome: str
-    """chosen, planned (slower than the chosen), pruned, or failed."""
+    """chosen, planned (partitioned; slower than the chosen), screened (a quick plan only), pruned,
+    or failed."""
     reason: str
-    lower_bound_s: float
+    bound: CandidateBound
     step_s: float | None = None
     peak_bytes: float | None = None
+
+    @property
+    def lower_bound_s(self) -> float:
+        """No one-chain plan of the candidate is faster."""
+        return self.bound.step_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,17 +86,20 @@ class SearchReport:
     wall_s: float
 
     def table(self, limit: int | None = 40) -> str:
-        order = {"chosen": 0, "planned": 1, "failed": 2, "pruned": 3}
+        order = {"chosen": 0, "planned": 1, "screened": 2, "failed": 3, "pruned": 4}
         rows = sorted(self.candidates, key=lambda c: (order[c.outcome], c.step_s or c.lower_bound_s))
         shown = rows if limit is None else rows[:limit]
         # One number of decimals for both time columns, enough to tell the closest rows apart.
-        decimals = column_decimals([*(c.step_s for c in shown), *(c.lower_bound_s for c in shown)])
+        finite = [c.lower_bound_s for c in shown if math.isfinite(c.lower_bound_s)]
+        decimals = column_decimals([*(c.step_s for c in shown), *finite])
         lines = [
             [
                 str(c.request),
                 c.outcome,
                 format_ms(c.step_s, decimals=decimals),
-                format_ms(c.lower_bound_s, decimals=decimals),
+                format_ms(c.lower_bound_s, decimals=decimals) if math.isfinite(c.lower_bound_s) else "-",
+                c.bound.chain.binding if math.isfinite(c.lower_bound_s) else "-",
+                format_ms(c.bound.bubbles.step_s, decimals=decimals) if c.bound.bubbles else "-",
                 f"{c.peak_bytes / 2**30:.1f}" if c.peak_bytes is not None else "-",
                 c.reason,
             ]
@@ -90,22 +107,65 @@ class SearchReport:
         ]
         table = tabulate(
             lines,
-            headers=["degrees", "outcome", "simulated ms", "lower bound ms", "peak GiB", "why"],
+            headers=[
+                "degrees",
+                "outcome",
+                "simulated ms",
+                "lower bound ms",
+                "bound by",
+                "encoder plans bound ms",
+                "peak GiB",
+                "why",
+            ],
             disable_numparse=True,
-            maxcolwidths=[None, None, None, None, None, REASON_WIDTH],
+            maxcolwidths=[None, None, None, None, 12, 10, None, REASON_WIDTH],
         )
         more = f"\n... and {len(rows) - len(shown)} more" if len(shown) < len(rows) else ""
         return table + more
 
     def __str__(self) -> str:
         counts = {
-            k: sum(c.outcome == k for c in self.candidates) for k in ("chosen", "planned", "pruned", "failed")
+            k: sum(c.outcome == k for c in self.candidates)
+            for k in ("chosen", "planned", "screened", "pruned", "failed")
         }
         head = (
             f"plan search on {self.cluster}: {len(self.candidates)} candidates in {self.wall_s:.1f} s "
-            f"({counts['planned'] + counts['chosen']} planned, {counts['pruned']} pruned, {counts['failed']} failed)"
+            f"({counts['planned'] + counts['chosen']} planned, {counts['screened']} screened, "
+            f"{counts['pruned']} pruned, {counts['failed']} failed)"
         )
-        return f"{head}\n{self.table()}"
+        return f"{head}\n{self.proof()}\n{self.table()}"
+
+    @property
+    def least_chain_bound_s(self) -> float:
+        """No one-chain plan of any candidate is faster: a pruned candidate's bound is at least the
+        plan that pruned it, a failed one has no plan, the rest have their own bound."""
+        return min(
+            (c.lower_bound_s for c in self.candidates if c.outcome not in ("pruned", "failed")),
+            default=math.inf,
+        )
+
+    @property
+    def least_bubbles_bound_s(self) -> float | None:
+        """No encoder-in-bubbles plan of any candidate the cluster can run is faster."""
+        found = [
+            c.bound.bubbles.step_s for c in self.candidates if c.bound.bubbles and not c.bound.cannot_run
+        ]
+        return min(found) if found else None
+
+    def proof(self) -> str:
+        """What the bounds prove about the plan chosen (one chain) and what they leave open."""
+        chosen = next((c for c in self.candidates if c.outcome == "chosen"), None)
+        if chosen is None:
+            return "no plan chosen"
+        least = self.least_chain_bound_s
+        said = (
+            f"proved: no one-chain plan of any candidate is faster than {format_ms(least)} ms; the one chosen, "
+            f"{format_ms(chosen.step_s)} ms, is {100 * (chosen.step_s - least) / chosen.step_s:.1f} % above that"
+        )
+        bubbles = self.least_bubbles_bound_s
+        if bubbles is not None:
+            said += f"; no encoder-in-bubbles plan is faster than {format_ms(bubbles)} ms (the least bound of any candidate)"
+        return said
 
 
 def candidates(
@@ -161,6 +221,8 @@ def plan_search(
     include: Iterable[PlanRequest] = (),
     warm_starts: Mapping[PlanRequest, Plan] | None = None,
     baseline: Callable[[PlanRequest], Plan | None] | None = None,
+    screen: Callable[[PlanRequest], PolicyResult | None] | None = None,
+    solve_top: int = 3,
     polish: int = 4,
     progress: bool = True,
 ) -> PolicyResult:
@@ -176,6 +238,10 @@ def plan_search(
         baseline: the plan to beat at a request (None where there is none), asked for each
             candidate the search partitions; its partition starts from it too, so the plan
             chosen is never slower than that request's baseline.
+        screen: a quick plan for a request (a baseline's): every candidate the bounds leave gets
+            one, and only the ``solve_top`` fastest of those are partitioned (None: every
+            candidate the bounds leave is partitioned).
+        solve_top: how many screened candidates are partitioned.
         polish: how many of the fastest plans found with the closed-form model are solved again
             with the timeline model (0: none).
         progress: a progress bar on stderr.
@@ -190,67 +256,257 @@ def plan_search(
         )
     start = time.perf_counter()
     todo = _requests(layer_graph, cluster, global_batch, space, include)
-    costs_cache: dict = {}
-    bounds = {r: _bounds(layer_graph, cluster, r, costs_cache) for r in todo}
-    todo.sort(key=lambda r: bounds[r][0])
+    bounds = _bounds_of(layer_graph, cluster, todo)
+    todo.sort(key=lambda r: bounds[r].step_s)
     bar = _progress(len(todo) + min(polish, len(todo)), progress)
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     with_closed_form = dataclasses.replace(solver, timeline_share=0.0)
-    rows, results = _visit_all(
-        layer_graph, cluster, todo, bounds, cap, with_closed_form, warm_starts or {}, baseline, bar
+    visits = _Visits(
+        layer_graph, cluster, bounds, cap, with_closed_form, warm_starts or {}, baseline, screen, bar
     )
+    rows, results = _visit_all(visits, todo, solve_top)
     if not any(res.fits for res in results.values()):
         bar.close()
         raise PlanError(
-            _no_plan_message(list(rows.values()), cap, cluster.name, min(b[1] for b in bounds.values()))
+            _no_plan_message(
+                list(rows.values()), cap, cluster.name, min(b.least_peak_bytes for b in bounds.values())
+            )
         )
     if solver.timeline_share > 0:
         _polish(layer_graph, cluster, rows, results, solver, polish, bar)
     bar.close()
-    best_request = min(
-        (r for r, res in results.items() if res.fits), key=lambda r: results[r].sim.step_time_s
-    )
-    best = results[best_request]
-    row = rows[best_request]
-    rows[best_request] = dataclasses.replace(
+    best = min((r for r, res in results.items() if res.fits), key=lambda r: results[r].sim.step_time_s)
+    row = rows[best]
+    rows[best] = dataclasses.replace(
         row, outcome="chosen", reason=f"fastest simulated plan that fits; {row.reason}"
     )
     report = SearchReport(cluster.name, tuple(rows.values()), time.perf_counter() - start)
-    return dataclasses.replace(best, report=report)
+    return dataclasses.replace(results[best], report=report)
 
 
 def _visit_all(
-    layer_graph: LayerGraph,
-    cluster: Cluster,
-    todo: Sequence[PlanRequest],
-    bounds: Mapping[PlanRequest, tuple[float, float]],
-    cap: float,
-    solver: SolverOptions,
-    warm_starts: Mapping[PlanRequest, Plan],
-    baseline: Callable[[PlanRequest], Plan | None] | None,
-    bar,
+    visits: _Visits, todo: Sequence[PlanRequest], solve_top: int
 ) -> tuple[dict[PlanRequest, CandidateRow], dict[PlanRequest, PolicyResult]]:
-    """Every candidate in ``todo``'s order: its row, and its plan where it has one. A solved
+    """Every candidate in ``todo``'s order (best bound first): pruned, screened or solved; its row,
+    and its plan where it has one."""
+    visits.screen_all(todo)
+    if visits.screen is not None:
+        visits.solve_unscreened(todo)
+        visits.solve_screened(solve_top)
+    return visits.rows, visits.results
+
+
+@dataclass
+class _Visits:
+    """The candidates visited so far: their rows, plans, screens and the incumbent. A solved
     candidate's plan warm-starts the next one with the same PP x v."""
-    rows: dict[PlanRequest, CandidateRow] = {}
-    results: dict[PlanRequest, PolicyResult] = {}
-    best: PolicyResult | None = None
-    hints: dict[tuple[int, int], Plan] = {}
-    for request in todo:
-        bar.update(1)
+
+    layer_graph: LayerGraph
+    cluster: Cluster
+    bounds: Mapping[PlanRequest, CandidateBound]
+    cap: float
+    solver: SolverOptions
+    warm_starts: Mapping[PlanRequest, Plan]
+    baseline: Callable[[PlanRequest], Plan | None] | None
+    screen: Callable[[PlanRequest], PolicyResult | None] | None
+    bar: object
+    rows: dict[PlanRequest, CandidateRow] = field(default_factory=dict)
+    results: dict[PlanRequest, PolicyResult] = field(default_factory=dict)
+    screens: dict[PlanRequest, tuple[float, bool]] = field(default_factory=dict)
+    """(step, fits) of each screened plan."""
+    best: _Incumbent = field(default_factory=lambda: _Incumbent())
+    hints: dict[tuple[int, int], Plan] = field(default_factory=dict)
+
+    def solve(self, request: PlanRequest, *given: Plan | None) -> None:
         par = request.parallel
-        given = [p for p in (warm_starts.get(request), hints.get((par.pp, par.v))) if p is not None]
-        rows[request], result = _visit(
-            layer_graph, cluster, request, bounds[request], cap, best, solver, given, baseline
+        starts = [
+            p
+            for p in (self.warm_starts.get(request), *given, self.hints.get((par.pp, par.v)))
+            if p is not None
+        ]
+        row, result = _solve(
+            self.layer_graph, self.cluster, request, self.bounds[request], self.solver, starts, self.baseline
         )
         if result is None:
-            continue
-        results[request] = result
-        hints[(par.pp, par.v)] = result.plan
-        if result.fits and (best is None or result.sim.step_time_s < best.sim.step_time_s):
-            best = result
-        bar.set_postfix_str(f"best {format_ms(best.sim.step_time_s)} ms" if best else "none fits yet")
-    return rows, results
+            self.rows.setdefault(request, row)  # a screened plan stands where the solve failed
+            return
+        kept = self.results.get(request)
+        if kept is None or not kept.fits or result.sim.step_time_s <= kept.sim.step_time_s:
+            self.rows[request], self.results[request] = row, result
+        self.hints[(par.pp, par.v)] = result.plan
+        self.best.offer(request, self.results[request])
+
+    def screen_all(self, todo: Sequence[PlanRequest]) -> None:
+        """Prune, screen (or, without a screen, solve) every candidate, best bound first."""
+        with _ScreenPool(self.screen, self.solver.num_workers) as pool:
+            pending: collections.deque[tuple[PlanRequest, Future]] = collections.deque()
+            for request in todo:
+                while len(pending) >= pool.width:  # take results first: the incumbent prunes best fresh
+                    self._take(pending.popleft())
+                self.bar.update(1)
+                pruned = _pruned(request, self.bounds[request], self.cap, self.best)
+                if pruned is not None:
+                    self.rows[request] = pruned
+                elif self.screen is None or request in self.warm_starts:
+                    self.solve(request)
+                else:
+                    pending.append((request, pool.submit(request)))
+            while pending:
+                self._take(pending.popleft())
+
+    def _take(self, screened: tuple[PlanRequest, Future]) -> None:
+        request, future = screened
+        self.rows[request], figures = _screened(request, self.bounds[request], future.result())
+        if figures is not None:
+            self.screens[request] = figures
+            self.best.offer_step(request, *figures)
+        self.bar.set_postfix_str(self.best.progress())
+
+    def solve_unscreened(self, todo: Sequence[PlanRequest]) -> None:
+        """A candidate the screen cannot plan (its layout cannot express the model) is partitioned
+        where its bound can still beat the best plan, as it would be without a screen."""
+        for request in todo:
+            row = self.rows[request]
+            if (
+                row.outcome == "failed"
+                and row.reason.startswith("screen:")
+                and self.bounds[request].step_s < self.best.step_s
+            ):
+                del self.rows[request]
+                self.solve(request)
+                if self.rows[request].outcome == "failed":
+                    failed = self.rows[request]
+                    self.rows[request] = dataclasses.replace(failed, reason=f"{failed.reason}; {row.reason}")
+
+    def solve_screened(self, solve_top: int) -> None:
+        """Partition the ``solve_top`` fastest screens that fit (where none does, the fastest: the
+        partition may cut by memory where the screen's balanced cut cannot fit), each only while
+        its bound can beat the best plan."""
+        order = sorted(self.screens, key=lambda r: (not self.screens[r][1], self.screens[r][0]))
+        for request in order[:solve_top]:
+            if self.bounds[request].step_s < self.best.step_s:
+                quick = self.screen(request)  # its plan again, here: a worker sends figures, not plans
+                self.solve(request, quick.plan)
+                if request not in self.results and quick.fits:  # the solve failed; the screen stands
+                    self.results[request] = quick
+        for rank, request in enumerate(order[solve_top:], start=solve_top + 1):
+            row = self.rows[request]
+            said = f"not solved: {rank}th fastest screened plan (the {solve_top} fastest are)"
+            self.rows[request] = dataclasses.replace(row, reason=f"{row.reason}; {said}")
+
+
+class _Incumbent:
+    """The fastest plan that fits found so far."""
+
+    def __init__(self):
+        self.request: PlanRequest | None = None
+        self.step_s = math.inf
+
+    def offer(self, request: PlanRequest, result: PolicyResult) -> None:
+        self.offer_step(request, result.sim.step_time_s, result.fits)
+
+    def offer_step(self, request: PlanRequest, step_s: float, fits: bool) -> None:
+        if fits and step_s < self.step_s:
+            self.request, self.step_s = request, step_s
+
+    def progress(self) -> str:
+        return f"best {format_ms(self.step_s)} ms" if self.request else "none fits yet"
+
+
+def _pruned(request: PlanRequest, bound: CandidateBound, cap: float, best: _Incumbent) -> CandidateRow | None:
+    """The row of a candidate its bounds rule out (or the cluster cannot run); None: visit it."""
+    row = functools.partial(CandidateRow, request, bound=bound)
+    if bound.cannot_run:
+        return row("failed", bound.cannot_run)
+    if bound.least_peak_bytes > cap:
+        return row(
+            "pruned",
+            f"needs at least {format_bytes(bound.least_peak_bytes)} on its fullest rank with every layer "
+            f"recomputed; the cap is {format_bytes(cap)}",
+        )
+    if bound.step_s >= best.step_s:
+        return row(
+            "pruned",
+            f"lower bound ({bound.chain.binding}) >= best found, {format_ms(best.step_s)} ms at {best.request}",
+        )
+    return None
+
+
+def _screened(
+    request: PlanRequest, bound: CandidateBound, outcome: _ScreenOutcome
+) -> tuple[CandidateRow, tuple[float, bool] | None]:
+    """A screened candidate's row, and its plan's (step, fits) where it has one."""
+    row = functools.partial(CandidateRow, request, bound=bound)
+    if outcome.error is not None:
+        return row("failed", f"screen: {outcome.error}"), None
+    why = f"screened: {outcome.policy}, recompute {outcome.recompute}" + (
+        "" if outcome.fits else ", over the cap"
+    )
+    return row("screened", why, step_s=outcome.step_s, peak_bytes=outcome.peak_bytes), (
+        outcome.step_s,
+        outcome.fits,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _ScreenOutcome:
+    """What a screen worker sends back: a plan's figures (a plan itself pickles slower than the
+    screen makes it), or why there is none."""
+
+    step_s: float = math.inf
+    fits: bool = False
+    peak_bytes: float = 0.0
+    policy: str = ""
+    recompute: str = ""
+    error: str | None = None
+
+
+_WORKER_SCREEN: Callable[[PlanRequest], PolicyResult | None] | None = None
+"""The screen of a screening worker process (set before it forks)."""
+
+
+def _screen_one(request: PlanRequest) -> _ScreenOutcome:
+    try:
+        result = _WORKER_SCREEN(request)
+    except (PlanError, ClusterError) as err:
+        return _ScreenOutcome(error=str(err))
+    if result is None:
+        return _ScreenOutcome(error="the screen has no plan here")
+    sim = result.sim
+    return _ScreenOutcome(
+        sim.step_time_s, result.fits, max(sim.peak_mem_bytes), result.plan.policy, result.recompute
+    )
+
+
+class _ScreenPool:
+    """Screens on every core: forked worker processes (the screen is Python, one core each), or
+    in this process where there is one core or no screen."""
+
+    def __init__(self, screen: Callable[[PlanRequest], PolicyResult | None] | None, cores: int):
+        self.screen = screen
+        forked = screen is not None and cores > 1 and "fork" in multiprocessing.get_all_start_methods()
+        self.width = cores if forked else 1
+        self.executor = None
+        if forked:
+            global _WORKER_SCREEN
+            _WORKER_SCREEN = screen  # inherited by the forked workers; nothing to pickle
+            self.executor = ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("fork"))
+
+    def submit(self, request: PlanRequest) -> Future:
+        if self.executor is not None:
+            return self.executor.submit(_screen_one, request)
+        global _WORKER_SCREEN
+        _WORKER_SCREEN = self.screen
+        done: Future = Future()
+        done.set_result(_screen_one(request))
+        return done
+
+    def __enter__(self) -> _ScreenPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _polish(
@@ -263,11 +519,20 @@ def _polish(
     bar,
 ) -> None:
     """Solve the ``count`` fastest fitting plans again with the timeline model only, each started
-    from its closed-form plan (and kept where no faster); updates ``rows`` and ``results`` in place."""
+    from its closed-form plan (and kept where no faster), but those whose closed-form solve found
+    no plan of its own; updates ``rows`` and ``results`` in place."""
     fitting = sorted((r for r, res in results.items() if res.fits), key=lambda r: results[r].sim.step_time_s)
     timeline_only = dataclasses.replace(solver, closed_form=False)
     for request in fitting[:count]:
         bar.update(1)
+        solved = getattr(results[request].report, "solution", None)
+        if solved is not None and solved.status.startswith("UNKNOWN"):
+            # the closed form found no plan of its own in its time; the larger timeline model, in
+            # a share of that time, does not either (the Optimus setups at v > 1)
+            row = rows[request]
+            said = "no timeline polish: the closed form found no plan of its own in its time"
+            rows[request] = dataclasses.replace(row, reason=f"{row.reason}; {said}")
+            continue
         try:
             result = partition(
                 layer_graph, cluster, request, solver=timeline_only, warm_start=results[request].plan
@@ -278,6 +543,7 @@ def _polish(
             results[request] = result
             rows[request] = dataclasses.replace(
                 rows[request],
+                outcome="planned",
                 reason="timeline polish: " + _how_made(result),
                 step_s=result.sim.step_time_s,
                 peak_bytes=max(result.sim.peak_mem_bytes),
@@ -304,37 +570,30 @@ def _requests(
     return todo
 
 
-def _visit(
+def _solve(
     layer_graph: LayerGraph,
     cluster: Cluster,
     request: PlanRequest,
-    bounds: tuple[float, float],
-    cap: float,
-    best: PolicyResult | None,
+    bound: CandidateBound,
     solver: SolverOptions,
     warm_starts: Sequence[Plan],
     baseline: Callable[[PlanRequest], Plan | None] | None,
 ) -> tuple[CandidateRow, PolicyResult | None]:
-    """One candidate: pruned by its bounds, or partitioned from ``warm_starts`` and the plan to
-    beat there (``baseline``); its row, and its plan if it has one."""
-    lower, states = bounds
-    if not fits([states], cap):
-        return CandidateRow(
-            request, "pruned", f"model states alone need {states / 2**30:.1f} GiB per rank", lower
-        ), None
-    if best is not None and lower >= best.sim.step_time_s:
-        why = f"lower bound >= best found ({format_ms(best.sim.step_time_s)} ms)"
-        return CandidateRow(request, "pruned", why, lower), None
+    """One candidate partitioned from ``warm_starts`` and the plan to beat there (``baseline``);
+    its row, and its plan if it has one."""
+    row = functools.partial(CandidateRow, request, bound=bound)
     try:
         to_beat = baseline(request) if baseline is not None else None
         starts = [*warm_starts, to_beat] if to_beat is not None else list(warm_starts)
-        result = partition(layer_graph, cluster, request, solver=solver, warm_start=starts)
+        result = partition(
+            layer_graph, cluster, request, solver=solver, warm_start=starts, explain_infeasible=False
+        )
     except (PlanError, ClusterError) as err:
-        return CandidateRow(request, "failed", str(err), lower), None
+        return row("failed", str(err)), None
     sim = result.sim
-    return CandidateRow(
-        request, "planned", _how_made(result), lower, sim.step_time_s, max(sim.peak_mem_bytes)
-    ), result
+    above = 100 * (sim.step_time_s - bound.step_s) / sim.step_time_s
+    why = f"{_how_made(result)}; {above:.1f} % above the candidate's lower bound"
+    return row("planned", why, step_s=sim.step_time_s, peak_bytes=max(sim.peak_mem_bytes)), result
 
 
 def _how_made(result: PolicyResult) -> str:
@@ -353,7 +612,7 @@ def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, lea
             failed.setdefault(r.reason, []).append(r.request)
     for reason, degrees in sorted(failed.items(), key=lambda kv: -len(kv[1])):
         parts.append(f"{len(degrees)} could not be planned ({reason}; e.g. {degrees[0]})")
-    over = [r for r in rows if r.outcome == "planned" and r.peak_bytes is not None]
+    over = [r for r in rows if r.outcome in ("planned", "screened") and r.peak_bytes is not None]
     if over:
         least = min(over, key=lambda r: r.peak_bytes)
         parts.append(
@@ -362,7 +621,8 @@ def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, lea
     pruned = sum(r.outcome == "pruned" for r in rows)
     if pruned:
         parts.append(
-            f"{pruned} pruned: their model states alone exceed the cap (least {format_bytes(least_states)} per rank)"
+            f"{pruned} pruned: even with every layer recomputed they need more than the cap (least "
+            f"{format_bytes(least_states)} on a fullest rank)"
         )
     return (
         f"no parallel plan fits in {format_bytes(cap)} per rank on {cluster}, of {len(rows)} candidates: "
@@ -371,22 +631,19 @@ def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, lea
     )
 
 
-def _bounds(
-    layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest, cache: dict
-) -> tuple[float, float]:
-    """(step-time lower bound, model states per rank if split evenly over the PP ranks); layer
-    costs depend on TP, DP and the microbatch only, so ``cache`` holds them per that key."""
-    par = request.parallel
-    key = (par.tp, par.dp, request.microbatch_size)
-    try:
-        if key not in cache:
-            cache[key] = layer_costs(layer_graph, cluster, par, microbatch_size=request.microbatch_size)
-    except ClusterError:
-        return float("inf"), float("inf")
-    costs = cache[key]
-    work = sum(c.f_s + c.b_s for c in costs)
-    states = sum(layer_state_bytes(c, par) for c in costs)
-    return request.num_microbatches * work / par.pp, states / par.pp
+def _bounds_of(
+    layer_graph: LayerGraph, cluster: Cluster, todo: Sequence[PlanRequest]
+) -> dict[PlanRequest, CandidateBound]:
+    """Every candidate's bounds; one the cluster cannot run (its TP) gets infinite ones."""
+    cache: dict = {}
+    out = {}
+    for request in todo:
+        try:
+            out[request] = candidate_bound(layer_graph, cluster, request, cache)
+        except ClusterError as err:
+            never = StepBound((("cannot run", float("inf")),))
+            out[request] = CandidateBound(never, None, float("inf"), cannot_run=str(err))
+    return out
 
 
 def _progress(total: int, enabled: bool):

@@ -212,7 +212,7 @@ def _plan_run(args: argparse.Namespace, graph, cluster):
     from vlmcompile.passes.policies import POLICIES, plan_and_simulate, search_and_compare
     from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 
-    solver = SolverOptions(time_limit_s=args.time_limit)
+    solver = SolverOptions(time_limit_s=args.time_limit or (SEARCH_TIME_LIMIT_S if args.search else 10.0))
     if args.search:
         return search_and_compare(graph, cluster, global_batch=args.global_batch, solver=solver)
     request = PlanRequest.on(
@@ -276,6 +276,9 @@ def _write_plan_outputs(
             print(f"timeline written to {args.png}", file=sys.stderr)
 
 
+SEARCH_TIME_LIMIT_S = 3.0
+"""CP-SAT's limit per candidate a ``plan --search`` partitions (the search partitions a few; at
+fixed degrees the one partition gets 10 s)."""
 _SEARCHED = (
     "tp",
     "pp",
@@ -464,7 +467,11 @@ def _add_plan(sub) -> None:
         "--search", action="store_true", help="let the plan search choose TP/PP/DP/v/microbatch (vlmcompile)"
     )
     q.add_argument(
-        "--time-limit", type=_positive_float, default=10.0, help="CP-SAT time limit in seconds (vlmcompile)"
+        "--time-limit",
+        type=_positive_float,
+        default=None,
+        help=f"CP-SAT time limit in seconds (vlmcompile; default 10, with --search {SEARCH_TIME_LIMIT_S:g} per "
+        "candidate it partitions)",
     )
     q.add_argument("--tp", type=_positive_int, help="tensor-parallel size")
     q.add_argument("--pp", type=_positive_int, help="pipeline-parallel size (dp is what the cluster leaves)")

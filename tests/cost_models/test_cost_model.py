@@ -207,3 +207,32 @@ def test_the_cost_model_splits_a_measured_frozen_backward_as_it_ran():
     assert 0 < share < 1
     assert partly.weight_grad_s == pytest.approx(share * live["llm.blocks.1"].weight_grad_s, rel=0.25)
     assert partly.input_grad_s == pytest.approx(live["llm.blocks.1"].input_grad_s, rel=0.15)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_repeated_blocks_costed_once_cost_what_each_alone_costs(demo_graph, frozen):
+    """layer_costs costs each distinct layer once; every layer's cost must still be the one
+    layer_cost gives it alone (names, recompute flags and frozen layers included)."""
+    from vlmcompile.cost_models.stage_costs import layer_cost, samples_per_microbatch
+
+    graph = demo_graph.with_frozen([demo_graph.layers[0].name.split(".")[0]]) if frozen else demo_graph
+    cluster = Cluster.preset("h100x8")
+    flags = {layer.name: Recompute.FULL for layer in graph.layers[::3]}
+    before = graph.trains_before()
+    for par in (Parallel(dp=2, tp=2, pp=2), Parallel(dp=8, tp=1, pp=1)):
+        costs = layer_costs(graph, cluster, par, microbatch_size=2, recompute=flags)
+        samples = samples_per_microbatch(graph, 2)
+        alone = [
+            layer_cost(
+                layer,
+                graph,
+                cluster,
+                par,
+                samples=samples,
+                recompute=flags.get(layer.name, Recompute.NONE),
+                trains_before=before[layer.name],
+            )
+            for layer in graph.layers
+        ]
+        assert costs == alone
+        assert len({c.name for c in costs}) == len(graph.layers)

@@ -36,6 +36,22 @@ def test_plan_is_valid_and_within_memory(demo_graph, h100):
     assert any(d.reason is Reason.SOLVED for d in plan.decisions)
     text = str(result.report)
     assert "CP-SAT OPTIMAL" in text and "boundary MiB" in text
+    # the step bound, in the simulator's terms: the plan is above it, and the report says by how much
+    bound = result.report.step_bound
+    assert 0 < bound.step_s <= sim.step_time_s
+    assert 0 <= result.report.bound_gap < 1
+    assert f"{100 * result.report.bound_gap:.1f} % above it" in text
+
+
+def test_a_proved_infeasible_request_can_skip_the_least_memory_solve(demo_graph, h100):
+    tiny = small_memory(h100, 2**20)
+    with pytest.raises(PlanError, match=r"CP-SAT proved that no stage cut and recompute choice fits"):
+        partition(
+            demo_graph,
+            tiny,
+            PlanRequest.on(tiny, tp=1, pp=2, global_batch=8, microbatch_size=1),
+            explain_infeasible=False,
+        )
 
 
 def test_two_encoder_branches_keep_inputs_on_earlier_stages(two_encoder_graph, h100):

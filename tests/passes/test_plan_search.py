@@ -9,9 +9,11 @@ from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Parallel, Reason
 from vlmcompile.passes.plan_search import CandidateRow, _no_plan_message, candidates, plan_search
 from vlmcompile.passes.policies import baseline_to_beat, plan_and_simulate, search_and_compare
+from vlmcompile.planning.candidate_bound import CandidateBound, candidate_bound
 from vlmcompile.planning.problem import evaluate
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
 from vlmcompile.planning.stage_cuts import Solution
+from vlmcompile.planning.step_bound import StepBound
 from vlmcompile.sim.units import column_decimals, format_ms
 
 
@@ -106,7 +108,8 @@ def test_no_candidate_fits_says_what_is_needed(demo_graph):
     cluster = Cluster.preset("h100x8")
     tiny = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, mem_bytes=2**20))
     with pytest.raises(
-        PlanError, match=r"no parallel plan fits .* pruned: their model states alone exceed the cap \(least"
+        PlanError,
+        match=r"no parallel plan fits .* pruned: even with every layer recomputed they need more than the cap \(least",
     ):
         plan_search(demo_graph, tiny, global_batch=16, progress=False)
 
@@ -115,17 +118,18 @@ def test_the_no_plan_error_names_each_cause_with_its_count():
     d1 = _request(tp=1, pp=2, dp=4)
     d2 = _request(tp=1, pp=4, dp=2)
     d3 = _request(tp=2, pp=4, dp=1)
+    bound = CandidateBound(StepBound((("work over ranks", 1.0),)), None, 0.0)
     rows = [
-        CandidateRow(d1, "failed", "virtual stages [3] get no layers", 1.0),
-        CandidateRow(d2, "failed", "virtual stages [3] get no layers", 1.0),
-        CandidateRow(d3, "planned", "optimal", 1.0, step_s=2.0, peak_bytes=90 * 2**30),
-        CandidateRow(d1, "pruned", "model states", 1.0),
+        CandidateRow(d1, "failed", "virtual stages [3] get no layers", bound),
+        CandidateRow(d2, "failed", "virtual stages [3] get no layers", bound),
+        CandidateRow(d3, "planned", "optimal", bound, step_s=2.0, peak_bytes=90 * 2**30),
+        CandidateRow(d1, "pruned", "model states", bound),
     ]
     message = _no_plan_message(rows, 75 * 2**30, "h100x8", 80 * 2**30)
     assert "of 4 candidates" in message
     assert f"2 could not be planned (virtual stages [3] get no layers; e.g. {d1})" in message
     assert f"1 planned but over the cap (least peak 90.00 GiB at {d3})" in message
-    assert "1 pruned" in message and "least 80.00 GiB per rank" in message
+    assert "1 pruned" in message and "least 80.00 GiB on a fullest rank" in message
 
 
 def test_a_warm_started_candidate_is_never_worse_than_its_warm_start(demo_graph):
@@ -251,3 +255,97 @@ def test_the_search_table_prints_times_that_tell_close_plans_apart(demo_graph):
     assert len(steps) == 2
     shown = {format_ms(s, decimals=column_decimals(steps)) for s in steps}
     assert len(shown) == 2 and all(s in report.table() for s in shown)
+
+
+@pytest.mark.parametrize(
+    "tp, pp, v, microbatch_size",
+    [(1, 1, 1, 1), (1, 2, 1, 2), (2, 4, 1, 1), (1, 4, 2, 1), (1, 8, 1, 1), (2, 2, 2, 2)],
+)
+def test_no_policy_plans_a_candidate_below_its_bounds(
+    demo_graph, two_encoder_graph, tp, pp, v, microbatch_size
+):
+    """Every policy's plan of a candidate simulates to at least the candidate's step bound (an
+    encoder-in-bubbles plan to at least its own bound) and peaks at no less than its memory bound."""
+    cluster = Cluster.preset("h100x8")
+    for graph in (demo_graph, two_encoder_graph):
+        request = PlanRequest.on(cluster, tp=tp, pp=pp, v=v, global_batch=16, microbatch_size=microbatch_size)
+        bound = candidate_bound(graph, cluster, request)
+        assert bound.bubbles is not None
+        for policy in ("megatron", "megatron_balanced", "omnibal", "partition", "bubbles"):
+            try:
+                run = plan_and_simulate(
+                    graph,
+                    cluster,
+                    policy,
+                    request,
+                    **(
+                        {"solver": SolverOptions(time_limit_s=1, workers=1)}
+                        if policy in ("partition", "bubbles")
+                        else {}
+                    ),
+                )
+            except PlanError:
+                continue  # this policy cannot plan these degrees
+            least = bound.bubbles.step_s if policy == "bubbles" else bound.step_s
+            assert run.sim.step_time_s >= least * (1 - 1e-9), (policy, bound)
+            if policy != "bubbles":
+                assert max(run.sim.peak_mem_bytes) >= bound.least_peak_bytes * (1 - 1e-9), policy
+
+
+def test_the_screen_partitions_only_the_fastest_screened_candidates(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    screened_with = []
+
+    def screen(request):
+        screened_with.append(request)
+        return plan_and_simulate(demo_graph, cluster, "megatron_balanced", request)
+
+    result = plan_search(
+        demo_graph,
+        cluster,
+        global_batch=16,
+        solver=SolverOptions(time_limit_s=1, workers=1),
+        screen=screen,
+        solve_top=2,
+        polish=0,
+        progress=False,
+    )
+    rows = result.report.candidates
+    assert len(rows) == len(candidates(demo_graph, cluster, global_batch=16))
+    solved = [c for c in rows if c.outcome in ("planned", "chosen")]
+    screened = [c for c in rows if c.outcome == "screened"]
+    assert 1 <= len(solved) <= 2 and screened
+    # the solved ones were the fastest screens that fit; the rest say where they stood
+    fastest_left = min(c.step_s for c in screened if "over the cap" not in c.reason)
+    assert all("not solved" in c.reason for c in screened if "over the cap" not in c.reason)
+    chosen = next(c for c in rows if c.outcome == "chosen")
+    assert chosen.step_s <= fastest_left * (1 + 1e-9)
+    for c in rows:
+        if c.outcome == "pruned" and "lower bound" in c.reason:
+            assert c.lower_bound_s >= chosen.step_s * (1 - 1e-9) or "at DP=" in c.reason
+        if c.outcome in ("screened", "planned", "chosen"):
+            assert c.request in screened_with
+            assert c.step_s >= c.lower_bound_s * (1 - 1e-9)
+
+
+def test_screens_on_two_cores_reach_the_same_plan(demo_graph):
+    cluster = Cluster.preset("h100x8")
+    space = SearchSpace(tp_choices=(1, 2), microbatch_sizes=(1,), v_choices=(1, 2))
+    screen = functools.partial(plan_and_simulate, demo_graph, cluster, "megatron_balanced")
+    runs = [
+        plan_search(
+            demo_graph,
+            cluster,
+            global_batch=16,
+            space=space,
+            solver=SolverOptions(time_limit_s=1, workers=workers),
+            screen=screen,
+            solve_top=1,
+            polish=0,
+            progress=False,
+        )
+        for workers in (1, 2)
+    ]
+    one, two = (r.report.candidates for r in runs)
+    assert {c.request for c in one} == {c.request for c in two}
+    assert runs[1].sim.step_time_s <= runs[0].sim.step_time_s * (1 + 1e-6)

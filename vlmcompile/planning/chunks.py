@@ -51,12 +51,11 @@ def balanced_split(times: Sequence[float], num_stages: int) -> list[int]:
         )
     prefix = np.concatenate([[0.0], np.cumsum(times)])
     best = prefix[1:].copy()  # F(l, 1) for l = 1..n, indexed l - 1
-    for k in range(1, num_stages):
-        new = np.full(n, np.inf)
-        for end in range(k, n):  # layers 0..end in k + 1 stages
-            js = np.arange(k - 1, end)  # the first k stages end at layer j (inclusive)
-            new[end] = np.min(np.maximum(best[js], prefix[end + 1] - prefix[js + 1]))
-        best = new
+    # [j, end]: the last stage is layers j + 1..end (the first stages end at layer j); only j < end
+    last = np.where(_earlier(n), prefix[None, 1:] - prefix[1:, None], np.inf)
+    for _ in range(1, num_stages):
+        # F(j, k - 1) is infinite for j < k - 1 (too few layers), so every end < k stays infinite
+        best = np.maximum(best[:, None], last).min(axis=0)
     # Relative slack: stage sums are float sums whose order of addition differs between splits.
     limit = best[n - 1] * (1 + 1e-9)
     return _most_even_split(prefix, num_stages, limit)
@@ -69,13 +68,14 @@ def _most_even_split(prefix: np.ndarray, num_stages: int, limit: float) -> list[
     cost = np.full((num_stages + 1, n + 1), np.inf)
     cost[0, 0] = 0.0
     choice = np.zeros((num_stages + 1, n + 1), dtype=np.int64)
-    for k in range(1, num_stages + 1):
-        for end in range(k, n - (num_stages - k) + 1):  # the first end layers in k stages
-            js = np.arange(k - 1, end)
-            stage = prefix[end] - prefix[js]
-            total = np.where(stage <= limit, cost[k - 1, js] + stage**2, np.inf)
-            at = int(np.argmin(total))
-            cost[k, end], choice[k, end] = total[at], js[at]
+    # [j, end]: a stage of layers j..end - 1, within the limit
+    stage = prefix[None, :] - prefix[:, None]
+    allowed = _earlier(n + 1) & (stage <= limit)
+    squared = np.where(allowed, stage**2, np.inf)
+    for k in range(1, num_stages + 1):  # the first end layers in k stages; too few stay infinite
+        total = cost[k - 1][:, None] + squared
+        choice[k] = total.argmin(axis=0)
+        cost[k] = total.min(axis=0)
     counts = []
     end = n
     for k in range(num_stages, 0, -1):
@@ -83,3 +83,8 @@ def _most_even_split(prefix: np.ndarray, num_stages: int, limit: float) -> list[
         counts.append(end - j)
         end = j
     return counts[::-1]
+
+
+def _earlier(n: int) -> np.ndarray:
+    """[j, end]: j < end."""
+    return np.arange(n)[:, None] < np.arange(n)[None, :]

@@ -1,0 +1,144 @@
+"""The step bounds against exhaustive search: no cut and recompute choice of a small random
+problem, timed by the simulator's rules (:func:`~vlmcompile.planning.problem.evaluate`), is
+faster than the bound."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vlmcompile.ir.placement import Placement
+from vlmcompile.planning.problem import PartitionProblem, evaluate
+from vlmcompile.planning.schedules import make_schedule
+from vlmcompile.planning.step_bound import (
+    BoundLayer,
+    MemoryLayer,
+    bubbles_bound,
+    chain_bound,
+    least_peak_bytes,
+)
+
+
+@st.composite
+def problems(draw) -> PartitionProblem:
+    p, v = draw(st.sampled_from([(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (3, 2)]))
+    L = draw(st.integers(p * v, 8 if p * v <= 4 else 7))
+    m = draw(st.sampled_from([p, 2 * p] if v > 1 else [1, 2, 3, 5, 8]))
+    ints = st.integers(0, 40)
+    fwd = [float(draw(ints)) for _ in range(L)]
+    sometimes = draw(st.booleans())
+    act = [float(draw(st.integers(1, 50))) for _ in range(L)]
+    return PartitionProblem(
+        names=tuple(f"l{i}" for i in range(L)),
+        fwd_s=tuple(fwd),
+        bwd_s=tuple(float(2 * f + draw(st.integers(0, 10))) for f in fwd),
+        redo_s=tuple(fwd),
+        act_bytes=tuple(act),
+        act_bytes_recompute=tuple(float(draw(st.integers(1, 60))) for _ in act),
+        transient_bytes=tuple(float(draw(st.integers(0, 20))) for _ in act),
+        state_bytes=tuple(float(draw(st.integers(0, 100))) for _ in act),
+        reduce_s=tuple(float(draw(st.integers(0, 30))) if sometimes else 0.0 for _ in range(L)),
+        gather_s=tuple(float(draw(st.integers(0, 20))) if sometimes else 0.0 for _ in range(L)),
+        send_fwd_s=tuple(tuple(float(draw(st.integers(0, 8))) for _ in range(L)) for _ in range(p * v - 1)),
+        send_bwd_s=tuple(tuple(float(draw(st.integers(0, 8))) for _ in range(L)) for _ in range(p * v - 1)),
+        recomputable=tuple(draw(st.booleans()) for _ in range(L)),
+        num_ranks=p,
+        v=v,
+        num_microbatches=m,
+        actions=make_schedule("interleaved_1f1b" if v > 1 else "1f1b", Placement(p, v), m),
+        mem_cap_bytes=1e30,
+        local_ranks=draw(st.booleans()),
+    )
+
+
+def layers_of(problem: PartitionProblem) -> list[BoundLayer]:
+    return [
+        BoundLayer(f, b, g, r)
+        for f, b, g, r in zip(problem.fwd_s, problem.bwd_s, problem.gather_s, problem.reduce_s)
+    ]
+
+
+def fastest(problem: PartitionProblem) -> float:
+    """The least step of any contiguous cut into non-empty stages and any recompute flags."""
+    return min(e.step_s for e in every_plan(problem))
+
+
+def least_peak(problem: PartitionProblem) -> float:
+    """The least fullest-rank peak of any cut and recompute flags."""
+    return min(max(e.peak_bytes) for e in every_plan(problem))
+
+
+def every_plan(problem: PartitionProblem):
+    L, S = problem.num_layers, problem.num_stages
+    recomputable = [i for i in range(L) if problem.recomputable[i]]
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        edges = (0, *cuts, L)
+        stage_of = [k for k in range(S) for _ in range(edges[k], edges[k + 1])]
+        for bits in itertools.product([False, True], repeat=len(recomputable)):
+            flags = [False] * L
+            for i, bit in zip(recomputable, bits):
+                flags[i] = bit
+            yield evaluate(problem, stage_of, flags)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_no_plan_beats_the_chain_bound(problem):
+    bound = chain_bound(layers_of(problem), p=problem.num_ranks, v=problem.v, m=problem.num_microbatches)
+    assert bound.step_s <= fastest(problem) * (1 + 1e-9)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_no_plan_needs_less_memory_than_the_bound(problem):
+    layers = [
+        MemoryLayer(s, min(a, rc) if can else a)
+        for s, a, rc, can in zip(
+            problem.state_bytes, problem.act_bytes, problem.act_bytes_recompute, problem.recomputable
+        )
+    ]
+    bound = least_peak_bytes(layers, problem.most_in_flight, p=problem.num_ranks, v=problem.v)
+    assert bound <= least_peak(problem) * (1 + 1e-9)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_the_split_backward_bound_is_no_larger(problem):
+    # Zero-bubble's split backward may run the drain early: its bound leaves the drain out.
+    args = dict(p=problem.num_ranks, v=problem.v, m=problem.num_microbatches)
+    split = chain_bound(layers_of(problem), split_backward=True, **args)
+    assert split.step_s <= chain_bound(layers_of(problem), **args).step_s * (1 + 1e-12)
+
+
+def test_one_stage_per_rank_is_exact_on_uniform_layers():
+    # 1F1B on equal stages: (m + p - 1) stage times, which the bound must reach, not only stay under.
+    p, m = 4, 8
+    layers = [BoundLayer(1.0, 2.0)] * 8
+    bound = chain_bound(layers, p=p, v=1, m=m)
+    assert bound.binding == "pipeline"
+    assert bound.step_s == pytest.approx((m + p - 1) * 2 * 3.0, rel=1e-9)
+
+
+def test_the_dp_tail_and_head_add_to_the_pipeline():
+    layers = [BoundLayer(1.0, 2.0, gather_s=5.0, reduce_s=7.0)] + [BoundLayer(1.0, 2.0)] * 3
+    plain = chain_bound([BoundLayer(1.0, 2.0)] * 4, p=1, v=1, m=2).step_s
+    assert chain_bound(layers, p=1, v=1, m=2).step_s == pytest.approx(plain + 5.0 + 7.0)
+
+
+def test_the_encoder_work_counts_in_the_bubbles_bound():
+    llm = [BoundLayer(1.0, 2.0)] * 4
+    alone = bubbles_bound(llm, 12.0, 0.0, p=2, v=1, m=4)
+    heavy = bubbles_bound(llm, 12.0, 40.0, p=2, v=1, m=4)
+    assert heavy.binding == "compute with the encoders"
+    assert heavy.step_s == pytest.approx(4 * (12.0 + 40.0) / 2)
+    assert alone.step_s == chain_bound(llm, p=2, v=1, m=4).step_s
+
+
+@pytest.mark.parametrize("bad", [dict(p=0), dict(v=0), dict(m=0)])
+def test_bad_degrees_are_refused(bad):
+    args = dict(p=2, v=1, m=2) | bad
+    with pytest.raises(ValueError, match="integer >= 1"):
+        chain_bound([BoundLayer(1.0, 2.0)] * 2, **args)
