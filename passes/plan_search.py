@@ -391,7 +391,7 @@ class _Visits:
                     self.results[request] = quick
         for rank, request in enumerate(order[solve_top:], start=solve_top + 1):
             row = self.rows[request]
-            said = f"not solved: {rank}th fastest screened plan (the {solve_top} fastest are)"
+            said = f"not solved: screened plan {rank} by speed (the {solve_top} fastest are partitioned)"
             self.rows[request] = dataclasses.replace(row, reason=f"{row.reason}; {said}")
 
 
@@ -544,7 +544,8 @@ def _polish(
             rows[request] = dataclasses.replace(
                 rows[request],
                 outcome="planned",
-                reason="timeline polish: " + _how_made(result),
+                reason=f"timeline polish: {_how_made(result)}; "
+                f"{_above(result.sim.step_time_s, rows[request].lower_bound_s)} above the candidate's lower bound",
                 step_s=result.sim.step_time_s,
                 peak_bytes=max(result.sim.peak_mem_bytes),
             )
@@ -591,9 +592,12 @@ def _solve(
     except (PlanError, ClusterError) as err:
         return row("failed", str(err)), None
     sim = result.sim
-    above = 100 * (sim.step_time_s - bound.step_s) / sim.step_time_s
-    why = f"{_how_made(result)}; {above:.1f} % above the candidate's lower bound"
+    why = f"{_how_made(result)}; {_above(sim.step_time_s, bound.step_s)} above the candidate's lower bound"
     return row("planned", why, step_s=sim.step_time_s, peak_bytes=max(sim.peak_mem_bytes)), result
+
+
+def _above(step_s: float, bound_s: float) -> str:
+    return f"{100 * (step_s - bound_s) / step_s:.1f} %"
 
 
 def _how_made(result: PolicyResult) -> str:
