@@ -278,29 +278,42 @@ def layer_costs(
     cluster.check_tensor_parallel(par.tp)
     samples = samples_per_microbatch(layer_graph, microbatch_size)
     flags = recompute or {}
-    before = layer_graph.trains_before()
-    # A model's repeated blocks cost the same: each distinct layer is costed once (its cost reads
-    # the layer's own figures, the boundary before it, whether a layer before it trains and its
-    # recompute flag; not its name or position).
-    made: dict[tuple, LayerCost] = {}
-    out = []
-    for layer in layer_graph.layers:
-        rc = flags.get(layer.name, Recompute.NONE)
-        previous = layer_graph.layers[layer.index - 1].boundary_fwd_bytes if layer.index > 0 else None
-        key = (dataclasses.replace(layer, index=0, name=""), previous, before[layer.name], rc)
-        if key not in made:
-            made[key] = layer_cost(
+    costed = LayerCoster(layer_graph, cluster, precision)
+    return [
+        costed(layer, par, samples=samples, recompute=flags.get(layer.name, Recompute.NONE))
+        for layer in layer_graph.layers
+    ]
+
+
+class LayerCoster:
+    """:func:`layer_cost` for one graph, each distinct layer costed once: a model's repeated
+    blocks cost the same (a cost reads the layer's own figures, the boundary before it, whether a
+    layer before it trains, the degrees, samples and recompute flag; not its name or position)."""
+
+    def __init__(self, layer_graph: LayerGraph, cluster: Cluster, precision: Precision | None = None):
+        self.layer_graph, self.cluster, self.precision = layer_graph, cluster, precision
+        self.before = layer_graph.trains_before()
+        self.made: dict[tuple, LayerCost] = {}
+
+    def __call__(
+        self, layer: Layer, par: Parallel, *, samples: float, recompute: Recompute = Recompute.NONE
+    ) -> LayerCost:
+        graph = self.layer_graph
+        previous = graph.layers[layer.index - 1].boundary_fwd_bytes if layer.index > 0 else None
+        trains_before = self.before[layer.name]
+        key = (dataclasses.replace(layer, index=0, name=""), previous, trains_before, par, samples, recompute)
+        if key not in self.made:
+            self.made[key] = layer_cost(
                 layer,
-                layer_graph,
-                cluster,
+                graph,
+                self.cluster,
                 par,
                 samples=samples,
-                recompute=rc,
-                precision=precision,
-                trains_before=before[layer.name],
+                recompute=recompute,
+                precision=self.precision,
+                trains_before=trains_before,
             )
-        out.append(dataclasses.replace(made[key], name=layer.name))
-    return out
+        return dataclasses.replace(self.made[key], name=layer.name)
 
 
 def group_samples(plan: Plan, group: str, samples: float) -> float:
@@ -312,8 +325,7 @@ def group_samples(plan: Plan, group: str, samples: float) -> float:
 
 def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCosts:
     samples = samples_per_microbatch(layer_graph, plan.microbatch_size)
-    precision = plan.precision
-    before = layer_graph.trains_before()
+    costed = LayerCoster(layer_graph, cluster, plan.precision)
     stage_costs = []
     for stage in plan.stages:
         par = plan.parallel[stage.group]
@@ -325,18 +337,7 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
         for name in stage.layers:
             layer = layer_graph[name]
             rc = plan.recompute_of(name)
-            layers.append(
-                layer_cost(
-                    layer,
-                    layer_graph,
-                    cluster,
-                    par,
-                    samples=share,
-                    recompute=rc,
-                    precision=precision,
-                    trains_before=before[layer.name],
-                )
-            )
+            layers.append(costed(layer, par, samples=share, recompute=rc))
             act += kept_activation_bytes(layer, rc, **kw)
             transient = max(transient, recompute_transient_bytes(layer, rc, **kw))
         stage_costs.append((stage, par, share, layers, act, transient))
@@ -352,7 +353,7 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
             nxt = stage_costs[i + 1][0]
             send_fwd, _ = cut_transfer_s(last, cluster, par, share, stage.rank, _other(nxt, stage.rank))
         # No gradient goes back to a stage with nothing trainable in or before it.
-        if i > 0 and before[first.name] and _may_differ(stage, stage_costs[i - 1][0]):
+        if i > 0 and costed.before[first.name] and _may_differ(stage, stage_costs[i - 1][0]):
             prev_last = layer_graph.layers[first.index - 1]
             prev = stage_costs[i - 1][0]
             _, send_bwd = cut_transfer_s(prev_last, cluster, par, share, stage.rank, _other(prev, stage.rank))
@@ -364,7 +365,7 @@ def plan_costs(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> PlanCos
 
     static = states_per_rank(
         (
-            (stage.ranks, sum(layer_state_bytes(c, par, precision) for c in layers))
+            (stage.ranks, sum(layer_state_bytes(c, par, plan.precision) for c in layers))
             for stage, par, _, layers, _, _ in stage_costs
         ),
         plan.num_ranks,

@@ -465,9 +465,13 @@ _WORKER_SCREEN: Callable[[PlanRequest], PolicyResult | None] | None = None
 """The screen of a screening worker process (set before it forks)."""
 
 
-def _screen_one(request: PlanRequest) -> _ScreenOutcome:
+def _screen_in_worker(request: PlanRequest) -> _ScreenOutcome:
+    return _screen_one(_WORKER_SCREEN, request)
+
+
+def _screen_one(screen: Callable[[PlanRequest], PolicyResult | None], request: PlanRequest) -> _ScreenOutcome:
     try:
-        result = _WORKER_SCREEN(request)
+        result = screen(request)
     except (PlanError, ClusterError) as err:
         return _ScreenOutcome(error=str(err))
     if result is None:
@@ -494,11 +498,9 @@ class _ScreenPool:
 
     def submit(self, request: PlanRequest) -> Future:
         if self.executor is not None:
-            return self.executor.submit(_screen_one, request)
-        global _WORKER_SCREEN
-        _WORKER_SCREEN = self.screen
+            return self.executor.submit(_screen_in_worker, request)
         done: Future = Future()
-        done.set_result(_screen_one(request))
+        done.set_result(_screen_one(self.screen, request))
         return done
 
     def __enter__(self) -> _ScreenPool:
@@ -606,7 +608,7 @@ def _how_made(result: PolicyResult) -> str:
     return "; ".join([result.report.solution.summary(), *kept[-1:]])
 
 
-def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, least_states: float) -> str:
+def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, least_peak: float) -> str:
     """Why every candidate lost, by cause: planning errors (grouped by message), plans over the
     memory cap (the least peak), candidates pruned by their model states."""
     parts = []
@@ -626,7 +628,7 @@ def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, lea
     if pruned:
         parts.append(
             f"{pruned} pruned: even with every layer recomputed they need more than the cap (least "
-            f"{format_bytes(least_states)} on a fullest rank)"
+            f"{format_bytes(least_peak)} on a fullest rank)"
         )
     return (
         f"no parallel plan fits in {format_bytes(cap)} per rank on {cluster}, of {len(rows)} candidates: "

@@ -304,11 +304,25 @@ def fastest_baseline(runs: Iterable[PolicyResult], request: PlanRequest) -> Poli
     return min(fitting, key=lambda r: r.sim.step_time_s) if fitting else None
 
 
-def baseline_to_beat(layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest) -> Plan | None:
+def baseline_to_beat(
+    layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest, planned: dict | None = None
+) -> Plan | None:
     """The plan of the fastest baseline that fits at ``request`` (:func:`fastest_baseline`), for the
-    plan search to start that candidate from; None where none does."""
-    best = fastest_baseline(compare_baselines(layer_graph, cluster, request)[0], request)
+    plan search to start that candidate from; None where none does. ``planned``: the baselines
+    already planned per request (:func:`baselines_at`), filled in here."""
+    best = fastest_baseline(baselines_at(layer_graph, cluster, request, planned)[0], request)
     return best.plan if best is not None else None
+
+
+def baselines_at(
+    layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest, planned: dict | None = None
+) -> tuple[list[PolicyResult], tuple[PolicyRow, ...]]:
+    """:func:`compare_baselines` at ``request``, planned once per request where ``planned`` keeps them."""
+    if planned is None:
+        return compare_baselines(layer_graph, cluster, request)
+    if request not in planned:
+        planned[request] = compare_baselines(layer_graph, cluster, request)
+    return planned[request]
 
 
 def search_and_compare(
@@ -331,16 +345,6 @@ def search_and_compare(
     baseline at its degrees, so the plan returned is never slower (simulated) than a baseline at
     the request it is made for. Each request's baselines are planned once."""
     planned: dict[PlanRequest, tuple[list[PolicyResult], tuple[PolicyRow, ...]]] = {}
-
-    def baselines_at(request: PlanRequest) -> tuple[list[PolicyResult], tuple[PolicyRow, ...]]:
-        if request not in planned:
-            planned[request] = compare_baselines(layer_graph, cluster, request)
-        return planned[request]
-
-    def to_beat(request: PlanRequest) -> Plan | None:
-        best = fastest_baseline(baselines_at(request)[0], request)
-        return best.plan if best is not None else None
-
     result = plan_search(
         layer_graph,
         cluster,
@@ -349,7 +353,7 @@ def search_and_compare(
         solver=solver,
         include=include,
         warm_starts=warm_starts,
-        baseline=to_beat,
+        baseline=functools.partial(baseline_to_beat, layer_graph, cluster, planned=planned),
         screen=functools.partial(plan_and_simulate, layer_graph, cluster, "megatron_balanced"),
         solve_top=SOLVED_CANDIDATES,
         polish=SOLVED_CANDIDATES,
@@ -369,7 +373,7 @@ def search_and_compare(
     request = PlanRequest(
         parallel=plan.pipeline_parallel, global_batch=global_batch, microbatch_size=plan.microbatch_size
     )
-    runs, rows = baselines_at(request)
+    runs, rows = baselines_at(layer_graph, cluster, request, planned)
     faster = fastest_baseline(runs, request)
     if faster is not None and faster.sim.step_time_s < result.sim.step_time_s:
         # Only where the search did not partition this request itself (the encoder-in-bubbles plan

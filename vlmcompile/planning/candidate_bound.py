@@ -11,7 +11,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import kept_activation_bytes
 from vlmcompile.cost_models.stage_costs import (
     LayerCost,
-    layer_cost,
+    LayerCoster,
     layer_costs,
     layer_state_bytes,
     samples_per_microbatch,
@@ -133,17 +133,13 @@ def _bubbles_bound(
         t for t in range(1, par.tp + 1) if par.tp % t == 0 and request.microbatch_size % (par.tp // t) == 0
     ]
     samples = samples_per_microbatch(layer_graph, request.microbatch_size)
-    before = layer_graph.trains_before()
+    costed = _cached(cache, ("coster",), lambda: LayerCoster(layer_graph, cluster))
 
     def encoder_compute(tp: int) -> float:
         at = dataclasses.replace(par, tp=tp)
         share = samples * tp / par.tp  # a replica's part of the microbatch (group_samples)
-        total = 0.0
-        for i in encoder:
-            layer = layer_graph.layers[i]
-            c = layer_cost(layer, layer_graph, cluster, at, samples=share, trains_before=before[layer.name])
-            total += c.fwd_s + c.input_grad_s + c.weight_grad_s
-        return total
+        costs = [costed(layer_graph.layers[i], at, samples=share) for i in encoder]
+        return sum(c.fwd_s + c.input_grad_s + c.weight_grad_s for c in costs)
 
     least = min(
         _cached(

@@ -141,7 +141,7 @@ def _check(layers: Sequence[BoundLayer], p: int, v: int, m: int) -> None:
             raise ValueError(f"{name}={value!r}; give an integer >= 1")
 
 
-def _rank_offsets(layers: Sequence[BoundLayer], p: int, v: int, split_backward: bool) -> list[float]:
+def _rank_offsets(layers: Sequence[BoundLayer], p: int, split_backward: bool) -> list[float]:
     """Per rank, the least time before its work and after it that no cut avoids (v > 1: the first
     r layers stand for stages 0..r-1)."""
     head = layers[0].gather_s
@@ -157,7 +157,7 @@ def _rank_offsets(layers: Sequence[BoundLayer], p: int, v: int, split_backward: 
 
 def _pipeline_s(layers: Sequence[BoundLayer], p: int, v: int, m: int, split_backward: bool) -> float:
     if v > 1:
-        return _water_level(_rank_offsets(layers, p, v, split_backward), m * sum(x.work_s for x in layers))
+        return _water_level(_rank_offsets(layers, p, split_backward), m * sum(x.work_s for x in layers))
     work = list(itertools.accumulate((x.work_s for x in layers), initial=0.0))
     before = list(
         itertools.accumulate((x.fwd_s if split_backward else x.work_s for x in layers), initial=0.0)
