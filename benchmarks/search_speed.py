@@ -10,6 +10,10 @@ chosen and its simulated step (a prediction of the cost model), and the search's
 bounds and the screen (commit 2f6f32f), measured once per setup.
 
 Results go to ``results/search_speed.json``; ``--readme`` writes the table into docs/benchmarks.md.
+
+``--scale`` runs the search once per row of :data:`SCALE` instead (how its time grows with GPUs,
+with layers and with encoders: Optimus's Model D from 1536 to 16,384 H100s, a ViT and an LLM from
+75 to 300 layers, three encoders on one LLM), and ``--readme`` writes that table into README.md.
 """
 
 from __future__ import annotations
@@ -60,15 +64,31 @@ BEFORE = {
     },
 }
 
+SCALE = (
+    # (what grows, model, cluster, global batch)
+    ("GPUs", "Optimus-Model-D", "h100x1536", 1536),
+    ("GPUs", "Optimus-Model-D", "h100x3072", 1536),
+    ("GPUs", "Optimus-Model-D", "h100x16384", 1536),
+    ("layers", "ViT-11B:25+GPT-11B:50", "h100x512", 256),
+    ("layers", "ViT-11B:50+GPT-11B:100", "h100x512", 256),
+    ("layers", "ViT-11B:100+GPT-11B:200", "h100x512", 256),
+    ("encoders", "ViT-22B+ViT-11B+ViT-5B+GPT-175B", "h100x512", 256),
+)
+"""The plan-search scale rows: a 16,384-GPU Optimus, a 100-layer ViT with a 200-layer LLM (GPT-11B
+and ViT-11B widths at other depths, ``NAME:DEPTH``), a model with three encoders."""
+
 SEARCH_LINE = re.compile(r"plan search on \S+: (\d+) candidates in ([\d.]+) s \(([^)]*)\)")
 
 
-def run_once(name: str) -> dict:
+def run_once(name: str, model_args: tuple[str, ...] = ()) -> dict:
+    """One ``vlmcompile plan --search`` in a fresh process: of setup ``name``, or (``model_args``)
+    of the model, cluster and global batch they give."""
+    what = list(model_args) if model_args else ["--setup", name]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         start = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "vlmcompile", "plan", "--setup", name, "--search", "--json", str(out)],
+            [sys.executable, "-m", "vlmcompile", "plan", *what, "--search", "--json", str(out)],
             capture_output=True,
             text=True,
             env={**os.environ, "TQDM_DISABLE": "1"},
@@ -89,7 +109,38 @@ def run_once(name: str) -> dict:
         "groups": sorted(plan["parallel"]),
         "search_s": float(found.group(2)) if found else None,
         "candidates": found.group(1) + " (" + found.group(3) + ")" if found else None,
+        "layers": sum(len(stage["layers"]) for stage in plan["stages"]),
+        "fits": done.returncode == 0,
     }
+
+
+def measure_scale() -> list[dict]:
+    """Each :data:`SCALE` row's search, once (a fresh process each)."""
+    rows = []
+    for grows, model, cluster, batch in SCALE:
+        args = ("--model", model, "--cluster", cluster, "--global-batch", str(batch))
+        run = run_once(model, args)
+        rows.append({"grows": grows, "model": model, "cluster": cluster, "global_batch": batch, **run})
+        print(f"{model} on {cluster}: {run['wall_s']:.1f} s, {run['plan']}", file=sys.stderr)
+    return rows
+
+
+def scale_table(rows: list[dict]) -> str:
+    lines = [
+        "| grows | model | layers | cluster | candidates | wall (one run) | search alone | plan chosen | simulated step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        plan = (
+            r["plan"]
+            + (" + encoder plan" if len(r["groups"]) > 1 else "")
+            + ("" if r["fits"] else ", over memory")
+        )
+        lines.append(
+            f"| {r['grows']} | {r['model']} | {r['layers']} | {r['cluster']} | {r['candidates']} | "
+            f"{r['wall_s']:.1f} s | {r['search_s']:.1f} s | {plan} | {1e3 * r['step_s']:.0f} ms |"
+        )
+    return "\n".join(lines)
 
 
 def measure(names, repeats: int) -> dict:
@@ -135,7 +186,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--readme", action="store_true", help="write the table into docs/benchmarks.md")
     parser.add_argument("--no-run", action="store_true", help="only print (and --readme) the stored results")
+    parser.add_argument(
+        "--scale", action="store_true", help="the SCALE rows (once each) instead of the setups"
+    )
     args = parser.parse_args()
+    if args.scale:
+        stored = json.loads(RESULTS.read_text())
+        if not args.no_run:
+            stored["scale"] = {
+                "note": "one run per row, a fresh process each, annotation included; steps simulated",
+                "machine": f"{platform.machine()}, {os.cpu_count()} threads",
+                "rows": measure_scale(),
+            }
+            RESULTS.write_text(json.dumps(stored, indent=1))
+        table = scale_table(stored["scale"]["rows"])
+        print(table)
+        if args.readme:
+            write_readme_section("search_scale", table)
+        return
     if args.no_run:
         results = json.loads(RESULTS.read_text())
     else:
@@ -148,6 +216,7 @@ def main() -> None:
             "goal_s": GOAL_S,
             "before": BEFORE,
             "setups": {n: stored["setups"][n] for n in SETUPS if n in stored["setups"]},
+            **({"scale": stored["scale"]} if "scale" in stored else {}),
         }
         RESULTS.write_text(json.dumps(results, indent=1))
     table = markdown_table(results)

@@ -294,26 +294,47 @@ class LayerCoster:
         self.layer_graph, self.cluster, self.precision = layer_graph, cluster, precision
         self.before = layer_graph.trains_before()
         self.made: dict[tuple, LayerCost] = {}
+        self.kinds: dict[tuple, int] = {}
+        """A number per distinct (layer figures, boundary before it, trains before): hashing the
+        layer's figures once per layer, not once per cost asked."""
+        self.kind_of: dict[int, tuple[Layer, int]] = {}
+
+    def _kind(self, layer: Layer) -> int:
+        known = self.kind_of.get(layer.index)
+        if known is not None and known[0] is layer:
+            return known[1]
+        graph = self.layer_graph
+        previous = graph.layers[layer.index - 1].boundary_fwd_bytes if layer.index > 0 else None
+        identity = (dataclasses.replace(layer, index=0, name=""), previous, self.before[layer.name])
+        kind = self.kinds.setdefault(identity, len(self.kinds))
+        self.kind_of[layer.index] = (layer, kind)
+        return kind
 
     def __call__(
         self, layer: Layer, par: Parallel, *, samples: float, recompute: Recompute = Recompute.NONE
     ) -> LayerCost:
-        graph = self.layer_graph
-        previous = graph.layers[layer.index - 1].boundary_fwd_bytes if layer.index > 0 else None
-        trains_before = self.before[layer.name]
-        key = (dataclasses.replace(layer, index=0, name=""), previous, trains_before, par, samples, recompute)
+        return dataclasses.replace(
+            self.figures(layer, par, samples=samples, recompute=recompute), name=layer.name
+        )
+
+    def figures(
+        self, layer: Layer, par: Parallel, *, samples: float, recompute: Recompute = Recompute.NONE
+    ) -> LayerCost:
+        """The cost, under the name of the first layer costed alike (for what reads its figures
+        only: the bounds)."""
+        key = (self._kind(layer), par, samples, recompute)
         if key not in self.made:
             self.made[key] = layer_cost(
                 layer,
-                graph,
+                self.layer_graph,
                 self.cluster,
                 par,
                 samples=samples,
                 recompute=recompute,
                 precision=self.precision,
-                trains_before=trains_before,
+                trains_before=self.before[layer.name],
             )
-        return dataclasses.replace(self.made[key], name=layer.name)
+        return self.made[key]
 
 
 def group_samples(plan: Plan, group: str, samples: float) -> float:

@@ -37,9 +37,9 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError, choice
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.placement import stage_to_rank
-from vlmcompile.ir.plan import Decision, Reason
+from vlmcompile.ir.plan import Decision, Plan, Reason
 from vlmcompile.ir.regions import ENCODER_REGIONS, LANGUAGE_REGIONS, Region
-from vlmcompile.planning.megatron_layout import megatron_result
+from vlmcompile.planning.megatron_layout import megatron_plan, megatron_result
 from vlmcompile.planning.model_parts import (
     ModelParts,
     independent_branches,
@@ -90,14 +90,29 @@ def megatron(
     cluster: Cluster,
     request: PlanRequest,
     *,
+    recompute: GlobalRecompute = GlobalRecompute(),
+    **placement_options,
+) -> PolicyResult:
+    """Megatron-LM's plan for ``request`` (:func:`megatron_layout_plan`, whose placement options
+    it takes), simulated."""
+    plan = megatron_layout_plan(layer_graph, cluster, request, recompute=recompute, **placement_options)
+    return megatron_result(layer_graph, cluster, plan, recompute)
+
+
+def megatron_layout_plan(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    request: PlanRequest,
+    *,
     placement: EncoderPlacement | str | None = None,
     recompute: GlobalRecompute = GlobalRecompute(),
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
-) -> PolicyResult:
+) -> Plan:
     """Megatron-LM's plan for ``request`` with the encoder placed by ``placement`` (see the
     module docstring; None: ``uneven`` when first/last stage counts are given, else ``llava``);
-    ``first_stage_layers`` / ``last_stage_layers`` are the ``uneven`` placement's and only its."""
+    ``first_stage_layers`` / ``last_stage_layers`` are the ``uneven`` placement's and only its.
+    Not simulated (:func:`megatron` simulates it)."""
     uneven_counts = first_stage_layers is not None or last_stage_layers is not None
     if placement is None:
         placement = EncoderPlacement.UNEVEN if uneven_counts else EncoderPlacement.LLAVA
@@ -130,13 +145,12 @@ def megatron(
     if branches > 1 and placement is EncoderPlacement.CHAIN:
         decisions.append(linearised_decision(branches, "the chain"))
     decisions.append(recompute_decision(parts, recompute))
-    return megatron_result(
+    return megatron_plan(
         layer_graph,
         cluster,
         request,
         policy="megatron",
         chunks=chunks,
-        recompute=recompute,
         flags=recompute_flags(layer_graph, parts, recompute),
         decisions=decisions,
     )

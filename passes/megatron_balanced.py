@@ -21,9 +21,9 @@ from __future__ import annotations
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import layer_costs
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Decision, Reason
+from vlmcompile.ir.plan import Decision, Plan, Reason
 from vlmcompile.planning.chunks import balanced_split, chunks_of
-from vlmcompile.planning.megatron_layout import megatron_result
+from vlmcompile.planning.megatron_layout import megatron_plan, megatron_result
 from vlmcompile.planning.model_parts import (
     independent_branches,
     linearised_decision,
@@ -44,6 +44,18 @@ def megatron_balanced(
     recompute: GlobalRecompute = GlobalRecompute(),
 ) -> PolicyResult:
     """Megatron-LM with the layers balanced over the virtual stages (see the module docstring)."""
+    plan = balanced_plan(layer_graph, cluster, request, recompute=recompute)
+    return megatron_result(layer_graph, cluster, plan, recompute)
+
+
+def balanced_plan(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    request: PlanRequest,
+    *,
+    recompute: GlobalRecompute = GlobalRecompute(),
+) -> Plan:
+    """:func:`megatron_balanced`'s plan, not simulated."""
     parts = model_parts(layer_graph)
     flags = recompute_flags(layer_graph, parts, recompute)
     costs = layer_costs(
@@ -68,13 +80,12 @@ def megatron_balanced(
     branches = independent_branches(layer_graph)
     if branches > 1:
         decisions.append(linearised_decision(branches, "the dynamic program"))
-    return megatron_result(
+    return megatron_plan(
         layer_graph,
         cluster,
         request,
         policy="megatron_balanced",
         chunks=chunks,
-        recompute=recompute,
         flags=flags,
         decisions=decisions,
     )

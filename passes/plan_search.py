@@ -2,14 +2,17 @@
 
 Every combination the cluster allows is a candidate (TP a power of two within a node, PP
 dividing what TP leaves, DP the rest, a microbatch size dividing the per-replica batch, v > 1
-only where interleaving applies). Candidates are visited in order of a lower bound on their
-step time - every layer's forward and backward spread over the PP ranks with no bubble,
-m x sum(F + B) / pp - and
+only where interleaving applies). Each gets lower bounds on the step of every plan of it that
+fits and on its fullest rank's memory (:mod:`vlmcompile.planning.candidate_bound`), and the
+candidates are visited best bound first:
 
-* rejected without solving when their model states alone, split evenly over the PP ranks,
-  exceed the memory cap, or when the lower bound is no better than the best plan found;
-* otherwise partitioned by CP-SAT (:func:`~vlmcompile.passes.partition.partition`) with its
-  closed-form model only, and simulated.
+* a candidate whose memory bound is over the cap, or whose step bound is no better than the
+  best plan found, is pruned without planning;
+* the rest get the stage-cut bound (whole layers per stage and the recompute the cap forces on
+  each rank; up to a second at a deep pipeline, so only here), are pruned by it the same way,
+  and are otherwise screened with a quick plan (``screen``: a baseline's) in worker processes on
+  every core; the ``solve_top`` fastest screens are partitioned by CP-SAT
+  (:func:`~vlmcompile.passes.partition.partition`) with its closed-form model only, and simulated.
 
 The few fastest plans that fit (``polish``) are then solved again with the timeline model only,
 started from their own cuts, for ``SolverOptions.timeline_share`` of the limit each: it times
@@ -28,7 +31,6 @@ Work is reused: layer costs per (TP, DP, microbatch size) are computed once for 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -36,7 +38,7 @@ import multiprocessing
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from tabulate import tabulate
@@ -47,7 +49,7 @@ from vlmcompile.ir.errors import ClusterError, PlanError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph, format_bytes
 from vlmcompile.ir.plan import Parallel, Plan, Reason
 from vlmcompile.passes.partition import partition
-from vlmcompile.planning.candidate_bound import CandidateBound, candidate_bound
+from vlmcompile.planning.candidate_bound import CandidateBound, candidate_bound, stage_cut_bound
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.step_bound import (
@@ -72,7 +74,7 @@ class CandidateRow:
 
     @property
     def lower_bound_s(self) -> float:
-        """No one-chain plan of the candidate is faster."""
+        """No one-chain plan of the candidate that fits the memory cap is faster."""
         return self.bound.step_s
 
 
@@ -98,7 +100,7 @@ class SearchReport:
                 c.outcome,
                 format_ms(c.step_s, decimals=decimals),
                 format_ms(c.lower_bound_s, decimals=decimals) if math.isfinite(c.lower_bound_s) else "-",
-                c.bound.chain.binding if math.isfinite(c.lower_bound_s) else "-",
+                c.bound.binding if math.isfinite(c.lower_bound_s) else "-",
                 format_ms(c.bound.bubbles.step_s, decimals=decimals) if c.bound.bubbles else "-",
                 f"{c.peak_bytes / 2**30:.1f}" if c.peak_bytes is not None else "-",
                 c.reason,
@@ -137,7 +139,7 @@ class SearchReport:
 
     @property
     def least_chain_bound_s(self) -> float:
-        """No one-chain plan of any candidate is faster: a pruned candidate's bound is at least the
+        """No one-chain plan of any candidate that fits is faster: a pruned candidate's bound is at least the
         plan that pruned it, a failed one has no plan, the rest have their own bound."""
         return min(
             (c.lower_bound_s for c in self.candidates if c.outcome not in ("pruned", "failed")),
@@ -159,7 +161,7 @@ class SearchReport:
             return "no plan chosen"
         least = self.least_chain_bound_s
         said = (
-            f"proved: no one-chain plan of any candidate is faster than {format_ms(least)} ms; the one chosen, "
+            f"proved: no one-chain plan that fits, of any candidate, is faster than {format_ms(least)} ms; the one chosen, "
             f"{format_ms(chosen.step_s)} ms, is {100 * (chosen.step_s - least) / chosen.step_s:.1f} % above that"
         )
         bubbles = self.least_bubbles_bound_s
@@ -236,8 +238,10 @@ def plan_search(
             a longer time limit): the partition of those candidates starts from them, so the
             search never returns a slower plan than one it was given.
         baseline: the plan to beat at a request (None where there is none), asked for each
-            candidate the search partitions; its partition starts from it too, so the plan
-            chosen is never slower than that request's baseline.
+            candidate the search partitions (with a screen: the fastest screened one); its
+            partition starts from it too, so that plan is never slower than its request's
+            baseline. A screened candidate partitioned without it may be chosen: the caller
+            checks the chosen request's baselines (:func:`~vlmcompile.passes.policies.search_and_compare`).
         screen: a quick plan for a request (a baseline's): every candidate the bounds leave gets
             one, and only the ``solve_top`` fastest of those are partitioned (None: every
             candidate the bounds leave is partitioned).
@@ -256,13 +260,15 @@ def plan_search(
         )
     start = time.perf_counter()
     todo = _requests(layer_graph, cluster, global_batch, space, include)
-    bounds = _bounds_of(layer_graph, cluster, todo)
+    costs: dict = {}
+    bounds = _bounds_of(layer_graph, cluster, todo, costs)
     todo.sort(key=lambda r: bounds[r].step_s)
     bar = _progress(len(todo) + min(polish, len(todo)), progress)
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     with_closed_form = dataclasses.replace(solver, timeline_share=0.0)
+    refine = functools.partial(stage_cut_bound, layer_graph, cluster, cache=costs)
     visits = _Visits(
-        layer_graph, cluster, bounds, cap, with_closed_form, warm_starts or {}, baseline, screen, bar
+        layer_graph, cluster, bounds, cap, with_closed_form, warm_starts or {}, baseline, screen, refine, bar
     )
     rows, results = _visit_all(visits, todo, solve_top)
     if not any(res.fits for res in results.values()):
@@ -303,12 +309,15 @@ class _Visits:
 
     layer_graph: LayerGraph
     cluster: Cluster
-    bounds: Mapping[PlanRequest, CandidateBound]
+    bounds: dict[PlanRequest, CandidateBound]
+    """Each candidate's bounds, with the stage-cut term once it is computed."""
     cap: float
     solver: SolverOptions
     warm_starts: Mapping[PlanRequest, Plan]
     baseline: Callable[[PlanRequest], Plan | None] | None
     screen: Callable[[PlanRequest], PolicyResult | None] | None
+    refine: Callable[..., CandidateBound]
+    """(request, bound, enough_s) -> the bound with its stage-cut term (candidate_bound.stage_cut_bound)."""
     bar: object
     rows: dict[PlanRequest, CandidateRow] = field(default_factory=dict)
     results: dict[PlanRequest, PolicyResult] = field(default_factory=dict)
@@ -317,15 +326,18 @@ class _Visits:
     best: _Incumbent = field(default_factory=lambda: _Incumbent())
     hints: dict[tuple[int, int], Plan] = field(default_factory=dict)
 
-    def solve(self, request: PlanRequest, *given: Plan | None) -> None:
+    def solve(self, request: PlanRequest, *given: Plan | None, to_beat: bool = True) -> None:
+        """Partition ``request`` from ``given``, its warm start and the last plan of its PP x v
+        (and, with ``to_beat``, from the plan of its fastest baseline)."""
         par = request.parallel
         starts = [
             p
             for p in (self.warm_starts.get(request), *given, self.hints.get((par.pp, par.v)))
             if p is not None
         ]
+        baseline = self.baseline if to_beat else None
         row, result = _solve(
-            self.layer_graph, self.cluster, request, self.bounds[request], self.solver, starts, self.baseline
+            self.layer_graph, self.cluster, request, self.bounds[request], self.solver, starts, baseline
         )
         if result is None:
             self.rows.setdefault(request, row)  # a screened plan stands where the solve failed
@@ -338,25 +350,40 @@ class _Visits:
 
     def screen_all(self, todo: Sequence[PlanRequest]) -> None:
         """Prune, screen (or, without a screen, solve) every candidate, best bound first."""
-        with _ScreenPool(self.screen, self.solver.num_workers) as pool:
-            pending: collections.deque[tuple[PlanRequest, Future]] = collections.deque()
+        with _ScreenPool(self.screen, self.refine, self.solver.num_workers) as pool:
+            pending: dict[Future, PlanRequest] = {}
             for request in todo:
                 while len(pending) >= pool.width:  # take results first: the incumbent prunes best fresh
-                    self._take(pending.popleft())
+                    # whichever finishes first, so a long screen holds up no other worker
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        self._take(pending.pop(future), future)
                 self.bar.update(1)
                 pruned = _pruned(request, self.bounds[request], self.cap, self.best)
                 if pruned is not None:
                     self.rows[request] = pruned
                 elif self.screen is None or request in self.warm_starts:
-                    self.solve(request)
+                    self.bounds[request] = self.refine(
+                        request, self.bounds[request], enough_s=self.best.step_s
+                    )
+                    pruned = _pruned(request, self.bounds[request], self.cap, self.best)
+                    if pruned is not None:
+                        self.rows[request] = pruned
+                    else:
+                        self.solve(request)
                 else:
-                    pending.append((request, pool.submit(request)))
-            while pending:
-                self._take(pending.popleft())
+                    pending[pool.submit(request, self.bounds[request], self.best.step_s)] = request
+            for future in list(pending):
+                self._take(pending.pop(future), future)
 
-    def _take(self, screened: tuple[PlanRequest, Future]) -> None:
-        request, future = screened
-        self.rows[request], figures = _screened(request, self.bounds[request], future.result())
+    def _take(self, request: PlanRequest, future: Future) -> None:
+        outcome = future.result()
+        bound = self.bounds[request] = outcome.bound or self.bounds[request]
+        pruned = _pruned(request, bound, self.cap, self.best) if outcome.pruned else None
+        if pruned is not None:
+            self.rows[request] = pruned
+            return
+        self.rows[request], figures = _screened(request, bound, outcome)
         if figures is not None:
             self.screens[request] = figures
             self.best.offer_step(request, *figures)
@@ -383,10 +410,12 @@ class _Visits:
         partition may cut by memory where the screen's balanced cut cannot fit), each only while
         its bound can beat the best plan."""
         order = sorted(self.screens, key=lambda r: (not self.screens[r][1], self.screens[r][0]))
-        for request in order[:solve_top]:
+        for place, request in enumerate(order[:solve_top]):
             if self.bounds[request].step_s < self.best.step_s:
                 quick = self.screen(request)  # its plan again, here: a worker sends figures, not plans
-                self.solve(request, quick.plan)
+                # Every baseline is planned for the fastest screen only (the search most often
+                # chooses it, and its comparison then has them); the others start from their screen.
+                self.solve(request, quick.plan, to_beat=place == 0)
                 if request not in self.results and quick.fits:  # the solve failed; the screen stands
                     self.results[request] = quick
         for rank, request in enumerate(order[solve_top:], start=solve_top + 1):
@@ -427,7 +456,7 @@ def _pruned(request: PlanRequest, bound: CandidateBound, cap: float, best: _Incu
     if bound.step_s >= best.step_s:
         return row(
             "pruned",
-            f"lower bound ({bound.chain.binding}) >= best found, {format_ms(best.step_s)} ms at {best.request}",
+            f"lower bound ({bound.binding}) >= best found, {format_ms(best.step_s)} ms at {best.request}",
         )
     return None
 
@@ -459,26 +488,48 @@ class _ScreenOutcome:
     policy: str = ""
     recompute: str = ""
     error: str | None = None
+    bound: CandidateBound | None = None
+    """The candidate's bound with its stage-cut term."""
+    pruned: bool = False
+    """Not screened: the stage-cut bound reached the best plan found when it was sent."""
 
 
-_WORKER_SCREEN: Callable[[PlanRequest], PolicyResult | None] | None = None
-"""The screen of a screening worker process (set before it forks)."""
+_WORKER_SCREEN: tuple[Callable[[PlanRequest], PolicyResult | None], Callable[..., CandidateBound]] | None = (
+    None
+)
+"""The screen and the bound refinement of a screening worker process (set before it forks)."""
 
 
-def _screen_in_worker(request: PlanRequest) -> _ScreenOutcome:
-    return _screen_one(_WORKER_SCREEN, request)
+def _screen_in_worker(request: PlanRequest, bound: CandidateBound, enough_s: float) -> _ScreenOutcome:
+    return _screen_one(*_WORKER_SCREEN, request, bound, enough_s)
 
 
-def _screen_one(screen: Callable[[PlanRequest], PolicyResult | None], request: PlanRequest) -> _ScreenOutcome:
+def _screen_one(
+    screen: Callable[[PlanRequest], PolicyResult | None],
+    refine: Callable[..., CandidateBound],
+    request: PlanRequest,
+    bound: CandidateBound,
+    enough_s: float,
+) -> _ScreenOutcome:
+    """The candidate's stage-cut bound first (seconds at most), then, where that bound can still
+    beat ``enough_s`` (the best plan found when it was sent), its screened plan's figures."""
+    bound = refine(request, bound, enough_s=enough_s)
+    if bound.step_s >= enough_s:
+        return _ScreenOutcome(bound=bound, pruned=True)
     try:
         result = screen(request)
     except (PlanError, ClusterError) as err:
-        return _ScreenOutcome(error=str(err))
+        return _ScreenOutcome(error=str(err), bound=bound)
     if result is None:
-        return _ScreenOutcome(error="the screen has no plan here")
+        return _ScreenOutcome(error="the screen has no plan here", bound=bound)
     sim = result.sim
     return _ScreenOutcome(
-        sim.step_time_s, result.fits, max(sim.peak_mem_bytes), result.plan.policy, result.recompute
+        sim.step_time_s,
+        result.fits,
+        max(sim.peak_mem_bytes),
+        result.plan.policy,
+        result.recompute,
+        bound=bound,
     )
 
 
@@ -486,21 +537,26 @@ class _ScreenPool:
     """Screens on every core: forked worker processes (the screen is Python, one core each), or
     in this process where there is one core or no screen."""
 
-    def __init__(self, screen: Callable[[PlanRequest], PolicyResult | None] | None, cores: int):
-        self.screen = screen
+    def __init__(
+        self,
+        screen: Callable[[PlanRequest], PolicyResult | None] | None,
+        refine: Callable[..., CandidateBound],
+        cores: int,
+    ):
+        self.screen, self.refine = screen, refine
         forked = screen is not None and cores > 1 and "fork" in multiprocessing.get_all_start_methods()
         self.width = cores if forked else 1
         self.executor = None
         if forked:
             global _WORKER_SCREEN
-            _WORKER_SCREEN = screen  # inherited by the forked workers; nothing to pickle
+            _WORKER_SCREEN = (screen, refine)  # inherited by the forked workers; nothing to pickle
             self.executor = ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("fork"))
 
-    def submit(self, request: PlanRequest) -> Future:
+    def submit(self, request: PlanRequest, bound: CandidateBound, enough_s: float) -> Future:
         if self.executor is not None:
-            return self.executor.submit(_screen_in_worker, request)
+            return self.executor.submit(_screen_in_worker, request, bound, enough_s)
         done: Future = Future()
-        done.set_result(_screen_one(self.screen, request))
+        done.set_result(_screen_one(self.screen, self.refine, request, bound, enough_s))
         return done
 
     def __enter__(self) -> _ScreenPool:
@@ -638,10 +694,10 @@ def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, lea
 
 
 def _bounds_of(
-    layer_graph: LayerGraph, cluster: Cluster, todo: Sequence[PlanRequest]
+    layer_graph: LayerGraph, cluster: Cluster, todo: Sequence[PlanRequest], cache: dict
 ) -> dict[PlanRequest, CandidateBound]:
-    """Every candidate's bounds; one the cluster cannot run (its TP) gets infinite ones."""
-    cache: dict = {}
+    """Every candidate's bounds; one the cluster cannot run (its TP) gets infinite ones. ``cache``
+    keeps the layer costs for the stage-cut bounds later."""
     out = {}
     for request in todo:
         try:

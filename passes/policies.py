@@ -19,18 +19,21 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import fits, usable_memory_bytes
+from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Plan, Reason
 from vlmcompile.passes.bubbles import bubbles
-from vlmcompile.passes.megatron import EncoderPlacement, megatron
-from vlmcompile.passes.megatron_balanced import megatron_balanced
+from vlmcompile.passes.megatron import EncoderPlacement, megatron, megatron_layout_plan
+from vlmcompile.passes.megatron_balanced import balanced_plan, megatron_balanced
 from vlmcompile.passes.mimo_colocated import mimo_colocated
 from vlmcompile.passes.omnibal import omnibal
 from vlmcompile.passes.partition import partition
 from vlmcompile.passes.plan_search import plan_search
 from vlmcompile.passes.torchtitan_vlm import torchtitan_vlm
 from vlmcompile.planning.candidate_bound import candidate_bound
+from vlmcompile.planning.megatron_layout import megatron_result
 from vlmcompile.planning.model_parts import GLOBAL_LADDER
 from vlmcompile.planning.policy import Policy
 from vlmcompile.planning.request import (
@@ -41,6 +44,7 @@ from vlmcompile.planning.request import (
     SolverOptions,
 )
 from vlmcompile.planning.result import PolicyResult, PolicyRow, Reports
+from vlmcompile.sim.simulator import peak_memory_bytes
 from vlmcompile.sim.units import format_ms
 
 
@@ -86,6 +90,8 @@ POLICIES: dict[str, Policy] = {
             baseline=True,
             global_recompute=True,
             variants=({"placement": EncoderPlacement.LLAVA}, {"placement": EncoderPlacement.CHAIN}),
+            plan_only=megatron_layout_plan,
+            finish=megatron_result,
         ),
         Policy(
             "megatron_balanced",
@@ -94,6 +100,8 @@ POLICIES: dict[str, Policy] = {
             options=("recompute",),
             baseline=True,
             global_recompute=True,
+            plan_only=balanced_plan,
+            finish=megatron_result,
         ),
         Policy(
             "omnibal", omnibal, "OmniBal: balanced stage cuts, adaptive per-layer recompute", baseline=True
@@ -190,19 +198,47 @@ def plan_and_simulate(
         )
     if not chosen.global_recompute or "recompute" in given:
         return chosen.run(layer_graph, cluster, request, **given)
+    run = functools.partial(chosen.run, layer_graph, cluster, request, **given)
+    if chosen.plan_only is None:
+        return _least_recompute_that_fits(
+            lambda rung: run(recompute=rung), usable_memory_bytes(cluster.device.mem_bytes)
+        )
+
+    costs = {}  # the chosen setting's plan is timed with the costs its memory was read with
+
+    def planned(rung: GlobalRecompute) -> tuple[Plan, list[float]]:
+        plan = chosen.plan_only(layer_graph, cluster, request, recompute=rung, **given)
+        costs[rung] = plan_costs(plan, layer_graph, cluster)
+        return plan, peak_memory_bytes(plan, layer_graph, cluster, costs=costs[rung])
+
     return _least_recompute_that_fits(
-        lambda rung: chosen.run(layer_graph, cluster, request, recompute=rung, **given)
+        lambda rung, plan: chosen.finish(layer_graph, cluster, plan, rung, costs=costs[rung]),
+        usable_memory_bytes(cluster.device.mem_bytes),
+        planned,
     )
 
 
-def _least_recompute_that_fits(run: Callable[[GlobalRecompute], PolicyResult]) -> PolicyResult:
+def _least_recompute_that_fits(
+    run: Callable[..., PolicyResult],
+    cap: float,
+    planned: Callable[[GlobalRecompute], tuple[Plan, list[float]]] | None = None,
+) -> PolicyResult:
+    """The first setting of :data:`GLOBAL_LADDER` whose plan fits (else the last), simulated:
+    ``run(rung)``; with ``planned`` (a setting's plan and its peak memory per rank, not timed)
+    only the setting chosen is timed, ``run(rung, plan)`` finishing its plan."""
     tried = []
-    for rung in GLOBAL_LADDER:
-        result = run(rung)
+    for k, rung in enumerate(GLOBAL_LADDER):
+        if planned is None:
+            result = run(rung)
+        else:
+            plan, held = planned(rung)
+            if not fits(held, cap) and k + 1 < len(GLOBAL_LADDER):
+                tried.append(f"{rung}: {max(held) / 2**30:.1f} GiB")
+                continue
+            result = run(rung, plan)
         tried.append(f"{rung}: {max(result.sim.peak_mem_bytes) / 2**30:.1f} GiB")
         if result.fits:
             break
-    cap = result.sim.mem_cap_bytes
     verdict = (
         "fits" if result.fits else f"does not fit even with the most recompute (cap {cap / 2**30:.1f} GiB)"
     )

@@ -1,6 +1,8 @@
 """The reference zoo: every paper model builds at full size on meta, tiny ones train, the demo's
 FLOP shares match InternVL-Chat-1.5's."""
 
+import re
+
 import pytest
 import torch
 
@@ -106,6 +108,20 @@ def test_unknown_names_and_bad_batches_raise_model_errors():
         models.sample_batch("tiny", batch_size=0)
     with pytest.raises(ModelError, match="single tower"):
         models.sample_batch("GPT-175B")
+
+
+def test_a_tower_takes_another_depth_after_a_colon():
+    deep = models.resolve("tiny-vit:5+tiny-llm:7")
+    assert deep.encoders[0].depth == 5 and deep.llm.depth == 7
+    assert deep.encoders[0].width == ENCODERS["tiny-vit"].width  # only the depth changes
+    model = models.build("tiny-vit:5+tiny-llm:7", device="meta")
+    names = [n for n, _ in model.named_modules()]
+    assert sum(bool(re.fullmatch(r"encoders\.0\.blocks\.\d+", n)) for n in names) == 5
+    assert sum(bool(re.fullmatch(r"llm\.blocks\.\d+", n)) for n in names) == 7
+    with pytest.raises(ModelError, match="whole number of layers >= 1, e.g. tiny-vit:100"):
+        models.build("tiny-vit:0+tiny-llm")
+    with pytest.raises(ModelError, match="ViT-99B:100"):
+        models.build("ViT-99B:100+GPT-175B")
 
 
 def test_inconsistent_vlm_configs_say_what_to_change():

@@ -256,3 +256,14 @@ def test_a_malformed_run_ahead_is_named(run_ahead, change, message):
     _, plan = run_ahead
     with pytest.raises(PlanError, match=message):
         dataclasses.replace(plan, **change).validate()
+
+
+def test_a_schedule_that_passed_is_checked_again_where_a_stage_moved(plan):
+    # The action and deadlock checks run once per schedule and stage placement: a plan with the
+    # same action lists but a stage on another rank is a new schedule, and is refused.
+    plan.validate()
+    plan.validate()
+    stages = list(plan.stages)
+    stages[1] = dataclasses.replace(stages[1], rank=0)
+    with pytest.raises(PlanError, match="belongs to stage 1, which is placed on rank 0"):
+        dataclasses.replace(plan, stages=tuple(stages)).validate()

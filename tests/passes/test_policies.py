@@ -6,10 +6,17 @@ import dataclasses
 import pytest
 
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.passes.mimo_colocated import mimo_colocated
 from vlmcompile.passes.partition import partition
-from vlmcompile.passes.policies import BASELINES, compare_baselines, plan_and_simulate
-from vlmcompile.planning.request import NotApplicable, PlanRequest, SolverOptions
+from vlmcompile.passes.policies import (
+    BASELINES,
+    POLICIES,
+    _least_recompute_that_fits,
+    compare_baselines,
+    plan_and_simulate,
+)
+from vlmcompile.planning.request import GlobalRecompute, NotApplicable, PlanRequest, SolverOptions
 
 
 @pytest.mark.parametrize("graph_name", ["demo_graph", "two_encoder_graph"])
@@ -123,3 +130,31 @@ def test_the_registry_says_what_each_policy_takes_and_runs(demo_graph):
     assert any(d.reason is Reason.BUBBLE_SCHEDULE for d in ours.plan.decisions)
     assert ours.sim.step_time_s < chain.sim.step_time_s
     assert [r.policy for r in ours.baselines] == [r.policy for r in chain.baselines] == list(BASELINES)
+
+
+@pytest.mark.parametrize("policy", ["megatron", "megatron_balanced"])
+@pytest.mark.parametrize("share", [1.0, 0.5, 0.3, 0.05])
+def test_the_least_recompute_judged_by_memory_alone_is_the_one_timed_each(demo_graph, policy, share):
+    """The memory-first ladder (a setting's plan built, its peak read, only the chosen one
+    timed) picks the plan and step the ladder of simulated plans picks, on a device whose memory
+    makes it climb (``share``: of the peak without recompute)."""
+    roomy = Cluster.preset("h100x8")
+    request = PlanRequest.on(roomy, tp=1, pp=2, v=2, global_batch=16)
+    whole = plan_and_simulate(
+        demo_graph, roomy, policy, request, recompute=GlobalRecompute(granularity="none")
+    )
+    device = dataclasses.replace(
+        roomy.device, mem_bytes=share * max(whole.sim.peak_mem_bytes) / usable_memory_bytes(1.0)
+    )
+    cluster = dataclasses.replace(roomy, device=device)
+    fast = plan_and_simulate(demo_graph, cluster, policy, request)
+    chosen = POLICIES[policy]
+    timed = _least_recompute_that_fits(
+        lambda rung: chosen.run(demo_graph, cluster, request, recompute=rung),
+        usable_memory_bytes(device.mem_bytes),
+    )
+    assert fast.recompute == timed.recompute
+    assert fast.plan == timed.plan
+    assert fast.sim.step_time_s == timed.sim.step_time_s
+    assert fast.plan.decisions[-1] == timed.plan.decisions[-1]  # the same settings tried, the same bytes
+    assert (fast.recompute == "none") == (share == 1.0)  # below the peak without recompute it climbs

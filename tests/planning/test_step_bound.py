@@ -5,21 +5,29 @@ faster than the bound."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vlmcompile.ir.placement import Placement
+from vlmcompile.ir.plan import Parallel
+from vlmcompile.planning.candidate_bound import INTERLEAVED_SCAN_GROUPS, _held_per_rank, _held_per_stage
 from vlmcompile.planning.problem import PartitionProblem, evaluate
+from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import make_schedule
 from vlmcompile.planning.step_bound import (
     BoundLayer,
     MemoryLayer,
+    StageMemory,
     bubbles_bound,
     chain_bound,
     least_peak_bytes,
+    least_recompute_s,
+    stage_cut_s,
 )
+from vlmcompile.sim.in_flight import fullest_moment, held_together
 
 
 @st.composite
@@ -61,16 +69,6 @@ def layers_of(problem: PartitionProblem) -> list[BoundLayer]:
     ]
 
 
-def fastest(problem: PartitionProblem) -> float:
-    """The least step of any contiguous cut into non-empty stages and any recompute flags."""
-    return min(e.step_s for e in every_plan(problem))
-
-
-def least_peak(problem: PartitionProblem) -> float:
-    """The least fullest-rank peak of any cut and recompute flags."""
-    return min(max(e.peak_bytes) for e in every_plan(problem))
-
-
 def every_plan(problem: PartitionProblem):
     L, S = problem.num_layers, problem.num_stages
     recomputable = [i for i in range(L) if problem.recomputable[i]]
@@ -84,24 +82,43 @@ def every_plan(problem: PartitionProblem):
             yield evaluate(problem, stage_of, flags)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
-def test_no_plan_beats_the_chain_bound(problem):
-    bound = chain_bound(layers_of(problem), p=problem.num_ranks, v=problem.v, m=problem.num_microbatches)
-    assert bound.step_s <= fastest(problem) * (1 + 1e-9)
-
-
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
-def test_no_plan_needs_less_memory_than_the_bound(problem):
-    layers = [
-        MemoryLayer(s, min(a, rc) if can else a)
-        for s, a, rc, can in zip(
-            problem.state_bytes, problem.act_bytes, problem.act_bytes_recompute, problem.recomputable
+def memory_layers_of(problem: PartitionProblem) -> list[MemoryLayer]:
+    return [
+        MemoryLayer(s, min(a, rc), a, redo) if can and rc < a else MemoryLayer(s, a)
+        for s, a, rc, can, redo in zip(
+            problem.state_bytes,
+            problem.act_bytes,
+            problem.act_bytes_recompute,
+            problem.recomputable,
+            problem.redo_s,
         )
     ]
-    bound = least_peak_bytes(layers, problem.most_in_flight, p=problem.num_ranks, v=problem.v)
-    assert bound <= least_peak(problem) * (1 + 1e-9)
+
+
+def held_per_rank(problem: PartitionProblem) -> list[int]:
+    placement = Placement(problem.num_ranks, problem.v)
+    return [held_together(acts, placement.stages_on(r)) for r, acts in enumerate(problem.actions)]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_no_plan_beats_the_chain_bound_or_needs_less_memory_than_the_memory_bound(problem):
+    plans = list(every_plan(problem))
+    bound = chain_bound(layers_of(problem), p=problem.num_ranks, v=problem.v, m=problem.num_microbatches)
+    assert bound.step_s <= min(e.step_s for e in plans) * (1 + 1e-9)
+    memory = least_peak_bytes(
+        memory_layers_of(problem), held_per_rank(problem), p=problem.num_ranks, v=problem.v
+    )
+    assert memory <= min(max(e.peak_bytes) for e in plans) * (1 + 1e-9)
+
+
+def test_recompute_the_cap_forces_is_the_cheapest_per_byte_first():
+    layers = [MemoryLayer(0.0, 1.0, 5.0, 2.0), MemoryLayer(0.0, 1.0, 3.0, 4.0), MemoryLayer(0.0, 7.0)]
+    # One rank holding one microbatch: the layers keep 15 bytes whole, 9 at least.
+    assert least_recompute_s(layers, [1], 15.0) == 0.0
+    assert least_recompute_s(layers, [1], 13.0) == pytest.approx(1.0)  # half of the first
+    assert least_recompute_s(layers, [1], 10.0) == pytest.approx(2.0 + 4.0 / 2)
+    assert least_recompute_s(layers, [1], 8.0) == math.inf
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -142,3 +159,60 @@ def test_bad_degrees_are_refused(bad):
     args = dict(p=2, v=1, m=2) | bad
     with pytest.raises(ValueError, match="integer >= 1"):
         chain_bound([BoundLayer(1.0, 2.0)] * 2, **args)
+
+
+def stage_memory_of(problem: PartitionProblem, cap: float) -> StageMemory:
+    placement = Placement(problem.num_ranks, problem.v)
+    held = [0] * problem.num_stages
+    for r, acts in enumerate(problem.actions):
+        stages = placement.stages_on(r)
+        for k, n in zip(stages, fullest_moment(acts, stages)):
+            held[k] = n
+    return StageMemory(tuple(memory_layers_of(problem)), tuple(held), cap)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.floats(0.0, 1.0))
+def test_no_plan_that_fits_a_cap_beats_the_bounds_it_gives(problem, where):
+    # A cap between the least peak and the most: some plans fit, some need recompute to.
+    plans = list(every_plan(problem))
+    peaks = sorted(max(e.peak_bytes) for e in plans)
+    cap = peaks[0] + where * (peaks[-1] - peaks[0])
+    fastest_fitting = min(e.step_s for e in plans if max(e.peak_bytes) <= cap)
+    args = dict(p=problem.num_ranks, v=problem.v, m=problem.num_microbatches)
+    extra = least_recompute_s(memory_layers_of(problem), held_per_rank(problem), cap)
+    assert math.isfinite(extra)
+    assert chain_bound(layers_of(problem), recompute_s=extra, **args).step_s <= fastest_fitting * (1 + 1e-9)
+    alone = stage_cut_s(layers_of(problem), **args)
+    assert alone <= min(e.step_s for e in plans) * (1 + 1e-9)
+    fitting = stage_cut_s(layers_of(problem), memory=stage_memory_of(problem, cap), **args)
+    assert fitting <= fastest_fitting * (1 + 1e-9)
+
+
+def test_the_stage_cut_bound_sees_whole_layers():
+    # 4 layers on 4 stages of 2 ranks (v = 2): the cut is forced, and rank 1 holds the heavy last
+    # layer and a light one, where the relaxed bound spreads the work over both ranks.
+    layers = [BoundLayer(1.0, 2.0)] * 3 + [BoundLayer(10.0, 20.0)]
+    m = 4
+    relaxed = chain_bound(layers, p=2, v=2, m=m).step_s
+    whole = stage_cut_s(layers, p=2, v=2, m=m)
+    forced = 3.0 + m * (3.0 + 30.0)  # rank 1 waits for layer 0, then runs layers 1 and 3
+    assert relaxed < forced
+    assert whole == pytest.approx(forced, rel=1e-6)
+
+
+@pytest.mark.parametrize("p, v", [(2, 2), (3, 2), (4, 3), (8, 2)])
+def test_an_interleaved_schedule_holds_no_more_past_its_scanned_groups(p, v):
+    # The candidate bounds scan INTERLEAVED_SCAN_GROUPS groups of p microbatches: the counts of a
+    # longer schedule are the same.
+    placement = Placement(p, v)
+    for m in (INTERLEAVED_SCAN_GROUPS * p + p, 16 * p):
+        acts = make_schedule("interleaved_1f1b", placement, m)
+        every = [held_together(a, placement.stages_on(r)) for r, a in enumerate(acts)]
+        request = PlanRequest(parallel=Parallel(dp=1, tp=1, pp=p, v=v), global_batch=m, microbatch_size=1)
+        assert _held_per_rank(request) == every
+        fullest = [0] * (p * v)
+        for r, a in enumerate(acts):
+            for k, n in zip(placement.stages_on(r), fullest_moment(a, placement.stages_on(r))):
+                fullest[k] = n
+        assert list(_held_per_stage(request)) == fullest

@@ -3,7 +3,7 @@ import pytest
 from vlmcompile.ir.actions import ActionKind
 from vlmcompile.ir.placement import Placement
 from vlmcompile.planning.schedules import make_schedule
-from vlmcompile.sim.in_flight import in_flight, pattern_bytes
+from vlmcompile.sim.in_flight import fullest_moment, held_together, in_flight, pattern_bytes
 
 
 @pytest.mark.parametrize(
@@ -61,3 +61,26 @@ def test_outputs_made_a_batch_ahead_are_held_across_the_step_boundary():
     # Rank 1 gets 0F1's output as the step starts and holds it until 1F1 has taken it.
     rank_1 = [Action(1, F, 1), Action(1, B, 1)]
     assert held_across_steps(rank_1, carried, [10, 0]) == [10, 0]
+
+
+@pytest.mark.parametrize(
+    "schedule, p, v",
+    [
+        ("1f1b", 3, 1),
+        ("gpipe", 2, 1),
+        ("zero_bubble", 3, 1),
+        ("interleaved_1f1b", 2, 2),
+        ("interleaved_1f1b", 3, 3),
+    ],
+)
+def test_what_every_stage_holds_at_once_is_read_off_the_patterns(schedule, p, v):
+    """held_together and fullest_moment walk the counts without the patterns; they say what the
+    patterns do at every moment (the most of the least count, the counts where the sum is most)."""
+    placement = Placement(p, v)
+    for m in (p, 2 * p, 4 * p):
+        for rank, acts in enumerate(make_schedule(schedule, placement, m)):
+            stages = placement.stages_on(rank)
+            moments = [tuple(dict(live).get(k, 0) for k in stages) for live, _ in in_flight(acts)]
+            assert held_together(acts, stages) == max(min(c) for c in moments)
+            fullest = max(moments, key=sum)  # the first of the fullest
+            assert fullest_moment(acts, stages) == fullest

@@ -87,6 +87,8 @@ class Placement:
 
     def stages_on(self, rank: int) -> tuple[int, ...]:
         """The stages ``rank`` holds, chunk by chunk (its first chunk's stage first)."""
+        if self.style is PlacementStyle.LOOP and 0 <= rank < self.pp:
+            return tuple(range(rank, self.num_stages, self.pp))  # stage k on rank k mod pp
         return tuple(k for k in range(self.num_stages) if self.rank_of(k) == rank)
 
     def stage_at(self, rank: int, chunk: int) -> int:

@@ -453,10 +453,18 @@ class Plan:
         _check_structure(self)
         if layer_graph is not None:
             _check_layers(self, layer_graph)
-        _check_actions(self)
+        # The action checks read the schedule and where stages sit, not the layers or recompute:
+        # plans of one schedule (a policy's recompute settings, the search's candidates) pass once.
+        schedule = _schedule_key(self)
+        if schedule not in _SCHEDULES_CHECKED:
+            _check_actions(self)
         _check_ahead(self)
         _check_kernel_level(self)
-        _check_deadlock(self)
+        if schedule not in _SCHEDULES_CHECKED:
+            _check_deadlock(self)
+            _SCHEDULES_CHECKED[schedule] = None
+            if len(_SCHEDULES_CHECKED) > _SCHEDULES_KEPT:
+                _SCHEDULES_CHECKED.pop(next(iter(_SCHEDULES_CHECKED)), None)
 
     def grid_around(self, rank: int, step: int, note: str) -> str:
         """The grid's rows near ``step``, with ``note`` next to rank ``rank``'s action there."""
@@ -682,6 +690,22 @@ def _check_forward_only(plan: Plan, layer_graph: LayerGraph) -> None:
                 f"nothing trainable before them: {stage.layers[0]} ...); drop them, or plan again for "
                 "this model's trainable parameters"
             )
+
+
+_SCHEDULES_CHECKED: dict[tuple, None] = {}
+"""The schedules (:func:`_schedule_key`) whose actions and deadlock checks passed, oldest first."""
+_SCHEDULES_KEPT = 16
+
+
+def _schedule_key(plan: Plan) -> tuple:
+    """Everything :func:`_check_actions` and :func:`_check_deadlock` read of a plan."""
+    return (
+        tuple(tuple(acts) for acts in plan.actions),
+        tuple((s.index, s.ranks, s.group) for s in plan.stages),
+        plan.num_microbatches,
+        plan.ahead,
+        frozenset((plan.kernel_level or {}).items()),
+    )
 
 
 def _check_actions(plan: Plan) -> None:

@@ -265,6 +265,24 @@ _FAMILY_INPUTS = {
 }
 
 
+def _base(component: str) -> str:
+    """A component's zoo name without its ``:DEPTH``."""
+    return component.rsplit(":", 1)[0]
+
+
+def _tower(component: str, zoo: dict):
+    """A zoo tower by name; ``NAME:DEPTH`` is the same tower with DEPTH layers (the plan search
+    at scale: a 100-layer ViT, a 200-layer LLM)."""
+    base, _, depth = component.partition(":")
+    if not depth:
+        return zoo[base]
+    if not depth.isdigit() or int(depth) < 1:
+        raise KeyError(
+            f"{component!r}: the depth after ':' must be a whole number of layers >= 1, e.g. {base}:100"
+        )
+    return dataclasses.replace(zoo[base], name=component, depth=int(depth))
+
+
 def compose(
     encoders: list[str] | tuple[str, ...],
     llm: str,
@@ -275,10 +293,13 @@ def compose(
     pixel_shuffle: int | None = None,
 ) -> VLMConfig:
     """A VLM from named encoder(s) and LLM, with input sizes from the encoder's paper."""
-    unknown = [e for e in encoders if e not in ENCODERS] + ([llm] if llm not in LLMS else [])
+    unknown = [e for e in encoders if _base(e) not in ENCODERS] + ([llm] if _base(llm) not in LLMS else [])
     if unknown:
-        raise KeyError(f"unknown component(s) {unknown}; encoders: {sorted(ENCODERS)}; LLMs: {sorted(LLMS)}")
-    encs = tuple(ENCODERS[e] for e in encoders)
+        raise KeyError(
+            f"unknown component(s) {unknown}; encoders: {sorted(ENCODERS)}; LLMs: {sorted(LLMS)} "
+            "(each may take ':DEPTH' for another number of layers, e.g. ViT-5B:100)"
+        )
+    encs = tuple(_tower(e, ENCODERS) for e in encoders)
     images, tokens, shuffle = _FAMILY_INPUTS[encs[0].family]
     shuffle = pixel_shuffle if pixel_shuffle is not None else shuffle
     return VLMConfig(
@@ -287,7 +308,7 @@ def compose(
         projectors=tuple(
             ProjectorConfig(pixel_shuffle=shuffle if e.grid % shuffle == 0 else 1) for e in encs
         ),
-        llm=LLMS[llm],
+        llm=_tower(llm, LLMS),
         images_per_sample=images_per_sample or images,
         llm_tokens=llm_tokens or tokens,
     )
@@ -341,16 +362,17 @@ VLMS: dict[str, VLMConfig | ContrastiveConfig] = {
 
 
 def resolve(name: str) -> ModelConfig:
-    """The configuration a zoo name stands for: a VLM, ``ENC[+ENC]+LLM``, or one tower."""
+    """The configuration a zoo name stands for: a VLM, ``ENC[+ENC]+LLM``, or one tower; a
+    component may take ``:DEPTH`` (``ViT-5B:100+GPT-11B:200``)."""
     if name in VLMS:
         return VLMS[name]
     if "+" in name:
         *encoders, llm = name.split("+")
         return compose(encoders, llm)
-    if name in ENCODERS:
-        return ENCODERS[name]
-    if name in LLMS:
-        return LLMS[name]
+    if _base(name) in ENCODERS:
+        return _tower(name, ENCODERS)
+    if _base(name) in LLMS:
+        return _tower(name, LLMS)
     raise KeyError(
         f"unknown model {name!r}; use a VLM name ({', '.join(sorted(VLMS))}), a composition "
         f"'ENCODER+LLM' of encoders ({', '.join(sorted(ENCODERS))}) and LLMs ({', '.join(sorted(LLMS))}), "

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.stage_costs import PlanCosts
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.placement import PlacementStyle
@@ -31,31 +32,42 @@ class MegatronReport:
         return f"Megatron layout: {layout}{note}"
 
 
-def megatron_result(
+def megatron_plan(
     layer_graph: LayerGraph,
     cluster: Cluster,
     request: PlanRequest,
     *,
     policy: str,
     chunks: list[list[str]],
-    recompute: GlobalRecompute,
     flags: dict[str, Recompute],
     decisions: list[Decision],
-) -> PolicyResult:
-    """The plan of a Megatron-LM policy, simulated, with its layout in the report."""
+) -> Plan:
+    """The plan of a Megatron-LM policy (not simulated)."""
     par = request.parallel
     if par.placement is not PlacementStyle.LOOP and par.v > 1:
         raise NotApplicable(
             f"Megatron-LM places virtual stage k on rank k mod pp; it has no {par.placement.value!r} placement "
             "(plan the loop placement: --stage-placement loop)"
         )
-    plan = build_plan(
+    return build_plan(
         layer_graph, cluster, request, policy=policy, chunks=chunks, recompute=flags, decisions=decisions
     )
+
+
+def megatron_result(
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    plan: Plan,
+    recompute: GlobalRecompute,
+    *,
+    costs: PlanCosts | None = None,
+) -> PolicyResult:
+    """A Megatron-LM policy's plan, simulated (with ``costs`` where they are made already), with
+    its layout in the report."""
     layout, note = megatron_layout(plan, layer_graph)
     return PolicyResult(
         plan=plan,
-        sim=simulate(plan, layer_graph, cluster),
+        sim=simulate(plan, layer_graph, cluster, costs=costs),
         report=MegatronReport(layout, note),
         recompute=str(recompute),
     )

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vlmcompile.ir.plan import Plan
 from vlmcompile.planning.result import PolicyResult
 
 OPTIONS = ("recompute", "placement", "first_stage_layers", "last_stage_layers", "solver")
@@ -32,12 +33,23 @@ class Policy:
     variants: tuple[Mapping[str, Any], ...] = ({},)
     """Settings its users choose between (Megatron's encoder placements): a comparison plans each
     and keeps the fastest that fits."""
+    plan_only: Callable[..., Plan] | None = None
+    """``run`` without the simulation, for a global recompute policy: the least recompute that
+    fits is then found by memory alone, and only the setting chosen is timed (by ``finish``)."""
+    finish: Callable[..., PolicyResult] | None = None
+    """``finish(layer_graph, cluster, plan, recompute, costs=None) -> PolicyResult``: a
+    ``plan_only`` plan simulated (``costs``: its plan costs, made already), what ``run`` returns
+    for the same arguments."""
 
     def __post_init__(self):
         unknown = [o for o in self.options if o not in OPTIONS]
         if unknown:
             raise ValueError(
                 f"policy {self.name!r}: unknown options {unknown}; options are {', '.join(OPTIONS)}"
+            )
+        if self.plan_only is not None and not self.global_recompute:
+            raise ValueError(
+                f"policy {self.name!r}: plan_only serves a global recompute setting, which it has not"
             )
         if self.global_recompute and "recompute" not in self.options:
             raise ValueError(

@@ -22,6 +22,7 @@ Every generator returns ``tuple[tuple[Action, ...], ...]`` indexed by rank.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Mapping
 
 from vlmcompile.ir.actions import Action, ActionKind
@@ -38,6 +39,12 @@ def _check(p: int, m: int) -> None:
         raise PlanError(f"a schedule needs >= 1 rank and >= 1 microbatch (got {p} ranks, {m} microbatches)")
 
 
+FIXED_ORDERS_KEPT = 32
+"""Fixed-order schedules kept once made (the plan search and a policy's recompute settings ask
+for the same ones again; a deep pipeline's takes a second to make)."""
+
+
+@functools.lru_cache(maxsize=FIXED_ORDERS_KEPT)
 def gpipe(p: int, m: int) -> RankActions:
     _check(p, m)
     return tuple(
@@ -45,6 +52,7 @@ def gpipe(p: int, m: int) -> RankActions:
     )
 
 
+@functools.lru_cache(maxsize=FIXED_ORDERS_KEPT)
 def one_f_one_b(p: int, m: int) -> RankActions:
     _check(p, m)
     ranks = []
@@ -58,6 +66,7 @@ def one_f_one_b(p: int, m: int) -> RankActions:
     return tuple(ranks)
 
 
+@functools.lru_cache(maxsize=FIXED_ORDERS_KEPT)
 def interleaved_one_f_one_b(p: int, m: int, v: int) -> RankActions:
     """Megatron-LM's interleaved schedule; microbatches go through the chunks in groups of p."""
     _check(p, m)

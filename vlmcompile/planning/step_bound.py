@@ -19,7 +19,10 @@ is at least each of these terms, so it is at least their largest:
   the later rank's term, ``m >= 1``); with v > 1 stages 0..r-1 hold at least layers 0..r-1
   and the ranks' loads are relaxed to any split of the work (water-filling);
 * **heaviest layer** - the rank holding it computes it m times (v > 1; the exact cut covers it
-  at v = 1).
+  at v = 1);
+* **recompute to fit** - for the plans that fit a memory cap: the work over ranks with the least
+  recompute that brings the layers' kept bytes within what the cap leaves
+  (:func:`least_recompute_s`).
 
 For encoder-in-bubbles plans (the encoders on a plan of their own, their work in the LLM's
 idle time) the same terms hold for the LLM's layers alone, and the work term counts the
@@ -32,9 +35,12 @@ Transfers, recompute and the collectives' queueing only add, so they are left ou
 rank needs over every cut, with every layer kept as small as recompute makes it. With one stage
 per rank, rank r holds its stage's model states and, at its fullest, the most microbatches the
 schedule keeps in flight on it times the bytes each keeps; the least such maximum over
-contiguous cuts is found exactly as the pipeline term is. With v > 1 the ranks' states and
-in-flight bytes are averaged (the fullest rank holds at least the mean), each stage's bytes
-counted at the fewest microbatches any stage holds.
+contiguous cuts is found exactly as the pipeline term is. With v > 1 rank r holds, at one
+moment of its schedule, k_r microbatches on every one of its stages (1F1B interleaved: p on the
+first ranks, 1 on the last), so its peak is at least its states plus k_r times its layers' keep
+bytes; the fullest rank is at least the mean of those weighted by 1 / k_r, which no cut moves
+below (states / max k + keep) / sum(1 / k). The same inequality, with the cap in place of the
+peak, says how much recompute a plan that fits must save.
 
 The property tests check every term against exhaustive search on small problems.
 """
@@ -43,11 +49,21 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 BISECTION_STEPS = 40
 """Halvings of the bisected terms' intervals: the width ends near 1e-12 of the value."""
+CUT_WEIGHT_STEPS = 120
+"""Subgradient steps of each phase of :func:`stage_cut_s` (each gives a valid bound; the best
+is kept)."""
+CUT_WEIGHT_PATIENCE = 25
+"""Steps without a better bound after which a phase of :func:`stage_cut_s` stops."""
+CUT_PRICE_REACH = 0.05
+"""How far above its best bound :func:`stage_cut_s` aims its memory prices' steps."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +92,15 @@ class MemoryLayer:
     """Parameters, gradients and optimizer states."""
     keep_bytes: float
     """Kept per microbatch in flight, at its least (recomputed where that keeps less)."""
+    whole_keep_bytes: float | None = None
+    """Kept per microbatch in flight without recompute (None: ``keep_bytes``, nothing to save)."""
+    recompute_s: float = 0.0
+    """The compute one microbatch's backward adds to keep ``keep_bytes`` instead."""
+
+    @property
+    def saved_bytes(self) -> float:
+        """What recomputing the layer saves per microbatch in flight."""
+        return 0.0 if self.whole_keep_bytes is None else max(0.0, self.whole_keep_bytes - self.keep_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,12 +124,25 @@ class StepBound:
 
 
 def chain_bound(
-    layers: Sequence[BoundLayer], *, p: int, v: int, m: int, split_backward: bool = False
+    layers: Sequence[BoundLayer],
+    *,
+    p: int,
+    v: int,
+    m: int,
+    split_backward: bool = False,
+    recompute_s: float = 0.0,
 ) -> StepBound:
-    """The bound on every plan that cuts ``layers`` (in order) into ``p x v`` stages, one chain."""
+    """The bound on every plan that cuts ``layers`` (in order) into ``p x v`` stages, one chain.
+
+    Args:
+        recompute_s: the least recompute per microbatch a plan must do to fit its memory
+            (:func:`least_recompute_s`): with it, the bound holds for the plans that fit.
+    """
     _check(layers, p, v, m)
     work = sum(x.work_s for x in layers)
     terms = [("work over ranks", m * work / p), ("pipeline", _pipeline_s(layers, p, v, m, split_backward))]
+    if recompute_s > 0:
+        terms.append(("recompute to fit", m * (work + recompute_s) / p))
     if v > 1:
         terms.append(("heaviest layer", layers[0].gather_s + m * max(x.work_s for x in layers)))
     return StepBound(tuple(terms))
@@ -211,13 +249,17 @@ def least_peak_bytes(layers: Sequence[MemoryLayer], in_flight: Sequence[int], *,
     and every recompute choice (the module docstring).
 
     Args:
-        in_flight: per stage, the most microbatches the schedule keeps in flight on it.
+        in_flight: per rank, the most microbatches every one of its stages holds at one moment of
+            the schedule (:func:`~vlmcompile.sim.in_flight.held_together`; one stage per rank: the
+            most it keeps in flight).
     """
-    if len(in_flight) != p * v:
-        raise ValueError(f"{len(in_flight)} in-flight counts for p x v = {p * v} stages")
-    states = sum(x.state_bytes for x in layers)
+    if len(in_flight) != p:
+        raise ValueError(f"{len(in_flight)} in-flight counts for p = {p} ranks")
     if v > 1:
-        return (states + min(in_flight) * sum(x.keep_bytes for x in layers)) / p
+        return _weighted_peak_bytes(
+            sum(x.state_bytes for x in layers), sum(x.keep_bytes for x in layers), in_flight
+        )
+    states = sum(x.state_bytes for x in layers)
     state = list(itertools.accumulate((x.state_bytes for x in layers), initial=0.0))
     keep = list(itertools.accumulate((x.keep_bytes for x in layers), initial=0.0))
     low, high = states / p, states + max(in_flight) * keep[-1]
@@ -244,3 +286,205 @@ def _fits_under(state: Sequence[float], keep: Sequence[float], in_flight: Sequen
         if i >= num_layers:
             return True
     return False
+
+
+def _weighted_peak_bytes(states: float, keep: float, in_flight: Sequence[int]) -> float:
+    """A lower bound on the fullest rank's peak, whatever the cut: rank r holds its states and
+    k_r x its layers' keep bytes at once, and the largest of those is at least their mean
+    weighted by 1 / k_r, which is at least (states / max k + keep) / sum(1 / k)."""
+    held = [max(1, k) for k in in_flight]
+    return (states / max(held) + keep) / sum(1.0 / k for k in held)
+
+
+def least_recompute_s(layers: Sequence[MemoryLayer], in_flight: Sequence[int], cap_bytes: float) -> float:
+    """The least recompute compute per microbatch (summed over the layers) any plan must add to
+    keep its fullest rank within ``cap_bytes`` (``in_flight`` as :func:`least_peak_bytes` takes it;
+    inf: no recompute fits).
+
+    A plan fits only if its layers' keep bytes K satisfy (states / max k + K) / sum(1 / k) <=
+    cap (:func:`_weighted_peak_bytes`), so recompute must save what keeping every layer whole
+    puts over that; the cheapest compute per byte saved first, fractionally (a relaxation of
+    choosing whole layers, so a lower bound).
+    """
+    held = [max(1, k) for k in in_flight]
+    room = cap_bytes * sum(1.0 / k for k in held) - sum(x.state_bytes for x in layers) / max(held)
+    whole = sum(x.keep_bytes + x.saved_bytes for x in layers)
+    short = whole - room
+    if short <= 0:
+        return 0.0
+    extra = 0.0
+    savers = sorted((x for x in layers if x.saved_bytes > 0), key=lambda x: x.recompute_s / x.saved_bytes)
+    for x in savers:
+        take = min(1.0, short / x.saved_bytes)
+        extra += take * x.recompute_s
+        short -= take * x.saved_bytes
+        if short <= 0:
+            return extra
+    return math.inf
+
+
+def stage_cut_s(
+    layers: Sequence[BoundLayer],
+    *,
+    p: int,
+    v: int,
+    m: int,
+    split_backward: bool = False,
+    memory: StageMemory | None = None,
+    enough_s: float = math.inf,
+) -> float:
+    """The pipeline term over whole layers, and with ``memory`` over the plans that fit: a lower
+    bound on every plan that cuts ``layers`` into ``p x v`` non-empty stages, stage k on rank
+    k mod p, with any recompute. Tighter than :func:`chain_bound` where few layers fall to a stage
+    (the cut cannot even the ranks out) or the cap forces recompute on the fullest ranks.
+
+    Every rank r has ``T >= a_r + m x load_r`` (``a_r``: :func:`_rank_offsets`; its load with the
+    recompute it does) and, for a plan that fits, ``mem_r <= cap`` at the moment
+    :class:`StageMemory` counts. So for any weights w >= 0 over the ranks summing to 1 and any
+    prices u >= 0, ``T >= sum_r w_r (a_r + m load_r) + u_r (mem_r - cap)``; its least over the cuts
+    and recompute choices is found exactly (each layer's recompute alone, then a dynamic program
+    over the stages). The weights and prices are improved by subgradient steps; every step's value
+    is a bound and the largest is returned, early once it reaches ``enough_s`` (the incumbent: the
+    candidate is pruned).
+    """
+    _check(layers, p, v, m)
+    num_stages = p * v
+    if num_stages > len(layers):
+        raise ValueError(f"{len(layers)} layers cannot fill p x v = {num_stages} stages")
+    cut = _CutProblem.of(layers, p, num_stages, m, split_backward, memory)
+    weights, prices = np.full(p, 1.0 / p), np.zeros(p)
+    best = -math.inf
+    # First the rank weights alone, then (with a cap) the memory prices beside them: every step's
+    # value is a bound, so the two phases only decide how fast the best one grows.
+    # With one stage per rank the weights alone cannot beat chain_bound's exact pipeline term.
+    phases = ("weights",) * (v > 1) + ("prices",) * (memory is not None)
+    if not phases:
+        return cut.least(weights, prices)[0]  # the work over the ranks, with their offsets
+    for phase in phases:
+        since = 0
+        for step in range(CUT_WEIGHT_STEPS):
+            value, terms, over = cut.least(weights, prices)
+            if value > best * (1 + 1e-9):
+                best, since = value, 0
+            else:
+                since += 1
+            if best >= enough_s or since >= CUT_WEIGHT_PATIENCE:
+                break
+            spread = terms - terms.mean()
+            over = over * cut.price_scale if phase == "prices" else np.zeros(p)
+            norm = float(spread @ spread + over @ over)
+            if norm <= 0:
+                break  # the best cut loads every rank alike (and fits): nothing to move
+            # Polyak's step towards a value above the best: the cut's largest term while only the
+            # weights move (no weighting of this cut's terms exceeds it), a few percent above the
+            # best once prices move (a cut over the cap may have smaller terms than the optimum)
+            target = terms.max() if phase == "weights" else max(terms.max(), best * (1 + CUT_PRICE_REACH))
+            size = max(target - value, 0.0) / norm / math.sqrt(step + 1)
+            weights = _onto_simplex(weights + size * spread)
+            prices = np.maximum(prices + size * cut.price_scale * over, 0.0)
+        if best >= enough_s:
+            break
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """What :func:`stage_cut_s` needs of the layers' memory: their bytes, the cap, and per stage
+    the microbatches it holds at one moment of its rank's schedule (the same moment for every
+    stage of a rank)."""
+
+    layers: tuple[MemoryLayer, ...]
+    held: tuple[int, ...]
+    cap_bytes: float
+
+
+@dataclass(frozen=True)
+class _CutProblem:
+    """The arrays of :func:`stage_cut_s`'s dynamic program."""
+
+    p: int
+    num_stages: int
+    m: int
+    prefix: np.ndarray
+    offsets: np.ndarray
+    work: np.ndarray
+    redo: np.ndarray
+    state: np.ndarray
+    whole: np.ndarray
+    saved: np.ndarray
+    held: np.ndarray
+    cap: float
+    price_scale: float
+    """Seconds per byte that make a price comparable to a weight (the subgradient steps)."""
+
+    @classmethod
+    def of(cls, layers, p, num_stages, m, split_backward, memory: StageMemory | None) -> _CutProblem:
+        work = np.array([x.work_s for x in layers])
+        n = len(layers)
+        if memory is None:
+            zeros = np.zeros(n)
+            state, whole, saved, redo, held, cap = zeros, zeros, zeros, zeros, np.zeros(num_stages), 0.0
+        else:
+            if len(memory.layers) != n or len(memory.held) != num_stages:
+                raise ValueError("memory: one MemoryLayer per layer and one count per stage")
+            state = np.array([x.state_bytes for x in memory.layers])
+            saved = np.array([x.saved_bytes for x in memory.layers])
+            whole = np.array([x.keep_bytes for x in memory.layers]) + saved
+            redo = np.array([x.recompute_s for x in memory.layers])
+            held, cap = np.asarray(memory.held, dtype=float), memory.cap_bytes
+        total_bytes = float(state.sum() + held.max(initial=0.0) * whole.sum())
+        scale = (m * work.sum() / p) / total_bytes if total_bytes > 0 else 1.0
+        offsets = np.asarray(_rank_offsets(layers, p, split_backward))
+        prefix = np.concatenate(([0.0], np.cumsum(work)))
+        return cls(p, num_stages, m, prefix, offsets, work, redo, state, whole, saved, held, cap, scale)
+
+    def least(self, weights: np.ndarray, prices: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """The least over cuts and recompute choices of sum_r w_r (a_r + m load_r) + u_r (mem_r -
+        cap); at that choice, every rank's a_r + m load_r and mem_r - cap (the subgradients)."""
+        size = len(self.prefix)
+        index = np.arange(size)
+        least = np.full(size, np.inf)
+        least[0] = 0.0  # least[c]: stages 0..k-1 over layers 0..c-1
+        came_from = np.empty((self.num_stages, size), dtype=np.int64)
+        costs = []
+        for k in range(self.num_stages):
+            r = k % self.p
+            each = self._layer_costs(weights[r], prices[r], self.held[k])
+            costs.append(each)
+            stage = np.concatenate(([0.0], np.cumsum(each[0])))
+            h = least - stage
+            running = np.minimum.accumulate(h)
+            where = np.maximum.accumulate(np.where(h == running, index, 0))
+            least = np.empty(size)
+            least[0] = np.inf
+            least[1:] = running[:-1] + stage[1:]
+            came_from[k, 0] = 0
+            came_from[k, 1:] = where[:-1]
+        loads, mem = np.zeros(self.p), np.zeros(self.p)
+        end = size - 1
+        for k in range(self.num_stages - 1, -1, -1):
+            start = came_from[k, end]
+            _, redo, keep = costs[k]
+            r = k % self.p
+            loads[r] += self.prefix[end] - self.prefix[start] + redo[start:end].sum()
+            mem[r] += self.state[start:end].sum() + self.held[k] * keep[start:end].sum()
+            end = start
+        value = float(least[-1] + weights @ self.offsets - prices.sum() * self.cap)
+        return value, self.offsets + self.m * loads, mem - self.cap
+
+    def _layer_costs(self, weight: float, price: float, held: float):
+        """Per layer, its least cost on a stage of this weight, price and count, and the
+        recompute compute and kept bytes of that choice."""
+        time = weight * self.m
+        recompute = time * self.redo - price * held * self.saved < 0
+        redo = np.where(recompute, self.redo, 0.0)
+        keep = self.whole - np.where(recompute, self.saved, 0.0)
+        return time * (self.work + redo) + price * (self.state + held * keep), redo, keep
+
+
+def _onto_simplex(y: np.ndarray) -> np.ndarray:
+    """The nearest point of {w >= 0, sum w = 1} to ``y`` (Euclidean projection)."""
+    u = np.sort(y)[::-1]
+    cumulative = np.cumsum(u) - 1.0
+    k = np.nonzero(u * np.arange(1, len(y) + 1) > cumulative)[0][-1]
+    return np.maximum(y - cumulative[k] / (k + 1), 0.0)

@@ -36,6 +36,48 @@ def in_flight(actions: Sequence[Action]) -> Iterator[MemoryPattern]:
             live[a.stage] -= 1
 
 
+def held_together(actions: Sequence[Action], stages: Sequence[int]) -> int:
+    """The most microbatches every one of ``stages`` holds at one moment of one rank's list:
+    whatever each stage keeps per microbatch, the rank holds at least this many times their sum
+    then (a lower bound on its peak that needs no cut). :func:`in_flight`'s counts, walked
+    without its patterns: a count only grows at a forward, so the most is right after one."""
+    most = 0
+    for live in _counts_after_forwards(actions, stages):
+        most = max(most, min(live))
+    return most
+
+
+def fullest_moment(actions: Sequence[Action], stages: Sequence[int]) -> tuple[int, ...]:
+    """Per stage of ``stages``, the microbatches it holds at the moment one rank's list holds the
+    most of them in all (the first such): whatever each keeps, the rank holds at least their
+    bytes at once."""
+    most, counts = -1, tuple(0 for _ in stages)
+    for live in _counts_after_forwards(actions, stages):
+        if sum(live) > most:
+            most, counts = sum(live), tuple(live)
+    return counts
+
+
+def _counts_after_forwards(actions: Sequence[Action], stages: Sequence[int]) -> Iterator[list[int]]:
+    """``stages``' in-flight counts (as :func:`in_flight` keeps them) right after each forward of
+    one of them, and once before any (the same list, updated in place)."""
+    split = {a.stage for a in actions if a.kind is ActionKind.W}
+    backward = {a.stage for a in actions if a.kind is not ActionKind.F}
+    where = {k: i for i, k in enumerate(stages)}
+    live = [0] * len(stages)
+    yield live
+    for a in actions:
+        i = where.get(a.stage)
+        if i is None:
+            continue
+        if a.kind is ActionKind.F:
+            if a.stage in backward:
+                live[i] += 1
+                yield live
+        elif a.kind is ActionKind.B or (a.kind is ActionKind.W and a.stage in split):
+            live[i] -= 1
+
+
 def pattern_bytes(pattern: MemoryPattern, keep: Sequence, transient: Sequence) -> Any:
     """Bytes a pattern holds: microbatches in flight times what each stage keeps per
     microbatch, plus the transient of the stage whose backward runs (numbers or CP-SAT

@@ -407,6 +407,16 @@ def simulate_step(
     return t.step_s, [costs.static_bytes[r] + peaks[r][0] for r in range(plan.num_ranks)]
 
 
+def peak_memory_bytes(
+    plan: Plan, layer_graph: LayerGraph, cluster: Cluster, *, costs: PlanCosts | None = None
+) -> list[float]:
+    """Per rank, the peak memory :func:`simulate` reports, without timing the step: what choosing
+    the least recompute that fits needs of the settings that do not fit."""
+    costs = costs or plan_costs(plan, layer_graph, cluster)
+    peaks = _layout(plan).peak_memory(plan, costs)
+    return [costs.static_bytes[r] + peaks[r][0] for r in range(plan.num_ranks)]
+
+
 def dp_layer(c: LayerCost) -> dp.DPLayer:
     """A layer's figures for the DP stream (:mod:`vlmcompile.sim.dp`)."""
     return dp.DPLayer(
