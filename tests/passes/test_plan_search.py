@@ -260,11 +260,9 @@ def test_the_search_table_prints_times_that_tell_close_plans_apart(demo_graph):
 @pytest.mark.parametrize(
     "tp, pp, v, microbatch_size, tight",
     [
-        (1, 1, 1, 1, False),
         (1, 2, 1, 2, False),
         (2, 4, 1, 1, False),
         (1, 4, 2, 1, False),
-        (1, 8, 1, 1, False),
         (2, 2, 2, 2, False),
         (1, 4, 2, 1, True),
         (2, 2, 2, 2, True),

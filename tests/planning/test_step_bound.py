@@ -100,7 +100,7 @@ def held_per_rank(problem: PartitionProblem) -> list[int]:
     return [held_together(acts, placement.stages_on(r)) for r, acts in enumerate(problem.actions)]
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_no_plan_beats_the_chain_bound_or_needs_less_memory_than_the_memory_bound(problem):
     plans = list(every_plan(problem))
@@ -171,7 +171,7 @@ def stage_memory_of(problem: PartitionProblem, cap: float) -> StageMemory:
     return StageMemory(tuple(memory_layers_of(problem)), tuple(held), cap)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.floats(0.0, 1.0))
 def test_no_plan_that_fits_a_cap_beats_the_bounds_it_gives(problem, where):
     # A cap between the least peak and the most: some plans fit, some need recompute to.
