@@ -20,7 +20,7 @@ from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Parallel, Recompute
 from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.planning.request import PlanRequest
-from vlmcompile.planning.schedules import Schedule, make_schedule
+from vlmcompile.planning.schedules import RankActions, Schedule, make_schedule
 from vlmcompile.planning.step_bound import (
     BoundLayer,
     MemoryLayer,
@@ -169,21 +169,35 @@ def _costs(
 
 def _held_per_rank(request: PlanRequest) -> list[int]:
     """Per rank, the most microbatches every one of its stages holds at one moment of the
-    request's schedule (1F1B's rank k: min(p - k, m), Narayanan et al. 2021). Schedules that
-    order work by the stages' times (zero-bubble, v_1f1b) are not known before the cut: there
-    every stage holds at least the one microbatch between its forward and its backward."""
+    request's schedule (1F1B's rank k: min(p - k, m), Narayanan et al. 2021); 1 where the
+    schedule is not known before the cut (:func:`_scanned_schedule`)."""
     par, m = request.parallel, request.num_microbatches
     if request.schedule_name is Schedule.ONE_F_ONE_B:
         return [min(par.pp - k, m) for k in range(par.pp)]
-    if request.schedule_name in (Schedule.ZERO_BUBBLE, Schedule.V_1F1B):
+    ranks = _scanned_schedule(request)
+    if ranks is None:
         return [1] * par.pp
     placement = par.stage_placement
-    return [
-        held_together(acts, placement.stages_on(rank))
-        for rank, acts in enumerate(
-            make_schedule(request.schedule_name, placement, _scanned_microbatches(request))
-        )
-    ]
+    return [held_together(acts, placement.stages_on(rank)) for rank, acts in enumerate(ranks)]
+
+
+def _held_per_stage(request: PlanRequest) -> tuple[int, ...]:
+    """Per stage, the microbatches it holds at the moment its rank holds the most
+    (:func:`~vlmcompile.sim.in_flight.fullest_moment`); where the schedule is not known before
+    the cut, a rank's first stage holds microbatch 0 between its forward and its backward, and
+    nothing else is counted."""
+    par = request.parallel
+    placement = par.stage_placement
+    held = [0] * (par.pp * par.v)
+    ranks = _scanned_schedule(request)
+    for rank in range(par.pp):
+        stages = placement.stages_on(rank)
+        if ranks is None:
+            held[stages[0]] = 1
+            continue
+        for k, n in zip(stages, fullest_moment(ranks[rank], stages)):
+            held[k] = n
+    return tuple(held)
 
 
 INTERLEAVED_SCAN_GROUPS = 3
@@ -192,32 +206,22 @@ past its warm-up (under 2p microbatches' forwards) every group repeats the same 
 microbatches hold no more (checked up to 16 groups in the tests)."""
 
 
+def _scanned_schedule(request: PlanRequest) -> RankActions | None:
+    """The request's action lists to read in-flight counts off (interleaved 1F1B over
+    :data:`INTERLEAVED_SCAN_GROUPS` groups of p microbatches), or None where the schedule orders
+    work by the stages' times (zero-bubble, v_1f1b) and so is not known before the cut."""
+    if request.schedule_name in (Schedule.ZERO_BUBBLE, Schedule.V_1F1B):
+        return None
+    return make_schedule(
+        request.schedule_name, request.parallel.stage_placement, _scanned_microbatches(request)
+    )
+
+
 def _scanned_microbatches(request: PlanRequest) -> int:
     m, p = request.num_microbatches, request.parallel.pp
     if request.schedule_name is Schedule.INTERLEAVED_1F1B:
         return min(m, INTERLEAVED_SCAN_GROUPS * p)
     return m
-
-
-def _held_per_stage(request: PlanRequest) -> tuple[int, ...]:
-    """Per stage, the microbatches it holds at the moment its rank holds the most
-    (:func:`~vlmcompile.sim.in_flight.fullest_moment`). Where the schedule orders work by the
-    stages' times (zero-bubble, v_1f1b) the order is not known before the cut: a rank's first
-    stage holds microbatch 0 between its forward and its backward, and nothing else is counted."""
-    par = request.parallel
-    placement = par.stage_placement
-    held = [0] * (par.pp * par.v)
-    if request.schedule_name in (Schedule.ZERO_BUBBLE, Schedule.V_1F1B):
-        for rank in range(par.pp):
-            held[placement.stages_on(rank)[0]] = 1
-        return tuple(held)
-    for rank, acts in enumerate(
-        make_schedule(request.schedule_name, placement, _scanned_microbatches(request))
-    ):
-        stages = placement.stages_on(rank)
-        for k, n in zip(stages, fullest_moment(acts, stages)):
-            held[k] = n
-    return tuple(held)
 
 
 def _bubbles_bound(
