@@ -16,6 +16,7 @@ from vlmcompile.planning.bubble_schedule import (
     StageUnits,
     evaluate_schedule,
     greedy,
+    schedule_bound,
     solve_schedule,
 )
 from vlmcompile.planning.schedules import one_f_one_b
@@ -194,6 +195,8 @@ def test_cp_sat_finds_the_exhaustive_optimum(case, data, send, tight):
         mem_limit=(case["microbatches"] + 1) if tight else 10**9,
     )
     expected = exhaustive(problem)
+    if expected is not None:
+        assert schedule_bound(problem) <= expected
     if expected is None:
         with pytest.raises(PlanError, match="within memory"):
             solve_schedule(problem, time_limit_s=20, num_workers=2)
@@ -322,6 +325,8 @@ def test_encoder_forwards_a_batch_ahead_wait_for_nothing_and_fill_the_cool_down(
     solved = solve_schedule(ahead, time_limit_s=5, num_workers=2)
     assert solved.status == "OPTIMAL" and solved.step == llm_alone
     assert in_step.step >= llm_alone + 3
+    # the bound given to CP-SAT: the LLM alone, after the first encoder forward unless it ran ahead
+    assert schedule_bound(ahead) == llm_alone and schedule_bound(base) == llm_alone + 3
     for actions in (greedy(ahead), solved.actions):
         listed = [a for acts in actions for a in acts]
         assert sorted(a for a in listed if a.stage == 0) == sorted(ahead.ahead_actions)
@@ -376,3 +381,15 @@ def test_end_room_keeps_riders_off_the_final_backward_wave():
         overruns[end_room] = _last_host_overruns(problem, actions, riders)
     assert all(v <= 1e-9 for rank, v in overruns[True].items() if rank != first_llm_rank)
     assert any(v > 1e-9 for rank, v in overruns[False].items() if rank != first_llm_rank)
+
+
+def test_a_wrong_bound_never_refuses_a_schedule(monkeypatch):
+    """The bound given to CP-SAT is a constraint: were it ever above the optimum, a start that
+    fits must overrule it, and an infeasibility it alone caused is checked again without it."""
+    import vlmcompile.planning.bubble_schedule as bubble_schedule
+
+    problem = make_problem(ranks=2, microbatches=3, encoder_pp=1, enc_times=[(3, 5)], llm_times=[(4, 8)] * 2)
+    expected = exhaustive(problem)
+    monkeypatch.setattr(bubble_schedule, "schedule_bound", lambda problem: 10**9)
+    found = solve_schedule(problem, time_limit_s=5, num_workers=1)
+    assert found.step == expected and found.bound <= found.objective

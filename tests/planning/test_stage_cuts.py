@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.placement import Placement
 from vlmcompile.planning.problem import PartitionProblem, evaluate, memory_patterns
-from vlmcompile.planning.request import SolverOptions
+from vlmcompile.planning.request import GAP_GOAL, SolverOptions
 from vlmcompile.planning.schedules import make_schedule
 from vlmcompile.planning.stage_cuts import Infeasible, solve
 
@@ -212,6 +212,10 @@ def test_a_timeout_returns_the_best_plan_and_says_so():
     assert solution.bound_s <= solution.objective_s * (1 + 1e-9)
     if solution.timed_out:
         assert solution.gap >= 0
+    # the bound it was given over whole layers: never zero, as CP-SAT's own was on such problems
+    assert solution.bound_s > 0
+    assert (solution.why_gap() != "") == (solution.gap > GAP_GOAL)
+    assert solution.why_gap() in solution.summary()
 
 
 def test_without_the_closed_form_only_the_timeline_runs_from_the_hint():
@@ -244,3 +248,18 @@ def test_minimize_memory_finds_the_enumerated_least_peak():
     least = min(peak.min() for _, _, _, peak in enumerate_plans(problem))
     solution = solve(problem, SolverOptions(workers=1), minimize_memory=True, mem_quantum_bytes=1e-3)
     assert max(solution.evaluation.peak_bytes) == pytest.approx(least, rel=1e-3)
+
+
+def test_a_wrong_bound_never_refuses_a_problem(monkeypatch):
+    """The bound given to CP-SAT is a constraint: were it ever above the optimum, a hint that fits
+    must overrule it, and without a hint CP-SAT's infeasibility is checked again without it."""
+    import vlmcompile.planning.stage_cuts as stage_cuts
+
+    monkeypatch.setattr(stage_cuts, "closed_form_bound", lambda problem, units: 10**12)
+    monkeypatch.setattr(stage_cuts, "timeline_bound", lambda problem, units: 10**12)
+    problem = _large_problem(12, 3, 6)
+    hint = (tuple(i * 3 // 12 for i in range(12)), (True,) * 12)
+    for start in (hint, None):
+        solution = solve(problem, SolverOptions(time_limit_s=4.0, workers=1), hint=start)
+        assert solution.evaluation.fits
+        assert solution.bound_s <= solution.objective_s * (1 + 1e-9)

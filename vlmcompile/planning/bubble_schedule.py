@@ -674,6 +674,93 @@ def _encoder_candidates(
     return out
 
 
+def schedule_bound(problem: BubbleProblem) -> int:
+    """A lower bound on the CP-SAT model's step (units; its objective leaves the DP collectives
+    out): the LLM's actions alone in their order, timed by the problem's rules, after the encoder's
+    forwards of microbatch 0 (unless they ran a batch ahead) and before, for every microbatch whose
+    encoder trains, its encoder backwards.
+
+    Encoder work only occupies ranks and adds dependencies, so no LLM action starts earlier than
+    it does alone; and every LLM action waits, through its rank's order or its inputs, for the
+    first LLM forward of microbatch 0, so the whole LLM timeline shifts by that forward's wait.
+    Transfers to and from the encoder are left out (they only add)."""
+    e = problem.encoder_stages
+    original: dict[Action, Action] = {}
+    lists = []
+    for acts in problem.llm_actions:
+        row = []
+        for a in acts:
+            alone = Action(a.stage - e, a.kind, a.microbatch)
+            original[alone] = a
+            row.append(alone)
+        lists.append(row)
+    timed = run_actions(
+        lists,
+        problem.num_stages - e,
+        duration=lambda a, _s: problem.duration(original[a]),
+        transfer=lambda dep, a: problem.transfer(original[dep], original[a]),
+    )
+    wait = 0 if 0 in problem.ahead else sum(problem.duration(Action(s, F, 0)) for s in range(e))
+    step = max((t.end_s for t in timed), default=0)
+    trained = [s for s in range(e) if s not in problem.forward_only]
+    for t in timed:
+        if t.action.stage == 0 and t.action.kind is B and trained:
+            after = sum(problem.duration(Action(s, B, t.action.microbatch)) for s in trained)
+            step = max(step, t.end_s + after)
+    return max(round(wait + step), max(_rank_bounds(problem), default=0))
+
+
+def _rank_bounds(problem: BubbleProblem) -> list[int]:
+    """Per rank, and for all ranks together: no action of it starts before the shortest chain of
+    forwards any of them waits for, it runs its work one action at a time (its LLM actions and the
+    encoder stages every pipeline puts on it; together, the mean of all), and after its last
+    action the shortest chain of backwards that any of them leaves still runs."""
+    e, m, S = problem.encoder_stages, problem.num_microbatches, problem.num_stages
+    trained = [s for s in range(S) if s >= e or s not in problem.forward_only]
+
+    def chain(kind: ActionKind, j: int, stages) -> int:
+        return sum(problem.duration(Action(s, kind, j)) for s in stages)
+
+    def before(a: Action) -> int:
+        """The forwards (and, for a backward, the later stages' backwards) it waits for."""
+        first = e if a.stage >= e and a.microbatch in problem.ahead else 0
+        if a.kind is F:
+            return chain(F, a.microbatch, range(first, a.stage))
+        return chain(F, a.microbatch, range(first, S)) + chain(B, a.microbatch, range(a.stage + 1, S))
+
+    def after(a: Action) -> int:
+        """What still runs after it: the rest of its microbatch's forwards and every backward, or
+        for a backward the earlier stages' backwards."""
+        j = a.microbatch
+        if a.kind is B:
+            return chain(B, j, (s for s in trained if s < a.stage))
+        if a.stage < e and j in problem.ahead:  # for the next batch: the rest of its encoder forwards
+            return chain(F, j, range(a.stage + 1, e))
+        return chain(F, j, range(a.stage + 1, S)) + chain(B, j, trained)
+
+    fixed = [
+        s
+        for s in range(e)
+        if len({problem.rank_of(Action(s, F, 0), k) for k in range(problem.pipelines)}) == 1
+    ]
+    out = []
+    for rank, acts in enumerate(problem.llm_actions):
+        mine = list(acts)
+        for s in fixed:
+            if problem.rank_of(Action(s, F, 0), 0) == rank:
+                mine += [a for j in range(m) for a in problem.encoder_actions(j) if a.stage == s]
+        if mine:
+            work = sum(problem.duration(a) for a in mine)
+            out.append(min(map(before, mine)) + work + min(map(after, mine)))
+    # Every rank together: some rank runs at least the mean of all the work, the encoder's
+    # wherever its pipelines put it, between the shortest chains of any action.
+    every = [a for acts in problem.llm_actions for a in acts]
+    every += [a for j in range(m) for a in problem.encoder_actions(j)]
+    mean = math.ceil(sum(map(problem.duration, every)) / problem.num_ranks)
+    out.append(min(map(before, every)) + mean + min(map(after, every)))
+    return out
+
+
 # ---- the CP-SAT model ------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class BubbleSolution:
@@ -702,43 +789,68 @@ def solve_schedule(
     num_workers: int = 2,
     hint: RankActions | None = None,
     memory: bool = True,
+    bounded: bool = True,
 ) -> BubbleSolution:
     """The schedule with the shortest step (CP-SAT), within ``time_limit_s``; ``hint`` warm-starts
-    it (default: the greedy schedule). A timeout returns the best schedule found and says so."""
+    it (default: the greedy schedule). A timeout returns the best schedule found and says so.
+    ``bounded``: give the model :func:`schedule_bound` as a constraint on its step."""
     started = time.perf_counter()
     hint = hint if hint is not None else greedy(problem)
     model = _ScheduleModel(problem, memory=memory)
     model.add_hint(hint)
+    hinted = evaluate_schedule(problem, hint)
+    # The model's objective leaves the DP collectives out, as its bound does.
+    hinted_objective = round(_step(dataclasses.replace(problem, dp_layers=()), hint))
+    lower = schedule_bound(problem) if bounded else 0
+    if lower > hinted_objective and (hinted.fits or not memory):
+        lower = 0  # above a schedule that fits: a wrong bound is never trusted over the schedule
+    if lower:
+        model.cp.add(model.step >= lower)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = num_workers
     solver.parameters.catch_sigint_signal = False
+    solver.parameters.cp_model_probing_level = 0  # as in the partition: presolve probing ate the limit
     if len(model.intervals) > LNS_ONLY_ABOVE:
         # On paper-scale problems the full-problem workers' first pass ignores the time limit
         # (strong-3072, 3,300 intervals: 10.4 s against a 5 s limit, no better solution found);
         # the large-neighbourhood workers keep to it and improve the warm start where they can.
         solver.parameters.use_lns_only = True
+        # Its presolve propagates the precedences for seconds (Yi-34B's 256 microbatches: 5 s, 265
+        # loops, then no solution at all); without it the hint is the first solution at once.
+        solver.parameters.cp_model_presolve = False
     status = solver.solve(model.cp)
     wall = time.perf_counter() - started
     name = solver.status_name(status)
-    hinted = evaluate_schedule(problem, hint)
+    if status == cp_model.INFEASIBLE and lower:
+        # Only CP-SAT's own proof refuses a problem, never the bound it was given: solve again without.
+        left = max(0.05 * time_limit_s, time_limit_s - wall)
+        return solve_schedule(
+            problem, time_limit_s=left, num_workers=num_workers, hint=hint, memory=memory, bounded=False
+        )
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE:
             raise PlanError(
                 "no schedule of the encoder work keeps every rank within memory; recompute more, use a "
                 "larger encoder PP, or fewer microbatches"
             )
-        bound = int(solver.best_objective_bound) if status == cp_model.UNKNOWN else 0
-        # The objective is the model's (no DP collectives), as CP-SAT's bound is.
-        objective = round(_step(dataclasses.replace(problem, dp_layers=()), hint))
-        return BubbleSolution(hint, hinted.step, f"{name} (the warm start returned)", objective, bound, wall)
+        bound = max(int(solver.best_objective_bound), lower) if status == cp_model.UNKNOWN else 0
+        bound = min(bound, hinted_objective)
+        return BubbleSolution(
+            hint, hinted.step, f"{name} (the warm start returned)", hinted_objective, bound, wall
+        )
     actions = model.read(solver)
     found = evaluate_schedule(problem, actions)
     if hinted.step < found.step and (hinted.fits or not memory):  # never worse than its start
         actions, found = hint, hinted
     objective = int(round(solver.objective_value))
     return BubbleSolution(
-        actions, found.step, name, objective, min(int(solver.best_objective_bound), objective), wall
+        actions,
+        found.step,
+        name,
+        objective,
+        min(max(int(solver.best_objective_bound), lower), objective),
+        wall,
     )
 
 

@@ -114,6 +114,10 @@ class PlanRequest:
         return f"DP={p.dp} TP={p.tp} PP={p.pp} V={p.v} mb={self.microbatch_size}x{self.num_microbatches}"
 
 
+GAP_GOAL = 0.02
+"""A CP-SAT gap above this share of the objective is explained wherever it is reported."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SolverOptions:
     """How long and on how many cores CP-SAT may work on one plan."""

@@ -9,12 +9,12 @@ The step time is modelled twice, and :func:`solve` runs the two models in turn:
 
 * the closed form
 
-      T = [(v m - 1) max_r W_r + sum_k (F_k + B_k) + sum_cuts (send + receive)] / v + tail
+      T = [(v m - 1) max_r W_r + sum_k (F_k + B_k)] / v + tail
 
   (W_r the work of rank r per microbatch: 1F1B's (m - 1) x slowest stage plus the fill and
-  drain, Narayanan et al. 2021; ``tail`` the DP gradient reduction left after the drain). It
-  is quick to solve and to bound, but off the simulator's step by up to 24 % on random
-  unbalanced stages;
+  drain, Narayanan et al. 2021; ``tail`` the DP gradient reduction left after the drain; the
+  cut transfers are the timeline's). It is quick to solve and to bound, but off the simulator's
+  step by up to 24 % on random unbalanced stages;
 * the timeline: every action of every rank's action list gets a start time, after the previous
   action of its rank and after the actions it depends on plus their transfer, and the step
   ends with the last action (or the DP gradient reduction a rank starts with its last
@@ -29,6 +29,10 @@ stage, counted from its action list) times the bytes each stage keeps, plus the 
 transient of the stage whose backward runs, plus the rank's model states, stay within the cap
 (the simulator's accounting: :func:`~vlmcompile.planning.problem.evaluate` and the property
 tests hold them equal).
+
+Each model is given a lower bound on its objective over whole layers
+(:mod:`vlmcompile.planning.partition_bound`) as a constraint, computed within its time limit: on
+paper-scale problems CP-SAT's own bound stayed at zero until the limit.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from dataclasses import dataclass, replace
 from ortools.sat.python import cp_model
 
 from vlmcompile.ir.actions import ActionKind, dependencies
+from vlmcompile.planning.partition_bound import Units, closed_form_bound, timeline_bound
 from vlmcompile.planning.problem import (
     Evaluation,
     PartitionProblem,
@@ -49,7 +54,7 @@ from vlmcompile.planning.problem import (
     stage_figures,
     stage_timeline,
 )
-from vlmcompile.planning.request import SolverOptions
+from vlmcompile.planning.request import GAP_GOAL, SolverOptions
 from vlmcompile.sim.in_flight import pattern_bytes
 from vlmcompile.sim.units import format_ms
 
@@ -88,7 +93,18 @@ class Solution:
             f"CP-SAT {self.status} ({state}) in {self.wall_s:.2f} s: objective {format_ms(self.objective_s)} ms "
             f"({self.objective}), bound {format_ms(self.bound_s)} ms, gap {100 * self.gap:.2f} %"
         )
-        return head + (f" [{'; '.join(self.phases)}]" if len(self.phases) > 1 else "")
+        return head + (f" [{'; '.join(self.phases)}]" if len(self.phases) > 1 else "") + self.why_gap()
+
+    def why_gap(self) -> str:
+        """Why the gap is above :data:`~vlmcompile.planning.request.GAP_GOAL` ("" where it is not)."""
+        if self.gap <= GAP_GOAL:
+            return ""
+        if self.status.startswith("UNKNOWN"):
+            return "; the gap is the warm start's: CP-SAT found no plan of its own within its time limit"
+        return (
+            "; CP-SAT stopped at its time limit before closing the gap, and the bound relaxes the "
+            "slowest rank and memory (cuts and recompute exact), so part of it may be the bound's"
+        )
 
 
 def _fewest_flags(problem: PartitionProblem, stage_of: Sequence[int], flags: list[bool]) -> tuple[bool, ...]:
@@ -153,12 +169,21 @@ class _Model:
         self.last: dict = {}
         self.step = None
         self.objective = "memory"
+        self.objective_expr = None
+        self.lower = 0
+        """The bound :meth:`add_bound` gave the objective (model units; 0: none)."""
+        self.hinted = None
+        """The hint's objective (model units), once :meth:`add_hint` has run."""
 
     def t(self, x: float) -> int:
         return round(x / self.qt)
 
     def mem(self, x: float) -> int:
         return math.ceil(x / self.qm - 1e-9)
+
+    @property
+    def units(self) -> Units:
+        return Units(self.t, self.mem, math.floor(self.problem.mem_cap_bytes / self.qm + 1e-9))
 
     # ---- which layer goes where ------------------------------------------------------------
     def add_assignment(self, *, break_symmetry: bool = True) -> None:
@@ -244,7 +269,7 @@ class _Model:
             if problem.transient_bytes[i] > 0:
                 cp.add(self.transient[k] >= self.mem(problem.transient_bytes[i])).only_enforce_if(var)
         self.peak = cp.new_int_var(0, 2**50, "peak") if minimize else None
-        cap = math.floor(problem.mem_cap_bytes / self.qm + 1e-9)
+        cap = self.units.cap
         for r in range(problem.num_ranks):
             for pattern in problem.memory_patterns[r]:
                 used = self.static[r] + pattern_bytes(pattern, self.keep, self.transient)
@@ -320,7 +345,7 @@ class _Model:
                     send = self.send_fwd[d.stage] if d.kind is ActionKind.F else self.send_bwd[a.stage]
                     cp.add(self.start[a] >= self.start[d] + duration(d) + send)
         cp.minimize(self.step)
-        self.objective = "timeline"
+        self.objective, self.objective_expr = "timeline", self.step
 
     def add_closed_form(self) -> None:
         """The closed form of the module docstring, for action lists too long to time."""
@@ -337,15 +362,23 @@ class _Model:
             for r in range(p):
                 cp.add(self.tail >= self.reduce[r] - sum(self.bwd[k] for k in range(r + 1)))
         redo = sum(self.t(problem.redo_s[i]) * var for (i, _), var in self.z.items())
-        cp.minimize(
-            (v * m - 1) * self.slowest
-            + plain_work
-            + redo
-            + sum(self.send_fwd)
-            + sum(self.send_bwd)
-            + v * self.tail
-        )
+        # The cut transfers are left to the timeline model: each needs a literal per layer and stage.
+        self.objective_expr = (v * m - 1) * self.slowest + plain_work + redo + v * self.tail
+        cp.minimize(self.objective_expr)
         self.objective = "closed form"
+
+    def add_bound(self, lower: int) -> None:
+        """``lower`` as a constraint on the objective: CP-SAT's relaxation alone proves little on
+        paper-scale problems."""
+        self.lower = lower
+        if lower > 0:
+            self.cp.add(self.objective_expr >= lower)
+
+    def bound(self) -> int:
+        """The objective's lower bound over whole layers (:mod:`vlmcompile.planning.partition_bound`)."""
+        return (closed_form_bound if self.objective == "closed form" else timeline_bound)(
+            self.problem, self.units
+        )
 
     def objective_scale(self) -> float:
         """Seconds (bytes for memory) per unit of the objective."""
@@ -386,11 +419,16 @@ class _Model:
             timed = stage_timeline(problem, fig)
             for x in timed:
                 cp.add_hint(self.start[x.action], int(x.start_s))
-            cp.add_hint(self.step, int(model_step(fig, timed)))
+            self.hinted = int(model_step(fig, timed))
+            cp.add_hint(self.step, self.hinted)
         elif self.objective == "closed form":
             work = [sum(fig.fwd[k] + fig.bwd[k] for k in problem.stages_on[r]) for r in range(p)]
-            cp.add_hint(self.slowest, max(max(work), -(-self.plain_work // p)))
-            cp.add_hint(self.tail, max(0, *(fig.reduce[r] - sum(fig.bwd[: r + 1]) for r in range(p))))
+            slowest = max(max(work), -(-self.plain_work // p))
+            tail = max(0, *(fig.reduce[r] - sum(fig.bwd[: r + 1]) for r in range(p)))
+            cp.add_hint(self.slowest, slowest)
+            cp.add_hint(self.tail, tail)
+            v, m = problem.v, problem.num_microbatches
+            self.hinted = (v * m - 1) * slowest + sum(work) + v * tail  # add_closed_form's objective
 
     def fix(self, stage_of: Sequence[int], flags: Sequence[bool]) -> None:
         """Allow this one assignment only: the model then evaluates it."""
@@ -472,16 +510,9 @@ def solve(
     )
 
 
-def _solve_one(
-    problem: PartitionProblem,
-    objective: str,
-    time_limit_s: float,
-    options: SolverOptions,
-    quanta: tuple[float, float],
-    *,
-    hint: tuple[Sequence[int], Sequence[bool]] | None = None,
-    fixed: tuple[Sequence[int], Sequence[bool]] | None = None,
-) -> Solution:
+def _built(problem: PartitionProblem, objective: str, quanta, *, hint, fixed, bounded: bool):
+    """The model of ``objective`` with its bound and hint; the hint's recompute flags (where it
+    has one) and the seconds the bound took."""
     model = _Model(problem, *quanta)
     model.add_assignment(break_symmetry=fixed is None)
     model.add_stage_sums()
@@ -492,36 +523,68 @@ def _solve_one(
         model.add_closed_form()
     if fixed is not None:
         model.fix(*fixed)
+    started = time.perf_counter()
+    lower = model.bound() if bounded and fixed is None and objective != "memory" else 0
+    bound_wall = time.perf_counter() - started
     flags = None
     if hint is not None:
         stage_of, flags = hint
         flags = [bool(f) and problem.recomputable[i] for i, f in enumerate(flags)]
         model.add_hint(stage_of, flags)
+        if lower and lower > model.hinted and evaluate(problem, stage_of, flags).fits:
+            lower = 0  # above a plan that fits: a wrong bound is never trusted over the plan
+    model.add_bound(lower)
+    return model, flags, bound_wall
 
+
+def _solve_one(
+    problem: PartitionProblem,
+    objective: str,
+    time_limit_s: float,
+    options: SolverOptions,
+    quanta: tuple[float, float],
+    *,
+    hint: tuple[Sequence[int], Sequence[bool]] | None = None,
+    fixed: tuple[Sequence[int], Sequence[bool]] | None = None,
+    bounded: bool = True,
+) -> Solution:
+    model, flags, bound_wall = _built(problem, objective, quanta, hint=hint, fixed=fixed, bounded=bounded)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.max_time_in_seconds = max(0.05 * time_limit_s, time_limit_s - bound_wall)
     solver.parameters.num_workers = options.num_workers
     # CP-SAT's own SIGINT handler leaves the process's C-level handler at the default when it is
     # done, so a later Ctrl-C would kill the process without cleaning up (local ranks orphaned).
     # Python's handler stays; a Ctrl-C during a solve takes effect when the solve returns.
     solver.parameters.catch_sigint_signal = False
+    # Probing fills presolve for seconds on paper-scale models (150 layers in 32 stages: 6 s,
+    # then no solution and no bound within the limit); the bound constraint does its work better.
+    solver.parameters.cp_model_probing_level = 0
     start = time.perf_counter()
     status = solver.solve(model.cp)
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - start + bound_wall
+    if status == cp_model.INFEASIBLE and model.lower > 0:
+        # Only CP-SAT's own proof refuses a problem, never the bound it was given: solve again without.
+        again = max(0.05 * time_limit_s, time_limit_s - wall)
+        return _solve_one(problem, objective, again, options, quanta, hint=hint, fixed=fixed, bounded=False)
     name = solver.status_name(status)
     scale = model.objective_scale()
+    # CP-SAT's bound, or the one it was given where it has not read its constraint yet
+    bound = max(solver.best_objective_bound, model.lower)
     if status == cp_model.UNKNOWN and hint is not None and objective != "memory":
         # Out of time before any solution of its own: the hint is the best plan known.
         start_plan = evaluate(problem, hint[0], flags)
         if start_plan.fits:
-            said = f"{objective}: {name}, no better plan than the start in {wall:.2f} s"
+            said = (
+                f"{objective}: {name}, no better plan than the start in {wall:.2f} s, objective "
+                f"{format_ms(model.hinted * scale)} ms, bound {format_ms(bound * scale)} ms"
+            )
             return Solution(
                 stage_of=tuple(hint[0]),
                 recompute=tuple(flags),
                 evaluation=start_plan,
                 status="UNKNOWN (warm start returned)",
-                objective_s=start_plan.step_s,
-                bound_s=min(solver.best_objective_bound * scale, start_plan.step_s),
+                objective_s=model.hinted * scale,
+                bound_s=min(bound, model.hinted) * scale,
                 wall_s=wall,
                 timed_out=True,
                 objective=objective,
@@ -532,7 +595,7 @@ def _solve_one(
     stage_of, flags = model.read(solver)
     if objective != "memory" and fixed is None:
         flags = _fewest_flags(problem, stage_of, list(flags))
-    objective_s, bound_s = solver.objective_value * scale, solver.best_objective_bound * scale
+    objective_s, bound_s = solver.objective_value * scale, min(bound, solver.objective_value) * scale
     unit = (lambda x: f"{x / 2**30:.2f} GiB") if objective == "memory" else (lambda x: f"{format_ms(x)} ms")
     return Solution(
         stage_of=stage_of,

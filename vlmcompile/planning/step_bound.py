@@ -55,15 +55,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vlmcompile.planning.cut_lagrangian import CutLayers, CutTerms, Term
+
 BISECTION_STEPS = 40
 """Halvings of the bisected terms' intervals: the width ends near 1e-12 of the value."""
-CUT_WEIGHT_STEPS = 120
-"""Subgradient steps of each phase of :func:`stage_cut_s` (each gives a valid bound; the best
-is kept)."""
-CUT_WEIGHT_PATIENCE = 25
-"""Steps without a better bound after which a phase of :func:`stage_cut_s` stops."""
-CUT_PRICE_REACH = 0.05
-"""How far above its best bound :func:`stage_cut_s` aims its memory prices' steps."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,51 +335,43 @@ def stage_cut_s(
 
     Every rank r has ``T >= a_r + m x load_r`` (``a_r``: :func:`_rank_offsets`; its load with the
     recompute it does) and, for a plan that fits, ``mem_r <= cap`` at the moment
-    :class:`StageMemory` counts. So for any weights w >= 0 over the ranks summing to 1 and any
-    prices u >= 0, ``T >= sum_r w_r (a_r + m load_r) + u_r (mem_r - cap)``; its least over the cuts
-    and recompute choices is found exactly (each layer's recompute alone, then a dynamic program
-    over the stages). The weights and prices are improved by subgradient steps; every step's value
-    is a bound and the largest is returned, early once it reaches ``enough_s`` (the incumbent: the
-    candidate is pruned).
+    :class:`StageMemory` counts; :class:`~vlmcompile.planning.cut_lagrangian.CutTerms` relaxes
+    those terms. Returns early once
+    the bound reaches ``enough_s`` (the incumbent: the candidate is pruned).
     """
     _check(layers, p, v, m)
     num_stages = p * v
     if num_stages > len(layers):
         raise ValueError(f"{len(layers)} layers cannot fill p x v = {num_stages} stages")
-    cut = _CutProblem.of(layers, p, num_stages, m, split_backward, memory)
-    weights, prices = np.full(p, 1.0 / p), np.zeros(p)
-    best = -math.inf
-    # First the rank weights alone, then (with a cap) the memory prices beside them: every step's
-    # value is a bound, so the two phases only decide how fast the best one grows.
+    layers_, offsets = _cut_layers(layers, memory), _rank_offsets(layers, p, split_backward)
+    ranks = np.arange(num_stages) % p
+    terms = [
+        Term("max", {"fwd": m * (ranks == r), "bwd": m * (ranks == r)}, constant=offsets[r]) for r in range(p)
+    ]
+    if memory is not None:
+        held = np.asarray(memory.held, dtype=float)
+        if len(held) != num_stages:
+            raise ValueError(
+                f"memory: {len(held)} in-flight counts for {num_stages} stages; give one per stage"
+            )
+        terms += [
+            Term(
+                "within",
+                {"state": 1.0 * (ranks == r), "keep": held * (ranks == r)},
+                constant=-memory.cap_bytes,
+            )
+            for r in range(p)
+        ]
+    cut = CutTerms(layers_, tuple(terms), num_stages)
     # With one stage per rank the weights alone cannot beat chain_bound's exact pipeline term.
-    phases = ("weights",) * (v > 1) + ("prices",) * (memory is not None)
-    if not phases:
-        return cut.least(weights, prices)[0]  # the work over the ranks, with their offsets
-    for phase in phases:
-        since = 0
-        for step in range(CUT_WEIGHT_STEPS):
-            value, terms, over = cut.least(weights, prices)
-            if value > best * (1 + 1e-9):
-                best, since = value, 0
-            else:
-                since += 1
-            if best >= enough_s or since >= CUT_WEIGHT_PATIENCE:
-                break
-            spread = terms - terms.mean()
-            over = over * cut.price_scale if phase == "prices" else np.zeros(p)
-            norm = float(spread @ spread + over @ over)
-            if norm <= 0:
-                break  # the best cut loads every rank alike (and fits): nothing to move
-            # Polyak's step towards a value above the best: the cut's largest term while only the
-            # weights move (no weighting of this cut's terms exceeds it), a few percent above the
-            # best once prices move (a cut over the cap may have smaller terms than the optimum)
-            target = terms.max() if phase == "weights" else max(terms.max(), best * (1 + CUT_PRICE_REACH))
-            size = max(target - value, 0.0) / norm / math.sqrt(step + 1)
-            weights = _onto_simplex(weights + size * spread)
-            prices = np.maximum(prices + size * cut.price_scale * over, 0.0)
-        if best >= enough_s:
-            break
-    return best
+    if memory is None:
+        return cut.bound(weights=v > 1, prices=False, enough=enough_s)
+    # a price per byte that weighs a rank's bytes as much as its work (the subgradient steps)
+    typical = m * float(layers_.fwd.sum() + layers_.bwd.sum()) / p
+    total_bytes = float(layers_.state.sum() + max(memory.held) * layers_.keep.sum())
+    price = typical / total_bytes if total_bytes > 0 else 1.0
+    scale = np.array([price if t.group == "within" else 1.0 for t in terms])
+    return cut.bound(weights=v > 1, prices=True, enough=enough_s, scale=scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,93 +385,18 @@ class StageMemory:
     cap_bytes: float
 
 
-@dataclass(frozen=True)
-class _CutProblem:
-    """The arrays of :func:`stage_cut_s`'s dynamic program."""
-
-    p: int
-    num_stages: int
-    m: int
-    prefix: np.ndarray
-    offsets: np.ndarray
-    work: np.ndarray
-    redo: np.ndarray
-    state: np.ndarray
-    whole: np.ndarray
-    saved: np.ndarray
-    held: np.ndarray
-    cap: float
-    price_scale: float
-    """Seconds per byte that make a price comparable to a weight (the subgradient steps)."""
-
-    @classmethod
-    def of(cls, layers, p, num_stages, m, split_backward, memory: StageMemory | None) -> _CutProblem:
-        work = np.array([x.work_s for x in layers])
-        n = len(layers)
-        if memory is None:
-            zeros = np.zeros(n)
-            state, whole, saved, redo, held, cap = zeros, zeros, zeros, zeros, np.zeros(num_stages), 0.0
-        else:
-            if len(memory.layers) != n or len(memory.held) != num_stages:
-                raise ValueError("memory: one MemoryLayer per layer and one count per stage")
-            state = np.array([x.state_bytes for x in memory.layers])
-            saved = np.array([x.saved_bytes for x in memory.layers])
-            whole = np.array([x.keep_bytes for x in memory.layers]) + saved
-            redo = np.array([x.recompute_s for x in memory.layers])
-            held, cap = np.asarray(memory.held, dtype=float), memory.cap_bytes
-        total_bytes = float(state.sum() + held.max(initial=0.0) * whole.sum())
-        scale = (m * work.sum() / p) / total_bytes if total_bytes > 0 else 1.0
-        offsets = np.asarray(_rank_offsets(layers, p, split_backward))
-        prefix = np.concatenate(([0.0], np.cumsum(work)))
-        return cls(p, num_stages, m, prefix, offsets, work, redo, state, whole, saved, held, cap, scale)
-
-    def least(self, weights: np.ndarray, prices: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-        """The least over cuts and recompute choices of sum_r w_r (a_r + m load_r) + u_r (mem_r -
-        cap); at that choice, every rank's a_r + m load_r and mem_r - cap (the subgradients)."""
-        size = len(self.prefix)
-        index = np.arange(size)
-        least = np.full(size, np.inf)
-        least[0] = 0.0  # least[c]: stages 0..k-1 over layers 0..c-1
-        came_from = np.empty((self.num_stages, size), dtype=np.int64)
-        costs = []
-        for k in range(self.num_stages):
-            r = k % self.p
-            each = self._layer_costs(weights[r], prices[r], self.held[k])
-            costs.append(each)
-            stage = np.concatenate(([0.0], np.cumsum(each[0])))
-            h = least - stage
-            running = np.minimum.accumulate(h)
-            where = np.maximum.accumulate(np.where(h == running, index, 0))
-            least = np.empty(size)
-            least[0] = np.inf
-            least[1:] = running[:-1] + stage[1:]
-            came_from[k, 0] = 0
-            came_from[k, 1:] = where[:-1]
-        loads, mem = np.zeros(self.p), np.zeros(self.p)
-        end = size - 1
-        for k in range(self.num_stages - 1, -1, -1):
-            start = came_from[k, end]
-            _, redo, keep = costs[k]
-            r = k % self.p
-            loads[r] += self.prefix[end] - self.prefix[start] + redo[start:end].sum()
-            mem[r] += self.state[start:end].sum() + self.held[k] * keep[start:end].sum()
-            end = start
-        value = float(least[-1] + weights @ self.offsets - prices.sum() * self.cap)
-        return value, self.offsets + self.m * loads, mem - self.cap
-
-    def _layer_costs(self, weight: float, price: float, held: float):
-        """Per layer, its least cost on a stage of this weight, price and count, and the
-        recompute compute and kept bytes of that choice."""
-        time = weight * self.m
-        recompute = time * self.redo - price * held * self.saved < 0
-        redo = np.where(recompute, self.redo, 0.0)
-        keep = self.whole - np.where(recompute, self.saved, 0.0)
-        return time * (self.work + redo) + price * (self.state + held * keep), redo, keep
-
-
-def _onto_simplex(y: np.ndarray) -> np.ndarray:
-    """The nearest point of {w >= 0, sum w = 1} to ``y`` (Euclidean projection)."""
-    u = np.sort(y)[::-1]
-    cumulative = np.cumsum(u) - 1.0
-    k = np.nonzero(u * np.arange(1, len(y) + 1) > cumulative)[0][-1]
-    return np.maximum(y - cumulative[k] / (k + 1), 0.0)
+def _cut_layers(layers: Sequence[BoundLayer], memory: StageMemory | None) -> CutLayers:
+    fwd, bwd = np.array([x.fwd_s for x in layers]), np.array([x.bwd_s for x in layers])
+    if memory is None:
+        return CutLayers(fwd, bwd)
+    if len(memory.layers) != len(layers):
+        raise ValueError("memory: one MemoryLayer per layer")
+    saved = np.array([x.saved_bytes for x in memory.layers])
+    return CutLayers(
+        fwd,
+        bwd,
+        redo=np.array([x.recompute_s for x in memory.layers]),
+        state=np.array([x.state_bytes for x in memory.layers]),
+        keep=np.array([x.keep_bytes for x in memory.layers]) + saved,
+        saved=saved,
+    )
