@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from vlmcompile.planning.cut_lagrangian import KELLEY_GAP, CutLayers, CutTerms, Term
 
 
-def _value(term: Term, figures: dict, sends: float) -> float:
+def _value(term: Term, figures: dict, sends) -> float:
     return (
         term.constant
-        + term.sends * sends
+        + float(np.sum(np.asarray(term.sends) * sends))
         + sum(term.coefficients[f] @ x for f, x in figures.items() if f in term.coefficients)
     )
 
@@ -38,7 +38,9 @@ def exhaustive(cut: CutTerms) -> float:
                 "state": np.array([x.state[p].sum() for p in parts]),
                 "keep": np.array([x.keep[p].sum() - x.saved[p][again[p]].sum() for p in parts]),
             }
-            sends = sum(x.sends[k][edges[k + 1] - 1] for k in range(S - 1)) if x.sends is not None else 0.0
+            sends = (
+                np.array([x.sends[k][edges[k + 1] - 1] for k in range(S - 1)]) if x.sends is not None else 0.0
+            )
             values = [(t.group, _value(t, figures, sends)) for t in cut.terms]
             if any(v > 1e-9 for group, v in values if group == "within"):
                 continue
@@ -71,8 +73,14 @@ def cut_problems(draw):
     )
     ranks = np.arange(S) % p
     m = draw(st.integers(1, 4))
+    # the cuts' transfers in every rank's term, or (as the timeline's) in the terms of the ranks after them
+    per_cut = draw(st.booleans())
     terms = [
-        Term("max", {"fwd": m * (ranks == r) + 1.0, "bwd": m * (ranks == r) + 1.0}, sends=1.0)
+        Term(
+            "max",
+            {"fwd": m * (ranks == r) + 1.0, "bwd": m * (ranks == r) + 1.0},
+            sends=1.0 * (np.arange(S - 1) < r) if per_cut else 1.0,
+        )
         for r in range(p)
     ]
     if draw(st.booleans()):  # a DP tail: a rank's reduction less the backwards before it

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.planning.test_stage_cuts import enumerate_plans, problems
+from tests.planning.test_stage_cuts import _large_problem, enumerate_plans, problems
 from vlmcompile.planning.partition_bound import Units, closed_form_bound, timeline_bound
 from vlmcompile.planning.problem import PartitionProblem, model_step, stage_figures, stage_timeline
 from vlmcompile.planning.request import SolverOptions
@@ -64,3 +65,17 @@ def test_the_bounds_are_at_most_every_plan_that_fits(problem):
     plain = sum(problem.fwd_s) + sum(problem.bwd_s)
     assert closed >= math.floor((v * m - 1) * plain / p + plain) - 1
     assert timeline >= math.floor(m * plain / p) - 1
+
+
+def test_the_dp_reduction_after_the_last_backward_lifts_the_timeline_bound():
+    """The timeline model starts a rank's DP reduction with its last backward: with heavy
+    reductions that is the binding term, and the bound must take it and stay below every plan."""
+    problem = dataclasses.replace(_large_problem(6, 2, 2), reduce_s=(40.0,) * 6)
+    least = _least(problem)
+    units = Units(
+        time=lambda x: round(1000 * x), mem=lambda x: math.ceil(x - 1e-9), cap=int(problem.mem_cap_bytes)
+    )
+    with_reduce = timeline_bound(problem, units) / 1000
+    without = timeline_bound(dataclasses.replace(problem, reduce_s=(0.0,) * 6), units) / 1000
+    assert with_reduce <= least[1] * (1 + 1e-6)
+    assert with_reduce > without + 40  # at least one layer's reduction after the last backward starts

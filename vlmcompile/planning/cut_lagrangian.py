@@ -80,7 +80,8 @@ class Term:
     """``max``, ``max0`` or ``within`` (the module docstring)."""
     coefficients: dict[str, np.ndarray]
     constant: float = 0.0
-    sends: float = 0.0
+    sends: float | np.ndarray = 0.0
+    """The coefficient of the cuts' transfers: one for every cut, or one per cut."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,12 @@ class CutTerms:
             f: np.array([t.coefficients.get(f, np.zeros(self.num_stages)) for t in self.terms], dtype=float)
             for f in FEATURES
         }
+        rows["sends"] = np.array(
+            [
+                np.broadcast_to(np.asarray(t.sends, dtype=float), (max(0, self.num_stages - 1),))
+                for t in self.terms
+            ]
+        ).reshape(len(self.terms), max(0, self.num_stages - 1))
         object.__setattr__(self, "rows", rows)
         if len(self.layers.fwd) < self.num_stages:
             raise ValueError(f"{len(self.layers.fwd)} layers cannot fill {self.num_stages} stages")
@@ -121,7 +128,7 @@ class CutTerms:
         value at that choice (a subgradient)."""
         x, n, num_stages = self.layers, len(self.layers.fwd), self.num_stages
         at = {f: y @ self.rows[f] for f in FEATURES}
-        send_weight = float(y @ np.array([t.sends for t in self.terms]))
+        send_at = y @ self.rows["sends"]
         index = np.arange(n + 1)
         least = np.full(n + 1, np.inf)
         least[0] = 0.0  # least[i]: stages 0..k-1 over layers 0..i-1
@@ -146,11 +153,11 @@ class CutTerms:
             least[0] = np.inf
             least[1:] = running[:-1] + stage[1:]
             if x.sends is not None and k < num_stages - 1:
-                least[1:] += send_weight * x.sends[k]
+                least[1:] += send_at[k] * x.sends[k]
             came_from[k, 0] = 0
             came_from[k, 1:] = where[:-1]
         figures = {f: np.zeros(num_stages) for f in FEATURES}
-        sends, end = 0.0, n
+        sends, end = np.zeros(max(0, num_stages - 1)), n
         for k in range(num_stages - 1, -1, -1):
             start = came_from[k, end]
             part, again = slice(start, end), redone[k][start:end]
@@ -160,9 +167,9 @@ class CutTerms:
             figures["state"][k] = x.state[part].sum()
             figures["keep"][k] = x.keep[part].sum() - x.saved[part][again].sum()
             if x.sends is not None and k < num_stages - 1:
-                sends += x.sends[k][end - 1]
+                sends[k] = x.sends[k][end - 1]
             end = start
-        values = self.constants + np.array([t.sends for t in self.terms]) * sends
+        values = self.constants + self.rows["sends"] @ sends
         for f in FEATURES:
             values = values + self.rows[f] @ figures[f]
         return float(least[-1] + y @ self.constants), values

@@ -15,7 +15,9 @@ transient, at least zero, left out), solved by Kelley's cutting planes:
 * **timeline**: a rank runs its actions one at a time; its first action, a forward of stage k,
   waits for that microbatch's forwards of stages 0..k-1, and when its last is a backward of
   stage k the backwards of stages k-1..0 still follow. So the step is at least, for every rank,
-  those forwards, its own actions and those backwards (transfers and the DP reduction only add).
+  those forwards, its own actions and those backwards, with the transfers of the cuts both
+  chains cross; and, as the model starts a rank's DP reduction with its last backward, at least
+  those forwards, the actions before that backward and the reduction (other transfers only add).
 """
 
 from __future__ import annotations
@@ -65,11 +67,35 @@ def timeline_bound(problem: PartitionProblem, units: Units) -> int:
             counts["fwd"][: acts[0].stage] += 1
         if acts and acts[-1].kind is ActionKind.B:
             counts["bwd"][: acts[-1].stage] += 1
-        terms.append(Term("max", counts))
-    return _solved(problem, units, terms)
+        # A cut both chains cross sends both ways in this rank's term (before its first forward
+        # and after its last backward); each cut's figure is its two transfers together.
+        first = acts[0].stage if acts and acts[0].kind is ActionKind.F else 0
+        crossed = min(first, acts[-1].stage if acts and acts[-1].kind is ActionKind.B else 0)
+        terms.append(Term("max", counts, sends=1.0 * (np.arange(S - 1) < crossed)))
+        backwards = [i for i, a in enumerate(acts) if a.kind is ActionKind.B]
+        if backwards and any(problem.reduce_s):
+            # The model's DP reduction starts with the rank's last backward: after the forwards it
+            # waits for and every action before that backward in its list.
+            head = {"fwd": np.zeros(S), "bwd": np.zeros(S)}
+            for a in acts[: backwards[-1]]:
+                head["fwd" if a.kind is ActionKind.F else "bwd"][a.stage] += 1
+            head["fwd"][:first] += 1
+            ranks = np.asarray(problem.rank_of_stage)
+            head["reduce"] = 1.0 * (ranks == ranks[acts[backwards[-1]].stage])
+            terms.append(Term("max", head))
+    sends = np.array(
+        [
+            [units.time(f) + units.time(b) for f, b in zip(*rows)]
+            for rows in zip(problem.send_fwd_s, problem.send_bwd_s)
+        ],
+        dtype=float,
+    ).reshape(S - 1, problem.num_layers)
+    return _solved(problem, units, terms, sends)
 
 
-def _solved(problem: PartitionProblem, units: Units, terms: list[Term]) -> int:
+def _solved(
+    problem: PartitionProblem, units: Units, terms: list[Term], sends: np.ndarray | None = None
+) -> int:
     time, mem = units.time, units.mem
     can = np.array(problem.recomputable, dtype=bool)
     keep = np.array([mem(x) for x in problem.act_bytes], dtype=float)
@@ -82,6 +108,7 @@ def _solved(problem: PartitionProblem, units: Units, terms: list[Term]) -> int:
         state=np.array([mem(x) for x in problem.state_bytes], dtype=float),
         keep=keep,
         saved=np.where(can, np.maximum(keep - least_keep, 0.0), 0.0),
+        sends=sends,
     )
     ranks = np.asarray(problem.rank_of_stage)
     for r, patterns in enumerate(problem.memory_patterns):
