@@ -110,6 +110,15 @@ class CutTerms:
         if not any(t.group == "max" for t in self.terms):
             raise ValueError("a bound needs at least one term of group 'max'")
 
+    def scale(self, typical: float, held: float) -> np.ndarray:
+        """Per term, what makes its units comparable to the others' in the multiplier steps: a
+        ``within`` term's bytes weigh as much as ``typical`` of a ``max`` term's time when they
+        are every layer's states and ``held`` microbatches of its kept bytes."""
+        x = self.layers
+        total_bytes = float(x.state.sum() + held * x.keep.sum())
+        price = typical / total_bytes if total_bytes > 0 else 1.0
+        return np.array([price if t.group == "within" else 1.0 for t in self.terms])
+
     @property
     def constants(self) -> np.ndarray:
         return np.array([t.constant for t in self.terms])

@@ -118,11 +118,9 @@ def _solved(
                 held[k] = n
             terms.append(Term("within", {"state": 1.0 * (ranks == r), "keep": held}, constant=-units.cap))
     cut = CutTerms(layers, tuple(terms), problem.num_stages)
-    # a byte weighed as a unit of the slowest rank's share of the work (the LP's scaling)
-    work = float(layers.fwd.sum() + layers.bwd.sum())
-    total_bytes = float(layers.state.sum() + problem.num_microbatches * keep.sum())
-    price = work / total_bytes if total_bytes > 0 else 1.0
-    scale = np.array([price if t.group == "within" else 1.0 for t in terms])
-    value = cut.best_bound(scale=scale)
+    # bytes weighed against one microbatch's work (the LP's scaling)
+    value = cut.best_bound(
+        scale=cut.scale(float(layers.fwd.sum() + layers.bwd.sum()), problem.num_microbatches)
+    )
     # The objective is an integer; the float sums behind the value may overshoot it by a rounding error.
     return max(0, int(np.floor(value - 1e-9 * abs(value))))

@@ -366,11 +366,8 @@ def stage_cut_s(
     # With one stage per rank the weights alone cannot beat chain_bound's exact pipeline term.
     if memory is None:
         return cut.bound(weights=v > 1, prices=False, enough=enough_s)
-    # a price per byte that weighs a rank's bytes as much as its work (the subgradient steps)
-    typical = m * float(layers_.fwd.sum() + layers_.bwd.sum()) / p
-    total_bytes = float(layers_.state.sum() + max(memory.held) * layers_.keep.sum())
-    price = typical / total_bytes if total_bytes > 0 else 1.0
-    scale = np.array([price if t.group == "within" else 1.0 for t in terms])
+    # a rank's bytes weighed as much as its share of the work (the subgradient steps)
+    scale = cut.scale(m * float(layers_.fwd.sum() + layers_.bwd.sum()) / p, max(memory.held))
     return cut.bound(weights=v > 1, prices=True, enough=enough_s, scale=scale)
 
 
