@@ -17,7 +17,10 @@ How each figure is measured:
   layer's time in the roofline;
 * backward FLOPs and traffic: one ``torch.autograd.backward`` over all layers after the forward, each
   autograd node tagged with the FX node that created it (a pre-hook marks which node's
-  backward is running);
+  backward is running). A layer whose forward repeated an earlier layer's exactly (the same
+  nodes, modules and parameter shapes, the same ops on the same shapes, the same figures: a
+  transformer's blocks after the first) is left out of it and takes that layer's figures, as
+  its backward runs the same ops; ``every_backward=True`` runs them all;
 * saved bytes: a ``saved_tensors_hooks`` pack hook keyed by ``untyped_storage()._cdata``, so
   a storage saved twice (or through a view) is counted once, by the first node that saves it;
   parameters are excluded (they are counted as parameter bytes);
@@ -84,12 +87,22 @@ class AnnotateReport:
     """Why fake tensors were abandoned for real ones, if they were."""
     assumptions: tuple[str, ...] = ()
     """Values the figures assume because the batch holds none (meta inputs)."""
+    repeated_backwards: int = 0
+    """Layers whose forward repeated an earlier layer's exactly: their backward was not run
+    again, they take that layer's figures."""
 
     def __str__(self) -> str:
         t = self.layer_graph.totals()
         head = (
             f"annotate: {len(self.layer_graph)} layers on {self.tensor_mode} CPU tensors "
-            f"(forward {self.fwd_time_s:.2f} s, backward {self.bwd_time_s:.2f} s); "
+            f"(forward {self.fwd_time_s:.2f} s, backward {self.bwd_time_s:.2f} s"
+            + (
+                f" on {len(self.layer_graph) - self.repeated_backwards} layers, the other "
+                f"{self.repeated_backwards} repeating one of them exactly"
+                if self.repeated_backwards
+                else ""
+            )
+            + "); "
             f"{format_count(t['num_params'])} parameters"
             + (
                 f", {format_count(t['num_frozen_params'])} of them frozen (no gradient, no optimizer state)"
@@ -138,6 +151,29 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
 _NO_COPY_OPS = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
 
 
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _op_argument(a: Any) -> Any:
+    """What of one op argument its cost depends on: a tensor's shape, dtype and whether it
+    takes a gradient; a plain value itself."""
+    if isinstance(a, torch.Tensor):
+        return (tuple(a.shape), a.dtype, a.requires_grad)
+    return a if isinstance(a, _PLAIN) else type(a)
+
+
+def _op_key(func: Any, args: tuple, kwargs: dict | None) -> tuple:
+    """An op and what of its arguments its cost depends on (one level of lists: aten's
+    arguments nest no deeper)."""
+    key = [func]
+    for a in (*args, *(kwargs or {}), *(kwargs or {}).values()):
+        if type(a) in (list, tuple):
+            key.append(tuple(map(_op_argument, a)))
+        else:
+            key.append(_op_argument(a))
+    return tuple(key)
+
+
 class _MemoryTraffic(TorchDispatchMode):
     """Adds up the bytes that FLOP-free ops read and write (their tensor arguments and results)."""
 
@@ -145,8 +181,13 @@ class _MemoryTraffic(TorchDispatchMode):
         super().__init__()
         self.flop_ops = flop_ops
         self.bytes = 0
+        self.trace: list[tuple] | None = None
+        """While a list: every op's kind and argument shapes, appended (a node's forward, to tell
+        whether two layers run the same ops)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.trace is not None:
+            self.trace.append(_op_key(func, args, kwargs))
         out = func(*args, **(kwargs or {}))
         packet = func.overloadpacket
         # Ops that return no tensor (prim.device, size queries) move nothing.
@@ -197,6 +238,7 @@ class _Annotator(fx.Interpreter):
         self.layer_inputs: dict[str, dict[int, int]] = defaultdict(dict)
         self.leaves: dict[tuple[fx.Node, str], Any] = {}
         self.grad_owner: dict[Any, fx.Node] = {}
+        self.op_trace: dict[fx.Node, tuple] = {}
         self._bwd_node: fx.Node | None = None
         self._bwd_mark = (0, 0, 0)
 
@@ -240,8 +282,11 @@ class _Annotator(fx.Interpreter):
         self.current = n
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._input_for(a, layer))
         before = self.counters.snapshot()
+        traffic = self.counters.traffic
+        traffic.trace = []
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             out = self._call(n, args, kwargs)
+        self.op_trace[n], traffic.trace = tuple(traffic.trace), None
         self.fwd_cost[n] = _add(self.fwd_cost[n], _delta(self.counters.snapshot(), before))
         self._own_grad_fns(n, out)
         return out
@@ -277,12 +322,13 @@ class _Annotator(fx.Interpreter):
         self._bwd_node, self._bwd_mark = n, now
         return None
 
-    def run_backward(self, gm: fx.GraphModule) -> None:
-        """Backpropagate ones from every value that leaves its layer into every leaf."""
+    def run_backward(self, gm: fx.GraphModule, repeats: Mapping[str, str]) -> None:
+        """Backpropagate ones from every value that leaves its layer into every leaf; a layer of
+        ``repeats`` (layer: the earlier layer it repeats) takes that layer's backward figures."""
         outputs = []
         for n in gm.graph.nodes:
             layer = n.meta.get(LAYER_META)
-            if layer is None or n.op == "get_attr":
+            if layer is None or n.op == "get_attr" or layer in repeats:
                 continue
             if any(u.op == "output" or u.meta.get(LAYER_META) != layer for u in n.users):
                 outputs += [t for t in _tensors(self.env[n]) if t.requires_grad and t.grad_fn is not None]
@@ -303,6 +349,89 @@ class _Annotator(fx.Interpreter):
         if self._bwd_node is not None:
             last = _delta(self.counters.snapshot(), self._bwd_mark)
             self.bwd_cost[self._bwd_node] = _add(self.bwd_cost[self._bwd_node], last)
+        members = layer_nodes(gm)
+        for layer, first in repeats.items():
+            for n, same in zip(members[layer], members[first], strict=True):
+                self.bwd_cost[n] = self.bwd_cost[same]
+
+    def repeated_layers(self, gm: fx.GraphModule) -> dict[str, str]:
+        """Layers whose forward repeated an earlier layer's exactly, each with that layer: the
+        same nodes wired alike, the same modules and parameter shapes, inputs of the same shapes
+        (known values from the same nodes), the same ops on the same shapes, and the same
+        figures. Their backwards are alike, so one is run (a 150-layer model runs a few).
+        A layer that reads a parameter another layer reads too is its own: its gradient
+        accumulates there, which costs what a first gradient does not."""
+        members = layer_nodes(gm)
+        readers: dict[int, set[str]] = defaultdict(set)
+        for layer, nodes in members.items():
+            for n in nodes:
+                for read in (n, *(a for a in n.all_input_nodes if a.op == "get_attr")):
+                    for p in _params_read(gm, read):
+                        readers[id(p)].add(layer)
+        shared = {layer for layers in readers.values() if len(layers) > 1 for layer in layers}
+        first: dict[tuple, str] = {}
+        repeats = {}
+        for layer, nodes in members.items():
+            if layer in shared:
+                continue
+            key = self._layer_key(gm, layer, nodes)
+            if key is not None and first.setdefault(key, layer) != layer:
+                repeats[layer] = first[key]
+        return repeats
+
+    def _layer_key(self, gm: fx.GraphModule, layer: str, nodes: list[fx.Node]) -> tuple | None:
+        index = {n: i for i, n in enumerate(nodes)}
+
+        def arg(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                if a in index:
+                    return ("node", index[a])
+                value = self.env[a] if a.op == "get_attr" else self.leaves.get((a, layer))
+                leaves = _tensors(value)
+                if any(not isinstance(t, FakeTensor) for t in leaves) or not leaves:
+                    return ("from", a)  # known values (or none): the same node gives the same
+                return ("in", tuple(_op_argument(t) for t in leaves), str(tree_flatten(value)[1]))
+            if isinstance(a, (tuple, list)):
+                return (type(a), tuple(map(arg, a)))
+            if isinstance(a, dict):
+                return (dict, tuple((k, arg(v)) for k, v in a.items()))
+            if isinstance(a, slice):
+                return (slice, arg(a.start), arg(a.stop), arg(a.step))
+            return a if isinstance(a, _PLAIN) else ("object", id(a))
+
+        key = []
+        for n in nodes:
+            if n.meta.get(RUNTIME_CHECK_META):
+                key.append((n.op, n.target, arg((n.args, n.kwargs))))
+                continue
+            out = _tensors(self.env.get(n))
+            key.append(
+                (
+                    n.op,
+                    ("attr", *map(_op_argument, out)) if n.op == "get_attr" else _target_key(gm, n),
+                    arg((n.args, n.kwargs)),
+                    self.op_trace[n],
+                    self.fwd_cost[n],
+                    self.saved.get(n, 0),
+                    tuple((*_op_argument(t), t.grad_fn is not None) for t in out),
+                    any(u.op == "output" or u.meta.get(LAYER_META) != layer for u in n.users),
+                )
+            )
+        return tuple(key)
+
+
+def _target_key(gm: fx.GraphModule, n: fx.Node) -> Any:
+    """What a node runs: a function, a method name, or a module's class with its parameters'
+    and buffers' names, shapes, dtypes and whether they take gradients (the module's code does
+    the rest; the ops it ran are compared too)."""
+    if n.op != "call_module":
+        return n.target
+    m = gm.get_submodule(str(n.target))
+    return (
+        type(m),
+        tuple((k, *_op_argument(p)) for k, p in m.named_parameters()),
+        tuple((k, *_op_argument(b)) for k, b in m.named_buffers()),
+    )
 
 
 def _detached_parameter(t: torch.Tensor) -> torch.Tensor:
@@ -316,6 +445,7 @@ def annotate(
     *,
     tensor_mode: TensorMode = "fake",
     model_name: str | None = None,
+    every_backward: bool = False,
 ) -> AnnotateResult:
     """Measure every node of a captured graph (see the module docstring) and build the LayerGraph.
 
@@ -324,6 +454,8 @@ def annotate(
         sample_batch: the batch the graph was captured with (real, meta or fake tensors).
         tensor_mode: ``fake`` (default; any size, no memory) or ``real`` (CPU tensors, small models).
         model_name: recorded in the LayerGraph's metadata.
+        every_backward: run every layer's backward, also where a layer's forward repeated an
+            earlier layer's exactly (by default such a layer takes that layer's backward figures).
     """
     if LAYER_ORDER_META not in gm.meta:
         raise ValueError("annotate needs a graph from the capture pass (no layer order in gm.meta)")
@@ -340,7 +472,7 @@ def annotate(
 
     fallback = None
     try:
-        layer_graph, fwd_s, bwd_s, assumed = _measure(gm, sample_batch, tensor_mode, model_name)
+        measured = _measure(gm, sample_batch, tensor_mode, model_name, every_backward)
     except _DataDependentNode as err:
         where = f"node {err.node.name} ({err.node.target}, layer {err.node.meta.get(LAYER_META)})"
         if tensor_mode == "real" or not has_values:
@@ -350,9 +482,12 @@ def annotate(
             ) from err.cause
         fallback = f"data-dependent operation at {where}: {type(err.cause).__name__}"
         tensor_mode = "real"
-        layer_graph, fwd_s, bwd_s, assumed = _measure(gm, sample_batch, tensor_mode, model_name)
-    report = AnnotateReport(layer_graph, tensor_mode, fwd_s, bwd_s, fallback, tuple(assumed))
-    return AnnotateResult(gm, layer_graph, report)
+        measured = _measure(gm, sample_batch, tensor_mode, model_name, every_backward)
+    m = measured
+    report = AnnotateReport(
+        m.layer_graph, tensor_mode, m.fwd_s, m.bwd_s, fallback, tuple(m.assumed), m.repeats
+    )
+    return AnnotateResult(gm, m.layer_graph, report)
 
 
 def _what_to_give(gm: fx.GraphModule, node: fx.Node, batch: Mapping[str, Any]) -> str:
@@ -393,9 +528,23 @@ class _DataDependentNode(Exception):
         self.node, self.cause = node, cause
 
 
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    layer_graph: LayerGraph
+    fwd_s: float
+    bwd_s: float
+    assumed: list[str]
+    repeats: int
+    """Layers whose backward figures are an earlier layer's (their forwards were alike)."""
+
+
 def _measure(
-    gm: fx.GraphModule, sample_batch: Mapping[str, Any], tensor_mode: TensorMode, model_name: str | None
-) -> tuple[LayerGraph, float, float, list[str]]:
+    gm: fx.GraphModule,
+    sample_batch: Mapping[str, Any],
+    tensor_mode: TensorMode,
+    model_name: str | None,
+    every_backward: bool,
+) -> _Measured:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if tensor_mode == "fake" else None
     make = fake_factory(fake_mode) if fake_mode else _detached_parameter
     if fake_mode:
@@ -430,12 +579,13 @@ def _measure(
                 raise _DataDependentNode(interp.current, err) from err
             fwd_s = time.perf_counter() - start
             start = time.perf_counter()
-            interp.run_backward(gm)
+            repeats = {} if every_backward else interp.repeated_layers(gm)
+            interp.run_backward(gm, repeats)
             bwd_s = time.perf_counter() - start
         layer_graph = _build_layer_graph(
             gm, interp, model_name=model_name, tensor_mode=tensor_mode, batch=sample_batch
         )
-    return layer_graph, fwd_s, bwd_s, assumed
+    return _Measured(layer_graph, fwd_s, bwd_s, assumed, len(repeats))
 
 
 def _default_of(n: fx.Node) -> Any:

@@ -57,6 +57,7 @@ from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.build import build_separate_plan
 from vlmcompile.planning.chunks import balanced_split, chunks_of
+from vlmcompile.planning.forked import forked_map
 from vlmcompile.planning.model_parts import (
     HEAVIER_RUNGS,
     LIGHTER_RUNGS,
@@ -617,12 +618,14 @@ def _screen_one(
 
 
 def _refine(inputs: _Inputs, fitting: list[_Candidate], rows: dict[ep.EncoderPlan, EncoderPlanRow]) -> None:
-    """The screen ran one setting of each kind per encoder plan; the fastest few get every one."""
-    for cand in fitting[:REFINED_PLANS]:
-        if inputs.request.parallel.tp > 1:
-            layer, kernel = GREEDY_SETTINGS[-1:], _unscreened(KERNEL_SETTINGS, SCREEN_KERNEL)
-        else:
-            layer, kernel = _unscreened(GREEDY_SETTINGS, SCREEN_LAYER), ()
+    """The screen ran one setting of each kind per encoder plan; the fastest few get every one,
+    one plan per core."""
+    if inputs.request.parallel.tp > 1:
+        layer, kernel = GREEDY_SETTINGS[-1:], _unscreened(KERNEL_SETTINGS, SCREEN_KERNEL)
+    else:
+        layer, kernel = _unscreened(GREEDY_SETTINGS, SCREEN_LAYER), ()
+
+    def improved(cand: _Candidate) -> tuple:
         _improve(
             cand,
             inputs.layer_graph,
@@ -632,6 +635,11 @@ def _refine(inputs: _Inputs, fitting: list[_Candidate], rows: dict[ep.EncoderPla
             run_ahead=inputs.solver.run_ahead,
             screen=False,
         )
+        return cand.plan, cand.sim, cand.problem, cand.layer_level_s
+
+    chosen = fitting[:REFINED_PLANS]
+    for cand, outcome in zip(chosen, forked_map(improved, chosen, inputs.solver.num_workers)):
+        cand.plan, cand.sim, cand.problem, cand.layer_level_s = outcome.answer
         rows[cand.encoder] = dataclasses.replace(
             rows[cand.encoder],
             greedy_step_s=cand.sim.step_time_s,

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 from tabulate import tabulate
 
@@ -50,8 +51,10 @@ from vlmcompile.ir.layer_graph import LayerGraph, format_bytes
 from vlmcompile.ir.plan import Parallel, Plan, Reason
 from vlmcompile.passes.partition import partition
 from vlmcompile.planning.candidate_bound import CandidateBound, candidate_bound, stage_cut_bound
+from vlmcompile.planning.forked import forked_map
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
 from vlmcompile.planning.result import PolicyResult
+from vlmcompile.planning.stage_cuts import TIMELINE_ACTIONS
 from vlmcompile.planning.step_bound import (
     StepBound,
 )
@@ -262,7 +265,10 @@ def plan_search(
     todo = _requests(layer_graph, cluster, global_batch, space, include)
     costs: dict = {}
     bounds = _bounds_of(layer_graph, cluster, todo, costs)
-    todo.sort(key=lambda r: bounds[r].step_s)
+    # Best bound first; the candidates whose screens simulate the longest action lists after the
+    # others (the best plan found by then prunes those its bound can: each is still screened or
+    # pruned by a plan it cannot beat, so the plan chosen is the same).
+    todo.sort(key=lambda r: (_screen_actions(r) > DEFERRED_ACTIONS, bounds[r].step_s))
     bar = _progress(len(todo) + min(polish, len(todo)), progress)
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     with_closed_form = dataclasses.replace(solver, timeline_share=0.0)
@@ -288,6 +294,17 @@ def plan_search(
     )
     report = SearchReport(cluster.name, tuple(rows.values()), time.perf_counter() - start)
     return dataclasses.replace(results[best], report=report)
+
+
+DEFERRED_ACTIONS = 20_000
+"""A candidate whose pipeline runs more actions than this (PP x v x microbatches, forward and
+backward) is visited after those with fewer: its screen costs seconds (Qwen1.5-110B on 64 GPUs
+at DP = 1: 512 microbatches, up to 131,072 actions, 4-8 s each)."""
+
+
+def _screen_actions(request: PlanRequest) -> int:
+    par = request.parallel
+    return 2 * par.pp * par.v * request.num_microbatches
 
 
 def _visit_all(
@@ -329,6 +346,12 @@ class _Visits:
     def solve(self, request: PlanRequest, *given: Plan | None, to_beat: bool = True) -> None:
         """Partition ``request`` from ``given``, its warm start and the last plan of its PP x v
         (and, with ``to_beat``, from the plan of its fastest baseline)."""
+        self.take_solved(request, *self.partitioned(request, *given, to_beat=to_beat))
+
+    def partitioned(
+        self, request: PlanRequest, *given: Plan | None, to_beat: bool = True
+    ) -> tuple[CandidateRow, PolicyResult | None]:
+        """:meth:`solve`'s partition: the candidate's row, and its plan where it has one."""
         par = request.parallel
         starts = [
             p
@@ -336,9 +359,14 @@ class _Visits:
             if p is not None
         ]
         baseline = self.baseline if to_beat else None
-        row, result = _solve(
+        return _solve(
             self.layer_graph, self.cluster, request, self.bounds[request], self.solver, starts, baseline
         )
+
+    def take_solved(self, request: PlanRequest, row: CandidateRow, result: PolicyResult | None) -> None:
+        """A partition's row and plan into the search: the plan kept where no slower than one in
+        hand, the incumbent offered it."""
+        par = request.parallel
         if result is None:
             self.rows.setdefault(request, row)  # a screened plan stands where the solve failed
             return
@@ -358,6 +386,7 @@ class _Visits:
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)
                     for future in done:
                         self._take(pending.pop(future), future)
+                        pool.offer(self.best.step_s)
                 self.bar.update(1)
                 pruned = _pruned(request, self.bounds[request], self.cap, self.best)
                 if pruned is not None:
@@ -375,6 +404,7 @@ class _Visits:
                     pending[pool.submit(request, self.bounds[request], self.best.step_s)] = request
             for future in list(pending):
                 self._take(pending.pop(future), future)
+                pool.offer(self.best.step_s)
 
     def _take(self, request: PlanRequest, future: Future) -> None:
         outcome = future.result()
@@ -410,14 +440,22 @@ class _Visits:
         partition may cut by memory where the screen's balanced cut cannot fit), each only while
         its bound can beat the best plan."""
         order = sorted(self.screens, key=lambda r: (not self.screens[r][1], self.screens[r][0]))
-        for place, request in enumerate(order[:solve_top]):
-            if self.bounds[request].step_s < self.best.step_s:
-                quick = self.screen(request)  # its plan again, here: a worker sends figures, not plans
-                # Every baseline is planned for the fastest screen only (the search most often
-                # chooses it, and its comparison then has them); the others start from their screen.
-                self.solve(request, quick.plan, to_beat=place == 0)
-                if request not in self.results and quick.fits:  # the solve failed; the screen stands
-                    self.results[request] = quick
+        todo = [r for r in order[:solve_top] if self.bounds[r].step_s < self.best.step_s]
+
+        def solved(request: PlanRequest) -> tuple[PolicyResult, tuple[CandidateRow, PolicyResult | None]]:
+            quick = self.screen(request)  # its plan again, here: a worker sends figures, not plans
+            # Every baseline is planned for the fastest screen only (the search most often chooses
+            # it, and its comparison then has them: that one is solved in this process, where the
+            # baselines are kept); the others start from their screen.
+            return quick, self.partitioned(request, quick.plan, to_beat=request == order[0])
+
+        # One candidate per core (each solve is Python around CP-SAT); a plan one finds is not
+        # the other's warm start, as it would be one after the other with the same PP x v.
+        for request, outcome in zip(todo, forked_map(solved, todo, self.solver.num_workers)):
+            quick, (row, result) = outcome.answer
+            self.take_solved(request, row, result)
+            if request not in self.results and quick.fits:  # the solve failed; the screen stands
+                self.results[request] = quick
         for rank, request in enumerate(order[solve_top:], start=solve_top + 1):
             row = self.rows[request]
             said = f"not solved: screened plan {rank} by speed (the {solve_top} fastest are partitioned)"
@@ -498,10 +536,13 @@ _WORKER_SCREEN: tuple[Callable[[PlanRequest], PolicyResult | None], Callable[...
     None
 )
 """The screen and the bound refinement of a screening worker process (set before it forks)."""
+_WORKER_BEST: Any = None
+"""The best plan's step found so far, shared with the screening workers (a ``multiprocessing.Value``
+made before they fork): a candidate sent before a faster plan was found is pruned by that plan."""
 
 
 def _screen_in_worker(request: PlanRequest, bound: CandidateBound, enough_s: float) -> _ScreenOutcome:
-    return _screen_one(*_WORKER_SCREEN, request, bound, enough_s)
+    return _screen_one(*_WORKER_SCREEN, request, bound, lambda: min(enough_s, _WORKER_BEST.value))
 
 
 def _screen_one(
@@ -509,12 +550,12 @@ def _screen_one(
     refine: Callable[..., CandidateBound],
     request: PlanRequest,
     bound: CandidateBound,
-    enough_s: float,
+    enough: Callable[[], float],
 ) -> _ScreenOutcome:
     """The candidate's stage-cut bound first (seconds at most), then, where that bound can still
-    beat ``enough_s`` (the best plan found when it was sent), its screened plan's figures."""
-    bound = refine(request, bound, enough_s=enough_s)
-    if bound.step_s >= enough_s:
+    beat ``enough()`` (the best plan found so far), its screened plan's figures."""
+    bound = refine(request, bound, enough_s=enough())
+    if bound.step_s >= enough():
         return _ScreenOutcome(bound=bound, pruned=True)
     try:
         result = screen(request)
@@ -548,16 +589,22 @@ class _ScreenPool:
         self.width = cores if forked else 1
         self.executor = None
         if forked:
-            global _WORKER_SCREEN
+            global _WORKER_SCREEN, _WORKER_BEST
             _WORKER_SCREEN = (screen, refine)  # inherited by the forked workers; nothing to pickle
+            _WORKER_BEST = multiprocessing.get_context("fork").Value("d", math.inf, lock=False)
             self.executor = ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("fork"))
 
     def submit(self, request: PlanRequest, bound: CandidateBound, enough_s: float) -> Future:
         if self.executor is not None:
             return self.executor.submit(_screen_in_worker, request, bound, enough_s)
         done: Future = Future()
-        done.set_result(_screen_one(self.screen, self.refine, request, bound, enough_s))
+        done.set_result(_screen_one(self.screen, self.refine, request, bound, lambda: enough_s))
         return done
+
+    def offer(self, best_s: float) -> None:
+        """A faster plan found: the workers prune by it from now on (one float, written whole)."""
+        if self.executor is not None:
+            _WORKER_BEST.value = min(_WORKER_BEST.value, best_s)
 
     def __enter__(self) -> _ScreenPool:
         return self
@@ -577,25 +624,36 @@ def _polish(
     bar,
 ) -> None:
     """Solve the ``count`` fastest fitting plans again with the timeline model only, each started
-    from its closed-form plan (and kept where no faster), but those whose closed-form solve found
-    no plan of its own; updates ``rows`` and ``results`` in place."""
+    from its closed-form plan (and kept where no faster), at once on the cores, but those whose
+    closed-form solve found no plan of its own and those the timeline model would leave to the
+    closed form (:data:`~vlmcompile.planning.stage_cuts.TIMELINE_ACTIONS`); updates ``rows`` and
+    ``results`` in place."""
     fitting = sorted((r for r, res in results.items() if res.fits), key=lambda r: results[r].sim.step_time_s)
     timeline_only = dataclasses.replace(solver, closed_form=False)
+    todo = []
     for request in fitting[:count]:
         bar.update(1)
         solved = getattr(results[request].report, "solution", None)
         if solved is not None and solved.status.startswith("UNKNOWN"):
             # the closed form found no plan of its own in its time; the larger timeline model, in
             # a share of that time, does not either (the Optimus setups at v > 1)
-            row = rows[request]
             said = "no timeline polish: the closed form found no plan of its own in its time"
-            rows[request] = dataclasses.replace(row, reason=f"{row.reason}; {said}")
+        elif sum(map(len, results[request].plan.actions)) > TIMELINE_ACTIONS:
+            # the solve would be the closed form's again (nothing is solved twice)
+            said = f"no timeline polish: its action lists hold over {TIMELINE_ACTIONS} actions"
+        else:
+            todo.append(request)
             continue
-        try:
-            result = partition(
-                layer_graph, cluster, request, solver=timeline_only, warm_start=results[request].plan
-            )
-        except (PlanError, ClusterError):
+        rows[request] = dataclasses.replace(rows[request], reason=f"{rows[request].reason}; {said}")
+    polished = forked_map(
+        lambda r: partition(layer_graph, cluster, r, solver=timeline_only, warm_start=results[r].plan),
+        todo,
+        solver.num_workers,
+        (PlanError, ClusterError),
+    )
+    for request, outcome in zip(todo, polished):
+        result = outcome.answer
+        if result is None:
             continue  # the closed-form plan stands; its row already says how it was made
         if result.fits and result.sim.step_time_s <= results[request].sim.step_time_s:
             results[request] = result

@@ -33,6 +33,7 @@ from vlmcompile.passes.partition import partition
 from vlmcompile.passes.plan_search import plan_search
 from vlmcompile.passes.torchtitan_vlm import torchtitan_vlm
 from vlmcompile.planning.candidate_bound import candidate_bound
+from vlmcompile.planning.forked import forked_map
 from vlmcompile.planning.megatron_layout import megatron_result
 from vlmcompile.planning.model_parts import GLOBAL_LADDER
 from vlmcompile.planning.policy import Policy
@@ -263,7 +264,7 @@ def with_encoder_in_bubbles(
     """The faster of ``result`` (one chain of stage cuts) and the encoder-in-bubbles plan for the
     same request (:func:`~vlmcompile.passes.bubbles.bubbles`), the other's step in a decision;
     ``also``: other requests the encoder-in-bubbles pass may take instead (another v)."""
-    tried, errors = [], []
+    tried, errors, todo = [], [], []
     for req in (request, *also):
         # an encoder-in-bubbles plan at ``req`` that cannot beat the plan in hand is not made
         bound = candidate_bound(layer_graph, cluster, req).bubbles
@@ -271,11 +272,17 @@ def with_encoder_in_bubbles(
             errors.append(
                 f"{req}: no encoder-in-bubbles plan there can beat {format_ms(bound.step_s)} ms ({bound.binding})"
             )
-            continue
-        try:
-            tried.append(bubbles(layer_graph, cluster, req, solver=solver))
-        except PlanError as err:
-            errors.append(f"{req}: {err}")
+        else:
+            todo.append(req)
+    # one request per core: each pass is Python from its screen to its list schedules
+    made = forked_map(
+        lambda req: bubbles(layer_graph, cluster, req, solver=solver), todo, solver.num_workers, (PlanError,)
+    )
+    for req, outcome in zip(todo, made):
+        if outcome.error is None:
+            tried.append(outcome.answer)
+        else:
+            errors.append(f"{req}: {outcome.error}")
     if not tried:
         said = Decision(
             "encoder plan", Reason.SEPARATE_ENCODER_PLAN, f"no encoder-in-bubbles plan: {'; '.join(errors)}"

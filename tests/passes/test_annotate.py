@@ -284,3 +284,77 @@ def test_annotate_rejects_a_graph_that_was_not_captured():
     gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="capture pass"):
         annotate(gm, {"input": torch.randn(1, 2)})
+
+
+def _same_figures(shared, every):
+    """Every layer's and every node's figures alike, measured with repeats shared and without."""
+    assert shared.layer_graph == every.layer_graph
+    nodes = [(n.name, n.meta.get(NODE_COST_META)) for n in shared.gm.graph.nodes]
+    assert nodes == [(n.name, n.meta.get(NODE_COST_META)) for n in every.gm.graph.nodes]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_a_layer_that_repeats_an_earlier_one_takes_its_backward_figures(name):
+    model, batch = build(name)
+    shared = _annotate(model, batch)
+    every = _annotate(model, batch, every_backward=True)
+    _same_figures(shared, every)
+    blocks = sum(".blocks." in layer.name for layer in shared.layer_graph.layers)
+    # Each tower's first block reads what no block made (its own inputs); the others repeat it.
+    assert 0 < shared.report.repeated_backwards < blocks
+    assert every.report.repeated_backwards == 0
+    assert f"the other {shared.report.repeated_backwards} repeating one of them exactly" in str(shared.report)
+
+
+class _Blocks(nn.Module):
+    """Blocks with the same parameter shapes that run different ops (heads split otherwise,
+    causal or not), one block run twice, a frozen one."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        from vlmcompile.models.blocks import EncoderBlock
+
+        kinds = [(2, 16, False)] * 2 + [(4, 8, False), (2, 16, True)] + [(2, 16, False)] * 3
+        self.vision = nn.ModuleList(
+            EncoderBlock(width=width, heads=h, head_dim=d, mlp=2 * width, causal=c) for h, d, c in kinds
+        )
+        self.vision[6].requires_grad_(False)
+        self.llm = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for i, block in enumerate(self.vision):
+            x = block(x)
+            if i == 1:
+                x = self.vision[1](x)  # the same module again: its gradient accumulates
+        return self.llm(x).square().mean()
+
+
+def test_layers_that_differ_in_ops_or_share_parameters_are_measured_apart():
+    model = _Blocks()
+    batch = {"x": torch.randn(2, 6, 32)}
+    for on_meta in (False, True):
+        m, b = (model.to("meta"), {"x": batch["x"].to("meta")}) if on_meta else (model, batch)
+        shared = _annotate(m, b)
+        every = _annotate(m, b, every_backward=True)
+        _same_figures(shared, every)
+        # 5 repeats 4; 0 reads the input, 1 runs twice, 2 splits four heads, 3 is causal and 6
+        # frozen: each is its own.
+        assert shared.report.repeated_backwards == 1, [layer.name for layer in shared.layer_graph.layers]
+
+
+@needs_transformers
+@pytest.mark.hf
+@pytest.mark.parametrize(
+    ("name", "repeats"),
+    # The tiny Qwen2-VL's and Mllama's two layers a tower differ: Qwen2-VL's first block saves the
+    # rotary tables both read and its first text layer holds the mask constant; Mllama's first
+    # vision layer takes the tiles in another shape.
+    [("hf-gemma3", True), ("hf-qwen2-vl", False), ("hf-mllama", False), ("hf-llava", True)],
+)
+def test_transformers_layers_that_repeat_take_the_figures_of_the_first(name, repeats):
+    from vlmcompile.models import hf_tiny
+
+    model, batch = hf_tiny.build(name, device="meta")
+    shared = _annotate(model, batch)
+    _same_figures(shared, _annotate(model, batch, every_backward=True))
+    assert (shared.report.repeated_backwards > 0) == repeats

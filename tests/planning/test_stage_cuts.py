@@ -255,8 +255,8 @@ def test_a_wrong_bound_never_refuses_a_problem(monkeypatch):
     must overrule it, and without a hint CP-SAT's infeasibility is checked again without it."""
     import vlmcompile.planning.stage_cuts as stage_cuts
 
-    monkeypatch.setattr(stage_cuts, "closed_form_bound", lambda problem, units: 10**12)
-    monkeypatch.setattr(stage_cuts, "timeline_bound", lambda problem, units: 10**12)
+    monkeypatch.setattr(stage_cuts, "closed_form_bound", lambda problem, units, seconds: 10**12)
+    monkeypatch.setattr(stage_cuts, "timeline_bound", lambda problem, units, seconds: 10**12)
     problem = _large_problem(12, 3, 6)
     hint = (tuple(i * 3 // 12 for i in range(12)), (True,) * 12)
     for start in (hint, None):

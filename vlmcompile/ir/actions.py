@@ -12,6 +12,7 @@ import enum
 import functools
 import operator
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -150,6 +151,8 @@ def hosts_of(
     """Each kernel-level action's hosts: the ``kernel_level[a]`` actions after it on its rank for
     which ``is_host`` holds (the pipeline group's; fewer where the list ends first)."""
     hosts: dict[Action, tuple[Action, ...]] = {}
+    if not kernel_level:
+        return hosts
     for acts in rank_actions:
         llm = [a for a in acts if is_host(a)]
         seen = 0  # the rank's hosts before the current action
@@ -183,9 +186,41 @@ def execution_order(
     rank stopped: ``len`` of its list when it finished, else the step it is stuck at (deadlock).
     ``hosts`` maps kernel-level actions to the actions they run inside (``Plan.hosts_of``): their
     output is ready when their last host is done; ``ahead``: the forwards for the next batch
-    (:func:`dependencies`)."""
+    (:func:`dependencies`). The last few answers are kept: a plan's validation and its
+    simulation ask for the same lists' order (paper-scale lists: 100,000 actions and more)."""
     hosts = hosts or {}
     ahead = interned(ahead)
+    key = (
+        tuple(map(tuple, rank_actions)),
+        num_stages,
+        frozenset(split_backward),
+        frozenset((a, tuple(h)) for a, h in hosts.items()),
+        ahead,
+    )
+    with _ORDERS_LOCK:
+        kept = _ORDERS.get(key)
+    if kept is None:
+        kept = _execution_order(key[0], num_stages, split_backward, hosts, ahead)
+        with _ORDERS_LOCK:
+            if len(_ORDERS) >= _ORDERS_KEPT:
+                _ORDERS.pop(next(iter(_ORDERS)))
+            _ORDERS[key] = kept
+    return list(kept[0]), list(kept[1])
+
+
+_ORDERS: dict[tuple, tuple[list[tuple[int, int, Action]], list[int]]] = {}
+_ORDERS_KEPT = 8
+_ORDERS_LOCK = threading.Lock()
+"""Re-planning orders schedules on a thread of its own (one batch ahead of the step)."""
+
+
+def _execution_order(
+    rank_actions: Sequence[Sequence[Action]],
+    num_stages: int,
+    split_backward: frozenset[int],
+    hosts: Mapping[Action, Sequence[Action]],
+    ahead: frozenset[Action],
+) -> tuple[list[tuple[int, int, Action]], list[int]]:
     done: set[Action] = set()
     order: list[tuple[int, int, Action]] = []
     position = [0] * len(rank_actions)

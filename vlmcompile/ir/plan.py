@@ -794,6 +794,8 @@ def _check_kernel_level(plan: Plan) -> None:
     """A kernel-level action is an encoder action (not of the pipeline's group) spanning at least
     one LLM action after it on its rank (its hosts), none of which needs its output or feeds it
     (they run at once)."""
+    if not plan.kernel_level:
+        return
     where = {a: (rank, step) for rank, acts in enumerate(plan.actions) for step, a in enumerate(acts)}
     pipeline_group = plan.stages[-1].group
     hosts = plan.hosts_of()

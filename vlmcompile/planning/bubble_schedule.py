@@ -31,6 +31,7 @@ from the greedy schedule. :func:`evaluate_schedule` times any schedule of the pr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -405,6 +406,10 @@ class _ListScheduler:
         self.first = problem.first_llm_stage
         self.sequences = [problem.encoder_actions(j) for j in range(m)]
         self.done_enc = [0] * m
+        self.unstarted = list(range(m))
+        """Microbatches no encoder action has started of, in order."""
+        self.in_progress: set[int] = set()
+        """Microbatches started on an encoder pipeline with encoder actions left."""
         self.need = 0
         """The microbatch the first LLM stage needs next."""
         # The encoder actions a rank may run next change only when encoder work starts or ends, or
@@ -434,18 +439,38 @@ class _ListScheduler:
     def candidates(self, rank: int) -> list[Action]:
         hit = self.cached.get(rank)
         if hit is None or hit[:2] != (self.version, self.need):
-            found = _encoder_candidates(
-                self.p,
-                rank,
-                self.sequences,
-                self.done_enc,
-                self.pipeline_of,
-                self.need,
-                self.lookahead,
-                self.kernels,
-            )
-            hit = self.cached[rank] = (self.version, self.need, found)
+            hit = self.cached[rank] = (self.version, self.need, self._encoder_candidates(rank))
         return hit[2]
+
+    def _encoder_candidates(self, rank: int) -> list[Action]:
+        """Encoder actions ``rank`` may run next: each microbatch's next one (its encoder actions
+        run in dependency order), on the rank its pipeline puts it (a microbatch not yet given to
+        a pipeline: its first forward, on any first rank); forwards at most ``lookahead``
+        microbatches ahead of the one the LLM needs next (run-ahead ones: of the first not
+        started). Microbatches in order; only those started and the first unstarted ones are
+        looked at (a paper-scale step has hundreds)."""
+        problem, need, lookahead, kernels = self.p, self.need, self.lookahead, self.kernels
+        unstarted_ahead = (
+            next((j for j in self.unstarted if j in problem.ahead), None) if problem.ahead else None
+        )
+        ahead_limit = unstarted_ahead + lookahead if unstarted_ahead is not None else problem.num_microbatches
+        # An unstarted microbatch's next action is its first forward: past both limits none runs.
+        stop = max(need + lookahead, ahead_limit if unstarted_ahead is not None else 0)
+        fresh = itertools.takewhile(lambda j: j < stop, self.unstarted)
+        out = []
+        for j in sorted((*self.in_progress, *fresh)):
+            a = self.sequences[j][self.done_enc[j]]
+            if kernels is not None and a in kernels.open:
+                continue  # running at kernel level: its microbatch's next action waits for it
+            if a.kind is F and j >= (ahead_limit if j in problem.ahead else need + lookahead):
+                continue
+            k = self.pipeline_of.get(j)
+            if k is None:
+                if rank in problem.stages[a.stage].ranks:
+                    out.append(a)
+            elif problem.rank_of(a, k) == rank:
+                out.append(a)
+        return out
 
     def propose(self, rank: int) -> Proposal | None:
         """The rank's next action and when it would start: its next LLM action, or ready encoder
@@ -514,7 +539,10 @@ class _ListScheduler:
 
     def start_encoder(self, a: Action, rank: int) -> None:
         self.version += 1
-        self.pipeline_of.setdefault(a.microbatch, self.p.stages[a.stage].ranks.index(rank))
+        if a.microbatch not in self.pipeline_of:
+            self.pipeline_of[a.microbatch] = self.p.stages[a.stage].ranks.index(rank)
+            self.unstarted.remove(a.microbatch)
+            self.in_progress.add(a.microbatch)
         if a.kind is F:
             self.live[rank] += self.keep[a.stage]
 
@@ -526,6 +554,8 @@ class _ListScheduler:
         else:
             self.version += 1
             self.done_enc[a.microbatch] += 1
+            if self.done_enc[a.microbatch] == len(self.sequences[a.microbatch]):
+                self.in_progress.discard(a.microbatch)
             if a.kind is B:
                 self.live[rank] -= self.keep[a.stage]
 
@@ -638,40 +668,6 @@ def _split(problem: BubbleProblem, a: Action) -> tuple[int, int]:
     tp = round((fig.fwd_tp if a.kind is F else fig.bwd_tp) * problem.factor(a))
     total = problem.duration(a)
     return min(tp, total), total - min(tp, total)
-
-
-def _encoder_candidates(
-    problem: BubbleProblem,
-    rank: int,
-    sequences: list[list[Action]],
-    done: list[int],
-    pipeline_of: dict[int, int],
-    need: int,
-    lookahead: int,
-    kernels: _Kernels | None = None,
-) -> list[Action]:
-    """Encoder actions ``rank`` may run next: each microbatch's next one (its encoder actions run
-    in dependency order), on the rank its pipeline puts it (a microbatch not yet given to a
-    pipeline: its first forward, on any first rank); forwards at most ``lookahead`` microbatches
-    ahead of the one the LLM needs next (run-ahead ones: of the first not started)."""
-    out = []
-    unstarted = [j for j in sorted(problem.ahead) if j not in pipeline_of]
-    ahead_limit = unstarted[0] + lookahead if unstarted else problem.num_microbatches
-    for j, seq in enumerate(sequences):
-        if done[j] == len(seq):
-            continue
-        a = seq[done[j]]
-        if kernels is not None and a in kernels.open:
-            continue  # running at kernel level: its microbatch's next action waits for it
-        if a.kind is F and j >= (ahead_limit if j in problem.ahead else need + lookahead):
-            continue
-        k = pipeline_of.get(j)
-        if k is None:
-            if rank in problem.stages[a.stage].ranks:
-                out.append(a)
-        elif problem.rank_of(a, k) == rank:
-            out.append(a)
-    return out
 
 
 def schedule_bound(problem: BubbleProblem) -> int:

@@ -23,6 +23,7 @@ so it stops at a known distance from the relaxation's best bound).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -235,29 +236,41 @@ class CutTerms:
             out[zero_or] = _onto_simplex(y[zero_or])
         return out
 
-    def best_bound(self, *, scale: np.ndarray | None = None, enough: float = math.inf) -> float:
+    def best_bound(
+        self, *, scale: np.ndarray | None = None, enough: float = math.inf, seconds: float = math.inf
+    ) -> float:
         """Kelley's cutting planes: the multipliers that maximise the least of ``sum_j y_j
         term_j`` over the cuts found so far (an LP, GLOP), then the cut those multipliers make
         cheapest; the LP's optimum never falls below the relaxation's best bound, so the loop stops
-        within :data:`KELLEY_GAP` of it (or after :data:`KELLEY_STEPS` cuts, or at ``enough``)."""
+        within :data:`KELLEY_GAP` of it (or after :data:`KELLEY_STEPS` cuts, at ``enough``, or
+        after ``seconds``: every step's value is a bound, the best so far is returned)."""
+        started = time.perf_counter()
         scale = np.ones(len(self.terms)) if scale is None else scale
         lp = pywraplp.Solver.CreateSolver("GLOP")
         box = [PRICE_BOX if t.group == "within" else 1.0 for t in self.terms]
         mult = [lp.NumVar(0.0, b, f"y{j}") for j, b in enumerate(box)]  # y_j / scale_j
         level = lp.NumVar(-lp.infinity(), lp.infinity(), "level")
-        for group, sense in (("max", "eq"), ("max0", "le")):
+        for group, high in (("max", 1.0), ("max0", 1.0)):
             members = [mult[j] for j, t in enumerate(self.terms) if t.group == group]
             if members:
-                lp.Add(sum(members) == 1) if sense == "eq" else lp.Add(sum(members) <= 1)
+                total = lp.Constraint(1.0 if group == "max" else 0.0, high)
+                for m in members:
+                    total.SetCoefficient(m, 1.0)
         lp.Maximize(level)
         y, best, ref = self.start(), -math.inf, None
         for _ in range(KELLEY_STEPS):
             value, values = self.least(y)
             best = max(best, value)
             ref = ref or max(abs(value), 1e-30)
-            if best >= enough:
+            if best >= enough or time.perf_counter() - started > seconds:
                 break
-            lp.Add(level <= sum(float(v * s / ref) * m for v, s, m in zip(values, scale, mult)))
+            # level <= sum_j values_j y_j, in the LP's scaled units (built coefficient by
+            # coefficient: the expression API takes seconds on thousands of memory terms)
+            cut = lp.Constraint(-lp.infinity(), 0.0)
+            cut.SetCoefficient(level, 1.0)
+            for m, c in zip(mult, values * scale / ref):
+                if c:
+                    cut.SetCoefficient(m, -float(c))
             if lp.Solve() != pywraplp.Solver.OPTIMAL:
                 break
             if level.solution_value() * ref <= best + KELLEY_GAP * abs(best):

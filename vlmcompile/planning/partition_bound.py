@@ -22,6 +22,7 @@ transient, at least zero, left out), solved by Kelley's cutting planes:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ class Units:
     cap: int
 
 
-def closed_form_bound(problem: PartitionProblem, units: Units) -> int:
+def closed_form_bound(problem: PartitionProblem, units: Units, seconds: float = math.inf) -> int:
     """The least closed-form objective (``v T`` in time units) of any cut and recompute that fits."""
     p, S, v = problem.num_ranks, problem.num_stages, problem.v
     ranks = np.asarray(problem.rank_of_stage)
@@ -52,10 +53,10 @@ def closed_form_bound(problem: PartitionProblem, units: Units) -> int:
         terms += [
             Term("max0", {"reduce": v * (ranks == r), "bwd": -v * (np.arange(S) <= r)}) for r in range(p)
         ]
-    return _solved(problem, units, terms)
+    return _solved(problem, units, terms, seconds=seconds)
 
 
-def timeline_bound(problem: PartitionProblem, units: Units) -> int:
+def timeline_bound(problem: PartitionProblem, units: Units, seconds: float = math.inf) -> int:
     """The least step of the timeline model (time units) of any cut and recompute that fits."""
     S = problem.num_stages
     terms = []
@@ -90,11 +91,16 @@ def timeline_bound(problem: PartitionProblem, units: Units) -> int:
         ],
         dtype=float,
     ).reshape(S - 1, problem.num_layers)
-    return _solved(problem, units, terms, sends)
+    return _solved(problem, units, terms, sends, seconds=seconds)
 
 
 def _solved(
-    problem: PartitionProblem, units: Units, terms: list[Term], sends: np.ndarray | None = None
+    problem: PartitionProblem,
+    units: Units,
+    terms: list[Term],
+    sends: np.ndarray | None = None,
+    *,
+    seconds: float = math.inf,
 ) -> int:
     time, mem = units.time, units.mem
     can = np.array(problem.recomputable, dtype=bool)
@@ -120,7 +126,7 @@ def _solved(
     cut = CutTerms(layers, tuple(terms), problem.num_stages)
     # bytes weighed against one microbatch's work (the LP's scaling)
     value = cut.best_bound(
-        scale=cut.scale(float(layers.fwd.sum() + layers.bwd.sum()), problem.num_microbatches)
+        scale=cut.scale(float(layers.fwd.sum() + layers.bwd.sum()), problem.num_microbatches), seconds=seconds
     )
     # The objective is an integer; the float sums behind the value may overshoot it by a rounding error.
     return max(0, int(np.floor(value - 1e-9 * abs(value))))

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import (
     fits,
@@ -304,12 +306,23 @@ def memory_patterns(actions: Sequence[Sequence[Action]]) -> tuple[tuple[MemoryPa
 
 
 def _undominated(patterns: set[MemoryPattern]) -> list[MemoryPattern]:
-    def covers(big: MemoryPattern, small: MemoryPattern) -> bool:
-        b, s = dict(big[0]), dict(small[0])
-        return (small[1] in (-1, big[1])) and all(b.get(k, 0) >= n for k, n in s.items())
-
-    items = list(patterns)
-    return [x for x in items if not any(y != x and covers(y, x) for y in items)]
+    """The patterns no other pattern covers: one covers another where it holds at least as many
+    microbatches of every stage, with the same transient stage or the other with none (-1)."""
+    items = sorted(patterns)
+    stages = sorted({k for live, _ in items for k, _ in live})
+    column = {k: j for j, k in enumerate(stages)}
+    held = np.zeros((len(items), len(stages)))
+    for i, (live, _) in enumerate(items):
+        for k, n in live:
+            held[i, column[k]] = n
+    transient = np.array([t for _, t in items])
+    kept = []
+    for i, x in enumerate(items):
+        covers = (held >= held[i]).all(axis=1) & ((transient[i] == -1) | (transient == transient[i]))
+        covers[i] = False
+        if not covers.any():
+            kept.append(x)
+    return kept
 
 
 def partition_problem(layer_graph: LayerGraph, cluster: Cluster, request: PlanRequest) -> PartitionProblem:

@@ -60,6 +60,9 @@ from vlmcompile.sim.units import format_ms
 
 TIMELINE_ACTIONS = 6000
 """Above this many actions in the action lists, the objective is the closed form."""
+BOUND_SHARE = 0.25
+"""At most this share of a solve's time limit goes to its whole-layer bound (Kelley's cutting
+planes stop there with the best bound so far); the rest is CP-SAT's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,10 +377,11 @@ class _Model:
         if lower > 0:
             self.cp.add(self.objective_expr >= lower)
 
-    def bound(self) -> int:
-        """The objective's lower bound over whole layers (:mod:`vlmcompile.planning.partition_bound`)."""
+    def bound(self, seconds: float) -> int:
+        """The objective's lower bound over whole layers (:mod:`vlmcompile.planning.partition_bound`),
+        the best found within ``seconds``."""
         return (closed_form_bound if self.objective == "closed form" else timeline_bound)(
-            self.problem, self.units
+            self.problem, self.units, seconds
         )
 
     def objective_scale(self) -> float:
@@ -510,9 +514,12 @@ def solve(
     )
 
 
-def _built(problem: PartitionProblem, objective: str, quanta, *, hint, fixed, bounded: bool):
-    """The model of ``objective`` with its bound and hint; the hint's recompute flags (where it
-    has one) and the seconds the bound took."""
+def _built(
+    problem: PartitionProblem, objective: str, quanta, *, hint, fixed, bounded: bool, time_limit_s: float
+):
+    """The model of ``objective`` with its bound (found within :data:`BOUND_SHARE` of
+    ``time_limit_s``) and hint; the hint's recompute flags (where it has one) and the seconds the
+    bound took."""
     model = _Model(problem, *quanta)
     model.add_assignment(break_symmetry=fixed is None)
     model.add_stage_sums()
@@ -524,7 +531,9 @@ def _built(problem: PartitionProblem, objective: str, quanta, *, hint, fixed, bo
     if fixed is not None:
         model.fix(*fixed)
     started = time.perf_counter()
-    lower = model.bound() if bounded and fixed is None and objective != "memory" else 0
+    lower = (
+        model.bound(BOUND_SHARE * time_limit_s) if bounded and fixed is None and objective != "memory" else 0
+    )
     bound_wall = time.perf_counter() - started
     flags = None
     if hint is not None:
@@ -548,7 +557,9 @@ def _solve_one(
     fixed: tuple[Sequence[int], Sequence[bool]] | None = None,
     bounded: bool = True,
 ) -> Solution:
-    model, flags, bound_wall = _built(problem, objective, quanta, hint=hint, fixed=fixed, bounded=bounded)
+    model, flags, bound_wall = _built(
+        problem, objective, quanta, hint=hint, fixed=fixed, bounded=bounded, time_limit_s=time_limit_s
+    )
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05 * time_limit_s, time_limit_s - bound_wall)
     solver.parameters.num_workers = options.num_workers

@@ -94,7 +94,8 @@ def held_across_steps(
     step before made for forwards on this rank, until that forward has run; and those this step
     makes for the next, from their forward on."""
     taken_by = {consumer: made for made, consumer in carried.items()}
-    waiting = sum(out_bytes[made.stage] for consumer, made in taken_by.items() if consumer in set(actions))
+    mine = set(actions)
+    waiting = sum(out_bytes[made.stage] for consumer, made in taken_by.items() if consumer in mine)
     kept = 0.0
     out = []
     for a in actions:

@@ -46,7 +46,7 @@ from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Plan
 from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.sim import dp
-from vlmcompile.sim.in_flight import held_across_steps, in_flight, pattern_bytes
+from vlmcompile.sim.in_flight import MemoryPattern, held_across_steps, in_flight, pattern_bytes
 from vlmcompile.sim.kernel_stream import HostFill, host_fills
 from vlmcompile.sim.timeline import Timed, complete_order, run_actions, transfer_of
 from vlmcompile.sim.units import format_ms, ms_decimals
@@ -243,17 +243,37 @@ class _Layout:
     peaks: dict[int, tuple[PlanCosts, list[tuple[float, int]]]] = field(default_factory=dict)
     """id(costs) -> (those costs, per rank (activation peak, its step)); the costs are held so
     their id is not reused while the entry lives."""
+    patterns: list[dict[MemoryPattern, int]] = field(default_factory=list)
+    """Per rank, each distinct in-flight pattern and the step it first holds at (plans that carry
+    nothing across steps): a recompute setting changes the bytes, not the patterns."""
 
     def peak_memory(self, plan: Plan, costs: PlanCosts) -> list[tuple[float, int]]:
         held = self.peaks.get(id(costs))
         if held is None or held[0] is not costs:
-            steps: list[list[tuple[int, Action]]] = [[] for _ in plan.actions]
-            for rank, step, a in self.order:
-                steps[rank].append((step, a))
             carried = plan.carried()
-            held = (costs, [_peak_memory(mine, costs, self.hosts, carried) for mine in steps])
+            if carried:
+                steps = self._steps(len(plan.actions))
+                held = (costs, [_peak_memory(mine, costs, self.hosts, carried) for mine in steps])
+            else:
+                held = (costs, [_peak_of(patterns, costs) for patterns in self._patterns(len(plan.actions))])
             _keep(self.peaks, id(costs), held)
         return held[1]
+
+    def _steps(self, num_ranks: int) -> list[list[tuple[int, Action]]]:
+        steps: list[list[tuple[int, Action]]] = [[] for _ in range(num_ranks)]
+        for rank, step, a in self.order:
+            steps[rank].append((step, a))
+        return steps
+
+    def _patterns(self, num_ranks: int) -> list[dict[MemoryPattern, int]]:
+        if not self.patterns:
+            for mine in self._steps(num_ranks):
+                ordered = _held_order(mine, self.hosts)
+                first: dict[MemoryPattern, int] = {}
+                for (s, _), pattern in zip(ordered, in_flight([a for _, a in ordered])):
+                    first.setdefault(pattern, s)
+                self.patterns.append(first)
+        return self.patterns
 
 
 _LAYOUTS: dict[tuple, _Layout] = {}
@@ -511,6 +531,35 @@ def _rank_stats(
     return tuple(stats)
 
 
+def _held_order(
+    mine: list[tuple[int, Action]], hosts: dict[Action, tuple[Action, ...]]
+) -> list[tuple[int, Action]]:
+    """A rank's (step, action)s in the order their activations are held and freed: a
+    kernel-level backward frees its microbatch's when its last host ends."""
+    step = dict((a, s) for s, a in mine)
+
+    def held_until(run: tuple[int, Action]) -> float:
+        s, a = run
+        if a.kind is not ActionKind.F and a in hosts:
+            return step[hosts[a][-1]] + 0.5
+        return s
+
+    return sorted(mine, key=held_until)
+
+
+def _peak_of(first: dict[MemoryPattern, int], costs: PlanCosts) -> tuple[float, int]:
+    """:func:`_peak_memory` from a rank's distinct patterns, each at the step it first holds at
+    (in that order, so the first step at the peak is the same)."""
+    keep = [s.act_bytes for s in costs.stages]
+    transient = [s.transient_bytes for s in costs.stages]
+    peak, peak_step = 0.0, next(iter(first.values()), 0)
+    for pattern, s in first.items():
+        here = pattern_bytes(pattern, keep, transient) + 0.0
+        if here > peak:
+            peak, peak_step = here, s
+    return peak, peak_step
+
+
 def _peak_memory(
     mine: list[tuple[int, Action]],
     costs: PlanCosts,
@@ -521,15 +570,7 @@ def _peak_memory(
     (:mod:`vlmcompile.sim.in_flight`, run-ahead outputs included), and that action's step. A
     kernel-level backward frees its microbatch's activations when its last host ends, not where
     it is listed."""
-    step = dict((a, s) for s, a in mine)
-
-    def held_until(run: tuple[int, Action]) -> float:
-        s, a = run
-        if a.kind is not ActionKind.F and a in hosts:
-            return step[hosts[a][-1]] + 0.5
-        return s
-
-    ordered = sorted(mine, key=held_until)
+    ordered = _held_order(mine, hosts)
     keep = [s.act_bytes for s in costs.stages]
     transient = [s.transient_bytes for s in costs.stages]
     peak, peak_step = 0.0, ordered[0][0] if ordered else 0
