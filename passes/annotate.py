@@ -20,7 +20,9 @@ How each figure is measured:
   backward is running). A layer whose forward repeated an earlier layer's exactly (the same
   nodes, modules and parameter shapes, the same ops on the same shapes, the same figures: a
   transformer's blocks after the first) is left out of it and takes that layer's figures, as
-  its backward runs the same ops; ``every_backward=True`` runs them all;
+  its backward runs the same ops. A block known to repeat one before it runs (:class:`_Replays`:
+  the same module class, parameters, buffers and plain attributes, inputs of the same shapes
+  saved before or not alike) does not run its forward either; ``every_layer=True`` runs them all;
 * saved bytes: a ``saved_tensors_hooks`` pack hook keyed by ``untyped_storage()._cdata``, so
   a storage saved twice (or through a view) is counted once, by the first node that saves it;
   parameters are excluded (they are counted as parameter bytes);
@@ -90,15 +92,20 @@ class AnnotateReport:
     repeated_backwards: int = 0
     """Layers whose forward repeated an earlier layer's exactly: their backward was not run
     again, they take that layer's figures."""
+    replayed_forwards: int = 0
+    """Of those, the blocks known to repeat one before they ran: their forward was not run either."""
 
     def __str__(self) -> str:
         t = self.layer_graph.totals()
+        n = len(self.layer_graph)
         head = (
-            f"annotate: {len(self.layer_graph)} layers on {self.tensor_mode} CPU tensors "
-            f"(forward {self.fwd_time_s:.2f} s, backward {self.bwd_time_s:.2f} s"
+            f"annotate: {n} layers on {self.tensor_mode} CPU tensors "
+            f"(forward {self.fwd_time_s:.2f} s"
+            + (f" on {n - self.replayed_forwards} layers" if self.replayed_forwards else "")
+            + f", backward {self.bwd_time_s:.2f} s"
+            + (f" on {n - self.repeated_backwards} layers" if self.repeated_backwards else "")
             + (
-                f" on {len(self.layer_graph) - self.repeated_backwards} layers, the other "
-                f"{self.repeated_backwards} repeating one of them exactly"
+                "; the other layers repeat one of them exactly, their figures taken from it"
                 if self.repeated_backwards
                 else ""
             )
@@ -224,6 +231,8 @@ class _Annotator(fx.Interpreter):
         counters: _Counters,
         param_storages: set[int],
         fake_mode: FakeTensorMode | None = None,
+        *,
+        replay: bool = False,
     ):
         super().__init__(gm, garbage_collect_values=False)
         self.fake_mode = fake_mode
@@ -239,6 +248,9 @@ class _Annotator(fx.Interpreter):
         self.leaves: dict[tuple[fx.Node, str], Any] = {}
         self.grad_owner: dict[Any, fx.Node] = {}
         self.op_trace: dict[fx.Node, tuple] = {}
+        self.replays = _Replays(gm, param_storages) if replay else None
+        self.replayed: dict[str, str] = {}
+        """Layers whose forward was :meth:`_replay`ed: the layer measured."""
         self._bwd_node: fx.Node | None = None
         self._bwd_mark = (0, 0, 0)
 
@@ -281,6 +293,10 @@ class _Annotator(fx.Interpreter):
             return None  # a check of values fake tensors do not hold; the run checks them
         self.current = n
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._input_for(a, layer))
+        key = self.replays.key(n, (args, kwargs), self.seen_storages) if self.replays else None
+        if key is not None and key in self.replays.first:
+            return self._replay(n, self.replays.first[key], (args, kwargs))
+        inputs_seen = {st[0] for t in _tensors((args, kwargs)) if (st := _storage(t))} & self.seen_storages
         before = self.counters.snapshot()
         traffic = self.counters.traffic
         traffic.trace = []
@@ -289,6 +305,35 @@ class _Annotator(fx.Interpreter):
         self.op_trace[n], traffic.trace = tuple(traffic.trace), None
         self.fwd_cost[n] = _add(self.fwd_cost[n], _delta(self.counters.snapshot(), before))
         self._own_grad_fns(n, out)
+        if key is not None:
+            self.replays.record(key, n, out, (args, kwargs), inputs_seen, self.seen_storages)
+        return out
+
+    def _replay(self, n: fx.Node, same: fx.Node, inputs: Any) -> Any:
+        """``n`` runs what ``same`` ran (:class:`_Replays`): its figures, and outputs of the same
+        shapes (leaves: its backward is ``same``'s, never run); the storages ``same`` left saved
+        are this one's too."""
+        self.fwd_cost[n], self.op_trace[n] = self.fwd_cost[same], self.op_trace[same]
+        if self.saved.get(same):
+            self.saved[n] = self.saved[same]
+        self.replayed[n.meta[LAYER_META]] = same.meta[LAYER_META]
+        mine = _tensors(inputs)
+        for i in self.replays.inputs_saved[same]:
+            if st := _storage(mine[i]):
+                self.seen_storages.add(st[0])
+        out = tree_map(
+            lambda t: (
+                torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(
+                    t.requires_grad
+                )
+                if isinstance(t, torch.Tensor)
+                else t
+            ),
+            self.env[same],
+        )
+        made = _tensors(out)
+        for i in self.replays.outputs_saved[same]:
+            self.seen_storages.add(_storage(made[i])[0])
         return out
 
     def _call(self, n: fx.Node, args: Any, kwargs: Any) -> Any:
@@ -362,22 +407,17 @@ class _Annotator(fx.Interpreter):
         A layer that reads a parameter another layer reads too is its own: its gradient
         accumulates there, which costs what a first gradient does not."""
         members = layer_nodes(gm)
-        readers: dict[int, set[str]] = defaultdict(set)
-        for layer, nodes in members.items():
-            for n in nodes:
-                for read in (n, *(a for a in n.all_input_nodes if a.op == "get_attr")):
-                    for p in _params_read(gm, read):
-                        readers[id(p)].add(layer)
-        shared = {layer for layers in readers.values() if len(layers) > 1 for layer in layers}
+        shared = _sharing_parameters(gm, members)
         first: dict[tuple, str] = {}
         repeats = {}
         for layer, nodes in members.items():
-            if layer in shared:
+            if layer in shared or layer in self.replayed:
                 continue
             key = self._layer_key(gm, layer, nodes)
             if key is not None and first.setdefault(key, layer) != layer:
                 repeats[layer] = first[key]
-        return repeats
+        # A replayed layer's backward was never built: it takes the figures of the one it replayed.
+        return repeats | {layer: repeats.get(same, same) for layer, same in self.replayed.items()}
 
     def _layer_key(self, gm: fx.GraphModule, layer: str, nodes: list[fx.Node]) -> tuple | None:
         index = {n: i for i, n in enumerate(nodes)}
@@ -420,6 +460,107 @@ class _Annotator(fx.Interpreter):
         return tuple(key)
 
 
+class _Replays:
+    """Blocks whose forward a block already ran (a transformer's blocks after its first), known
+    before they run: a layer of one module call, sharing no parameter with another layer, whose
+    module matches an earlier one's - class, parameters' and buffers' shapes, every plain
+    attribute of every submodule (``layer_idx`` too: a transformers block is never replayed),
+    no hooks - and whose inputs match too: fake tensors of the same shapes, strides and
+    gradients, their storages saved before or not alike. Such a block runs the same code on the
+    same shapes, so its forward figures and op trace are the first one's."""
+
+    def __init__(self, gm: fx.GraphModule, param_storages: set[int]):
+        self.gm, self.param_storages = gm, param_storages
+        members = layer_nodes(gm)
+        shared = _sharing_parameters(gm, members)
+        self.blocks = {
+            nodes[0]
+            for layer, nodes in members.items()
+            if len(nodes) == 1 and nodes[0].op == "call_module" and layer not in shared
+        }
+        self.first: dict[tuple, fx.Node] = {}
+        self.inputs_saved: dict[fx.Node, list[int]] = {}
+        """Per block measured, its input tensors (flattened) whose storage it saved first."""
+        self.outputs_saved: dict[fx.Node, list[int]] = {}
+        """Per block measured, its output tensors (flattened) it saved itself."""
+
+    def key(self, n: fx.Node, inputs: Any, seen: set[int]) -> tuple | None:
+        if n not in self.blocks:
+            return None
+        flat, spec = tree_flatten(inputs)
+        if any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in flat):
+            return None  # known values: the same shapes may hold other values
+        module = _module_key(self.gm.get_submodule(str(n.target)), seen)
+        if module is None:
+            return None
+        return module, str(spec), tuple(_input_key(t, seen) for t in flat)
+
+    def record(
+        self, key: tuple, n: fx.Node, out: Any, inputs: Any, seen_before: set[int], seen: set[int]
+    ) -> None:
+        """``n`` measured: later blocks of ``key`` replay it, unless its outputs share storage
+        (fresh ones would not)."""
+        outputs = _tensors(out)
+        made = [st[0] for t in outputs if (st := _storage(t))]
+        if len(set(made)) != len(outputs) or any(not isinstance(t, FakeTensor) for t in outputs):
+            return
+        self.outputs_saved[n] = [i for i, storage in enumerate(made) if storage in seen]
+        flat = _tensors(inputs)
+        self.inputs_saved[n] = [
+            i
+            for i, t in enumerate(flat)
+            if (st := _storage(t))
+            and st[0] in seen
+            and st[0] not in seen_before
+            and st[0] not in self.param_storages
+        ]
+        self.first.setdefault(key, n)
+
+
+def _sharing_parameters(gm: fx.GraphModule, members: Mapping[str, list[fx.Node]]) -> set[str]:
+    """The layers that read a parameter another layer reads too (tied weights, a module run in
+    two layers): each accumulates a gradient there, which costs what a first gradient does not."""
+    readers: dict[int, set[str]] = defaultdict(set)
+    for layer, nodes in members.items():
+        for n in nodes:
+            for read in (n, *(a for a in n.all_input_nodes if a.op == "get_attr")):
+                for param in _params_read(gm, read):
+                    readers[id(param)].add(layer)
+    return {layer for layers in readers.values() if len(layers) > 1 for layer in layers}
+
+
+def _input_key(a: Any, seen: set[int]) -> Any:
+    if isinstance(a, torch.Tensor):
+        st = _storage(a)
+        return (*_op_argument(a), tuple(a.stride()), st is not None and st[0] in seen)
+    return a if isinstance(a, _PLAIN) else ("object", id(a))
+
+
+def _module_key(module: nn.Module, seen: set[int]) -> tuple | None:
+    """A module's class, parameters, buffers and every submodule's plain attributes; None where
+    a submodule has hooks of its own (they may do anything)."""
+    parts: list[Any] = [
+        tuple((k, *_op_argument(p)) for k, p in module.named_parameters()),
+        tuple((k, *_input_key(b, seen)) for k, b in module.named_buffers()),
+    ]
+    for name, sub in module.named_modules():
+        if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks:
+            return None
+        attributes = []
+        for k, value in sorted(vars(sub).items()):
+            if k.startswith("_"):
+                continue  # parameters, buffers, submodules (above) and hook tables
+            if isinstance(value, (list, tuple)) and all(isinstance(x, _PLAIN) for x in value):
+                value = (type(value), tuple(value))
+            elif isinstance(value, torch.Tensor):
+                value = _input_key(value, seen)
+            elif not isinstance(value, _PLAIN):
+                value = ("object", id(value))  # shared (a config) or not: compared by identity
+            attributes.append((k, value))
+        parts.append((name, type(sub), tuple(attributes)))
+    return tuple(parts)
+
+
 def _target_key(gm: fx.GraphModule, n: fx.Node) -> Any:
     """What a node runs: a function, a method name, or a module's class with its parameters'
     and buffers' names, shapes, dtypes and whether they take gradients (the module's code does
@@ -445,7 +586,7 @@ def annotate(
     *,
     tensor_mode: TensorMode = "fake",
     model_name: str | None = None,
-    every_backward: bool = False,
+    every_layer: bool = False,
 ) -> AnnotateResult:
     """Measure every node of a captured graph (see the module docstring) and build the LayerGraph.
 
@@ -454,8 +595,8 @@ def annotate(
         sample_batch: the batch the graph was captured with (real, meta or fake tensors).
         tensor_mode: ``fake`` (default; any size, no memory) or ``real`` (CPU tensors, small models).
         model_name: recorded in the LayerGraph's metadata.
-        every_backward: run every layer's backward, also where a layer's forward repeated an
-            earlier layer's exactly (by default such a layer takes that layer's backward figures).
+        every_layer: run every layer's forward and backward, also where a layer repeats an
+            earlier layer exactly (by default such a layer takes that layer's figures).
     """
     if LAYER_ORDER_META not in gm.meta:
         raise ValueError("annotate needs a graph from the capture pass (no layer order in gm.meta)")
@@ -472,7 +613,7 @@ def annotate(
 
     fallback = None
     try:
-        measured = _measure(gm, sample_batch, tensor_mode, model_name, every_backward)
+        measured = _measure(gm, sample_batch, tensor_mode, model_name, every_layer)
     except _DataDependentNode as err:
         where = f"node {err.node.name} ({err.node.target}, layer {err.node.meta.get(LAYER_META)})"
         if tensor_mode == "real" or not has_values:
@@ -482,10 +623,10 @@ def annotate(
             ) from err.cause
         fallback = f"data-dependent operation at {where}: {type(err.cause).__name__}"
         tensor_mode = "real"
-        measured = _measure(gm, sample_batch, tensor_mode, model_name, every_backward)
+        measured = _measure(gm, sample_batch, tensor_mode, model_name, every_layer)
     m = measured
     report = AnnotateReport(
-        m.layer_graph, tensor_mode, m.fwd_s, m.bwd_s, fallback, tuple(m.assumed), m.repeats
+        m.layer_graph, tensor_mode, m.fwd_s, m.bwd_s, fallback, tuple(m.assumed), m.repeats, m.replayed
     )
     return AnnotateResult(gm, m.layer_graph, report)
 
@@ -535,6 +676,8 @@ class _Measured:
     bwd_s: float
     assumed: list[str]
     repeats: int
+    replayed: int
+    """Of those, the blocks whose forward was not run either."""
     """Layers whose backward figures are an earlier layer's (their forwards were alike)."""
 
 
@@ -543,7 +686,7 @@ def _measure(
     sample_batch: Mapping[str, Any],
     tensor_mode: TensorMode,
     model_name: str | None,
-    every_backward: bool,
+    every_layer: bool,
 ) -> _Measured:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if tensor_mode == "fake" else None
     make = fake_factory(fake_mode) if fake_mode else _detached_parameter
@@ -564,7 +707,9 @@ def _measure(
         traffic = _MemoryTraffic(flop_ops)
         counters = _Counters(flops, traffic, {op for op in flop_ops if "attention" in str(op)})
         param_storages = {st[0] for p in gm.parameters() if (st := _storage(p))}
-        interp = _Annotator(gm, counters, param_storages, fake_mode)
+        interp = _Annotator(
+            gm, counters, param_storages, fake_mode, replay=fake_mode is not None and not every_layer
+        )
         known_shapes = ShapesFromKnownValues(fake_mode) if fake_mode else contextlib.nullcontext()
         with flops, traffic, known_shapes:
             start = time.perf_counter()
@@ -579,13 +724,13 @@ def _measure(
                 raise _DataDependentNode(interp.current, err) from err
             fwd_s = time.perf_counter() - start
             start = time.perf_counter()
-            repeats = {} if every_backward else interp.repeated_layers(gm)
+            repeats = {} if every_layer else interp.repeated_layers(gm)
             interp.run_backward(gm, repeats)
             bwd_s = time.perf_counter() - start
         layer_graph = _build_layer_graph(
             gm, interp, model_name=model_name, tensor_mode=tensor_mode, batch=sample_batch
         )
-    return _Measured(layer_graph, fwd_s, bwd_s, assumed, len(repeats))
+    return _Measured(layer_graph, fwd_s, bwd_s, assumed, len(repeats), len(interp.replayed))
 
 
 def _default_of(n: fx.Node) -> Any:

@@ -102,3 +102,15 @@ def test_the_grid_shows_each_ranks_steps_and_marks():
     lines = grid.splitlines()
     assert lines[0].split() == ["step", "rank", "0", "rank", "1"]
     assert lines[1].split() == ["0", "0F0", "1F0", "<-", "here"] and lines[2].split() == ["1", "0B0"]
+
+
+def test_a_kept_execution_order_is_handed_out_as_a_copy():
+    """Validation and simulation share the order of the same lists; neither may change the other's."""
+    from vlmcompile.planning.schedules import one_f_one_b
+
+    lists = one_f_one_b(3, 4)
+    first, position = execution_order(lists, 3)
+    first.clear()
+    position[0] = -1
+    again, position_again = execution_order([list(acts) for acts in lists], 3)
+    assert len(again) == sum(map(len, lists)) and position_again == [len(acts) for acts in lists]

@@ -297,13 +297,14 @@ def _same_figures(shared, every):
 def test_a_layer_that_repeats_an_earlier_one_takes_its_backward_figures(name):
     model, batch = build(name)
     shared = _annotate(model, batch)
-    every = _annotate(model, batch, every_backward=True)
+    every = _annotate(model, batch, every_layer=True)
     _same_figures(shared, every)
     blocks = sum(".blocks." in layer.name for layer in shared.layer_graph.layers)
     # Each tower's first block reads what no block made (its own inputs); the others repeat it.
     assert 0 < shared.report.repeated_backwards < blocks
-    assert every.report.repeated_backwards == 0
-    assert f"the other {shared.report.repeated_backwards} repeating one of them exactly" in str(shared.report)
+    assert every.report.repeated_backwards == every.report.replayed_forwards == 0
+    assert 0 < shared.report.replayed_forwards <= shared.report.repeated_backwards
+    assert "the other layers repeat one of them exactly" in str(shared.report)
 
 
 class _Blocks(nn.Module):
@@ -335,7 +336,7 @@ def test_layers_that_differ_in_ops_or_share_parameters_are_measured_apart():
     for on_meta in (False, True):
         m, b = (model.to("meta"), {"x": batch["x"].to("meta")}) if on_meta else (model, batch)
         shared = _annotate(m, b)
-        every = _annotate(m, b, every_backward=True)
+        every = _annotate(m, b, every_layer=True)
         _same_figures(shared, every)
         # 5 repeats 4; 0 reads the input, 1 runs twice, 2 splits four heads, 3 is causal and 6
         # frozen: each is its own.
@@ -356,5 +357,46 @@ def test_transformers_layers_that_repeat_take_the_figures_of_the_first(name, rep
 
     model, batch = hf_tiny.build(name, device="meta")
     shared = _annotate(model, batch)
-    _same_figures(shared, _annotate(model, batch, every_backward=True))
+    _same_figures(shared, _annotate(model, batch, every_layer=True))
     assert (shared.report.repeated_backwards > 0) == repeats
+
+
+class _Gate(nn.Module):
+    def __init__(self, width: int, scale: torch.Tensor, exp: bool):
+        super().__init__()
+        self.exp = exp
+        self.norm = nn.LayerNorm(width)  # a norm and a linear: a block, one call
+        self.linear = nn.Linear(width, width)
+        self.register_buffer("scale", scale)  # one tensor, every gate's
+
+    def forward(self, x):
+        y = self.linear(self.norm(x)) * self.scale  # the norm keeps its input
+        return torch.exp(y) if self.exp else y  # exp keeps its own output
+
+
+class _Gates(nn.Module):
+    """Blocks that save their own output (an exp's backward reads it), a buffer they all hold, and
+    a head that reads a block's input again: what a replayed block saves, and what is saved
+    after it, depends on what was saved before."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        scale = torch.full((width,), 0.5)
+        self.vision = nn.ModuleList(_Gate(width, scale, exp=i >= 3) for i in range(6))
+        self.llm = nn.Linear(width, 1)
+
+    def forward(self, x):
+        x, skip = x * 1.0, None
+        for i, block in enumerate(self.vision):
+            skip = x if i == 2 else skip
+            x = block(x)
+        # block 2's input again (block 2 replays block 1), saved by the head after block 2 saved it
+        return self.llm(x).square().mean() + self.llm(skip).mean()
+
+
+def test_replayed_blocks_save_what_their_measured_forward_would():
+    model, batch = _Gates().to("meta"), {"x": torch.empty(3, 5, 16, device="meta")}
+    shared = _annotate(model, batch, overrides={"vision": "vision", "llm": "llm"})
+    every = _annotate(model, batch, overrides={"vision": "vision", "llm": "llm"}, every_layer=True)
+    _same_figures(shared, every)
+    assert shared.report.replayed_forwards > 0

@@ -380,3 +380,44 @@ def test_screens_on_two_cores_reach_the_same_plan(demo_graph):
     one, two = (r.report.candidates for r in runs)
     assert {c.request for c in one} == {c.request for c in two}
     assert runs[1].sim.step_time_s <= runs[0].sim.step_time_s * (1 + 1e-6)
+
+
+def test_candidates_with_long_action_lists_are_visited_last_and_the_plan_stays(demo_graph, monkeypatch):
+    """Visiting the longest pipelines last prunes more of them by the plan found first; each is
+    still screened or pruned by a plan it cannot beat, so the plan chosen is the same."""
+    import vlmcompile.passes.plan_search as search
+
+    cluster = Cluster.preset("h100x8")
+    space = SearchSpace(tp_choices=(1, 2), microbatch_sizes=(1,), v_choices=(1, 2))
+    screen = functools.partial(plan_and_simulate, demo_graph, cluster, "megatron_balanced")
+    first_check = search._pruned
+
+    def run(deferred_actions):
+        order = []
+
+        def pruned(request, *rest):
+            order.append(request)
+            return first_check(request, *rest)
+
+        monkeypatch.setattr(search, "_pruned", pruned)
+        monkeypatch.setattr(search, "DEFERRED_ACTIONS", deferred_actions)
+        result = search.plan_search(
+            demo_graph,
+            cluster,
+            global_batch=16,
+            space=space,
+            solver=SolverOptions(time_limit_s=1, workers=1),
+            screen=screen,
+            solve_top=1,
+            polish=0,
+            progress=False,
+        )
+        return result, list(dict.fromkeys(order))
+
+    plain, order = run(10**9)
+    threshold = sorted(search._screen_actions(r) for r in order)[len(order) // 2]
+    deferred, later = run(threshold)
+    long = [r for r in order if search._screen_actions(r) > threshold]
+    assert long and later[-len(long) :] == long  # last, in their bounds' order
+    assert deferred.plan.pipeline_parallel == plain.plan.pipeline_parallel
+    assert deferred.sim.step_time_s == pytest.approx(plain.sim.step_time_s, rel=1e-9)

@@ -109,3 +109,15 @@ def test_both_bounds_hold_and_the_cutting_planes_reach_the_subgradient_steps(cut
     assert quick <= least * (1 + 1e-9) + 1e-9
     assert best <= least * (1 + 1e-9) + 1e-9
     assert best >= quick - KELLEY_GAP * abs(quick) - 1e-6
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cut_problems())
+def test_cutting_planes_out_of_time_return_the_best_bound_so_far(cut):
+    """With no time, the loop stops after its first point, whose least is a bound already."""
+    hurried = cut.best_bound(seconds=0.0)
+    assert hurried == cut.least(cut.start())[0]
+    assert hurried <= cut.best_bound() + 1e-9 * abs(hurried)
+    least = exhaustive(cut)
+    if not math.isinf(least):
+        assert hurried <= least * (1 + 1e-9) + 1e-9

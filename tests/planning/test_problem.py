@@ -114,3 +114,28 @@ def test_the_cp_sat_model_of_a_plan_is_the_simulators_step_and_memory(demo_graph
     assert solution.objective_s == pytest.approx(sim.step_time_s, rel=1e-4)
     assert solution.stage_of == stage_of and solution.recompute == flags
     assert solution.evaluation.peak_bytes == pytest.approx(sim.peak_mem_bytes, rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sets(
+        st.tuples(
+            st.lists(
+                st.tuples(st.integers(0, 3), st.integers(1, 3)), max_size=4, unique_by=lambda x: x[0]
+            ).map(lambda live: tuple(sorted(live))),
+            st.integers(-1, 3),
+        ),
+        max_size=12,
+    )
+)
+def test_the_patterns_kept_are_those_no_other_covers(patterns):
+    """Against the rule written out: a pattern covers another where it holds at least as many
+    microbatches of every stage, its transient the same or the other's none."""
+    from vlmcompile.planning.problem import _undominated
+
+    def covers(big, small):
+        b = dict(big[0])
+        return small[1] in (-1, big[1]) and all(b.get(k, 0) >= n for k, n in small[0])
+
+    expected = {x for x in patterns if not any(y != x and covers(y, x) for y in patterns)}
+    assert set(_undominated(set(patterns))) == expected

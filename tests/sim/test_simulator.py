@@ -289,3 +289,28 @@ def test_a_frozen_encoder_costs_its_forward_only_and_mfu_counts_the_work_that_ru
     vision = demo_graph.in_region(Region.VISION)
     saved = 4 * sum(layer.bwd_flops for layer in vision)
     assert plan_costs(trained, demo_graph, cluster).model_flops - costs.model_flops == pytest.approx(saved)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=random_plans(), data=st.data())
+def test_each_ranks_peak_is_its_fullest_pattern_at_the_first_step_holding_it(case, data):
+    """The simulator reads each rank's distinct in-flight patterns once per schedule and prices
+    them per cost model: the same peak, and the same first step at it, as every action walked."""
+    from vlmcompile.sim.in_flight import in_flight, pattern_bytes
+
+    plan, fwd, bwd, wgt, send = case
+    base = synthetic_costs(plan, fwd, bwd, weight_grad_s=wgt, send_s=send)
+    sizes = st.integers(0, 3).map(float)  # small integers: ties, where the first step must win
+    for _ in range(2):  # a second cost model on the same schedule reads the kept patterns
+        stages = tuple(
+            dataclasses.replace(s, act_bytes=data.draw(sizes), transient_bytes=data.draw(sizes))
+            for s in base.stages
+        )
+        costs = dataclasses.replace(base, stages=stages)
+        ranks = simulate(plan, None, CLUSTER, costs=costs).ranks
+        keep, transient = [s.act_bytes for s in stages], [s.transient_bytes for s in stages]
+        for rank, acts in enumerate(plan.actions):
+            held = [pattern_bytes(p, keep, transient) for p in in_flight(acts)]
+            peak = max(held, default=0.0)
+            assert ranks[rank].peak_mem_bytes - ranks[rank].static_bytes == peak
+            assert ranks[rank].peak_step == (held.index(peak) if peak > 0 else 0)
