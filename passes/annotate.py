@@ -233,6 +233,7 @@ class _Annotator(fx.Interpreter):
         fake_mode: FakeTensorMode | None = None,
         *,
         replay: bool = False,
+        trace_ops: bool = True,
     ):
         super().__init__(gm, garbage_collect_values=False)
         self.fake_mode = fake_mode
@@ -249,6 +250,8 @@ class _Annotator(fx.Interpreter):
         self.grad_owner: dict[Any, fx.Node] = {}
         self.op_trace: dict[fx.Node, tuple] = {}
         self.replays = _Replays(gm, param_storages) if replay else None
+        self.trace_ops = trace_ops
+        """Whether each node's ops are traced (to tell repeated layers; not when every layer is run)."""
         self.replayed: dict[str, str] = {}
         """Layers whose forward was :meth:`_replay`ed: the layer measured."""
         self._bwd_node: fx.Node | None = None
@@ -299,10 +302,10 @@ class _Annotator(fx.Interpreter):
         inputs_seen = {st[0] for t in _tensors((args, kwargs)) if (st := _storage(t))} & self.seen_storages
         before = self.counters.snapshot()
         traffic = self.counters.traffic
-        traffic.trace = []
+        traffic.trace = [] if self.trace_ops else None
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             out = self._call(n, args, kwargs)
-        self.op_trace[n], traffic.trace = tuple(traffic.trace), None
+        self.op_trace[n], traffic.trace = tuple(traffic.trace or ()), None
         self.fwd_cost[n] = _add(self.fwd_cost[n], _delta(self.counters.snapshot(), before))
         self._own_grad_fns(n, out)
         if key is not None:
@@ -708,7 +711,12 @@ def _measure(
         counters = _Counters(flops, traffic, {op for op in flop_ops if "attention" in str(op)})
         param_storages = {st[0] for p in gm.parameters() if (st := _storage(p))}
         interp = _Annotator(
-            gm, counters, param_storages, fake_mode, replay=fake_mode is not None and not every_layer
+            gm,
+            counters,
+            param_storages,
+            fake_mode,
+            replay=fake_mode is not None and not every_layer,
+            trace_ops=not every_layer,
         )
         known_shapes = ShapesFromKnownValues(fake_mode) if fake_mode else contextlib.nullcontext()
         with flops, traffic, known_shapes:

@@ -38,9 +38,8 @@ import multiprocessing
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Any
 
 from tabulate import tabulate
 
@@ -51,7 +50,7 @@ from vlmcompile.ir.layer_graph import LayerGraph, format_bytes
 from vlmcompile.ir.plan import Parallel, Plan, Reason
 from vlmcompile.passes.partition import partition
 from vlmcompile.planning.candidate_bound import CandidateBound, candidate_bound, stage_cut_bound
-from vlmcompile.planning.forked import forked_map
+from vlmcompile.planning.forked import call_in_worker, can_fork, forked_map, forked_pool
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.stage_cuts import TIMELINE_ACTIONS
@@ -532,19 +531,6 @@ class _ScreenOutcome:
     """Not screened: the stage-cut bound reached the best plan found when it was sent."""
 
 
-_WORKER_SCREEN: tuple[Callable[[PlanRequest], PolicyResult | None], Callable[..., CandidateBound]] | None = (
-    None
-)
-"""The screen and the bound refinement of a screening worker process (set before it forks)."""
-_WORKER_BEST: Any = None
-"""The best plan's step found so far, shared with the screening workers (a ``multiprocessing.Value``
-made before they fork): a candidate sent before a faster plan was found is pruned by that plan."""
-
-
-def _screen_in_worker(request: PlanRequest, bound: CandidateBound, enough_s: float) -> _ScreenOutcome:
-    return _screen_one(*_WORKER_SCREEN, request, bound, lambda: min(enough_s, _WORKER_BEST.value))
-
-
 def _screen_one(
     screen: Callable[[PlanRequest], PolicyResult | None],
     refine: Callable[..., CandidateBound],
@@ -585,26 +571,31 @@ class _ScreenPool:
         cores: int,
     ):
         self.screen, self.refine = screen, refine
-        forked = screen is not None and cores > 1 and "fork" in multiprocessing.get_all_start_methods()
+        forked = screen is not None and cores > 1 and can_fork()
         self.width = cores if forked else 1
         self.executor = None
         if forked:
-            global _WORKER_SCREEN, _WORKER_BEST
-            _WORKER_SCREEN = (screen, refine)  # inherited by the forked workers; nothing to pickle
-            _WORKER_BEST = multiprocessing.get_context("fork").Value("d", math.inf, lock=False)
-            self.executor = ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("fork"))
+            # made before the workers fork: they read it, this process writes it (one float)
+            self.best_s = multiprocessing.get_context("fork").Value("d", math.inf, lock=False)
+            best = self.best_s
+
+            def screened(sent: tuple[PlanRequest, CandidateBound, float]) -> _ScreenOutcome:
+                request, bound, enough_s = sent
+                return _screen_one(screen, refine, request, bound, lambda: min(enough_s, best.value))
+
+            self.executor = forked_pool(screened, cores)
 
     def submit(self, request: PlanRequest, bound: CandidateBound, enough_s: float) -> Future:
         if self.executor is not None:
-            return self.executor.submit(_screen_in_worker, request, bound, enough_s)
+            return self.executor.submit(call_in_worker, (request, bound, enough_s))
         done: Future = Future()
         done.set_result(_screen_one(self.screen, self.refine, request, bound, lambda: enough_s))
         return done
 
     def offer(self, best_s: float) -> None:
-        """A faster plan found: the workers prune by it from now on (one float, written whole)."""
+        """A faster plan found: the workers prune by it from now on (sent before or not)."""
         if self.executor is not None:
-            _WORKER_BEST.value = min(_WORKER_BEST.value, best_s)
+            self.best_s.value = min(self.best_s.value, best_s)
 
     def __enter__(self) -> _ScreenPool:
         return self

@@ -41,13 +41,10 @@ def forked_map(
     forked workers. Errors of the ``catch`` types are returned in their outcome; any other is
     raised (a worker's, once the calls here are done). Outcomes are in the items' order."""
     width = min(cores, len(items))
-    if width <= 1 or _IN_WORKER or "fork" not in multiprocessing.get_all_start_methods():
+    if width <= 1 or not can_fork():
         return [_outcome(call, item, catch) for item in items]
-    global _CALL
-    _CALL = call
-    context = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(width - 1, mp_context=context) as pool:
-        elsewhere = [pool.submit(_call_in_worker, item) for item in items[1:]]
+    with forked_pool(call, width - 1) as pool:
+        elsewhere = [pool.submit(call_in_worker, item) for item in items[1:]]
         here = _outcome(call, items[0], catch)
         there = []
         for future in elsewhere:
@@ -58,7 +55,21 @@ def forked_map(
     return [here, *there]
 
 
-def _call_in_worker(item: Any) -> Any:
+def can_fork() -> bool:
+    """Whether calls may go to forked workers: the platform forks and this is no worker already
+    (whose cores are taken)."""
+    return not _IN_WORKER and "fork" in multiprocessing.get_all_start_methods()
+
+
+def forked_pool(call: Callable[[Any], Any], width: int) -> ProcessPoolExecutor:
+    """``width`` forked workers running ``call``: submit ``(call_in_worker, item)`` to them.
+    The call is set before they fork (they inherit it; nothing to pickle but items and answers)."""
+    global _CALL
+    _CALL = call
+    return ProcessPoolExecutor(width, mp_context=multiprocessing.get_context("fork"))
+
+
+def call_in_worker(item: Any) -> Any:
     global _IN_WORKER
     _IN_WORKER = True
     return _CALL(item)
