@@ -408,14 +408,19 @@ class _ListScheduler:
         self.done_enc = [0] * m
         self.unstarted = list(range(m))
         """Microbatches no encoder action has started of, in order."""
-        self.in_progress: set[int] = set()
-        """Microbatches started on an encoder pipeline with encoder actions left."""
+        self.waiting_on: list[set[int]] = [set() for _ in range(problem.num_ranks)]
+        """Per rank, the microbatches started on an encoder pipeline whose next encoder action
+        it runs."""
         self.need = 0
         """The microbatch the first LLM stage needs next."""
-        # The encoder actions a rank may run next change only when encoder work starts or ends, or
-        # the first LLM stage moves on: cached per rank between such changes.
+        # The encoder actions a rank may run next change for every rank when a microbatch starts
+        # (the unstarted ones are on offer to every first rank) or the first LLM stage moves on,
+        # and for one rank when one of its microbatches' encoder actions starts or ends: cached
+        # per rank between such changes, and only the ranks whose offer changed propose again.
         self.version = 0
-        self.cached: dict[int, tuple[int, int, list[Action]]] = {}
+        self.rank_version = [0] * problem.num_ranks
+        self.offer_changed: set[int] = set()
+        self.cached: dict[int, tuple[int, int, int, list[Action]]] = {}
         self.holders = [set(s.ranks) for s in problem.stages]
         self.total = sum(len(a) for a in problem.llm_actions) + sum(len(seq) for seq in self.sequences)
 
@@ -437,10 +442,11 @@ class _ListScheduler:
         return self.version, self.need
 
     def candidates(self, rank: int) -> list[Action]:
+        key = (self.version, self.rank_version[rank], self.need)
         hit = self.cached.get(rank)
-        if hit is None or hit[:2] != (self.version, self.need):
-            hit = self.cached[rank] = (self.version, self.need, self._encoder_candidates(rank))
-        return hit[2]
+        if hit is None or hit[:3] != key:
+            hit = self.cached[rank] = (*key, self._encoder_candidates(rank))
+        return hit[3]
 
     def _encoder_candidates(self, rank: int) -> list[Action]:
         """Encoder actions ``rank`` may run next: each microbatch's next one (its encoder actions
@@ -458,17 +464,14 @@ class _ListScheduler:
         stop = max(need + lookahead, ahead_limit if unstarted_ahead is not None else 0)
         fresh = itertools.takewhile(lambda j: j < stop, self.unstarted)
         out = []
-        for j in sorted((*self.in_progress, *fresh)):
+        for j in sorted((*self.waiting_on[rank], *fresh)):
             a = self.sequences[j][self.done_enc[j]]
             if kernels is not None and a in kernels.open:
                 continue  # running at kernel level: its microbatch's next action waits for it
             if a.kind is F and j >= (ahead_limit if j in problem.ahead else need + lookahead):
                 continue
-            k = self.pipeline_of.get(j)
-            if k is None:
-                if rank in problem.stages[a.stage].ranks:
-                    out.append(a)
-            elif problem.rank_of(a, k) == rank:
+            # A started microbatch waits on this rank; an unstarted one starts on any first rank.
+            if j in self.pipeline_of or rank in problem.stages[a.stage].ranks:
                 out.append(a)
         return out
 
@@ -480,19 +483,26 @@ class _ListScheduler:
         llm_next = llm[self.position[rank]] if self.position[rank] < len(llm) else None
         llm_start = clock.start_at(llm_next, rank) if llm_next is not None else None
         choice: Proposal | None = (llm_start, 0, llm_next) if llm_start is not None else None
+        # Paper-scale steps offer dozens of ready encoder backwards at every proposal: nothing
+        # starts before the rank is free, so once the choice starts then, only a candidate of a
+        # lower priority can beat it, and the others are passed over before their inputs are looked up.
+        free, ready_at, need, ahead = clock.free[rank], clock.ready_at, self.need, p.ahead
         for a in self.candidates(rank):
-            start = clock.start_at(a, rank)
-            if start is None:
+            urgent = a.kind is F and a.microbatch == need and a.microbatch not in ahead
+            # Run-ahead forwards (for the next batch) last: nothing this step waits for them.
+            rank_of_kind = 0 if urgent else 1 if a.kind is B else 3 if a.microbatch in ahead else 2
+            priority = rank_of_kind * (p.num_microbatches + 1) + a.microbatch + 1
+            if choice is not None and choice[0] <= free and priority >= choice[1]:
                 continue
-            urgent = a.kind is F and a.microbatch == self.need and a.microbatch not in p.ahead
+            ready = ready_at(a, rank)
+            if ready is None:
+                continue
+            start = ready if ready > free else free
             if not urgent and a.kind is F and self.live[rank] + self.keep[a.stage] > p.mem_limit[rank]:
                 continue  # the one the LLM waits for runs anyway: the evaluation says if it fits
             if llm_start is not None and not urgent:
                 if start + p.duration(a) > llm_start if self.fill_only else start >= llm_start:
                     continue
-            # Run-ahead forwards (for the next batch) last: nothing this step waits for them.
-            rank_of_kind = 0 if urgent else 1 if a.kind is B else 3 if a.microbatch in p.ahead else 2
-            priority = rank_of_kind * (p.num_microbatches + 1) + a.microbatch + 1
             if choice is None or (start, priority) < choice[:2]:
                 choice = (start, priority, a)
         return choice
@@ -512,7 +522,7 @@ class _ListScheduler:
         for e in closed:
             self.finish(e, end, rank)
         self.finish(a, end, rank)
-        touched: set[int] = set()
+        touched, self.offer_changed = self.offer_changed, set()
         for done in (a, *closed):
             for neighbour in (done.stage - 1, done.stage + 1):
                 if 0 <= neighbour < p.num_stages:
@@ -538,13 +548,18 @@ class _ListScheduler:
         )
 
     def start_encoder(self, a: Action, rank: int) -> None:
-        self.version += 1
         if a.microbatch not in self.pipeline_of:
+            self.version += 1
             self.pipeline_of[a.microbatch] = self.p.stages[a.stage].ranks.index(rank)
             self.unstarted.remove(a.microbatch)
-            self.in_progress.add(a.microbatch)
+            self.waiting_on[rank].add(a.microbatch)
+        self._offer_changed(rank)
         if a.kind is F:
             self.live[rank] += self.keep[a.stage]
+
+    def _offer_changed(self, rank: int) -> None:
+        self.rank_version[rank] += 1
+        self.offer_changed.add(rank)
 
     def finish(self, a: Action, end: float, rank: int) -> None:
         self.clock.commit(a, rank, end)
@@ -552,10 +567,14 @@ class _ListScheduler:
             self.position[rank] += 1
             self.live[rank] += self.keep[a.stage] if a.kind is F else -self.keep[a.stage]
         else:
-            self.version += 1
-            self.done_enc[a.microbatch] += 1
-            if self.done_enc[a.microbatch] == len(self.sequences[a.microbatch]):
-                self.in_progress.discard(a.microbatch)
+            j, pipeline = a.microbatch, self.pipeline_of[a.microbatch]
+            self.waiting_on[rank].discard(j)
+            self._offer_changed(rank)
+            self.done_enc[j] += 1
+            if self.done_enc[j] < len(self.sequences[j]):
+                then = self.p.rank_of(self.sequences[j][self.done_enc[j]], pipeline)
+                self.waiting_on[then].add(j)
+                self._offer_changed(then)
             if a.kind is B:
                 self.live[rank] -= self.keep[a.stage]
 

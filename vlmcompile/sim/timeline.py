@@ -55,23 +55,50 @@ def run_actions(
             outputs have them from the step's start.
     """
     hosts, ahead = hosts or {}, interned(ahead)
+    split = frozenset(a.stage for acts in actions for a in acts if a.kind is ActionKind.I)
+    if order is None:
+        order = complete_order(actions, num_stages, split, hosts, ahead)
+    carried = _carried_from(actions, ahead)
+    timing = _Timing(len(actions), num_stages, split, ahead, duration, transfer)
+    if not hosts and not carried:
+        return _run_plain(order, timing)
+    return _run_with_riders(order, timing, hosts, fused_duration, carried)
+
+
+@dataclass(frozen=True, slots=True)
+class _Timing:
+    """What :func:`run_actions`' loops read: the lists' shape and the two cost functions."""
+
+    num_ranks: int
+    num_stages: int
+    split: frozenset[int]
+    ahead: frozenset[Action]
+    duration: Callable[[Action, float], float]
+    transfer: Callable[[Action, Action], float]
+
+
+def _run_with_riders(
+    order: Sequence[tuple[int, int, Action]],
+    timing: _Timing,
+    hosts: Mapping[Action, Sequence[Action]],
+    fused_duration: Callable[[Action, float], float] | None,
+    carried: Mapping[Action, tuple[Action, int]],
+) -> list[Timed]:
+    """:func:`run_actions` with kernel-level riders or outputs carried from the step before."""
+    num_stages, split, ahead = timing.num_stages, timing.split, timing.ahead
+    duration, transfer = timing.duration, timing.transfer
     first_of: dict[Action, list[Action]] = {}
     last_of: dict[Action, list[Action]] = {}
     for rider, span in hosts.items():
         first_of.setdefault(span[0], []).append(rider)
         last_of.setdefault(span[-1], []).append(rider)
     spanned = {host for span in hosts.values() for host in span}
-    split = frozenset(a.stage for acts in actions for a in acts if a.kind is ActionKind.I)
-    if order is None:
-        order = complete_order(actions, num_stages, split, hosts, ahead)
     end: dict[Action, float] = {}
     ran_on: dict[Action, int] = {}
-    free = [0.0] * len(actions)
+    free = [0.0] * timing.num_ranks
     steps: dict[Action, int] = {}
     rider_start: dict[Action, float] = {}
     out = []
-
-    carried = _carried_from(actions, ahead)
 
     def ready_at(a: Action, rank: int, ending: Sequence[Action] = ()) -> float:
         made = carried.get(a)  # its input, made the step before, is sent as this step starts
@@ -106,6 +133,30 @@ def run_actions(
             out.append(Timed(rank, steps[r], r, rider_start[r], finish))
         out.append(Timed(rank, step, a, start, finish))
         free[rank] = finish
+    return out
+
+
+def _run_plain(order: Sequence[tuple[int, int, Action]], timing: _Timing) -> list[Timed]:
+    """:func:`run_actions` without riders or outputs carried from the step before: the same rule
+    as :func:`_run_with_riders`, in the loop every screen and solve of the plan search runs
+    hundreds of thousands of actions through."""
+    num_stages, split, ahead = timing.num_stages, timing.split, timing.ahead
+    duration, transfer = timing.duration, timing.transfer
+    end: dict[Action, float] = {}
+    ran_on: dict[Action, int] = {}
+    free = [0.0] * timing.num_ranks
+    out = []
+    for rank, step, a in order:
+        ran_on[a] = rank
+        start = free[rank]
+        for d in dependencies(a, num_stages, split, ahead):
+            ready = end[d] if ran_on[d] == rank else end[d] + transfer(d, a)
+            if ready > start:
+                start = ready
+        finish = start + duration(a, start)
+        end[a] = finish
+        free[rank] = finish
+        out.append(Timed(rank, step, a, start, finish))
     return out
 
 
