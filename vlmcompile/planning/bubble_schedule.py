@@ -418,9 +418,8 @@ class _ListScheduler:
         # and for one rank when one of its microbatches' encoder actions starts or ends: cached
         # per rank between such changes, and only the ranks whose offer changed propose again.
         self.version = 0
-        self.rank_version = [0] * problem.num_ranks
         self.offer_changed: set[int] = set()
-        self.cached: dict[int, tuple[int, int, int, list[Action]]] = {}
+        self.cached: dict[int, tuple[int, int, list[Action]]] = {}
         self.holders = [set(s.ranks) for s in problem.stages]
         self.total = sum(len(a) for a in problem.llm_actions) + sum(len(seq) for seq in self.sequences)
 
@@ -442,11 +441,10 @@ class _ListScheduler:
         return self.version, self.need
 
     def candidates(self, rank: int) -> list[Action]:
-        key = (self.version, self.rank_version[rank], self.need)
         hit = self.cached.get(rank)
-        if hit is None or hit[:3] != key:
-            hit = self.cached[rank] = (*key, self._encoder_candidates(rank))
-        return hit[3]
+        if hit is None or hit[:2] != (self.version, self.need):
+            hit = self.cached[rank] = (self.version, self.need, self._encoder_candidates(rank))
+        return hit[2]
 
     def _encoder_candidates(self, rank: int) -> list[Action]:
         """Encoder actions ``rank`` may run next: each microbatch's next one (its encoder actions
@@ -558,7 +556,7 @@ class _ListScheduler:
             self.live[rank] += self.keep[a.stage]
 
     def _offer_changed(self, rank: int) -> None:
-        self.rank_version[rank] += 1
+        self.cached.pop(rank, None)
         self.offer_changed.add(rank)
 
     def finish(self, a: Action, end: float, rank: int) -> None:
