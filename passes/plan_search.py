@@ -278,11 +278,7 @@ def plan_search(
     rows, results = _visit_all(visits, todo, solve_top)
     if not any(res.fits for res in results.values()):
         bar.close()
-        raise PlanError(
-            _no_plan_message(
-                list(rows.values()), cap, cluster.name, min(b.least_peak_bytes for b in bounds.values())
-            )
-        )
+        raise PlanError(_no_plan_message(list(rows.values()), cap, cluster.name))
     if solver.timeline_share > 0:
         _polish(layer_graph, cluster, rows, results, solver, polish, bar)
     bar.close()
@@ -440,6 +436,11 @@ class _Visits:
         its bound can beat the best plan."""
         order = sorted(self.screens, key=lambda r: (not self.screens[r][1], self.screens[r][0]))
         todo = [r for r in order[:solve_top] if self.bounds[r].step_s < self.best.step_s]
+        incumbent = self.best.request
+        if incumbent in self.screens and incumbent not in todo and incumbent not in self.results:
+            # Its screen met its own lower bound, so no partition beats it: keep its plan (a
+            # worker sent its figures only), or the search would end with none that fits.
+            self.results[incumbent] = self.screen(incumbent)
 
         def solved(request: PlanRequest) -> tuple[PolicyResult, tuple[CandidateRow, PolicyResult | None]]:
             quick = self.screen(request)  # its plan again, here: a worker sends figures, not plans
@@ -713,7 +714,7 @@ def _how_made(result: PolicyResult) -> str:
     return "; ".join([result.report.solution.summary(), *kept[-1:]])
 
 
-def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, least_peak: float) -> str:
+def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str) -> str:
     """Why every candidate lost, by cause: planning errors (grouped by message), plans over the
     memory cap (the least peak), candidates pruned by their model states."""
     parts = []
@@ -723,18 +724,23 @@ def _no_plan_message(rows: Sequence[CandidateRow], cap: float, cluster: str, lea
             failed.setdefault(r.reason, []).append(r.request)
     for reason, degrees in sorted(failed.items(), key=lambda kv: -len(kv[1])):
         parts.append(f"{len(degrees)} could not be planned ({reason}; e.g. {degrees[0]})")
-    over = [r for r in rows if r.outcome in ("planned", "screened") and r.peak_bytes is not None]
+    over = [r for r in rows if r.outcome in ("planned", "screened") and (r.peak_bytes or 0) > cap]
     if over:
         least = min(over, key=lambda r: r.peak_bytes)
         parts.append(
             f"{len(over)} planned but over the cap (least peak {format_bytes(least.peak_bytes)} at {least.request})"
         )
-    pruned = sum(r.outcome == "pruned" for r in rows)
+    pruned = [
+        r for r in rows if r.outcome == "pruned" and r.bound is not None and r.bound.least_peak_bytes > cap
+    ]
     if pruned:
+        least_pruned = min(r.bound.least_peak_bytes for r in pruned)
         parts.append(
-            f"{pruned} pruned: even with every layer recomputed they need more than the cap (least "
-            f"{format_bytes(least_peak)} on a fullest rank)"
+            f"{len(pruned)} pruned: even with every layer recomputed they need more than the cap (least "
+            f"{format_bytes(least_pruned)} on a fullest rank)"
         )
+    if not parts:  # every plan fits and none was kept: a fault of the search, not of the model
+        raise AssertionError(f"the plan search kept no plan on {cluster}, though none is over the cap")
     return (
         f"no parallel plan fits in {format_bytes(cap)} per rank on {cluster}, of {len(rows)} candidates: "
         + "; ".join(parts)

@@ -58,7 +58,11 @@ class TwoTowers(nn.Module):
         if self.loss == "one-tower":
             text = image.flip(0)
         logits = self.logit_scale.exp() * image @ text.t()
-        targets = labels if self.loss == "labels" else torch.arange(logits.shape[0])
+        # The standard CLIP loss spells N in several ways: the logits', an embedding's, the batch's.
+        size = {"image-rows": image.shape[0], "batch-size": pixel_values.shape[0]}.get(
+            self.loss, logits.shape[0]
+        )
+        targets = labels if self.loss == "labels" else torch.arange(size)
         if self.loss == "one-way":
             return F.cross_entropy(logits, targets)
         return (F.cross_entropy(logits, targets) + F.cross_entropy(logits.t(), targets)) / 2

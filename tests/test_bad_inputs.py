@@ -289,6 +289,96 @@ def _launch_api(**kwargs):
     return run
 
 
+def with_files(files: dict[str, str], run: Callable[[Path], object]) -> Callable[[Path], object]:
+    """``run`` after writing ``files`` (name -> text) into the scratch folder."""
+
+    def go(tmp: Path):
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        return run(tmp)
+
+    return go
+
+
+def _manifest(count: int, long_line: int | None = None, huge_line: int | None = None, seed: int = 0) -> str:
+    """A manifest of ``count`` samples of 12-50 text tokens and 0-2 images; line ``long_line`` a
+    text of 400 tokens, line ``huge_line`` one of 100,000,000."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for n in range(1, count + 1):
+        row = {"text_tokens": rng.randint(12, 50), "images": [[336, 336]] * rng.randint(0, 2)}
+        if n in (long_line, huge_line):
+            row = {"text_tokens": 400 if n == long_line else 100_000_000}
+        rows.append(json.dumps(row))
+    return "\n".join(rows) + "\n"
+
+
+TINY_PLAN = ["plan", "--model", "tiny", "--cluster", "cpu:2", "--tp", "1", "--pp", "2"]
+
+
+def packed_train(*argv: str) -> Callable[[Path], object]:
+    """``vlmcompile train --plan {tmp}/packed.json ...``: a plan of the tiny model for 8 samples a
+    step of a 40-sample manifest ({tmp}/good.jsonl), planned once per test session."""
+
+    def run(tmp: Path):
+        (tmp / "good.jsonl").write_text(_manifest(40))
+        if "packed" not in _PIPE:
+            from vlmcompile.cli import main
+
+            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                code = main(
+                    [
+                        *TINY_PLAN,
+                        "--global-batch",
+                        "8",
+                        "--data",
+                        str(tmp / "good.jsonl"),
+                        "--json",
+                        str(tmp / "p.json"),
+                    ]
+                )
+            assert code == 0
+            _PIPE["packed"] = (tmp / "p.json").read_text()
+        (tmp / "packed.json").write_text(_PIPE["packed"])
+        return cli("train", "--plan", "{tmp}/packed.json", *argv)(tmp)
+
+    return run
+
+
+def _plan_for_frozen_encoder_on_trained_model(tmp: Path):
+    """A two-stage plan made with the vision encoder frozen, run on the model whose encoder trains."""
+    pipe, _ = _pipe()
+    return pipe.runner(even_plan(_frozen_pipe().layer_graph, pp=2, global_batch=4))
+
+
+def _requires_grad_changed_after_compile(tmp: Path):
+    from vlmcompile import compile
+
+    model, batch = _tiny()
+    pipe = compile(model, batch, log=None)
+    model.encoders.requires_grad_(False)
+    return pipe.runner(even_plan(pipe.layer_graph, pp=2, global_batch=4))
+
+
+def _train_config(**options):
+    def run(tmp: Path):
+        from vlmcompile.runtime.trainer import TrainConfig
+
+        return TrainConfig(steps=1, **options)
+
+    return run
+
+
+def _negative_sizes(tmp: Path):
+    import numpy as np
+
+    from vlmcompile.data.balance import SampleSizes
+
+    return SampleSizes(np.asarray([5, -3]), np.asarray([1, 1]))
+
+
 PLAN = ["plan", "--model", "demo", "--cluster", "h100x8", "--tp", "1", "--pp", "2", "--global-batch", "8"]
 
 CASES = {
@@ -571,6 +661,94 @@ CASES = {
     ),
     "api-launch-nprocs": Case(
         "API", "launch(nprocs=3) for a 2-rank plan", _launch_api(nprocs=3), "the plan runs on 2 ranks"
+    ),
+    "cli-train-freeze-contradicts-plan": Case(
+        "CLI",
+        "train --freeze naming other layers than the plan keeps frozen",
+        cli_train("--freeze", "vision", "--steps", "1"),
+        "--freeze vision names 4 layers with parameters (encoders.0.embed .. encoders.0.norm), but the plan "
+        "trains every layer",
+    ),
+    "cli-train-weight-decay-nan": Case(
+        "CLI",
+        "train --weight-decay nan",
+        cli_train("--weight-decay", "nan"),
+        "--weight-decay: nan is not a finite number >= 0",
+    ),
+    "cli-train-global-batch-over-plan": Case(
+        "CLI",
+        "train --global-batch 32 with a plan whose microbatches hold 8 samples of the data (found before any rank starts)",
+        packed_train("--data", "{tmp}/good.jsonl", "--global-batch", "32", "--steps", "8"),
+        "cannot hold 32 samples a step of this data",
+    ),
+    "cli-train-tokens-contradict-plan": Case(
+        "CLI",
+        "train --tokens-per-microbatch other than the plan's",
+        packed_train("--data", "{tmp}/good.jsonl", "--tokens-per-microbatch", "128"),
+        "--tokens-per-microbatch 128 contradicts the plan, made for microbatches of 64 LLM tokens",
+    ),
+    "cli-train-packed-plan-without-data": Case(
+        "CLI",
+        "train a plan made for packed data without --data",
+        packed_train("--steps", "1"),
+        "was made for packed samples of varying shapes (vlmcompile plan --data ...): give the data",
+    ),
+    "cli-train-data-on-one-shape-plan": Case(
+        "CLI",
+        "train --data with a plan made for batches of one shape",
+        cli_train("--data", "synthetic:interleaved", "--steps", "1"),
+        "was made for batches of one shape; to train on --data, plan for it",
+    ),
+    "cli-plan-fewer-samples-than-batch": Case(
+        "CLI",
+        "plan --data with fewer samples than --global-batch (train refuses it alike)",
+        with_files(
+            {"three.jsonl": _manifest(3)},
+            cli(*TINY_PLAN, "--global-batch", "8", "--data", "{tmp}/three.jsonl"),
+        ),
+        "the dataset holds 3 samples, fewer than global_batch=8",
+    ),
+    "cli-plan-huge-sample": Case(
+        "CLI",
+        "a manifest line of 100,000,000 text tokens (named before anything is built)",
+        with_files(
+            {"huge.jsonl": _manifest(8, huge_line=6)},
+            cli(*TINY_PLAN, "--global-batch", "4", "--data", "{tmp}/huge.jsonl"),
+        ),
+        "huge.jsonl:6) makes microbatches of 100000000 LLM tokens, whose attention mask alone takes",
+    ),
+    "cli-train-late-long-sample": Case(
+        "CLI",
+        "a sample over the plan's token budget late in the data (found before any rank starts)",
+        with_files(
+            {"late.jsonl": _manifest(50, long_line=48)},
+            packed_train("--data", "{tmp}/late.jsonl", "--steps", "1"),
+        ),
+        "late.jsonl:48) takes 400 LLM tokens, more than a microbatch's 64",
+    ),
+    "api-plan-frozen-otherwise": Case(
+        "API",
+        "a plan made with the vision encoder frozen, run on the model that trains it",
+        _plan_for_frozen_encoder_on_trained_model,
+        "the plan keeps encoders.0.embed, encoders.0.blocks.0",
+    ),
+    "api-requires-grad-changed": Case(
+        "API",
+        "requires_grad changed after compile",
+        _requires_grad_changed_after_compile,
+        "requires_grad changed since compile for",
+    ),
+    "api-weight-decay-nan": Case(
+        "API",
+        "TrainConfig(weight_decay=nan)",
+        _train_config(weight_decay=float("nan")),
+        "weight_decay=nan; give a finite number, 0 or more",
+    ),
+    "data-isf-negative-sizes": Case(
+        "data",
+        "ISF sample sizes that are negative",
+        _negative_sizes,
+        "llm_tokens[1] is -3: a sample's sizes are counts",
     ),
     # ---- plan files ------------------------------------------------------------------------------
     "plan-missing-file": Case("plan file", "no such file", _load_missing_plan, "cannot read plan file"),
@@ -959,6 +1137,112 @@ ELSEWHERE = {
         "what listens under torchrun",
         "tests/test_train_job.py::test_sigterm_to_torchrun_saves_the_step_in_flight_and_only_torchrun_listens_beyond_loopback",
         "(the ranks on 127.0.0.1 only; torchrun's own rendezvous store on every interface, as the README says)",
+    ),
+    "data-padding-unpackable": (
+        "data",
+        "a sample's padding packing cannot reproduce: labels on it, a left-padded first label, holes in its "
+        "attention_mask; images of an integer dtype",
+        "tests/data/test_packing.py::test_padding_packing_cannot_reproduce_is_refused_naming_the_sample",
+        "sample 0: 1 labels on its padding (attention_mask 0); set labels to -100 where the mask is 0 / sample 0: "
+        "left-padded, and its first token has label 5, which eager predicts from padding alone / sample 0: its "
+        "attention_mask has 0s between its tokens / sample 0: pixel_values are torch.uint8, not floating point",
+    ),
+    "data-padded-samples": (
+        "data",
+        "samples padded by their tokenizer (left or right, a 0/1 attention_mask), zoo and transformers LLaVA",
+        "tests/data/test_packing.py::test_a_sample_s_own_padding_is_dropped_as_eager_masks_it",
+        "(no error) the padding is dropped, each token at eager's position: loss and gradients equal eager's on "
+        "the padded batch",
+    ),
+    "data-step-without-labels": (
+        "train",
+        "a packed step whose samples have no label token (every label -100)",
+        "tests/runtime/test_packed_pipeline.py::test_a_packed_step_without_label_tokens_stops_saying_so_or_is_skipped",
+        "step 1: the loss is nan ...: the global batch has no label token (every label is -100), so its loss is "
+        "0/0 (with --skip-nonfinite-steps: skipped, its samples counted as left out)",
+    ),
+    "data-long-sample-anywhere": (
+        "data",
+        "a sample over the token budget anywhere in a dataset (not only its first 2048)",
+        "tests/data/test_steps.py::test_a_long_sample_anywhere_in_the_data_is_named_by_its_line_before_the_run",
+        "dataset sample 56 (.../data.jsonl:57) takes 408 LLM tokens, more than a microbatch's 64; plan for "
+        "microbatches of at least 408 (vlmcompile plan --data ... --tokens-per-microbatch 408; ...)",
+    ),
+    "data-backlog-grows": (
+        "data",
+        "a global batch the microbatches cannot hold, from data given as a function of the step (no replay "
+        "before the run)",
+        "tests/data/test_steps.py::test_a_run_that_outgrows_its_microbatches_stops_before_the_step",
+        "step 2 would leave N samples for the next, more than the 32 a step may (its 7 microbatches of 64 LLM "
+        "tokens cannot hold its samples and the backlog grows)",
+    ),
+    "data-resume-other-stream": (
+        "train",
+        "resuming with another global batch (the stream goes on), or on another dataset",
+        "tests/data/test_steps.py::test_a_resumed_run_goes_on_where_its_checkpoint_left_the_stream_with_another_global_batch",
+        "(no error with another global batch: every sample of the stream once) the checkpoint's run drew its "
+        "samples from another stream: samples 40 (now 39)",
+    ),
+    "isf-default-targets-unmet": (
+        "data",
+        "ISF's default targets under some samples' vision rows",
+        "tests/data/test_balance.py::test_bad_sizes_are_refused_and_the_default_targets_warning_says_what_to_give",
+        "(IsfWarning) 1 of 21 samples alone exceed the targets (...); the default Q_v follows the dataset's "
+        "vision rows per LLM token, ...: give IsfTargets with the largest sample's sizes (Q_t 400, Q_v 40)",
+    ),
+    "train-data-fails-mid-run": (
+        "train",
+        "a step whose data fails on every rank mid-run (a broken sample)",
+        "tests/runtime/test_trainer.py::test_a_step_whose_data_fails_saves_the_steps_before_it_and_the_run_goes_on_from_there",
+        "the data's global batch for step 3: ...; the steps before it were saved first: the newest checkpoint is "
+        ".../step_000002",
+    ),
+    "train-step-without-labels": (
+        "train",
+        "a global batch whose every label is -100 (its loss 0/0)",
+        "tests/runtime/test_trainer.py::test_a_step_without_label_tokens_stops_saying_so_after_saving_the_steps_before_it",
+        "step 2: the loss is nan ...: the global batch has no label token (every label is -100), so its loss is "
+        "0/0: give its samples labels, or drop them; the steps before it were saved first: ...",
+    ),
+    "train-nan-packed": (
+        "train",
+        "NaN images in a packed step",
+        "tests/runtime/test_packed_pipeline.py::test_a_packed_step_with_nan_images_stops_naming_the_dataset_samples",
+        "step 1: the loss is nan ... dataset sample N holds NaN or infinite values in ['pixel_values'] (packed "
+        "microbatch K, data-parallel rank R)",
+    ),
+    "train-frozen-plan-cli": (
+        "train",
+        "a plan made with --freeze (a frozen vision tower; LLaVA's stage 1), trained from the CLI",
+        "tests/test_train_job.py::test_a_frozen_plan_trains_exactly_its_frozen_set_from_the_cli",
+        "(no error) the plan's frozen layers train frozen: bit for bit unchanged in the checkpoint, losses "
+        "equal eager's",
+    ),
+    "train-global-batch-over-plan-cli": (
+        "train",
+        "--global-batch 32 on a plan for 8 of a 40-sample manifest; another --global-batch on --resume",
+        "tests/test_train_job.py::test_a_global_batch_the_plan_cannot_hold_is_refused_and_a_resume_may_change_it",
+        "the plan's 7 microbatches of 64 LLM tokens cannot hold 32 samples a step of this data: ... The most they "
+        "hold is N a step; (resumed with 8: the stream goes on where the checkpoint left it)",
+    ),
+    "train-load-checkpoint-damaged-newest": (
+        "train",
+        "load_checkpoint(run_dir) whose newest checkpoint is damaged",
+        "tests/runtime/test_checkpoint.py::test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_newest_intact_one",
+        "(UserWarning) reading .../step_000004, the newest intact checkpoint in ... (.../step_000006 is damaged: ...)",
+    ),
+    "api-all-frozen-compile": (
+        "API",
+        "compile a model whose every parameter is frozen, with a cluster",
+        "tests/passes/test_plan_search.py::test_a_screen_that_meets_its_own_bound_is_kept",
+        "(no error: it plans; was 'no parallel plan fits ... least peak 92.50 KiB') train() then says: every "
+        "parameter of the model has requires_grad=False: there is nothing to train",
+    ),
+    "api-clip-arange-targets": (
+        "API",
+        "a plain-PyTorch CLIP loss whose targets are torch.arange(pixel_values.shape[0])",
+        "tests/runtime/test_contrastive.py::test_a_clip_loss_with_targets_of_the_batch_size_trains_split_like_eager",
+        "(no error) recognised as InfoNCE: the loss on the whole global batch, split over the ranks, equal to eager",
     ),
     "signal-sigkill": (
         "signal",

@@ -49,7 +49,7 @@ def test_freeze_plans_every_policy_for_the_frozen_parameters(tmp_path, capsys):
         steps[freeze[-1] if freeze else ""] = data["simulation"]["step_time_s"]
         assert 0 < data["llm_alone_step_s"] < data["simulation"]["step_time_s"]
         assert 0 < data["dependency_bound_s"] < data["simulation"]["step_time_s"]
-        frozen = data["frozen_layers"]
+        frozen = list(Plan.from_json(data).frozen)
         if not freeze:
             assert frozen == []
         else:

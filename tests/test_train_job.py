@@ -314,3 +314,71 @@ def test_bad_data_is_one_line(tmp_path, capsys):
     manifest.write_text('{"text_tokens": 4}\n{"text_tokens": 5, "images": [[0, 3]]}\n')
     assert main(["train", "--plan", plan, "--data", str(manifest), "--steps", "1"]) != 0
     assert "m.jsonl:2: images[0]=[0, 3]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("freeze", ["vision", "vision,llm,head"], ids=["frozen-vision", "llava-stage-1"])
+def test_a_frozen_plan_trains_exactly_its_frozen_set_from_the_cli(tmp_path, capsys, freeze):
+    """``plan --freeze`` keeps the frozen layers in the plan; ``train`` freezes them (``--freeze``
+    agreeing is accepted): the frozen weights come out of the checkpoint bit for bit, the rest
+    trains, the losses are eager's on the model frozen alike (LLaVA's stage 1: the projector alone)."""
+    from vlmcompile.ir.plan import Plan
+    from vlmcompile.runtime.checkpoint import load_checkpoint
+
+    plan = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny", "--cluster", "cpu:2", "--tp", "1", "--pp", "2", "--global-batch", "4"]
+    assert main([*argv, "--freeze", freeze, "--json", str(plan)]) == 0
+    log, ckpt = tmp_path / "steps.jsonl", tmp_path / "ckpt"
+    args = ["--steps", "3", "--lr", "3e-3", "--checkpoint-dir", str(ckpt), "--log-jsonl", str(log)]
+    assert main(["train", "--plan", str(plan), "--freeze", freeze, *args, "--timeout", "60"]) == 0
+    capsys.readouterr()
+
+    model = models.build("tiny")
+    for layer in Plan.load(plan).frozen:
+        model.get_submodule(layer).requires_grad_(False)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
+    if freeze == "vision,llm,head":
+        assert trains and all(n.startswith("projectors.") for n in trains)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    expected = eager_training(model, SyntheticBatches("tiny", 4), TrainConfig(steps=3, lr=3e-3))
+    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected))
+    saved = load_checkpoint(ckpt)["model"]
+    assert all(torch.equal(saved[n], before[n]) for n in frozen), "a frozen weight changed"
+    assert all(not torch.equal(saved[n], before[n]) for n in trains if n.endswith("weight"))
+
+
+def test_a_global_batch_the_plan_cannot_hold_is_refused_and_a_resume_may_change_it(tmp_path, capsys):
+    """The plan holds 8 samples a step of a 40-sample manifest: 32 are refused before any rank
+    starts, naming the most it holds; a run of that many, resumed with 8 a step, goes on in the
+    stream where its checkpoint left it (no sample skipped or trained twice)."""
+    import random
+
+    rng = random.Random(0)
+    manifest = tmp_path / "good.jsonl"
+    rows = [
+        {"text_tokens": rng.randint(12, 50), "images": [[336, 336]] * rng.randint(0, 2)} for _ in range(40)
+    ]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny", "--cluster", "cpu:2", "--tp", "1", "--pp", "2", "--global-batch", "8"]
+    assert main([*argv, "--data", str(manifest), "--json", str(plan)]) == 0
+    capsys.readouterr()
+    train = ["train", "--plan", str(plan), "--data", str(manifest), "--timeout", "60"]
+    assert main([*train, "--global-batch", "32", "--steps", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot hold 32 samples a step of this data" in err and "step 1: loss" not in err, err
+    fits = int(re.search(r"The most they hold is (\d+) a step", err).group(1))
+    assert 8 <= fits < 32
+
+    ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
+    run = [*train, "--checkpoint-dir", str(ckpt), "--log-jsonl", str(log), "--decay-steps", "4"]
+    assert main([*run, "--global-batch", str(fits), "--steps", "4"]) == 0
+    assert main([*run, "--global-batch", "8", "--steps", "6", "--resume"]) == 0
+    out = capsys.readouterr().out
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+    # Steps 5 and 6 took 8 new samples each (and what step 4 left): the stream went on from 4 x fits.
+    epochs = float(re.findall(r"\((\d+\.\d+) epochs of the dataset in all, no sample left out\)", out)[-1])
+    assert epochs == pytest.approx((4 * fits + 16) / 40, abs=0.005)
+    assert sum(x["samples"] for x in lines) + lines[-1]["deferred_samples"] == 4 * fits + 16

@@ -39,13 +39,24 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _positive_float(text: str) -> float:
+    value = _float(text)
     if not 0 < value < float("inf"):  # also refuses nan
         raise argparse.ArgumentTypeError(f"{text} is not a number > 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
     return value
 
 
@@ -110,8 +121,9 @@ def _plan(args: argparse.Namespace) -> int:
     _fill_plan_args(args)
     cluster = Cluster.preset(args.cluster)
     print(f"annotating {args.model} ...", file=sys.stderr)
+    found = None
     if args.data:
-        graph = _data_layer_graph(args)
+        graph, found = _data_layer_graph(args)
     else:
         graph = zoo_layer_graph(args.model, dtype=_DTYPES[args.dtype])
     if args.freeze:
@@ -119,6 +131,10 @@ def _plan(args: argparse.Namespace) -> int:
         frozen = graph.meta["frozen"]
         print(f"frozen: {len(frozen)} of {len(graph)} layers ({frozen[0]} .. {frozen[-1]})", file=sys.stderr)
     run = _plan_run(args, graph, cluster)
+    if found is not None:
+        from vlmcompile.compiler import packed_decision
+
+        run = run.with_decisions(packed_decision(found))
     if args.search:
         print()
     print(cluster)
@@ -156,8 +172,8 @@ def _llm_alone_s(run, graph, cluster) -> tuple[float | None, float | None]:
 
 def _data_layer_graph(args: argparse.Namespace):
     """The LayerGraph of the packed microbatch a dataset's samples make (``--data``), on meta
-    weights: memory at the largest microbatch, times at the mean one; the plan then takes the
-    microbatches a step needs, one row each."""
+    weights: memory at the largest microbatch, times at the mean one (the plan then takes the
+    microbatches a step needs, one row each), and the dataset's scan."""
     import vlmcompile
     from vlmcompile import models
     from vlmcompile.data.families import family_of
@@ -168,12 +184,17 @@ def _data_layer_graph(args: argparse.Namespace):
         args.data, family_of(model), num_samples=args.data_samples, text_scale=args.text_scale
     )
     pipe = vlmcompile.compile(
-        model, dataset=data, global_batch=args.global_batch, model_name=args.model, log=None
+        model,
+        dataset=data,
+        global_batch=args.global_batch,
+        model_name=args.model,
+        tokens_per_microbatch=args.tokens_per_microbatch,
+        log=None,
     )
     found = pipe.report.passes["data"]
     print(found, file=sys.stderr)
     args.global_batch, args.microbatch_size = found.microbatches, 1
-    return found.expected_time(pipe.layer_graph)
+    return found.expected_time(pipe.layer_graph), found
 
 
 def _fill_plan_args(args: argparse.Namespace) -> None:
@@ -256,7 +277,6 @@ def _write_plan_outputs(
     if args.json:
         data = {
             "plan": run.plan.to_json(),
-            "frozen_layers": list(graph.meta.get("frozen", [])),
             "simulation": run.sim.to_json(),
             "llm_alone_step_s": llm_alone_s,
             "dependency_bound_s": dependency_bound_s,
@@ -311,6 +331,7 @@ def _warn_ignored_flags(args: argparse.Namespace) -> None:
     if ignored:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in ignored)
         print(f"vlmcompile: warning: ignoring {flags}: {why}", file=sys.stderr)
+    train_job.warn_without_data(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -597,7 +618,9 @@ def _add_train(sub) -> None:
         "train a saved plan of a zoo model: AdamW, LR schedule, clipping, checkpoints, metrics; under "
         "torchrun (torchrun --nproc-per-node N -m vlmcompile train --plan FILE) or on local ranks",
     )
-    train_job.add_arguments(t, _positive_int, _positive_float)
+    train_job.add_arguments(
+        t, _positive_int, _positive_float, non_negative_float=_non_negative_float, names=_names
+    )
     t.set_defaults(run=train_job.run)
 
 

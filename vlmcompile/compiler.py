@@ -30,7 +30,7 @@ from torch import nn
 
 from vlmcompile import models
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.data.distribution import scan
+from vlmcompile.data.distribution import DatasetScan, backlog_limit, scan
 from vlmcompile.data.families import family_of
 from vlmcompile.data.manifest import read_manifest
 from vlmcompile.data.packing import check_samples
@@ -53,7 +53,7 @@ from vlmcompile.passes.codegen import CodegenResult, codegen_for
 from vlmcompile.passes.codegen_towers import codegen_towers
 from vlmcompile.passes.policies import search_and_compare
 from vlmcompile.passes.profile import profile
-from vlmcompile.pipeline import CompiledPipeline, CompileReport
+from vlmcompile.pipeline import CompiledPipeline, CompileReport, frozen_parameters
 from vlmcompile.planning.request import SearchSpace, SolverOptions
 from vlmcompile.planning.tower_placement import place_towers
 from vlmcompile.planning.towers import predict_step
@@ -125,14 +125,7 @@ def _packed_rows(state: CompileState) -> tuple[int, Decision]:
     """Microbatches a step of ``global_batch`` samples needs: what the dataset's scan found, or
     the rate the samples given packed at (one microbatch is one row of the token budget)."""
     if state.scan is not None:
-        found = state.scan
-        return found.microbatches, Decision(
-            "microbatches",
-            Reason.PACKED,
-            f"{found.global_batch} samples a step pack into {found.microbatches} microbatches of "
-            f"{found.tokens} LLM tokens on the dataset's first {found.scanned} samples, deferring at most "
-            f"{found.deferred.max} samples a step to the next (the busiest step alone needs {found.most_needed})",
-        )
+        return state.scan.microbatches, packed_decision(state.scan)
     used = sum(1 for mb in state.packing.microbatches if mb.tokens)
     given = len(state.samples)
     samples = state.global_batch or given
@@ -143,8 +136,23 @@ def _packed_rows(state: CompileState) -> tuple[int, Decision]:
         Reason.PACKED,
         f"{samples} samples a step pack into {rows} microbatches of {layout.tokens} LLM tokens (the {given} "
         f"samples given filled {used}, {1 - state.packing.pad_share:.0%} of their tokens)",
+        {"tokens": layout.tokens, "global_batch": samples},
     )
     return rows, decision
+
+
+def packed_decision(found: DatasetScan) -> Decision:
+    """The decision a plan for a dataset's packed microbatches keeps: how many a step takes, of
+    how many LLM tokens (what a run of the plan must pack), and the backlog a step may leave."""
+    return Decision(
+        "microbatches",
+        Reason.PACKED,
+        f"{found.global_batch} samples a step pack into {found.microbatches} microbatches of "
+        f"{found.tokens} LLM tokens on the dataset's first {found.scanned} samples, deferring at most "
+        f"{found.deferred.max} samples a step to the next (the busiest step alone needs {found.most_needed}; a "
+        f"run stops before a step that would leave more than {backlog_limit(found.global_batch)}, a whole step's)",
+        {"tokens": found.tokens, "global_batch": found.global_batch},
+    )
 
 
 def _annotate_pass(state: CompileState, *, tensor_mode) -> None:
@@ -413,6 +421,7 @@ def _pipeline(state: CompileState, run) -> CompiledPipeline:
         tower_step=state.tower_step,
         model=state.model,
         sample_batch=dict(state.sample_batch),
+        frozen_parameters=frozen_parameters(state.model),
     )
 
 

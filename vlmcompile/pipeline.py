@@ -26,13 +26,14 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.data.families import family_of
 from vlmcompile.data.packed_step import pack_step
 from vlmcompile.data.packing import check_samples
-from vlmcompile.data.steps import PackedSteps
+from vlmcompile.data.steps import PackedSteps, check_run
 from vlmcompile.graph.loss_split import LossSplit, coupled_loss_error
 from vlmcompile.ir.errors import ArgumentError, ClusterError, DataError, PlanError, SampleBatchError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, PACKED_META, SPECIALIZED_META
 from vlmcompile.ir.microbatch import rows_per_sample
 from vlmcompile.ir.packed import PackedBatch, PackedLayout
+from vlmcompile.ir.plan import check_frozen
 from vlmcompile.ir.regions import LANGUAGE_REGIONS
 from vlmcompile.ir.tower_plan import TowerPlan
 from vlmcompile.pass_runner import RunReport
@@ -49,6 +50,7 @@ from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.data import GlobalBatches
 from vlmcompile.runtime.executor import PipelineRunner, runnable_degrees
 from vlmcompile.runtime.launch import check_launchable, launch
+from vlmcompile.runtime.saves import resumed_data
 from vlmcompile.runtime.trainer import (
     Data,
     OptimizerFactory,
@@ -100,6 +102,8 @@ class CompiledPipeline:
     whole batch); then :attr:`planned` is None."""
     tower_step: ContrastiveStep | None = None
     """The codegen pass's step for :attr:`tower_plan` (None on meta tensors)."""
+    frozen_parameters: frozenset[str] = frozenset()
+    """The model's parameters with ``requires_grad=False`` when it was compiled."""
     _runners: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -302,13 +306,15 @@ class CompiledPipeline:
         if not dist.is_initialized():
             check_launchable(world, timeout_s)
             check_trainable(runner)  # refused before any rank starts, as is a bad first batch
-            check_first_batch(runner, data)
         # The checkpoint directory is checked, held and read before any rank starts (on local
         # ranks by this process, under torchrun by rank 0).
         size = checkpoint_bytes(
             t for stage in runner.stages_all for t in (*stage.parameters(), *stage.buffers())
         )
         with claim_for(config, size) as start:
+            data = self._checked_data(resumed_data(data, start), start.step, config.steps)
+            if not dist.is_initialized():
+                check_first_batch(runner, data, start.step)
             args = (data, config, throughput, optimizer, scheduler, start)
             if dist.is_initialized():
                 return train_on_rank(runner, *args)
@@ -331,6 +337,17 @@ class CompiledPipeline:
                 last = result.steps[-1].step if result.steps else result.resumed_from
                 print(stop_line(result.stopped_by, last, config.steps, saved), file=sys.stderr, flush=True)
             return result
+
+    def _checked_data(self, data: Data, first: int, steps: int) -> Data:
+        """A packed run's data checked before any rank starts (:func:`~vlmcompile.data.steps.check_run`:
+        every sample's size, the backlog over its steps), and the check said by one process."""
+        if not isinstance(data, PackedSteps) or data.dataset is None:
+            return data
+        speaks = not dist.is_initialized() or dist.get_rank() == 0
+        found = check_run(data, first, steps, log=sys.stderr if speaks else None)
+        if speaks:
+            print(found, file=sys.stderr, flush=True)
+        return data
 
     def _training_data(self, runner: PipelineRunner, data: Data, per_batch_schedule: bool | None) -> Data:
         """A packed pipeline's steps (each with its own schedule where it re-plans), else ``data``."""
@@ -465,6 +482,7 @@ def make_runner(pipe: CompiledPipeline, plan: Plan, *, timeout_s: float = 60.0) 
             "the plan carries no model fingerprint; it is not checked against the model", stacklevel=3
         )
     plan.validate(pipe.layer_graph)
+    _check_trains_as_planned(pipe, plan)
     parallel = check_cluster_size(plan, pipe.cluster)
     _check_loss_splits(pipe.gm, parallel, plan)
     global_batch = parallel.dp * plan.num_microbatches * plan.microbatch_size
@@ -493,6 +511,33 @@ def make_runner(pipe: CompiledPipeline, plan: Plan, *, timeout_s: float = 60.0) 
         state_names=state_names(pipe.model) if pipe.model is not None else None,
         packed=pipe.packed,
     )
+
+
+def _check_trains_as_planned(pipe: CompiledPipeline, plan: Plan) -> None:
+    """Refuse a plan made for another freezing of the model, or for packed microbatches of
+    another size, and a model whose ``requires_grad`` flags changed since compile."""
+    if pipe.model is not None and frozen_parameters(pipe.model) != pipe.frozen_parameters:
+        now = frozen_parameters(pipe.model)
+        changed = sorted(now ^ pipe.frozen_parameters)
+        raise PlanError(
+            f"requires_grad changed since compile for {len(changed)} parameters ({', '.join(changed[:3])}"
+            f"{', ...' if len(changed) > 3 else ''}); compile again: a pipeline is planned for the flags it was "
+            "compiled with"
+        )
+    check_frozen(plan, pipe.layer_graph)
+    tokens = plan.packed_tokens
+    if tokens is not None and (pipe.packed is None or pipe.packed.tokens != tokens):
+        now = f"packs {pipe.packed.tokens}" if pipe.packed is not None else "takes batches of one shape"
+        raise PlanError(
+            f"the plan was made for packed microbatches of {tokens} LLM tokens; this pipeline {now}: compile for "
+            f"the data with tokens_per_microbatch={tokens} (vlmcompile train --data ... --tokens-per-microbatch "
+            f"{tokens}), or plan for this pipeline"
+        )
+
+
+def frozen_parameters(model: nn.Module) -> frozenset[str]:
+    """Names of the model's parameters with ``requires_grad=False``."""
+    return frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
 
 
 def state_names(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 
 import torch
 
@@ -41,13 +42,39 @@ def data_arguments(parser: argparse.ArgumentParser, positive_int, positive_float
     parser.add_argument(
         "--text-scale", type=positive_float, default=1.0, help="scale every sample's text tokens (--data)"
     )
+    parser.add_argument(
+        "--tokens-per-microbatch",
+        type=positive_int,
+        metavar="N",
+        help="LLM tokens of a packed microbatch (--data; default: the plan's, else the longest sample's, "
+        "rounded up to 16)",
+    )
 
 
-def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float) -> None:
+def warn_without_data(args: argparse.Namespace) -> None:
+    """Say that ``--tokens-per-microbatch`` goes unread without ``--data``, rather than drop it."""
+    if args.tokens_per_microbatch and not args.data:
+        print(
+            "vlmcompile: warning: ignoring --tokens-per-microbatch: only --data packs samples into microbatches",
+            file=sys.stderr,
+        )
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, positive_int, positive_float, *, non_negative_float, names
+) -> None:
     parser.add_argument(
         "--plan", required=True, metavar="FILE", help="plan JSON (vlmcompile plan ... --json FILE)"
     )
     parser.add_argument("--model", help="zoo name of the model (default: the plan's)")
+    parser.add_argument(
+        "--freeze",
+        type=names,
+        action="extend",
+        metavar="NAMES",
+        help="regions or module paths to train frozen, as the plan was made (vlmcompile plan --freeze): the "
+        "plan's own freezing is applied either way, and a --freeze that names other layers is refused",
+    )
     data_arguments(
         parser,
         positive_int,
@@ -60,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float)
     )
     parser.add_argument("--steps", type=positive_int, default=10, help="training steps")
     parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate (AdamW)")
-    parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
+    parser.add_argument(
+        "--weight-decay", type=non_negative_float, default=0.1, help="AdamW's decoupled weight decay"
+    )
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
     parser.add_argument(
         "--decay", choices=["cosine", "linear", "constant"], default="cosine", help="LR decay after warm-up"
@@ -73,27 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float)
     parser.add_argument("--max-grad-norm", type=positive_float, default=1.0, help="global gradient-norm clip")
     parser.add_argument("--no-clip", action="store_true", help="do not clip the gradients")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed (the same on every rank)")
-    parser.add_argument("--checkpoint-dir", help="save checkpoints here (DCP, under the model's names)")
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=0, help="save every K steps (0: only after the last)"
-    )
-    parser.add_argument(
-        "--keep-last",
-        type=positive_int,
-        help="keep only the K newest checkpoints in --checkpoint-dir (None: keep all)",
-    )
-    start = parser.add_mutually_exclusive_group()
-    start.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest checkpoint in --checkpoint-dir (from step 0 if it holds none)",
-    )
-    start.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete the checkpoints in --checkpoint-dir and start at step 0 (without it or --resume, a "
-        "directory holding checkpoints is refused)",
-    )
+    _checkpoint_arguments(parser, positive_int)
     parser.add_argument(
         "--skip-nonfinite-steps",
         action="store_true",
@@ -119,6 +128,31 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int, positive_float)
     )
 
 
+def _checkpoint_arguments(parser: argparse.ArgumentParser, positive_int) -> None:
+    """``--checkpoint-dir`` and how a run saves into it and starts from it."""
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here (DCP, under the model's names)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="save every K steps (0: only after the last)"
+    )
+    parser.add_argument(
+        "--keep-last",
+        type=positive_int,
+        help="keep only the K newest checkpoints in --checkpoint-dir (None: keep all)",
+    )
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir (from step 0 if it holds none)",
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the checkpoints in --checkpoint-dir and start at step 0 (without it or --resume, a "
+        "directory holding checkpoints is refused)",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Train; returns the exit code: 0, or 128 + the signal's number when a stop request (SIGTERM,
     SIGUSR1) ended the run early, after saving."""
@@ -128,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     from vlmcompile.pipeline import check_cluster_size
 
     plan = Plan.load(args.plan)
+    warn_without_data(args)
     world = check_cluster_size(plan).world_size
     torchrun = under_torchrun()
     started = int(os.environ["WORLD_SIZE"]) if torchrun else world  # the local launcher starts the plan's
@@ -187,25 +222,69 @@ def _train(args: argparse.Namespace, plan, device: str, autocast):
     )
     name = args.model or plan.model
     model = models.build(name, seed=args.seed)
+    _freeze_as_planned(model, plan)
     size = checkpoint_bytes([*model.parameters(), *model.buffers()])
     # The checkpoint directory and the log are checked (and the directory held) before capture;
     # train() below claims it again, from this claim.
     with claim_for(config, size):
         if args.data:
-            pipe, data = _packed_data(args, model, name)
+            pipe, data = _packed_data(args, model, name, plan)
         else:
+            if plan.packed_tokens is not None:
+                raise ArgumentError(
+                    f"the plan in {args.plan} was made for packed samples of varying shapes (vlmcompile plan "
+                    "--data ...): give the data to train on, --data SPEC"
+                )
             pipe = compile(
                 model, models.sample_batch(name, batch_size=1, seed=args.seed), model_name=name, log=None
             )
             global_batch = runnable_degrees(plan).dp * plan.num_microbatches * plan.microbatch_size
             data = SyntheticBatches(name, global_batch, seed=args.seed)
+        _check_freeze_flag(args.freeze, pipe.layer_graph, plan)
         return pipe.train(
             data, config, plan=plan, device=device, autocast_dtype=autocast, timeout_s=args.timeout
         )
 
 
-def _packed_data(args: argparse.Namespace, model, name: str):
-    """The pipeline compiled for ``--data``'s samples, and its global batches of them."""
+def _freeze_as_planned(model, plan) -> None:
+    """Freeze the modules of the layers the plan keeps frozen (whole layers, as ``vlmcompile plan
+    --freeze`` froze them; the pipeline then checks the counts against the plan's)."""
+    for layer in plan.frozen or {}:
+        try:
+            model.get_submodule(layer).requires_grad_(False)
+        except AttributeError:
+            raise PlanError(
+                f"the plan keeps layer {layer!r} frozen, which is no module of {type(model).__name__}: plan for "
+                "this model (vlmcompile plan ... --freeze ...)"
+            ) from None
+
+
+def _check_freeze_flag(names, layer_graph, plan) -> None:
+    """``--freeze`` must name the layers the plan keeps frozen (it is a check: the plan's freezing
+    is what trains)."""
+    if not names:
+        return
+    meant = [n for n in layer_graph.select(names) if layer_graph[n].num_params]
+    frozen = list(plan.frozen or {})
+    if set(meant) != set(frozen):
+        flag = ",".join(names)
+        does = f"freezes {len(frozen)} layers ({_span(frozen)})" if frozen else "trains every layer"
+        raise ArgumentError(
+            f"--freeze {flag} names {len(meant)} layers with parameters ({_span(meant)}), but the plan {does}: "
+            f"drop --freeze (the plan's freezing is applied), or make a plan with it: vlmcompile plan ... --freeze "
+            f"{flag} --json FILE"
+        )
+
+
+def _span(names) -> str:
+    """The first and last of layers given in layer order."""
+    names = list(names)
+    return "none" if not names else names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+
+def _packed_data(args: argparse.Namespace, model, name: str, plan):
+    """The pipeline compiled for ``--data``'s samples at the plan's token budget, and its global
+    batches of them."""
     from vlmcompile.compiler import compile
     from vlmcompile.data.families import family_of
     from vlmcompile.data.synthetic import dataset_from_spec
@@ -215,7 +294,26 @@ def _packed_data(args: argparse.Namespace, model, name: str):
     data = dataset_from_spec(
         args.data, family_of(model), num_samples=samples, seed=args.seed, text_scale=args.text_scale
     )
-    pipe = compile(model, dataset=data, global_batch=args.global_batch, model_name=name, log=None)
+    planned = plan.packed_tokens
+    if planned is None:
+        raise ArgumentError(
+            f"the plan in {args.plan} was made for batches of one shape; to train on --data, plan for it: "
+            "vlmcompile plan ... --data SPEC --json FILE"
+        )
+    if args.tokens_per_microbatch and args.tokens_per_microbatch != planned:
+        raise ArgumentError(
+            f"--tokens-per-microbatch {args.tokens_per_microbatch} contradicts the plan, made for microbatches of "
+            f"{planned} LLM tokens: give {planned} (or leave it out), or plan again with --tokens-per-microbatch "
+            f"{args.tokens_per_microbatch}"
+        )
+    pipe = compile(
+        model,
+        dataset=data,
+        global_batch=args.global_batch,
+        model_name=name,
+        tokens_per_microbatch=planned,
+        log=None,
+    )
     return pipe, GlobalBatches(data, args.global_batch, seed=args.seed)
 
 

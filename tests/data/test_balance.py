@@ -184,3 +184,18 @@ def test_targets_no_group_can_meet_are_refused_or_said():
     ):
         sampler = IsfBatchSampler(sizes, targets=targets)
     assert sorted(i for b in sampler.plan(0).batches for i in b) == list(range(60))
+
+
+def test_bad_sizes_are_refused_and_the_default_targets_warning_says_what_to_give():
+    with pytest.raises(DataError, match=r"llm_tokens\[1\] is -3: a sample's sizes are counts, 0 or more"):
+        SampleSizes(np.asarray([5, -3]), np.asarray([1, 1]))
+    with pytest.raises(DataError, match=r"vision_rows\[0\] is -1"):
+        SampleSizes(np.asarray([5, 3]), np.asarray([-1, 1]))
+    # One sample with far more image rows per token than the rest: over the default Q_v.
+    sizes = SampleSizes(np.asarray([400] * 20 + [300]), np.asarray([1] * 20 + [40]))
+    with pytest.warns(IsfWarning) as said:
+        IsfBatchSampler(sizes)
+    note = str(said[0].message)
+    assert "1 of 21 samples alone exceed the targets" in note
+    assert "give IsfTargets with the largest sample's sizes (Q_t 400, Q_v 40)" in note
+    assert "from_statistics does" not in note  # the function that made these targets

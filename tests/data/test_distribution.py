@@ -89,7 +89,10 @@ def test_bad_datasets_are_refused():
     with pytest.raises(DataError, match="give one with len"):
         scan(iter([]), FAMILY, global_batch=2, log=None)
     data = SyntheticDataset("llava-chat", FAMILY, 10, text_scale=1 / 10, pixel_scale=28 / 640)
-    with pytest.raises(DataError, match="take more LLM tokens than tokens_per_microbatch=4"):
+    with pytest.raises(
+        DataError,
+        match=r"dataset sample \d+ takes \d+ LLM tokens, more than a microbatch.s 4 \(10 of 10 samples are\)",
+    ):
         scan(data, FAMILY, global_batch=2, tokens=4, log=None)
     with pytest.raises(DataError, match="the manifest holds no samples"):
         ManifestDataset((), FAMILY)

@@ -60,11 +60,24 @@ def test_packed_microbatches_train_like_the_padded_batch(name):
     assert not packing.deferred and sorted(
         i for mb in packing.microbatches for row in mb.samples for i in row
     ) == list(range(7))
-    label_tokens = torch.tensor(packing.label_tokens)
+    assert all(mb.inputs["input_ids"].shape == (1, budget) for mb in packing.microbatches)  # static
+    _check_packed_equals_eager(model, family, packing, expected, expected_grads)
+
+
+def _check_packed_equals_eager(
+    model, family, packing, expected, expected_grads, *, zoo: bool = False
+) -> None:
+    """The packed microbatches' losses add up to eager's, and their gradients to eager's (a
+    transformers model takes the inputs as they are, the zoo's through its packed step)."""
+    from vlmcompile.data.packed_step import PackedStep, step_inputs
+
+    step = PackedStep(model, family) if zoo else None
     total = 0
     for mb in packing.microbatches:
-        assert mb.inputs["input_ids"].shape == (1, budget)  # static whatever the samples
-        loss = model(**mb.inputs, num_items_in_batch=label_tokens).loss
+        if step is not None:
+            loss = step(**step_inputs(mb, family, packing.label_tokens))
+        else:
+            loss = model(**mb.inputs, num_items_in_batch=torch.tensor(packing.label_tokens)).loss
         loss.backward()
         total = total + loss.detach()
     torch.testing.assert_close(total, expected.detach())
@@ -122,7 +135,7 @@ def test_what_fits_in_no_row_is_deferred_to_the_next_step():
 def test_bad_samples_are_refused_naming_them():
     with pytest.raises(DataError, match="sample 1 has 3 image tokens .* where its images make 4"):
         pack([_sample(10, 1), _sample(10, 1, image_tokens=3)], TINY, tokens=16, num_microbatches=1)
-    with pytest.raises(DataError, match="sample 1 takes 30 LLM tokens, more than a microbatch row's 16"):
+    with pytest.raises(DataError, match="sample 1 takes 30 LLM tokens, more than a microbatch's 16"):
         pack([_sample(10, 1), _sample(30, 1)], TINY, tokens=16, num_microbatches=1)
     with pytest.raises(DataError, match="no samples to pack"):
         pack([], TINY, tokens=16, num_microbatches=1)
@@ -178,3 +191,77 @@ def test_the_zoos_vlms_pack_like_their_padded_batch(name, assignment):
     torch.testing.assert_close(total, expected.detach())
     for key, grad in _gradients(model).items():
         torch.testing.assert_close(grad, expected_grads[key], msg=key)
+
+
+def _padded(sample, length: int, side: str, pad_id: int = 0) -> dict:
+    """``sample`` padded to ``length`` tokens on ``side`` as a tokenizer pads it: pad tokens with
+    mask 0 and label -100 (and, on the left, the first real token's label -100 too: eager predicts
+    it from padding alone)."""
+    ids, labels = sample["input_ids"].reshape(-1), sample["labels"].reshape(-1).clone()
+    pad = length - ids.numel()
+    if side == "left":
+        labels[0] = -100
+    fill = torch.full((pad,), pad_id, dtype=ids.dtype)
+    ignore = torch.full((pad,), -100, dtype=labels.dtype)
+    ones, zeros = torch.ones(ids.numel(), dtype=torch.long), torch.zeros(pad, dtype=torch.long)
+    parts = (fill, ids), (ignore, labels), (zeros, ones)
+    ids, labels, mask = (torch.cat(p if side == "left" else p[::-1]) for p in parts)
+    return {**sample, "input_ids": ids[None], "labels": labels[None], "attention_mask": mask[None]}
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("hf-llava", marks=needs_transformers)])
+def test_a_sample_s_own_padding_is_dropped_as_eager_masks_it(name, side):
+    """Samples padded by their tokenizer (a 0/1 attention_mask) train like eager on the padded
+    batch: packing keeps their tokens only, at the positions eager gives them."""
+    from vlmcompile import models
+
+    if name == "tiny":
+        model = models.build(name)
+    else:
+        from vlmcompile.models import hf_tiny
+
+        model = hf_tiny.build(name, batch=1)[0]
+    family = family_of(model)
+    data = SyntheticDataset(
+        "interleaved", family, 16, seed=3, text_only=0.3, text_scale=1 / 30, pixel_scale=28 / 640
+    )
+    given = [data[i] for i in range(5)]
+    longest = max(s["input_ids"].numel() for s in given) + 3  # every sample padded, the longest too
+    samples = [_padded(s, longest, side) for s in given]
+    batch = {k: torch.cat([s[k] for s in samples]) for k in ("input_ids", "labels", "attention_mask")}
+    batch.update(family.join_images(samples))
+    out = model(**batch)
+    expected = out if isinstance(out, torch.Tensor) else out.loss
+    expected.backward()
+    expected_grads = _gradients(model)
+
+    real = [int(s["attention_mask"].sum()) for s in samples]
+    budget = max(real) + sum(real) // 2
+    packing = pack(samples, family, tokens=budget, num_microbatches=3)
+    assert not packing.deferred and sum(mb.tokens for mb in packing.microbatches) == sum(real)
+    _check_packed_equals_eager(model, family, packing, expected, expected_grads, zoo=name == "tiny")
+
+
+def test_padding_packing_cannot_reproduce_is_refused_naming_the_sample():
+    sample = _sample(6, 1)
+    left = _padded(sample, 9, "left")
+    on_padding = left["labels"].clone()
+    on_padding[0, 0] = 7
+    with pytest.raises(DataError, match="sample 0: 1 labels on its padding"):
+        pack([{**left, "labels": on_padding}], TINY, tokens=16, num_microbatches=1)
+    first = left["labels"].clone()
+    first[0, 3] = 5  # the first real token's label
+    with pytest.raises(DataError, match="sample 0: left-padded, and its first token has label 5"):
+        pack([{**left, "labels": first}], TINY, tokens=16, num_microbatches=1)
+    holed = left["attention_mask"].clone()
+    holed[0, 5] = 0
+    with pytest.raises(DataError, match="sample 0: its attention_mask has 0s between its tokens"):
+        pack([{**left, "attention_mask": holed}], TINY, tokens=16, num_microbatches=1)
+    with pytest.raises(DataError, match="sample 0: pixel_values are torch.uint8"):
+        pack(
+            [{**sample, "pixel_values": sample["pixel_values"].to(torch.uint8)}],
+            TINY,
+            tokens=16,
+            num_microbatches=1,
+        )

@@ -44,8 +44,10 @@ def test_transformers_pairs_are_found_with_their_temperature_and_bias(name, kind
     assert (cut.loss.bias is not None) is bias
 
 
-def test_our_own_two_towers_are_found():
-    cut = _cut(TwoTowers(), two_tower_batch())
+@pytest.mark.parametrize("loss", ["infonce", "image-rows", "batch-size"])
+def test_our_own_two_towers_are_found(loss):
+    """Whether the targets' arange(N) reads N off the logits, an embedding or a batch input."""
+    cut = _cut(TwoTowers(loss), two_tower_batch())
     # scale * image @ text.T multiplies the image rows first: the temperature trains in the tower.
     assert cut.loss is not None and cut.loss.kind is LossKind.INFONCE and cut.loss.scale is None
 

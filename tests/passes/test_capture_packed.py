@@ -42,7 +42,7 @@ def test_bad_samples_are_refused_naming_them():
     foreign = dict(good[0], image_grid_thw=torch.tensor([[1, 2, 2]]))
     with pytest.raises(DataError, match="another model family"):
         capture_packed(model, [foreign])
-    with pytest.raises(DataError, match="sample 0 takes .* LLM tokens, more than a microbatch row's 4"):
+    with pytest.raises(DataError, match="sample 0 takes .* LLM tokens, more than a microbatch's 4"):
         capture_packed(model, good, tokens=4)
 
 

@@ -123,13 +123,27 @@ def test_the_no_plan_error_names_each_cause_with_its_count():
         CandidateRow(d1, "failed", "virtual stages [3] get no layers", bound),
         CandidateRow(d2, "failed", "virtual stages [3] get no layers", bound),
         CandidateRow(d3, "planned", "optimal", bound, step_s=2.0, peak_bytes=90 * 2**30),
-        CandidateRow(d1, "pruned", "model states", bound),
+        CandidateRow(d1, "pruned", "model states", CandidateBound(bound.chain, None, 80 * 2**30)),
+        CandidateRow(d2, "pruned", "lower bound >= best found", bound),  # not for memory: not counted
     ]
-    message = _no_plan_message(rows, 75 * 2**30, "h100x8", 80 * 2**30)
-    assert "of 4 candidates" in message
+    message = _no_plan_message(rows, 75 * 2**30, "h100x8")
+    assert "of 5 candidates" in message
     assert f"2 could not be planned (virtual stages [3] get no layers; e.g. {d1})" in message
     assert f"1 planned but over the cap (least peak 90.00 GiB at {d3})" in message
     assert "1 pruned" in message and "least 80.00 GiB on a fullest rank" in message
+
+
+@pytest.mark.parametrize("cluster", ["cpu:1", "cpu:2"])
+def test_a_screen_that_meets_its_own_bound_is_kept(cluster):
+    """One pipeline stage, no gradient reduction (one rank, or nothing trainable): the screen's
+    step is its lower bound, so no candidate is partitioned, and its plan is the search's."""
+    from vlmcompile import compile, models
+
+    model = models.build("tiny")
+    if cluster == "cpu:2":
+        model.requires_grad_(False)
+    pipe = compile(model, models.sample_batch("tiny", batch_size=4), cluster, log=None)
+    assert pipe.planned.fits and pipe.plan.pipeline_parallel.pp == 1
 
 
 def test_a_warm_started_candidate_is_never_worse_than_its_warm_start(demo_graph):

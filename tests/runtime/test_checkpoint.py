@@ -97,9 +97,13 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_newest_intact_on
     assert "\n" not in message
     assert f"the newest checkpoint {run_dir / 'step_000006'} is damaged: {found}" in message
     assert f"the newest intact checkpoint is {run_dir / 'step_000004'}" in message
-    for path in (run_dir, run_dir / "step_000006"):  # the one-process reader checks too
-        with pytest.raises(CheckpointError, match=found.split(" ")[0]):
-            load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=found.split(" ")[0]):  # the one-process reader checks too
+        load_checkpoint(run_dir / "step_000006")
+    # Given the run's directory, it reads the newest intact checkpoint, as its docs say, and warns.
+    with pytest.warns(
+        UserWarning, match=rf"reading .*step_000004, .*step_000006 is damaged: {found.split(' ')[0]}"
+    ):
+        assert load_checkpoint(run_dir)["step"] == 4
     # Moved aside as the message says, the run resumes from step 4.
     (run_dir / "step_000006").rename(run_dir.parent / "damaged")
     assert newest(run_dir)[0] == run_dir / "step_000004"

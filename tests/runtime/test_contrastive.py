@@ -259,3 +259,14 @@ def test_a_layer_both_towers_run_sums_its_gradient_over_both_towers_ranks():
     pipe = compile(model, batch, "cpu:2", region_overrides=TWO_TOWER_REGIONS, search_space=space, log=None)
     assert pipe.tower_plan.separate is not None
     check_equal_to_eager(model, batch, pipe.launch(timeout_s=60))
+
+
+def test_a_clip_loss_with_targets_of_the_batch_size_trains_split_like_eager():
+    """``torch.arange(pixel_values.shape[0])``: the batch's size is a constant of the loss, which
+    trains on the whole global batch, split over the ranks (not refused as reading the input)."""
+    model, batch = TwoTowers("batch-size"), two_tower_batch(6)
+    pipe = compile(
+        model, batch, "cpu:2", region_overrides=TWO_TOWER_REGIONS, search_space=COLOCATED_2, log=None
+    )
+    assert pipe.tower_plan is not None, pipe.report
+    check_equal_to_eager(model, batch, pipe.launch(timeout_s=60))

@@ -182,7 +182,7 @@ def test_six_adamw_steps_on_variable_data_equal_eager(compiled):
         rows = {
             tuple(mb["pixel_values"].shape[0] for mb in steps(k).microbatches) for k in range(SHAPE_STEPS)
         }
-        assert len(rows) > 5, (name, rows)  # image rows per microbatch change from step to step
+        assert len(rows) > 3, (name, rows)  # image rows per microbatch change from step to step
         runner = pipe.runner(timeout_s=60)
         steps = pipe.packed_steps(batches)
         if name == "demo":
@@ -228,13 +228,45 @@ class _NaNImages(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("compiled", ["ci"], indirect=True)
-def test_a_packed_step_with_nan_images_stops_naming_the_microbatch(compiled):
+def test_a_packed_step_with_nan_images_stops_naming_the_dataset_samples(compiled):
     from vlmcompile.runtime.data import GlobalBatches
     from vlmcompile.runtime.trainer import NonFiniteStepError, TrainConfig
 
     _, _, _, pipe, data = compiled["tiny"]
     with pytest.raises(
         NonFiniteStepError,
-        match=r"step 1: .*packed microbatch \d+ holds NaN or infinite values in \['pixel_values'\]",
+        match=r"step 1: .*dataset sample \d+ holds NaN or infinite values in \['pixel_values'\] \(packed "
+        r"microbatch \d+, data-parallel rank \d\)",
     ):
         pipe.train(GlobalBatches(_NaNImages(data), 6, seed=2), TrainConfig(steps=2), timeout_s=60)
+
+
+class _NoLabels(torch.utils.data.Dataset):
+    """A dataset whose labels are all -100: every step's loss is 0/0, in eager too."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {**self.data[i], "labels": torch.full_like(self.data[i]["labels"], -100)}
+
+
+@pytest.mark.parametrize("compiled", ["ci"], indirect=True)
+def test_a_packed_step_without_label_tokens_stops_saying_so_or_is_skipped(compiled):
+    """Stopped naming the cause (not a divergence); with ``on_nonfinite="skip"`` skipped as an
+    eager loop skips it, its samples counted as left out."""
+    from vlmcompile.runtime.data import GlobalBatches
+    from vlmcompile.runtime.trainer import NonFiniteStepError, TrainConfig
+
+    _, _, _, pipe, data = compiled["tiny"]
+    batches = GlobalBatches(_NoLabels(data), 6, seed=2)
+    with pytest.raises(
+        NonFiniteStepError, match=r"step 1: .*the global batch has no label token \(every label is -100\)"
+    ):
+        pipe.train(batches, TrainConfig(steps=1), timeout_s=60)
+    result = pipe.train(batches, TrainConfig(steps=2, on_nonfinite="skip"), timeout_s=60)
+    assert result.skipped_steps == 2 and result.samples == 0
+    assert f"{result.skipped_samples} left out in skipped steps" in str(result)

@@ -333,14 +333,16 @@ def test_global_batches_from_a_dataset_train_like_eager_across_epochs():
     model, pipe, plan = _setup("tiny", pp=2, dp=2)
     samples = [SyntheticBatches("tiny", 1, seed=k)(0) for k in range(10)]
     data = GlobalBatches(samples, 4, seed=3)
-    assert data.steps_per_epoch == 2
-    assert not set(data.indices(0)) & set(data.indices(1)), "an epoch takes each sample once"
-    assert data.indices(2) != data.indices(0), "each epoch has its own order"
+    first_epoch = data.indices(0) + data.indices(1) + data.indices(2)[:2]
+    assert sorted(first_epoch) == list(range(10)), "an epoch takes each sample once, its last two included"
+    second_epoch = data.indices(2)[2:] + data.indices(3) + data.indices(4)
+    assert sorted(second_epoch) == list(range(10)) and second_epoch != first_epoch, "each epoch its own order"
     config = TrainConfig(steps=5, **CONFIG)
     result = pipe.train(data, config, plan=plan, timeout_s=60)
     torch.testing.assert_close(
         torch.tensor(result.losses), torch.tensor(eager_training(copy.deepcopy(model), data, config))
     )
+    assert result.samples == 20 and result.epochs == 2.0 and "20 samples trained (2.00 epochs" in str(result)
     with pytest.raises(ValueError, match="holds 10 samples, fewer than global_batch=16"):
         GlobalBatches(samples, 16)
 
@@ -424,3 +426,55 @@ def test_metrics_add_up_and_checkpoints_are_announced_and_kept(tmp_path, capfd):
     assert "ETA 0:0" in err
     with pytest.raises(CheckpointError, match="holds no checkpoint; give a step_NNNNNN directory"):
         load_checkpoint(tmp_path)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DataFailingAt:
+    """Good global batches, but step ``at`` (0-based) fails alike on every rank, as a broken
+    sample does."""
+
+    good: SyntheticBatches
+    at: int
+
+    def __call__(self, step: int):
+        from vlmcompile.ir.errors import DataError
+
+        if step == self.at:
+            raise DataError("sample 3 of this step cannot be read (a broken file)")
+        return self.good(step)
+
+
+def test_a_step_whose_data_fails_saves_the_steps_before_it_and_the_run_goes_on_from_there(tmp_path):
+    from vlmcompile.ir.errors import DataError
+
+    model, pipe, plan = _setup("tiny", pp=2)
+    good = SyntheticBatches("tiny", 4)
+    config = TrainConfig(steps=4, checkpoint_dir=str(tmp_path / "ckpt"), **CONFIG)
+    with pytest.raises(DataError) as info:
+        pipe.train(_DataFailingAt(good, 2), config, plan=plan, timeout_s=60)
+    message = str(info.value)
+    assert "the data's global batch for step 3: sample 3 of this step cannot be read" in message, message
+    assert (
+        f"the steps before it were saved first: the newest checkpoint is {tmp_path / 'ckpt' / 'step_000002'}"
+        in message
+    )
+    resumed = pipe.train(good, dataclasses.replace(config, resume=True), plan=plan, timeout_s=60)
+    assert [m.step for m in resumed.steps] == [3, 4]
+    expected = eager_training(copy.deepcopy(model), good, TrainConfig(steps=4, **CONFIG))
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(expected[2:]))
+
+
+def test_a_step_without_label_tokens_stops_saying_so_after_saving_the_steps_before_it(tmp_path):
+    """Every label of step 2 is -100: its loss is 0/0 in eager too. The stop names that cause (not
+    a divergence), after saving step 1 (no checkpoint was due)."""
+    _, pipe, plan = _setup("tiny", pp=2)
+    batches = [SyntheticBatches("tiny", 4)(k) for k in range(3)]
+    batches[1]["labels"] = torch.full_like(batches[1]["labels"], -100)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(NonFiniteStepError) as info:
+        pipe.train(batches, TrainConfig(steps=3, checkpoint_dir=str(ckpt)), plan=plan, timeout_s=60)
+    message = str(info.value)
+    assert message.startswith("step 2: the loss is nan"), message
+    assert "the global batch has no label token (every label is -100), so its loss is 0/0" in message
+    assert "diverged" not in message
+    assert f"the steps before it were saved first: the newest checkpoint is {ckpt / 'step_000001'}" in message

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -62,25 +63,51 @@ class SampleSizes:
     def __post_init__(self):
         if len(self.llm_tokens) != len(self.vision_rows):
             raise DataError(f"{len(self.llm_tokens)} token counts for {len(self.vision_rows)} vision counts")
+        for name, values in (("llm_tokens", self.llm_tokens), ("vision_rows", self.vision_rows)):
+            bad = np.flatnonzero(np.asarray(values) < 0)
+            if len(bad):
+                raise DataError(
+                    f"{name}[{int(bad[0])}] is {int(values[bad[0]])}: a sample's sizes are counts, 0 or more "
+                    f"({len(bad)} negative)"
+                )
+        if len(self.llm_tokens) and not (np.asarray(self.llm_tokens) > 0).all():
+            first = int(np.flatnonzero(np.asarray(self.llm_tokens) <= 0)[0])
+            raise DataError(f"llm_tokens[{first}] is 0: every sample has at least one LLM token")
 
     def __len__(self) -> int:
         return len(self.llm_tokens)
 
     @staticmethod
-    def of(dataset: Any, family: Family, *, log: TextIO | None = sys.stderr) -> SampleSizes:
+    def of(
+        dataset: Any,
+        family: Family,
+        *,
+        log: TextIO | None = sys.stderr,
+        name: Callable[[int], str] | None = None,
+        every_s: float = 5.0,
+    ) -> SampleSizes:
         """The sizes of every sample of ``dataset``: from its ``sizes(i)`` where it has them (a
-        synthetic dataset or a manifest: no sample is built), else from each sample."""
+        synthetic dataset or a manifest: no sample is built), else from each sample (checked as
+        packing checks it, a :class:`DataError` naming it by ``name``), with a progress line to
+        ``log`` every ``every_s`` seconds."""
         count = len(dataset)
         tokens, rows = np.zeros(count, dtype=np.int64), np.zeros(count, dtype=np.int64)
         sized = hasattr(dataset, "sizes") and hasattr(family, "sized")
+        said = began = time.monotonic()
         for i in range(count):
             if sized:
                 tokens[i], rows[i] = family.sized(dataset.sizes(i))
             else:
                 sample = dataset[i]
-                tokens[i], rows[i] = sample_length(sample, family, i), family.vision_rows(sample)
-            if log is not None and count >= 100_000 and (i + 1) % 100_000 == 0:
-                print(f"reading sample sizes: {i + 1}/{count}", file=log, flush=True)
+                where = name(i) if name is not None else i
+                tokens[i], rows[i] = sample_length(sample, family, where), family.vision_rows(sample)
+            if log is not None and time.monotonic() - said >= every_s:
+                said = time.monotonic()
+                print(
+                    f"reading sample sizes: {i + 1}/{count} ({said - began:.0f} s)",
+                    file=log,
+                    flush=True,
+                )
         return SampleSizes(tokens, rows)
 
 
@@ -198,15 +225,22 @@ class IsfWarning(UserWarning):
     """ISF cannot balance this dataset as asked; the message names the rule it falls back on."""
 
 
-def _unmet(sizes: SampleSizes, targets: IsfTargets) -> list[str]:
-    """Why no or not every group can meet ``targets`` on ``sizes``, each with the fallback."""
+def _unmet(sizes: SampleSizes, targets: IsfTargets, *, default: bool = False) -> list[str]:
+    """Why no or not every group can meet ``targets`` on ``sizes`` (``default``: the targets
+    :meth:`IsfTargets.from_statistics` made), each with the fallback."""
     notes = []
     over = int(((sizes.llm_tokens > targets.text) | (sizes.vision_rows > targets.vision)).sum())
     if over:
+        largest = f"Q_t {int(sizes.llm_tokens.max())}, Q_v {int(sizes.vision_rows.max())}"
+        fix = (
+            f"the default Q_v follows the dataset's vision rows per LLM token, below its largest samples' rows: "
+            f"give IsfTargets with the largest sample's sizes ({largest}) to balance them too"
+            if default
+            else f"raise the targets to the largest sample's sizes ({largest}) to balance them too"
+        )
         notes.append(
             f"{over} of {len(sizes)} samples alone exceed the targets ({targets}): each trains in a "
-            "mini-batch of its own, over the targets; raise the targets to the largest sample's sizes "
-            "(IsfTargets.from_statistics does) to balance them too"
+            f"mini-batch of its own, over the targets; {fix}"
         )
     tokens, rows = int(sizes.llm_tokens.sum()), int(sizes.vision_rows.sum())
     if tokens < targets.text_floor and rows < targets.vision_floor:
@@ -234,7 +268,7 @@ class IsfBatchSampler(torch.utils.data.Sampler[list[int]]):
     ):
         self.sizes = sizes
         self.targets = targets or IsfTargets.from_statistics(sizes)
-        self.notes = _unmet(sizes, self.targets)
+        self.notes = _unmet(sizes, self.targets, default=targets is None)
         """What the targets cannot do with this dataset, and the rule ISF falls back on (also warned)."""
         for note in self.notes:
             warnings.warn(note, IsfWarning, stacklevel=2)

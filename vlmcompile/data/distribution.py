@@ -3,7 +3,9 @@ budget and the microbatches a step needs, and describe the microbatches they pac
 
 What the planner takes from it:
 
-* the token budget: the longest sample, rounded up to 16, unless given;
+* the token budget: the longest sample, rounded up to 16, unless given (of a dataset that tells
+  its samples' sizes, the first :data:`SIZED_LIMIT` are read; of any other, the first
+  :data:`SCAN_LIMIT`);
 * the microbatches a step of ``global_batch`` samples gets: the fewest with which packing the
   scanned steps in order (again in turn, to :data:`REPLAYED_STEPS` steps at least), each step's
   leftovers carried into the next (as :class:`~vlmcompile.data.steps.PackedSteps` trains),
@@ -22,8 +24,15 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from vlmcompile.data.families import Family
-from vlmcompile.data.packing import assign_rows, fewest_rows, sample_length
-from vlmcompile.ir.errors import DataError, positive_int
+from vlmcompile.data.packing import (
+    assign_rows,
+    check_budget,
+    fewest_rows,
+    sample_length,
+    sample_name,
+    too_long,
+)
+from vlmcompile.ir.errors import DataError, enough_samples, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.regions import ENCODER_SIDE
 
@@ -105,6 +114,13 @@ def deferral_limit(global_batch: int) -> int:
     return max(1, global_batch // 8)
 
 
+def backlog_limit(global_batch: int) -> int:
+    """Samples a step of a run may leave for the next: a whole step's. The plan aims at
+    :func:`deferral_limit` on the steps it scanned; a run's steps in another order defer more at
+    times, but a backlog of a whole step means the microbatches do not keep up with the data."""
+    return global_batch
+
+
 def _carried_over(
     steps: Sequence[Sequence[int]], lengths: Sequence[int], microbatches: int, budget: int
 ) -> tuple[list[tuple[int, ...]], list[int]]:
@@ -131,8 +147,12 @@ def scan(
     limit: int = SCAN_LIMIT,
     log: TextIO | None = sys.stderr,
 ) -> DatasetScan:
-    """Read the first ``limit`` samples of ``dataset`` (anything with ``len`` and indexing) and
-    plan its packing for steps of ``global_batch`` samples."""
+    """Plan the packing of ``dataset`` (anything with ``len`` and indexing) for steps of
+    ``global_batch`` samples. A dataset with ``sizes(i)`` (a manifest, a synthetic one) is read
+    without building a sample, its first :data:`SIZED_LIMIT` samples; any other, its first
+    ``limit`` samples (a run checks every sample before it starts:
+    :func:`~vlmcompile.data.steps.check_run`). The token budget covers every sample read, and a sample over it, or a
+    budget no microbatch could be built at, is named before anything is built."""
     positive_int("global_batch", global_batch, "the samples of a step")
     try:
         size = len(dataset)
@@ -142,22 +162,18 @@ def scan(
         ) from None
     if size == 0:
         raise DataError("the dataset is empty; give one with at least one sample")
-    count = min(size, limit)
-    lengths, rows, images = [], [], []
-    for i in range(count):
-        sample = dataset[i]
-        lengths.append(sample_length(sample, family, i))
-        rows.append(family.vision_rows(sample))
-        images.append(family.images(sample))
-        if log is not None and count > 200 and (i + 1) % 500 == 0:
-            print(f"scanning the dataset: {i + 1}/{count} samples", file=log, flush=True)
-    budget = tokens or -(-max(lengths) // 16) * 16
-    too_long = [i for i, n in enumerate(lengths) if n > budget]
-    if too_long:
-        raise DataError(
-            f"{len(too_long)} of the first {count} samples take more LLM tokens than tokens_per_microbatch={budget} "
-            f"(sample {too_long[0]}: {lengths[too_long[0]]}); give at least {max(lengths)}, or leave them out"
-        )
+    enough_samples(size, global_batch)
+    lengths, rows, images = _read(dataset, family, limit, log)
+    count = len(lengths)
+    longest = max(range(count), key=lambda i: lengths[i])
+    budget = tokens or -(-lengths[longest] // 16) * 16
+    over = [i for i, n in enumerate(lengths) if n > budget]
+    if over:
+        i = max(over, key=lambda i: lengths[i])
+        raise too_long(sample_name(dataset, i), lengths[i], budget, len(over), count)
+    check_budget(
+        budget, sample_name(dataset, longest) if tokens is None else f"tokens_per_microbatch={tokens}"
+    )
     steps = [range(k, min(k + global_batch, count)) for k in range(0, count, global_batch)]
     if len(steps) > 1 and len(steps[-1]) < global_batch:
         steps.pop()  # a partial last step would pad rows planned for a whole one
@@ -189,3 +205,34 @@ def scan(
         most,
         Spread.of(deferred),
     )
+
+
+SIZED_LIMIT = 1 << 16
+"""Samples of a dataset with ``sizes(i)`` a scan reads at most (a second or two)."""
+
+
+def _read(
+    dataset: Any, family: Family, limit: int, log: TextIO | None
+) -> tuple[list[int], list[int], list[int | None]]:
+    """LLM tokens, vision rows and images of the first samples: every one to :data:`SIZED_LIMIT`
+    from the dataset's ``sizes(i)`` where it and the family tell them, else ``limit`` samples built."""
+    if hasattr(dataset, "sizes") and hasattr(family, "sized"):
+        count = min(len(dataset), SIZED_LIMIT)
+        lengths, rows, images = [], [], []
+        for i in range(count):
+            sizes = dataset.sizes(i)
+            n, v = family.sized(sizes)
+            lengths.append(n)
+            rows.append(v)
+            images.append(family.images_of(sizes))
+        return lengths, rows, images
+    count = min(len(dataset), limit)
+    lengths, rows, images = [], [], []
+    for i in range(count):
+        sample = dataset[i]
+        lengths.append(sample_length(sample, family, sample_name(dataset, i)))
+        rows.append(family.vision_rows(sample))
+        images.append(family.images(sample))
+        if log is not None and count > 200 and (i + 1) % 500 == 0:
+            print(f"scanning the dataset: {i + 1}/{count} samples", file=log, flush=True)
+    return lengths, rows, images

@@ -32,8 +32,8 @@ from vlmcompile.ir.microbatch import IGNORE_INDEX
 Sample = Mapping[str, Any]
 
 
-def tokens_of(sample: Sample, where: str) -> torch.Tensor:
-    """The sample's token ids as one row, or a :class:`DataError` naming ``where``."""
+def _raw_ids(sample: Sample, where: str) -> torch.Tensor:
+    """The sample's token ids as one row, padding included."""
     ids = sample.get("input_ids") if isinstance(sample, Mapping) else None
     if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or (ids.dim() == 2 and ids.shape[0] != 1):
         got = list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
@@ -46,9 +46,50 @@ def tokens_of(sample: Sample, where: str) -> torch.Tensor:
     return ids.reshape(-1)
 
 
+def attended(sample: Sample, where: str) -> slice:
+    """The tokens of the sample its ``attention_mask`` keeps (all of them without one). Padding
+    (0 in the mask) at its start or end is dropped when packing: eager's attention never lets a
+    token see it, and each token keeps its position (:func:`sequential_positions`). A mask with
+    0s between its tokens is refused: packing cannot hide them."""
+    ids = _raw_ids(sample, where)
+    mask = sample.get("attention_mask")
+    if mask is None:
+        return slice(0, ids.numel())
+    if not isinstance(mask, torch.Tensor) or mask.numel() != ids.numel() or mask.dim() > 2:
+        got = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise DataError(
+            f"{where}: attention_mask is {got} for {ids.numel()} tokens; give a 0/1 mask of shape (1, length), as "
+            "a processor returns it, or none"
+        )
+    flat = mask.reshape(-1)
+    if not bool(((flat == 0) | (flat == 1)).all()):
+        raise DataError(f"{where}: attention_mask holds values other than 0 and 1; give a 0/1 padding mask")
+    kept = flat.bool().nonzero().flatten()
+    if not kept.numel():
+        raise DataError(
+            f"{where}: its attention_mask is 0 everywhere (nothing attended); drop it from the dataset"
+        )
+    first, last = int(kept[0]), int(kept[-1]) + 1
+    if last - first != kept.numel():
+        raise DataError(
+            f"{where}: its attention_mask has 0s between its tokens ({last - first - kept.numel()} of them); only "
+            "padding at the start or end of a sample can be dropped when packing: remove the masked tokens"
+        )
+    return slice(first, last)
+
+
+def tokens_of(sample: Sample, where: str) -> torch.Tensor:
+    """The sample's token ids as one row, its padding (:func:`attended`) dropped, or a
+    :class:`DataError` naming ``where``."""
+    return _raw_ids(sample, where)[attended(sample, where)]
+
+
 def sequential_positions(sample: Sample) -> torch.Tensor:
-    """Positions 0, 1, ... over a sample's tokens (every family but Qwen's)."""
-    return torch.arange(tokens_of(sample, "sample").numel())
+    """Positions over a sample's tokens (every family but Qwen's): 0, 1, ... from its first
+    token, padding counted, as eager gives them (transformers' decoders number a left-padded
+    sample's tokens from its padding on; rotary attention sees only their differences)."""
+    kept = attended(sample, "sample")
+    return torch.arange(kept.start, kept.stop)
 
 
 def sized_in_tiles(family, sizes) -> tuple[int, int]:
@@ -59,9 +100,9 @@ def sized_in_tiles(family, sizes) -> tuple[int, int]:
     return sizes.text_tokens + tiles * family.tokens_per_tile, tiles
 
 
-def labels_of(sample: Sample, where: str) -> torch.Tensor:
-    """The sample's labels as one row (its token ids, image tokens ignored, where it has none)."""
-    ids = tokens_of(sample, where)
+def raw_labels(sample: Sample, where: str) -> torch.Tensor:
+    """The sample's labels as one row, padding included."""
+    ids = _raw_ids(sample, where)
     labels = sample.get("labels")
     if labels is None:
         raise DataError(f"{where} has no labels; give each sample labels (-100 where the loss skips a token)")
@@ -69,6 +110,27 @@ def labels_of(sample: Sample, where: str) -> torch.Tensor:
         got = list(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise DataError(f"{where}: labels are {got} for {ids.numel()} tokens; give one label a token")
     return labels.reshape(-1)
+
+
+def labels_of(sample: Sample, where: str) -> torch.Tensor:
+    """The sample's labels as one row, its padding dropped. A label on padding, or (left
+    padding) on the first token, is refused: eager trains the padding's hidden states to predict
+    it (an attention that sees no token), which packing cannot reproduce."""
+    labels = raw_labels(sample, where)
+    kept = attended(sample, where)
+    padding = torch.cat([labels[: kept.start], labels[kept.stop :]])
+    on_padding = int((padding != IGNORE_INDEX).sum())
+    if on_padding:
+        raise DataError(
+            f"{where}: {on_padding} labels on its padding (attention_mask 0); set labels to -100 where the mask is 0, "
+            "as transformers' collators do"
+        )
+    if kept.start and int(labels[kept.start]) != IGNORE_INDEX:
+        raise DataError(
+            f"{where}: left-padded, and its first token has label {int(labels[kept.start])}, which eager predicts "
+            "from padding alone; set that label to -100, or pad on the right"
+        )
+    return labels[kept]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +163,10 @@ class TileFamily:
         """Images of the sample, where its layout tells (one tile an image); None for InternVL's
         tiles, which do not say which image they belong to."""
         return self.vision_rows(sample) if self.max_tiles == 1 else None
+
+    def images_of(self, sizes) -> int | None:
+        """:meth:`images` of a sample of ``sizes`` (a manifest's), without making it."""
+        return len(sizes.images) if self.max_tiles == 1 else None
 
     def vision_rows(self, sample: Sample) -> int:
         pixels = sample.get("pixel_values")
@@ -184,6 +250,10 @@ class PatchStreamFamily:
         """Images of the sample: one grid row each."""
         grids = sample.get("image_grid_thw")
         return 0 if grids is None else int(grids.shape[0])
+
+    def images_of(self, sizes) -> int | None:
+        """:meth:`images` of a sample of ``sizes`` (a manifest's), without making it."""
+        return len(sizes.images)
 
     def vision_rows(self, sample: Sample) -> int:
         pixels = sample.get("pixel_values")
@@ -442,6 +512,10 @@ class SplitTileFamily:
 
     def images(self, sample: Sample) -> int | None:
         """None: the tiles of a sample do not say which image they belong to."""
+        return None
+
+    def images_of(self, sizes) -> int | None:
+        """:meth:`images` of a sample of ``sizes``: None likewise."""
         return None
 
     def vision_rows(self, sample: Sample) -> int:

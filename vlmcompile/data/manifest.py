@@ -11,7 +11,7 @@ downloaded. Every fault is refused naming the line and the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmcompile.data.images import ImageTokens, image_tokens
@@ -23,6 +23,8 @@ class ManifestSample:
     text_tokens: int
     images: tuple[tuple[int, int], ...] = ()
     """(height, width) in pixels per image."""
+    where: str = field(default="", compare=False)
+    """The manifest line it was read from (``data.jsonl:2091``; empty for a drawn sample)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +84,7 @@ def _sample(line: str, where: str) -> ManifestSample:
     unknown = sorted(set(row) - {"text_tokens", "images"})
     if unknown:
         raise DataError(f"{where}: unknown fields {unknown}; a sample has text_tokens and images")
-    return ManifestSample(text, tuple((h, w) for h, w in images))
+    return ManifestSample(text, tuple((h, w) for h, w in images), where)
 
 
 def sample_size(sample: ManifestSample, family: str) -> SampleSize:

@@ -14,6 +14,8 @@ The images of a microbatch are its samples' images joined in token order (the fa
 Rules, stated once:
 * A sample longer than ``tokens`` is refused (:class:`DataError` naming it and its length):
   cutting text or image tokens would train on something else than the dataset holds.
+* A sample's own padding (0 in its ``attention_mask``, at its start or end) is dropped, and its
+  tokens keep the positions eager gives them (:func:`~vlmcompile.data.families.attended`).
 * Samples go longest first to the emptiest row they fit (a balanced first fit); what fits in
   no row of this step is *deferred*, returned to the caller to open the next step with,
   never dropped.
@@ -21,13 +23,22 @@ Rules, stated once:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vlmcompile.data.families import Family, PatchStreamFamily, Sample, labels_of, tokens_of
+from vlmcompile.data.families import (
+    Family,
+    PatchStreamFamily,
+    Sample,
+    attended,
+    labels_of,
+    raw_labels,
+    tokens_of,
+)
 from vlmcompile.ir.errors import DataError, positive_int
 from vlmcompile.ir.microbatch import IGNORE_INDEX
 
@@ -55,10 +66,43 @@ def check_samples(samples: Any) -> list[Mapping[str, Any]]:
     return list(samples)
 
 
-def sample_length(sample: Sample, family: Family, index: int) -> int:
-    """The sample's LLM tokens, after checking it is one of ``family``'s samples whose image
-    tokens match its images (a :class:`DataError` naming sample ``index`` and the fix)."""
-    where = f"sample {index}"
+def too_long(name: str, length: int, tokens: int, over: int = 1, of: int | None = None) -> DataError:
+    """The error for a sample longer than a microbatch's ``tokens``: it names the sample, how
+    many more there are, and the fix."""
+    more = f" ({over} of {of} samples are)" if of is not None and over > 1 else ""
+    return DataError(
+        f"{name} takes {length} LLM tokens, more than a microbatch's {tokens}{more}; plan for microbatches of "
+        f"at least {length} (vlmcompile plan --data ... --tokens-per-microbatch {length}; compile(..., "
+        f"tokens_per_microbatch={length})), or leave such samples out of the dataset (vlmcompile cuts neither "
+        "text nor images)"
+    )
+
+
+def sample_name(dataset: Any, index: int) -> str:
+    """``dataset sample 2090`` and, where the dataset says (a manifest's line), where it comes from."""
+    where = getattr(dataset, "where", None)
+    said = where(index) if callable(where) else None
+    return f"dataset sample {index}" + (f" ({said})" if said else "")
+
+
+def check_budget(tokens: int, longest: str) -> None:
+    """Refuse a token budget whose microbatches this machine could not build: a packed row's
+    attention mask alone is ``tokens x tokens`` booleans (named by the sample that sets it)."""
+    mask = tokens * tokens
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if mask > memory // 2:
+        raise DataError(
+            f"{longest} makes microbatches of {tokens} LLM tokens, whose attention mask alone takes "
+            f"{mask / 2**30:.3g} GiB a row, more than half of this machine's {memory / 2**30:.3g} GiB; leave such "
+            "samples out, or check its size (a manifest's text_tokens counts the sample's text tokens)"
+        )
+
+
+def sample_length(sample: Sample, family: Family, index: int | str) -> int:
+    """The sample's LLM tokens (its padding dropped), after checking it is one of ``family``'s
+    samples whose image tokens match its images and whose images are of a type the model takes
+    (a :class:`DataError` naming sample ``index``, or the name given, and the fix)."""
+    where = index if isinstance(index, str) else f"sample {index}"
     ids = tokens_of(sample, where)
     labels_of(sample, where)
     image_keys = {"pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_flags"}
@@ -67,6 +111,12 @@ def sample_length(sample: Sample, family: Family, index: int) -> int:
         raise DataError(
             f"{where} holds {foreign}, which {family.name} models do not take: it was made for another model "
             f"family; build the dataset with the model's own processor (its images go in {list(family.image_keys)})"
+        )
+    pixels = sample.get("pixel_values")
+    if isinstance(pixels, torch.Tensor) and not pixels.is_floating_point():
+        raise DataError(
+            f"{where}: pixel_values are {pixels.dtype}, not floating point (raw pixels?); give what the model's "
+            "image processor returns (rescaled and normalised floats), or convert them yourself"
         )
     found = int((ids == family.image_token_id).sum())
     expected = family.expected_image_tokens(sample, where)
@@ -149,14 +199,10 @@ def pack(
     if not samples:
         raise DataError("no samples to pack; give a global batch of at least one sample")
     lengths = [sample_length(s, family, i) for i, s in enumerate(samples)]
-    too_long = [(i, n) for i, n in enumerate(lengths) if n > tokens]
-    if too_long:
-        i, n = max(too_long, key=lambda x: x[1])
-        raise DataError(
-            f"sample {i} takes {n} LLM tokens, more than a microbatch row's {tokens} "
-            f"({len(too_long)} of {len(samples)} samples do); raise the token budget to at least {n}, or leave "
-            "such samples out of the dataset (vlmcompile cuts neither text nor images)"
-        )
+    over = [i for i, n in enumerate(lengths) if n > tokens]
+    if over:
+        i = max(over, key=lambda i: lengths[i])
+        raise too_long(f"sample {i}", lengths[i], tokens, len(over), len(samples))
     per_row, deferred = assign_rows(lengths, num_microbatches * rows, tokens)
     return pack_assigned(samples, family, per_row, tokens, rows=rows, deferred=deferred)
 
@@ -169,12 +215,17 @@ def pack_assigned(
     *,
     rows: int = 1,
     deferred: Sequence[int] = (),
+    names: Sequence[str] | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> Packing:
     """The microbatches of an assignment of samples to rows (:func:`assign_rows`'), ``rows``
-    rows a microbatch."""
-    lengths = [sample_length(s, family, i) for i, s in enumerate(samples)]
+    rows a microbatch; ``names``: how messages name the samples (default ``sample i``);
+    ``lengths``: their :func:`sample_length`, where the caller has them."""
+    names = names or [f"sample {i}" for i in range(len(samples))]
+    if lengths is None:
+        lengths = [sample_length(s, family, names[i]) for i, s in enumerate(samples)]
     microbatches = tuple(
-        _microbatch(samples, [list(r) for r in per_row[k : k + rows]], family, tokens, lengths)
+        _microbatch(samples, [list(r) for r in per_row[k : k + rows]], family, tokens, lengths, names)
         for k in range(0, len(per_row), rows)
     )
     label_tokens = sum(int((mb.inputs["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
@@ -182,7 +233,12 @@ def pack_assigned(
 
 
 def _microbatch(
-    samples: Sequence[Sample], rows: list[list[int]], family: Family, tokens: int, lengths: Sequence[int]
+    samples: Sequence[Sample],
+    rows: list[list[int]],
+    family: Family,
+    tokens: int,
+    lengths: Sequence[int],
+    names: Sequence[str],
 ) -> PackedMicrobatch:
     n = len(rows)
     ids = torch.full((n, tokens), PAD_TOKEN, dtype=torch.long)
@@ -194,8 +250,8 @@ def _microbatch(
         start = 0
         for i in row:
             end = start + lengths[i]
-            ids[r, start:end] = tokens_of(samples[i], f"sample {i}")
-            labels[r, start:end] = labels_of(samples[i], f"sample {i}")
+            ids[r, start:end] = tokens_of(samples[i], names[i])
+            labels[r, start:end] = labels_of(samples[i], names[i])
             labels[r, start] = IGNORE_INDEX  # nothing before it in its sample predicts it
             segment[r, start:end] = i
             positions[..., r, start:end] = family.positions(samples[i])
@@ -209,7 +265,11 @@ def _microbatch(
     for key in family.token_keys:
         inputs[key] = (ids == family.image_token_id).long()
     in_order = [samples[i] for row in rows for i in row]
-    inputs.update(family.join_images(in_order))
+    # Images of any floating dtype (a processor's fp32, a dataset's fp16) as fp32: the model casts
+    # them to its own, as in eager, and every microbatch has the dtype the pipeline was captured at.
+    inputs.update(
+        {k: v.float() if v.is_floating_point() else v for k, v in family.join_images(in_order).items()}
+    )
     return PackedMicrobatch(
         inputs,
         tuple(tuple(row) for row in rows),
@@ -230,14 +290,19 @@ def packed_attention_mask(segment: torch.Tensor) -> torch.Tensor:
 
 def padded_batch(samples: Sequence[Sample], family: Family) -> dict[str, torch.Tensor]:
     """The samples right-padded into one batch, as a transformers training loop feeds them:
-    a 0/1 ``attention_mask``, labels -100 on padding, the images joined in sample order."""
-    lengths = [sample_length(s, family, i) for i, s in enumerate(samples)]
-    longest = max(lengths)
+    a 0/1 ``attention_mask`` (a sample's own padding kept, as it was given), labels -100 on
+    padding, the images joined in sample order."""
+    for i, s in enumerate(samples):
+        sample_length(s, family, i)  # checked as packing checks it
+    longest = max(int(s["input_ids"].numel()) for s in samples)
     ids = torch.full((len(samples), longest), PAD_TOKEN, dtype=torch.long)
     labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(samples), longest), dtype=torch.long)
-    for i, (s, n) in enumerate(zip(samples, lengths)):
-        ids[i, :n], labels[i, :n], mask[i, :n] = tokens_of(s, f"sample {i}"), labels_of(s, f"sample {i}"), 1
+    for i, s in enumerate(samples):
+        n = int(s["input_ids"].numel())
+        kept = attended(s, f"sample {i}")
+        ids[i, :n], labels[i, :n] = s["input_ids"].reshape(-1), raw_labels(s, f"sample {i}")
+        mask[i, kept] = 1
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
     for key in family.token_keys:
         batch[key] = (ids == family.image_token_id).long()

@@ -180,6 +180,10 @@ class ManifestDataset(torch.utils.data.Dataset):
     def sizes(self, index: int) -> ManifestSample:
         return _scaled(self.samples[index], self.text_scale, self.pixel_scale)
 
+    def where(self, index: int) -> str:
+        """The manifest line sample ``index`` comes from."""
+        return self.samples[index].where
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return synthesized(self.family, self.sizes(index), self.seed, index)
 

@@ -99,8 +99,13 @@ def find_coupling(gm: fx.GraphModule, batch: Mapping[str, Any]) -> CouplingCut:
     )
     if refusal is not None:
         return CouplingCut(None, meeting, refusal)
+    # Sizes read off any tensor (``pixel_values.shape[0]`` for ``arange(N)`` targets) are the
+    # sample batch's: constants of the loss, which is recognised on embeddings of that batch's shapes.
+    layout = {
+        n: values[n] for n in gm.graph.nodes if batching.get(n) is Batching.SAMPLE_FREE and _reads_layout(n)
+    }
     try:
-        module = loss_module(gm, [*embeddings, *scalars])
+        module = loss_module(gm, [*embeddings, *scalars], layout)
     except ValueError as err:
         return CouplingCut(None, meeting, str(err))
     loss = _recognise(module, embeddings, scalars, values)
@@ -351,8 +356,26 @@ def _shape_refusal(
     return None
 
 
-def loss_module(gm: fx.GraphModule, cut: Sequence[fx.Node]) -> fx.GraphModule:
-    """The part of ``gm`` from the ``cut`` values to the loss, as a module taking them in order.
+_LAYOUT_ATTRS = frozenset({"shape", "device", "dtype", "ndim"})
+
+
+def _reads_layout(n: fx.Node) -> bool:
+    """Whether ``n`` reads a tensor's layout, not its values: ``x.shape``, ``x.size(0)``,
+    ``x.device``, export's ``sym_size``."""
+    if n.op == "call_method":
+        return n.target in ("size", "dim")
+    if n.op != "call_function":
+        return False
+    if n.target is getattr:
+        return len(n.args) == 2 and n.args[1] in _LAYOUT_ATTRS
+    return n.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default)
+
+
+def loss_module(
+    gm: fx.GraphModule, cut: Sequence[fx.Node], constants: Mapping[fx.Node, Any] | None = None
+) -> fx.GraphModule:
+    """The part of ``gm`` from the ``cut`` values to the loss, as a module taking them in order;
+    the nodes of ``constants`` are taken as their values (sizes of the sample batch).
 
     Raises:
         ValueError: the loss also reads batch inputs that are not behind the cut.
@@ -361,7 +384,8 @@ def loss_module(gm: fx.GraphModule, cut: Sequence[fx.Node]) -> fx.GraphModule:
     loss = output.args[0]
     while isinstance(loss, (tuple, list)):
         loss = loss[0]
-    needed = ancestors([loss], stop=cut)
+    constants = dict(constants or {})
+    needed = ancestors([loss], stop=[*cut, *constants])
     read = [n for n in gm.graph.nodes if n in needed and n.op == "placeholder"]
     if read:
         raise ValueError(
@@ -372,18 +396,24 @@ def loss_module(gm: fx.GraphModule, cut: Sequence[fx.Node]) -> fx.GraphModule:
     module, inputs = extract(gm, nodes, [loss], class_name="CoupledLoss")
     order = {n: i for i, n in enumerate(cut)}
     # extract() orders its arguments by first use; the caller's order is the cut's.
-    module.graph = _reordered_placeholders(module.graph, [order[p] for p in inputs], len(cut))
+    bound = [order[p] if p in order else _Constant(constants[p]) for p in inputs]
+    module.graph = _reordered_placeholders(module.graph, bound, len(cut))
     module.recompile()
     return module
 
 
-def _reordered_placeholders(graph: fx.Graph, positions: Sequence[int], count: int) -> fx.Graph:
-    """``graph`` taking ``count`` arguments, its i-th placeholder bound to argument ``positions[i]``
-    (arguments it does not read are taken and ignored)."""
+@dataclass(frozen=True, slots=True)
+class _Constant:
+    value: Any
+
+
+def _reordered_placeholders(graph: fx.Graph, positions: Sequence[int | _Constant], count: int) -> fx.Graph:
+    """``graph`` taking ``count`` arguments, its i-th placeholder bound to argument ``positions[i]``,
+    or to a constant's value (arguments it does not read are taken and ignored)."""
     new = fx.Graph()
     olds = [n for n in graph.nodes if n.op == "placeholder"]
     args = [new.placeholder(f"arg_{i}") for i in range(count)]
-    env = {old: args[pos] for old, pos in zip(olds, positions)}
+    env = {old: pos.value if isinstance(pos, _Constant) else args[pos] for old, pos in zip(olds, positions)}
     for n in graph.nodes:
         if n.op != "placeholder":
             env[n] = new.node_copy(n, lambda p: env[p])

@@ -80,3 +80,13 @@ def choice(kind: type, value: Any, what: str) -> Any:
         raise PlanError(
             f"{what} {value!r} is unknown; choose one of {', '.join(m.value for m in kind)}"
         ) from None
+
+
+def enough_samples(count: int, global_batch: int) -> None:
+    """Refuse a dataset of fewer samples than one global batch (planning and training alike: a
+    step would hold some sample twice)."""
+    if count < global_batch:
+        raise DataError(
+            f"the dataset holds {count} samples, fewer than global_batch={global_batch}; give at least "
+            f"{global_batch} samples, or a global batch of at most {count}"
+        )

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from vlmcompile.ir.actions import Action
 from vlmcompile.ir.shape_plan import InputSizes
 
@@ -90,3 +92,14 @@ class BatchPlan:
     def gain(self) -> float:
         """Predicted step under the plan's own actions over this one (1.10: 10 % faster)."""
         return self.static_step_s / self.step_s if self.step_s else 1.0
+
+
+def nonfinite_keys(values: Mapping[str, Any]) -> list[str]:
+    """The keys of ``values`` whose floating-point tensors hold NaN or infinite values."""
+    return [
+        key
+        for key, value in values.items()
+        if isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and not bool(torch.isfinite(value).all())
+    ]

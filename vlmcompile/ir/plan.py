@@ -233,6 +233,11 @@ class Plan:
     decisions: tuple[Decision, ...] = ()
     fingerprint: str = ""
     """``LayerGraph.fingerprint()`` of the model the plan was made for ("" for hand-made plans)."""
+    frozen: Mapping[str, int] | None = field(default_factory=dict)
+    """Layer -> its parameters frozen (``requires_grad=False``) in the model the plan was made
+    for, for every layer with any: what the runtime trains is exactly the rest
+    (:func:`frozen_layers` of a LayerGraph; a model frozen otherwise is refused). None: a plan
+    saved before plans kept it (it runs only on a model with nothing frozen)."""
 
     def __post_init__(self):
         # One object per equal set: dependencies() is cached on it (see interned()).
@@ -283,6 +288,20 @@ class Plan:
         the next step that takes it (:func:`~vlmcompile.ir.actions.carried`)."""
         return carried(self.ahead)
 
+    @property
+    def packed_tokens(self) -> int | None:
+        """LLM tokens of the packed microbatches the plan was made for (its ``packed`` decision);
+        None: a plan for batches of one shape."""
+        for d in self.decisions:
+            if d.reason is Reason.PACKED:
+                if "tokens" not in d.numbers:
+                    raise PlanError(
+                        "the plan packs samples, but was saved before plans kept their token budget: re-plan "
+                        "(vlmcompile plan ... --data ... --json FILE)"
+                    )
+                return int(d.numbers["tokens"])
+        return None
+
     def split_backward(self) -> frozenset[int]:
         """Stages whose backward runs as separate I and W actions."""
         return frozenset(a.stage for acts in self.actions for a in acts if a.kind is ActionKind.I)
@@ -328,6 +347,7 @@ class Plan:
             "version": SCHEMA_VERSION,
             "model": self.model,
             "fingerprint": self.fingerprint,
+            "frozen": None if self.frozen is None else dict(self.frozen),
             "policy": self.policy,
             "cluster": self.cluster,
             "schedule": self.schedule,
@@ -358,6 +378,11 @@ class Plan:
         it under ``"plan"``); every field is type-checked, and a malformed one raises
         :class:`PlanError` naming it."""
         if isinstance(data, Mapping) and "schema" not in data and isinstance(data.get("plan"), Mapping):
+            if data.get("frozen_layers") and "frozen" not in data["plan"]:
+                raise PlanError(
+                    "the plan was saved before plans kept their frozen layers (it freezes "
+                    f"{len(data['frozen_layers'])} layers); re-plan: vlmcompile plan ... --freeze ... --json FILE"
+                )
             data = data["plan"]
         r = _Reader(data, "plan")
         if data.get("schema") != SCHEMA:
@@ -379,6 +404,7 @@ class Plan:
             return cls(
                 model=r.get("model", str),
                 fingerprint=r.get("fingerprint", str, ""),
+                frozen=_frozen(r.get("frozen", dict, None)),
                 policy=r.get("policy", str),
                 cluster=r.get("cluster", str, ""),
                 schedule=r.get("schedule", str),
@@ -574,6 +600,61 @@ def _shown(value: Any) -> str:
         json.dumps(value) if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
     )
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _frozen(value: Mapping[str, Any] | None) -> dict[str, int] | None:
+    """A plan JSON's ``frozen``; None where a plan saved before plans kept it has none."""
+    if value is None:
+        return None
+    for layer, count in value.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise PlanError(
+                f"plan.frozen[{layer!r}] is {count!r}; expected the layer's frozen parameters, >= 1"
+            )
+    return dict(value)
+
+
+def frozen_layers(layer_graph: LayerGraph) -> dict[str, int]:
+    """Layer -> frozen parameters, for every layer of ``layer_graph`` with any (what a plan made
+    for it keeps in :attr:`Plan.frozen`)."""
+    return {layer.name: layer.num_frozen_params for layer in layer_graph.layers if layer.num_frozen_params}
+
+
+def check_frozen(plan: Plan, layer_graph: LayerGraph) -> None:
+    """Refuse to run ``plan`` on a model frozen otherwise than the one it was made for: it would
+    train what the plan keeps frozen, or keep frozen what it trains."""
+    mine = frozen_layers(layer_graph)
+    if plan.frozen is None:
+        if mine:
+            raise PlanError(
+                f"the plan was saved before plans kept their frozen layers, and this model keeps {len(mine)} "
+                "layers frozen: re-plan (vlmcompile plan ... --freeze ... --json FILE, or compile(...).plan)"
+            )
+        return
+    if dict(plan.frozen) == mine:
+        return
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    order = [layer.name for layer in layer_graph.layers]  # names in layer order
+    planned = [n for n in order if n in plan.frozen and n not in mine]
+    trained = [n for n in order if n in mine and n not in plan.frozen]
+    partly = [n for n in order if n in mine and n in plan.frozen and mine[n] != plan.frozen[n]]
+    parts = [f"the plan keeps {some(planned)} frozen, which the model trains"] if planned else []
+    if trained:
+        parts.append(f"the model keeps {some(trained)} frozen, which the plan trains")
+    if partly:
+        n = partly[0]
+        parts.append(
+            f"{some(partly)} are frozen in part otherwise ({n}: {plan.frozen[n]} parameters frozen in the plan, "
+            f"{mine[n]} in the model)"
+        )
+    raise PlanError(
+        f"{'; '.join(parts)}. Freeze the model as the plan does before compile (requires_grad_(False) on "
+        "those modules; vlmcompile train reads the plan's), or make a plan for the model as it is "
+        "(vlmcompile plan ... --freeze REGIONS)"
+    )
 
 
 def _check_structure(plan: Plan) -> None:

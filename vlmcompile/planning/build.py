@@ -12,7 +12,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import chunk_action_times, layer_costs
 from vlmcompile.ir.actions import Action, without_backward
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute, Stage
+from vlmcompile.ir.plan import Decision, Plan, Reason, Recompute, Stage, frozen_layers
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import make_schedule
@@ -46,6 +46,7 @@ def build_plan(
     plan = Plan(
         model=str(layer_graph.meta.get("model", "?")),
         fingerprint=layer_graph.fingerprint(),
+        frozen=frozen_layers(layer_graph),
         policy=policy,
         cluster=cluster.name,
         stages=tuple(
@@ -111,6 +112,7 @@ def build_separate_plan(
     plan = Plan(
         model=str(layer_graph.meta.get("model", "?")),
         fingerprint=layer_graph.fingerprint(),
+        frozen=frozen_layers(layer_graph),
         policy=policy,
         cluster=cluster.name,
         stages=tuple(stages),

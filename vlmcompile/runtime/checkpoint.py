@@ -66,8 +66,17 @@ def steps_in(directory: str | Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for m, p in found if m and p.is_dir())
 
 
-def save(directory: str | Path, step: int, runner, optimizer, scheduler, schedule: dict | None = None) -> str:
+def save(
+    directory: str | Path,
+    step: int,
+    runner,
+    optimizer,
+    scheduler,
+    schedule: dict | None = None,
+    data: dict | None = None,
+) -> str:
     """Save this rank's share at ``step`` (every rank calls it); returns the step's directory.
+    ``data``: where the run's data goes on from (:func:`saved_data` reads it back).
 
     Refuses (:class:`CheckpointError`, on every rank) to save non-finite weights, or over a step
     directory that exists. A failed write (a full disk, an I/O error) leaves nothing behind: the
@@ -96,6 +105,7 @@ def save(directory: str | Path, step: int, runner, optimizer, scheduler, schedul
             "step": step,
             "scheduler": _scheduler_json(scheduler),
             "schedule": json.dumps(schedule or {}, sort_keys=True),
+            "data": json.dumps(data or {}, sort_keys=True),
         },
     }
     try:
@@ -215,11 +225,12 @@ def problems(path: str | Path, *, checksums: bool = True) -> list[str]:
     return out
 
 
-def newest(directory: str | Path) -> tuple[Path | None, str]:
+def newest(directory: str | Path, *, intact: bool = False) -> tuple[Path | None, str]:
     """The newest checkpoint of a run's directory, checked whole (every file's checksum), and a
     line saying why it is the one or why there is none. ``latest`` is not trusted for this: a
     newer step may have been saved after it was last written. A newest checkpoint that is damaged
-    is refused, naming what is wrong and the newest intact one."""
+    is refused, naming what is wrong and the newest intact one (``intact``: the newest intact one
+    is the answer, its line naming the damaged ones passed over)."""
     root = Path(directory)
     if not root.exists():
         return None, f"{root} does not exist"
@@ -236,6 +247,8 @@ def newest(directory: str | Path) -> tuple[Path | None, str]:
             if good
             else f"{root} holds no intact checkpoint before it: start again without resuming (overwrite)"
         )
+        if intact and good is not None:
+            return good, f"the newest intact checkpoint in {root} ({path} is damaged: {bad[0]}{more})"
         raise CheckpointError(f"the newest checkpoint {path} is damaged: {bad[0]}{more}; {then}")
     why = f"the newest checkpoint in {root}"
     pointer = root / LATEST
@@ -277,17 +290,19 @@ def keep_newest(directory: str | Path, keep: int | None) -> list[str]:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint's step directory: ``path`` itself, or a run directory's newest intact one;
-    checked whole either way."""
+    """A checkpoint's step directory: ``path`` itself, or a run directory's newest intact one
+    (a warning names any newer one passed over as damaged); checked whole either way."""
     path = Path(path)
     if _STEP_DIR.match(path.name) or (path / MANIFEST).exists() or (path / ".metadata").exists():
         bad = problems(path)
         if bad:
             raise CheckpointError(f"{path} is not a usable checkpoint: {'; '.join(bad[:3])}")
         return path
-    found, why = newest(path)
+    found, why = newest(path, intact=True)
     if found is None:
         raise CheckpointError(f"{why}; give a step_NNNNNN directory or a run's checkpoint directory")
+    if found != steps_in(path)[-1][1]:  # newer ones are damaged
+        warnings.warn(f"reading {found}, {why}", stacklevel=3)
     return found
 
 
@@ -386,7 +401,8 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
             key: _placeholder(meta, "cpu" if key == "step" else p.device)
             for key, meta in optimizer_entries.get(name, {}).items()
         }
-    state["trainer"] = {"step": 0, "scheduler": "", "schedule": "{}"}
+    # Checkpoints saved before the data's place was kept have no "data".
+    state["trainer"] = {k: v for k, v in _TRAINER.items() if f"trainer.{k}" in stored}
     try:
         with _peers_blamed(runner, f"loading the checkpoint {path}"):
             dcp.load(state, checkpoint_id=str(path))
@@ -423,6 +439,32 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
     return int(state["trainer"]["step"])
 
 
+_TRAINER = {"step": 0, "scheduler": "", "schedule": "{}", "data": "{}"}
+"""What a checkpoint keeps of the training loop, with the value of a checkpoint that lacks it."""
+
+
+def saved_data(path: str | Path) -> dict[str, Any]:
+    """Where the run saved at ``path`` (a step directory checked before) left its data: what
+    :func:`save` was given (empty for data that keeps no place, or an older checkpoint). Read
+    in one process, before any rank starts."""
+    stored, _ = _entries(path)
+    if "trainer.data" not in stored:
+        return {}
+    state = {"trainer": {"data": ""}}
+    _load_here(state, path)
+    return json.loads(state["trainer"]["data"] or "{}")
+
+
+def _load_here(state: dict[str, Any], path: str | Path) -> None:
+    """DCP's load of ``state`` (what it names, in place) from ``path``, in this process alone."""
+    with warnings.catch_warnings():  # one process on purpose: DCP warns that it is not distributed
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        except CheckpointException as err:
+            raise CheckpointError(f"loading the checkpoint {path} failed{_failures(err)}") from None
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """The whole checkpoint in one process (no torch.distributed needed): ``{"model": state dict
     under the original names, "optimizer": {name: {state: tensor}}, "step": int}``. ``path`` is a
@@ -438,12 +480,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         for part in parents:
             where = where.setdefault(part, {})
         where[leaf] = _placeholder(meta, "cpu")
-    with warnings.catch_warnings():  # one process on purpose: DCP warns that it is not distributed
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load(nested, checkpoint_id=str(path), no_dist=True)
-        except CheckpointException as err:
-            raise CheckpointError(f"loading the checkpoint {path} failed{_failures(err)}") from None
+    _load_here(nested, path)
     return {
         "model": nested.get("model", {}),
         "optimizer": nested.get("optimizer", {}),

@@ -34,12 +34,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from vlmcompile.ir.errors import ArgumentError, VlmCompileError, positive_int, positive_number
-from vlmcompile.ir.packed import PackedBatch
+from vlmcompile.ir.errors import ArgumentError, DataError, VlmCompileError, positive_int, positive_number
+from vlmcompile.ir.microbatch import IGNORE_INDEX
+from vlmcompile.ir.packed import PackedBatch, nonfinite_keys
 from vlmcompile.runtime import checkpoint, preemption
 from vlmcompile.runtime.checkpoint_dir import Start, claim, kept_saves
-from vlmcompile.runtime.executor import PipelineRunner
+from vlmcompile.runtime.executor import BatchError, PipelineRunner
 from vlmcompile.runtime.launch import LOCAL_RANK_ENV
+from vlmcompile.runtime.saves import RunSaves, epochs_of
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -87,8 +89,9 @@ class TrainConfig:
     def __post_init__(self):
         positive_int("steps", self.steps, "the number of training steps")
         positive_number("lr", self.lr, "the peak learning rate")
-        if self.weight_decay < 0:
-            raise ArgumentError(f"weight_decay={self.weight_decay} is negative; give 0 or more")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ArgumentError(f"weight_decay={self.weight_decay}; give a finite number, 0 or more")
+        positive_number("eps", self.eps, "AdamW's epsilon")
         if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
             raise ArgumentError(f"betas={self.betas} must be two numbers in [0, 1)")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
@@ -171,6 +174,9 @@ class StepMetrics:
     this one included."""
     skipped: bool = False
     """This step was skipped: the weights, the optimizer and the LR schedule did not move."""
+    samples: int = 0
+    """Samples of the step (packed data: those carried in and its own not deferred); a skipped
+    step's are left out of training."""
     deferred_samples: int = 0
     """Packed data: samples of this step's global batch that fit in none of its microbatches,
     moved to the next step."""
@@ -194,7 +200,7 @@ class StepMetrics:
             f"{self.step_s:.3f} s, {self.samples_per_s:.1f} samples/s, {_rate(self.tokens_per_s)} tokens/s, "
             f"MFU {100 * self.mfu:.1f} %, peak mem {_gib(max(self.peak_mem_bytes, default=0))} GiB"
             + (
-                f", {self.deferred_samples} samples deferred to the next step"
+                f", {self.deferred_samples} sample{'s' if self.deferred_samples > 1 else ''} deferred to the next step"
                 if self.deferred_samples
                 else ""
             )
@@ -217,6 +223,24 @@ class TrainResult:
     stopped_by: str | None = None
     """The signal that stopped the run early (SIGTERM, SIGUSR1), after saving; None: it ran
     every step."""
+    epochs: float | None = None
+    """Epochs of the dataset the run's stream of samples had reached at its end (None: data
+    given as a function of the step)."""
+
+    @property
+    def samples(self) -> int:
+        """Samples the run trained (not those of steps skipped as non-finite)."""
+        return sum(m.samples for m in self.steps if not m.skipped)
+
+    @property
+    def skipped_samples(self) -> int:
+        """Samples of the steps skipped as non-finite: left out of training."""
+        return sum(m.samples for m in self.steps if m.skipped)
+
+    @property
+    def deferred_at_end(self) -> int:
+        """Samples the last step left for the next: untrained, they open it when the run goes on."""
+        return self.steps[-1].deferred_samples if self.steps else 0
 
     @property
     def skipped_steps(self) -> int:
@@ -247,10 +271,30 @@ class TrainResult:
             f"medians over {which}: step {m['step_s']:.3f} s, {m['samples_per_s']:.2f} samples/s, "
             f"{_rate(m['tokens_per_s'])} tokens/s, MFU {100 * m['mfu']:.1f} %; peak memory {_gib(peak)} GiB "
             "on the busiest rank"
+            + f"; {self._samples_line()}"
             + (f"; {self.skipped_steps} steps skipped (non-finite)" if self.skipped_steps else "")
             + (f"; checkpoints: {', '.join(self.checkpoints)}" if self.checkpoints else "")
             + (f"; stopped early by {self.stopped_by}" if self.stopped_by else "")
         )
+
+    def _samples_line(self) -> str:
+        deferred = [m.deferred_samples for m in self.steps]
+        left = (
+            f"{self.skipped_samples} left out in skipped steps"
+            if self.skipped_samples
+            else "no sample left out"
+        )
+        line = f"{self.samples} samples trained" + (
+            f" ({self.epochs:.2f} epochs of the dataset in all, {left})" if self.epochs is not None else ""
+        )
+        if self.epochs is None and self.skipped_samples:
+            line += f" ({left})"
+        if any(deferred):
+            line += (
+                f", at most {max(deferred)} deferred to a step's next; {self.deferred_at_end} left by the last "
+                "step (they open the next when the run goes on)"
+            )
+        return line
 
 
 def _rate(x: float) -> str:
@@ -332,9 +376,10 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
     if start.checkpoint is not None:
         first = checkpoint.load(start.checkpoint, runner, opt, sched, config.schedule)
     log = _StepLog(runner.rank == 0, config, start)
+    saves = RunSaves(
+        config, runner, opt, sched, data, log, start, first, (DataError, BatchError, NonFiniteStepError)
+    )
     out: list[StepMetrics] = []
-    saved: list[str] = [start.checkpoint] if start.checkpoint else []
-    kept: list[str] = []
     skipped = 0
     stopped_by = None
     batches = _batches(data, first)
@@ -343,12 +388,15 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
         began = time.perf_counter()  # the step's data is part of it, as in Megatron-LM's iteration time
         if runner.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(runner.device)
-        batch = upcoming or _checked_batch(runner, step, lambda: next(batches, None))
-        if batch is None:
-            raise ArgumentError(f"the data ran out after {step} global batches; config.steps={config.steps}")
-        # A plan that runs a frozen encoder's forwards one batch ahead takes the next batch now.
-        ahead = runner.plan.ahead and step + 1 < config.steps
-        upcoming = _checked_batch(runner, step + 1, lambda: next(batches, None)) if ahead else None
+        with saves.on_failure(step):
+            batch = upcoming or _checked_batch(runner, step, lambda: next(batches, None))
+            if batch is None:
+                raise ArgumentError(
+                    f"the data ran out after {step} global batches; config.steps={config.steps}"
+                )
+            # A plan that runs a frozen encoder's forwards one batch ahead takes the next batch now.
+            ahead = runner.plan.ahead and step + 1 < config.steps
+            upcoming = _checked_batch(runner, step + 1, lambda: next(batches, None)) if ahead else None
         opt.zero_grad(set_to_none=True)
         loss = float(runner.step(batch, next_batch=upcoming))
         stats = clip_grad_norm(runner, config.max_grad_norm, _peak_memory(runner), preemption.requested())
@@ -361,26 +409,13 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
             opt.zero_grad(set_to_none=True)
             skipped += 1
         else:  # every rank has the same loss and norm, so every rank stops here, alike
-            raise NonFiniteStepError(_non_finite(runner, step, loss, stats.norm, batch, saved))
+            opt.zero_grad(set_to_none=True)
+            with saves.on_failure(step):
+                raise NonFiniteStepError(_non_finite(runner, step, loss, stats.norm, batch, data))
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)  # the update's kernels are part of the step
-        step_s = time.perf_counter() - began
-        metrics = StepMetrics(
-            step=step + 1,
-            loss=loss,
-            lr=float(lr),
-            grad_norm=stats.norm,
-            step_s=step_s,
-            # A packed step's samples are not its microbatches: count the samples it trained.
-            samples_per_s=(batch.num_samples if isinstance(batch, PackedBatch) else throughput.global_batch)
-            / step_s,
-            tokens_per_s=throughput.global_batch * throughput.tokens_per_sample / step_s,
-            mfu=throughput.mfu(step_s),
-            peak_mem_bytes=stats.peak_mem_bytes,
-            skipped_steps=skipped,
-            skipped=not finite,
-            deferred_samples=len(batch.deferred) if isinstance(batch, PackedBatch) else 0,
-            **_schedule_metrics(batch),
+        metrics = _step_metrics(
+            step, loss, lr, stats, time.perf_counter() - began, batch, throughput, skipped
         )
         out.append(metrics)
         log.write(metrics)
@@ -389,19 +424,38 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
         if config.checkpoint_dir and (
             last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
         ):
-            began = time.perf_counter()
-            path = checkpoint.save(config.checkpoint_dir, step + 1, runner, opt, sched, config.schedule)
-            removed = (
-                checkpoint.keep_newest(config.checkpoint_dir, config.keep_last) if runner.rank == 0 else []
-            )
-            saved.append(path)
-            kept = [*kept, path][-(config.keep_last or 0) :]  # the ones still there
-            log.saved(path, time.perf_counter() - began, removed)
+            saves.save(step + 1)
         if stopped_by is not None:
-            log.stopped(stopped_by, step + 1, saved[-1] if saved and config.checkpoint_dir else None)
+            log.stopped(
+                stopped_by, step + 1, saves.saved[-1] if saves.saved and config.checkpoint_dir else None
+            )
             break
     log.close()
-    return TrainResult(tuple(out), first, tuple(kept), stopped_by)
+    done = out[-1].step if out else first
+    return TrainResult(tuple(out), first, tuple(saves.kept), stopped_by, epochs_of(data, done))
+
+
+def _step_metrics(
+    step, loss, lr, stats: StepStats, step_s: float, batch, throughput, skipped: int
+) -> StepMetrics:
+    # A packed step's samples are not its microbatches: count the samples it trained.
+    samples = batch.num_samples if isinstance(batch, PackedBatch) else throughput.global_batch
+    return StepMetrics(
+        step=step + 1,
+        loss=loss,
+        lr=float(lr),
+        grad_norm=stats.norm,
+        step_s=step_s,
+        samples_per_s=samples / step_s,
+        tokens_per_s=throughput.global_batch * throughput.tokens_per_sample / step_s,
+        mfu=throughput.mfu(step_s),
+        peak_mem_bytes=stats.peak_mem_bytes,
+        skipped_steps=skipped,
+        skipped=not (math.isfinite(loss) and math.isfinite(stats.norm)),
+        samples=samples,
+        deferred_samples=len(batch.deferred) if isinstance(batch, PackedBatch) else 0,
+        **_schedule_metrics(batch),
+    )
 
 
 def stop_line(signal_name: str, step: int, steps: int, saved: str | None) -> str:
@@ -415,23 +469,31 @@ class NonFiniteStepError(VlmCompileError, ArithmeticError):
     step, so no weight changed."""
 
 
-def _non_finite(runner: PipelineRunner, step: int, loss: float, norm: float, batch, saved: list[str]) -> str:
-    """Why step ``step`` (0-based) stopped: its figures, the batch's non-finite values and the
-    data-parallel rank whose shard holds them, and where to go on from."""
+def _non_finite(runner: PipelineRunner, step: int, loss: float, norm: float, batch, data: Data) -> str:
+    """Why step ``step`` (0-based) stopped: its figures, the batch's non-finite values (the
+    samples that hold them, and the data-parallel rank whose shard does), or its want of labels."""
     global_batch = runner.parallel.dp * runner.plan.num_microbatches * runner.plan.microbatch_size
     if isinstance(batch, PackedBatch):
-        where = _non_finite_microbatches(batch, runner.plan.num_microbatches)
+        named = getattr(data, "nonfinite", None)  # packed data names its samples by dataset index
+        where = "; ".join(named(step) if callable(named) else ()) or _non_finite_microbatches(
+            batch, runner.plan.num_microbatches
+        )
+        labels = [mb.get("labels") for mb in batch.microbatches]
     else:
         where = _non_finite_values(batch, global_batch, runner.parallel.dp)
-    cause = (
-        f"{where}; fix or drop those samples"
-        if where
-        else "the batch is finite, so the model diverged or overflowed: lower the LR, warm up longer or clip harder"
-    )
-    newest = f"the newest checkpoint is {saved[-1]}" if saved else "no checkpoint was saved"
+        labels = [batch.get("labels")]
+    if where:
+        cause = f"{where}; fix or drop those samples"
+    elif all(isinstance(x, torch.Tensor) and not bool((x != IGNORE_INDEX).any()) for x in labels):
+        cause = (
+            "the global batch has no label token (every label is -100), so its loss is 0/0: give its samples "
+            "labels, or drop them"
+        )
+    else:
+        cause = "the batch is finite, so the model diverged or overflowed: lower the LR, warm up longer or clip harder"
     return (
         f"step {step + 1}: the loss is {loss} and the gradient norm {norm}: stopped before the optimizer step, "
-        f"so no weight changed. {cause}; {newest}. To skip such steps instead, give --skip-nonfinite-steps "
+        f"so no weight changed. {cause}. To skip such steps instead, give --skip-nonfinite-steps "
         "(on_nonfinite='skip')"
     )
 
@@ -441,13 +503,7 @@ def _non_finite_microbatches(batch: PackedBatch, per_rank: int) -> str:
     data-parallel rank that runs it."""
     parts = []
     for k, microbatch in enumerate(batch.microbatches):
-        bad = [
-            key
-            for key, value in microbatch.items()
-            if isinstance(value, torch.Tensor)
-            and value.is_floating_point()
-            and not bool(torch.isfinite(value).all())
-        ]
+        bad = nonfinite_keys(microbatch)
         if bad:
             parts.append(
                 f"packed microbatch {k} holds NaN or infinite values in {bad} (data-parallel rank {k // per_rank})"
@@ -495,11 +551,14 @@ def _optimized_parameters(runner: PipelineRunner) -> list[torch.nn.Parameter]:
     return runner.trainable_parameters() or runner.parameters()
 
 
-def check_first_batch(runner: PipelineRunner, data: Data) -> None:
-    """Step 1's global batch checked against the compiled shapes, before any rank starts (data
-    that is an iterator is left alone: reading it would consume the batch)."""
-    if callable(data) or isinstance(data, Sequence):
-        _checked_batch(runner, 0, lambda: data(0) if callable(data) else data[0] if data else None)
+def check_first_batch(runner: PipelineRunner, data: Data, step: int = 0) -> None:
+    """The first step's global batch (``step``, 0-based: a resumed run's) checked against the
+    compiled shapes, before any rank starts (data that is an iterator is left alone: reading it
+    would consume the batch)."""
+    if callable(data):
+        _checked_batch(runner, step, lambda: data(step))
+    elif isinstance(data, Sequence):
+        _checked_batch(runner, step, lambda: data[step] if step < len(data) else None)
 
 
 def _checked_batch(
