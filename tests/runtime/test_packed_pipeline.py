@@ -211,20 +211,31 @@ def test_six_adamw_steps_on_variable_data_equal_eager(compiled):
         torch.testing.assert_close(got, want, rtol=rtol, atol=rtol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-class _NaNImages(torch.utils.data.Dataset):
-    """A dataset whose images are NaN: a step with any image must stop, naming where."""
+class _Edited(torch.utils.data.Dataset):
+    """``data`` with every sample changed by ``edit`` (a module-level function: the local ranks
+    receive the dataset pickled)."""
 
-    def __init__(self, data):
-        self.data = data
+    def __init__(self, data, edit):
+        self.data, self.edit = data, edit
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, i):
-        sample = dict(self.data[i])
-        if "pixel_values" in sample:
-            sample["pixel_values"] = torch.full_like(sample["pixel_values"], float("nan"))
-        return sample
+        return self.edit(dict(self.data[i]))
+
+
+def _nan_images(sample):
+    """Images of NaN: a step with any image must stop, naming where."""
+    if "pixel_values" in sample:
+        sample["pixel_values"] = torch.full_like(sample["pixel_values"], float("nan"))
+    return sample
+
+
+def _no_labels(sample):
+    """Every label -100: every step's loss is 0/0, in eager too."""
+    sample["labels"] = torch.full_like(sample["labels"], -100)
+    return sample
 
 
 @pytest.mark.parametrize("compiled", ["ci"], indirect=True)
@@ -238,20 +249,7 @@ def test_a_packed_step_with_nan_images_stops_naming_the_dataset_samples(compiled
         match=r"step 1: .*dataset sample \d+ holds NaN or infinite values in \['pixel_values'\] \(packed "
         r"microbatch \d+, data-parallel rank \d\)",
     ):
-        pipe.train(GlobalBatches(_NaNImages(data), 6, seed=2), TrainConfig(steps=2), timeout_s=60)
-
-
-class _NoLabels(torch.utils.data.Dataset):
-    """A dataset whose labels are all -100: every step's loss is 0/0, in eager too."""
-
-    def __init__(self, data):
-        self.data = data
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return {**self.data[i], "labels": torch.full_like(self.data[i]["labels"], -100)}
+        pipe.train(GlobalBatches(_Edited(data, _nan_images), 6, seed=2), TrainConfig(steps=2), timeout_s=60)
 
 
 @pytest.mark.parametrize("compiled", ["ci"], indirect=True)
@@ -262,7 +260,7 @@ def test_a_packed_step_without_label_tokens_stops_saying_so_or_is_skipped(compil
     from vlmcompile.runtime.trainer import NonFiniteStepError, TrainConfig
 
     _, _, _, pipe, data = compiled["tiny"]
-    batches = GlobalBatches(_NoLabels(data), 6, seed=2)
+    batches = GlobalBatches(_Edited(data, _no_labels), 6, seed=2)
     with pytest.raises(
         NonFiniteStepError, match=r"step 1: .*the global batch has no label token \(every label is -100\)"
     ):

@@ -280,6 +280,10 @@ class PackedSteps:
         return self.schedule(self._image_rows(step))
 
     # ---- checkpoints ---------------------------------------------------------------------------
+    def epochs(self, step: int) -> float | None:
+        """Epochs of the dataset the steps before step ``step`` took (None: data without one)."""
+        return self.samples.epochs(step) if self.dataset is not None else None
+
     def state(self, step: int) -> dict[str, Any] | None:
         """What a checkpoint saved after step ``step`` (0-based) keeps: where the next step begins
         in the stream and the dataset indices it carries in (None: data without indices)."""
@@ -342,13 +346,6 @@ class RunCheck:
         )
 
 
-def dataset_sizes(dataset: Any, family: Family, log: TextIO | None = sys.stderr) -> SampleSizes:
-    """Every sample's LLM tokens and vision rows, checked: from the dataset's ``sizes(i)`` where it
-    has them (a manifest or a synthetic dataset: nothing built), else from each sample, with a
-    progress line every few seconds."""
-    return SampleSizes.of(dataset, family, log=log, name=lambda i: sample_name(dataset, i))
-
-
 def check_run(steps: PackedSteps, first: int, last: int, *, log: TextIO | None = sys.stderr) -> RunCheck:
     """Before any rank starts: the sizes of every sample of ``steps``' dataset (kept in
     ``steps.sizes``), none over the token budget, and the steps ``first`` .. ``last - 1`` replayed on
@@ -357,8 +354,9 @@ def check_run(steps: PackedSteps, first: int, last: int, *, log: TextIO | None =
     too far and the largest global batch the microbatches hold."""
     if steps.dataset is None:
         raise DataError("only data drawn from a dataset (GlobalBatches) can be checked before training")
-    if steps.sizes is None:
-        steps.sizes = dataset_sizes(steps.dataset, steps.family, log)
+    if steps.sizes is None:  # every sample's, checked as packing checks it, with progress lines
+        dataset = steps.dataset
+        steps.sizes = SampleSizes.of(dataset, steps.family, log=log, name=lambda i: sample_name(dataset, i))
     tokens = steps.sizes.llm_tokens
     longest = int(tokens.argmax())
     if int(tokens[longest]) > steps.tokens:

@@ -35,7 +35,6 @@ class RunSaves:
     log: Any
     """The run's step log (says each save)."""
     start: Start
-    first_step: int
     alike: tuple[type[BaseException], ...]
     """Errors every rank raises alike at the same step (computed from the same data): the ones
     after which every rank can take part in a save. Any other error is raised as it is: a rank
@@ -44,9 +43,12 @@ class RunSaves:
     """Every checkpoint of the run, the one it resumed from first."""
     kept: list[str] = field(default_factory=list)
     """The ones this run saved that ``keep_last`` left."""
+    newest_step: int = 0
+    """The steps the newest checkpoint holds (the run's first step: nothing newer saved yet)."""
 
     def __post_init__(self):
         self.saved = [self.start.checkpoint] if self.start.checkpoint else []
+        self.newest_step = self.start.step
 
     def save(self, done: int) -> str:
         """Checkpoint the state after ``done`` steps."""
@@ -64,6 +66,7 @@ class RunSaves:
             checkpoint.keep_newest(config.checkpoint_dir, config.keep_last) if self.runner.rank == 0 else []
         )
         self.saved.append(path)
+        self.newest_step = done
         self.kept = [*self.kept, path][-(config.keep_last or 0) :]  # the ones still there
         self.log.saved(path, time.perf_counter() - began, removed)
         return path
@@ -77,14 +80,12 @@ class RunSaves:
         except self.alike as err:
             if not self.config.checkpoint_dir:
                 note = "no checkpoint was saved (no checkpoint directory)"
-            elif step == self.first_step:
+            elif step == self.newest_step:  # the steps before it are saved already (or none ran)
                 note = (
-                    f"the newest checkpoint is {self.saved[-1]}"
+                    f"the newest checkpoint is {self.saved[-1]}, which holds the steps before it"
                     if self.saved
                     else "no step was trained, none saved"
                 )
-            elif self.saved and self.saved[-1].endswith(f"step_{step:06d}"):
-                note = f"the newest checkpoint is {self.saved[-1]}, which holds the steps before it"
             else:
                 try:
                     note = f"the steps before it were saved first: the newest checkpoint is {self.save(step)}"
@@ -102,8 +103,7 @@ def data_state(data: Any, step: int) -> dict[str, Any] | None:
 
 def epochs_of(data: Any, steps: int) -> float | None:
     """Epochs of the dataset the first ``steps`` steps' stream reached (None: not a dataset's)."""
-    source = getattr(data, "samples", data)
-    epochs = getattr(source, "epochs", None)
+    epochs = getattr(data, "epochs", None)
     return epochs(steps) if callable(epochs) else None
 
 

@@ -377,7 +377,7 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
         first = checkpoint.load(start.checkpoint, runner, opt, sched, config.schedule)
     log = _StepLog(runner.rank == 0, config, start)
     saves = RunSaves(
-        config, runner, opt, sched, data, log, start, first, (DataError, BatchError, NonFiniteStepError)
+        config, runner, opt, sched, data, log, start, (DataError, BatchError, NonFiniteStepError)
     )
     out: list[StepMetrics] = []
     skipped = 0
@@ -415,7 +415,7 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)  # the update's kernels are part of the step
         metrics = _step_metrics(
-            step, loss, lr, stats, time.perf_counter() - began, batch, throughput, skipped
+            step, loss, lr, stats, time.perf_counter() - began, batch, throughput, skipped, finite
         )
         out.append(metrics)
         log.write(metrics)
@@ -436,7 +436,7 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
 
 
 def _step_metrics(
-    step, loss, lr, stats: StepStats, step_s: float, batch, throughput, skipped: int
+    step, loss, lr, stats: StepStats, step_s: float, batch, throughput, skipped: int, finite: bool
 ) -> StepMetrics:
     # A packed step's samples are not its microbatches: count the samples it trained.
     samples = batch.num_samples if isinstance(batch, PackedBatch) else throughput.global_batch
@@ -451,7 +451,7 @@ def _step_metrics(
         mfu=throughput.mfu(step_s),
         peak_mem_bytes=stats.peak_mem_bytes,
         skipped_steps=skipped,
-        skipped=not (math.isfinite(loss) and math.isfinite(stats.norm)),
+        skipped=not finite,
         samples=samples,
         deferred_samples=len(batch.deferred) if isinstance(batch, PackedBatch) else 0,
         **_schedule_metrics(batch),
