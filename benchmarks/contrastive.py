@@ -2,7 +2,7 @@
 
     python benchmarks/contrastive.py [--models CLIP-S ...] [--gpus 1 8 64] [--measure-only]
 
-Every model of DistMM (``shared/reference/paper_setups.json``: CLIP, CoCa and LiT, three sizes
+Every model of DistMM (``tests/reference/paper_setups.json``: CLIP, CoCa and LiT, three sizes
 each, as the zoo builds them) on its cluster of V100-16GB (8 a node, 25 Gbit/s between nodes)
 at single-device (1 GPU), single-node (8) and multi-node (64) scale, planned four ways:
 

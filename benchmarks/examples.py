@@ -190,16 +190,25 @@ def _fields_of(cls: type, record: dict) -> dict:
 
 
 def run_python(code: str, name: str) -> str:
-    """The stdout of ``code`` run as ``NAME.py`` in a temporary directory."""
+    """The stdout of ``code`` run as ``NAME.py`` in a temporary directory, twice: an example a
+    reader runs again in the same folder (its checkpoints there) must print the same."""
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / f"{name}.py"
         script.write_text(code)
-        done = subprocess.run(
-            [sys.executable, script.name], cwd=tmp, capture_output=True, text=True, timeout=900
-        )
-    if done.returncode != 0:
-        raise ExampleError(f"the Python example {name!r} exited {done.returncode}: {done.stderr[-3000:]}")
-    return done.stdout
+        outputs = []
+        for run in ("first", "second"):
+            done = subprocess.run(
+                [sys.executable, script.name], cwd=tmp, capture_output=True, text=True, timeout=900
+            )
+            if done.returncode != 0:
+                raise ExampleError(
+                    f"the Python example {name!r} exited {done.returncode} on its {run} run in one folder: "
+                    f"{done.stderr[-3000:]}"
+                )
+            outputs.append(done.stdout)
+    if masked(outputs[0]) != masked(outputs[1]):
+        raise ExampleError(f"the Python example {name!r} printed otherwise when run again in the same folder")
+    return outputs[0]
 
 
 def abridge(output: str, options: str) -> str:

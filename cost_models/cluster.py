@@ -2,7 +2,7 @@
 
 Presets are written ``<family>x<num_gpus>`` (``h100x512``, ``a100x32``, ``v100x64``) or
 ``cpu:<ranks>`` for local CPU ranks; :data:`PAPER_PRESETS` lists the clusters of the papers in
-``shared/reference/paper_setups.json``. Link figures are per GPU and per direction; where a
+``tests/reference/paper_setups.json``. Link figures are per GPU and per direction; where a
 paper does not give them, the assumption is written next to the family.
 
 Ranks are laid out as Megatron-LM does (tensor-parallel fastest, then data-parallel, then

@@ -2,7 +2,7 @@
 rates are measured on the machine at hand.
 
 Rates are dense bf16 (fp16 on V100) tensor-core peaks from the vendors' datasheets, the same
-figures as ``shared/reference/paper_setups.json`` where it gives them. Achieved rates are a
+figures as ``tests/reference/paper_setups.json`` where it gives them. Achieved rates are a
 fraction of peak; the default fractions per op class (:class:`Efficiency`) are:
 
 * matrix products 0.75: large bf16 GEMMs in cuBLAS reach 70-80 % of the dense peak on A100

@@ -16,7 +16,9 @@ against eager and whether the loss splits over microbatches (:mod:`.loss_split`)
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,6 +34,7 @@ from vlmcompile.graph.export import (
     WRAPPED,
     LossOf,
     Specialization,
+    check_loss,
     describe_failure,
     export_specialising,
     loss_of,
@@ -41,7 +44,7 @@ from vlmcompile.graph.export import (
 from vlmcompile.graph.layering import LayerAssigner, assign_layers, check_regions_detected
 from vlmcompile.graph.loss_split import LossSplit, LossSplitCheck, check_loss_split
 from vlmcompile.graph.specialize import differs_between_samples
-from vlmcompile.ir.errors import CaptureError, ModelError, SampleBatchError
+from vlmcompile.ir.errors import CaptureError, ModelError, RegionError, SampleBatchError, VlmCompileError
 from vlmcompile.ir.meta_keys import (
     BLOCK_LAYERS_META,
     CAPTURE_OPTIONS_META,
@@ -154,14 +157,8 @@ def check_sample_batch(model: nn.Module, sample_batch: Any) -> dict[str, Any]:
             "to tensors, e.g. {'pixel_values': ..., 'input_ids': ..., 'labels': ...}"
         )
     params = inspect.signature(model.forward).parameters
-    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    unknown = sorted(set(sample_batch) - named)
-    if unknown and not takes_kwargs:
-        raise SampleBatchError(
-            f"sample_batch has key(s) {unknown} that {type(model).__name__}.forward does not take; "
-            f"its arguments are {sorted(named)}"
-        )
+    _check_keys(type(model).__name__, set(sample_batch), named, _keyword_arguments(params))
     required = [
         n
         for n, p in params.items()
@@ -189,6 +186,50 @@ def check_sample_batch(model: nn.Module, sample_batch: Any) -> dict[str, Any]:
             "on finite numbers: give a batch of real data (or random finite values)"
         )
     return dict(sample_batch)
+
+
+_ALIASES = {
+    "pixel_values": ("images", "image", "pixels", "img", "imgs", "image_tensor", "pixel_value", "vision"),
+    "input_ids": ("ids", "tokens", "token_ids", "text", "input", "inputs", "text_ids"),
+    "attention_mask": ("mask", "masks", "attn_mask", "attention_masks"),
+    "labels": ("label", "targets", "target", "target_ids"),
+}
+"""Names users give a forward argument under another name (the processors' keys are the right ones)."""
+
+
+def closest_argument(key: str, names: set[str]) -> str | None:
+    """The argument of ``names`` a batch key ``key`` most likely meant, or None."""
+    for name, aliases in _ALIASES.items():
+        if name in names and key.lower() in aliases:
+            return name
+    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _keyword_arguments(params: Mapping[str, inspect.Parameter]) -> set[str] | None:
+    """The keys ``**kwargs`` takes: a typed dict's (transformers' ``**kwargs: Unpack[...]``), an
+    empty set for a forward without ``**kwargs``, None for untyped ``**kwargs`` (anything)."""
+    var = [p for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    if not var:
+        return set()
+    typed = next(iter(typing.get_args(var[0].annotation)), None)
+    keys = getattr(typed, "__annotations__", None) if typing.is_typeddict(typed) else None
+    return set(keys) if keys is not None else None
+
+
+def _check_keys(model: str, keys: set[str], named: set[str], keyword: set[str] | None) -> None:
+    """Refuse a batch key the forward does not take (or, behind untyped ``**kwargs``, one that
+    looks like an argument under another name), naming the argument it most likely meant."""
+    missing = named - keys
+    for key in sorted(keys - named - (keyword or set())):
+        meant = closest_argument(key, missing or named)
+        if keyword is None and meant is None:
+            continue  # untyped **kwargs may read it
+        hint = f"did you mean {meant!r}? " if meant else ""
+        raise SampleBatchError(
+            f"sample_batch key {key!r} is no argument of {model}.forward: {hint}(its arguments: "
+            f"{', '.join(sorted(named))})"
+        )
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -323,7 +364,7 @@ def capture(
 
     graph = _first_that_captures(model, root, batch, assigner, method, specialise_first)
     gm, used, root, specialized = graph.gm, graph.method, graph.root, graph.specialized
-    layers = _tag_layers(model, gm, root, assigner, overrides, used, specialized)
+    layers = _tag_layers(model, gm, root, assigner, overrides, used, specialized, batch)
     numerics = _check_numerics(model, gm, batch) if check_numerics else "not checked (check_numerics=False)"
     loss_split = _loss_split(eager, batch, specialized) if check_numerics else None
     gm.meta[LOSS_SPLIT_META] = loss_split = loss_split or LossSplitCheck(
@@ -357,6 +398,7 @@ def _tag_layers(
     overrides: Mapping[str, Region] | None,
     method: str,
     specialized: Specialization | None,
+    batch: Mapping[str, Any],
 ) -> tuple[LayerRegion, ...]:
     """Tag every node of ``gm`` with its layer and region and record the layer order and the
     options to capture the model again with (at another batch size: specialised first on what
@@ -365,11 +407,15 @@ def _tag_layers(
     regions = assign_layers(gm, assigner, strip_prefix=strip)
     layer_order = list(regions)
     layers = tuple(LayerRegion(layer, *found) for layer, found in regions.items())
-    check_regions_detected(
-        {lr.region for lr in layers},
-        overridden=bool(overrides),
-        top_level=[n for n, _ in model.named_children()],
-    )
+    try:
+        check_regions_detected(
+            {lr.region for lr in layers},
+            overridden=bool(overrides),
+            top_level=[n for n, _ in model.named_children()],
+        )
+    except RegionError:
+        _check_returns_a_loss(gm, root, batch)  # a forward without a loss is the mistake to name first
+        raise
     gm.meta[LAYER_ORDER_META] = layer_order
     gm.meta[BLOCK_LAYERS_META] = frozenset(layer for layer in layer_order if layer in assigner.blocks)
     gm.meta[CAPTURE_OPTIONS_META] = {
@@ -379,6 +425,35 @@ def _tag_layers(
     }
     gm.meta[WRAPPER_PREFIX_META] = strip
     return layers
+
+
+def _check_returns_a_loss(gm: fx.GraphModule, root: nn.Module, batch: Mapping[str, Any]) -> None:
+    """Raise :func:`check_loss`'s error where the forward returns no scalar loss: the output's
+    value as export recorded it, else one eager forward (real tensors only; on meta nothing runs)."""
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    first = out.args[0]
+    first = first[0] if isinstance(first, (tuple, list)) and first else first
+    value = first.meta.get("val") if isinstance(first, fx.Node) else None
+    if value is None and not on_meta(root, batch):
+        with torch.no_grad():
+            value = root(**batch)
+    if value is not None:
+        check_loss(value if isinstance(value, torch.Tensor) else loss_of(value))
+
+
+def _what_to_try(model: nn.Module) -> str:
+    """The way out of a failed capture: samples, for a model the packed path takes (captured once
+    for any images), else what makes a forward capturable."""
+    from vlmcompile.data.families import family_of  # noqa: PLC0415 - only on this error path
+
+    try:
+        family = family_of(model)
+    except VlmCompileError:
+        return DATA_DEPENDENT_HELP
+    return (
+        f"Give the samples as a list instead (compile(model, [sample, ...]), one dict each): {family.name} is then "
+        "captured once for any images and lengths, packed"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,7 +504,7 @@ def _first_that_captures(
             last_err = err
     tried = "; ".join(f"{f.method}: {f.reason}" for f in fallbacks)
     raise CaptureError(
-        f"could not capture {type(model).__name__}. {tried}. {DATA_DEPENDENT_HELP}"
+        f"could not capture {type(model).__name__}. {tried}. {_what_to_try(model)}"
     ) from last_err
 
 

@@ -86,7 +86,7 @@ def capture_packed(
             f"{type(err).__name__}: {str(err).strip().splitlines()[0][:400]}"
         ) from err
     assert WRAPPED == "inner"  # PackedStep holds the model where LossOf does
-    layers = _tag_layers(model, gm, root, LayerAssigner(model, overrides), overrides, "export", None)
+    layers = _tag_layers(model, gm, root, LayerAssigner(model, overrides), overrides, "export", None, example)
     gm.meta[PACKED_META] = _layout(gm, family, tokens, dynamic)
     if on_meta(model, example):
         numerics = "not checked (meta tensors hold no values)"

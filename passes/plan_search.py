@@ -88,6 +88,9 @@ class SearchReport:
     cluster: str
     candidates: tuple[CandidateRow, ...]
     wall_s: float
+    returned: tuple[str, float] | None = None
+    """What the search's caller returned instead of its chosen one-chain plan (the encoder-in-
+    bubbles plan, a re-partition) and its simulated step; None: the chosen plan itself."""
 
     def table(self, limit: int | None = 40) -> str:
         order = {"chosen": 0, "planned": 1, "screened": 2, "failed": 3, "pruned": 4}
@@ -99,7 +102,7 @@ class SearchReport:
         lines = [
             [
                 str(c.request),
-                c.outcome,
+                "best chain" if c.outcome == "chosen" and self.returned else c.outcome,
                 format_ms(c.step_s, decimals=decimals),
                 format_ms(c.lower_bound_s, decimals=decimals) if math.isfinite(c.lower_bound_s) else "-",
                 c.bound.binding if math.isfinite(c.lower_bound_s) else "-",
@@ -156,19 +159,35 @@ class SearchReport:
         ]
         return min(found) if found else None
 
+    def runner_up(self, chosen: Parallel, cap_bytes: float) -> CandidateRow | None:
+        """The fastest simulated candidate at other degrees than ``chosen`` that fits ``cap_bytes``."""
+        others = [
+            c
+            for c in self.candidates
+            if c.step_s is not None
+            and c.outcome in ("chosen", "planned", "screened")
+            and c.request.parallel != chosen
+            and (c.peak_bytes or 0) <= cap_bytes
+        ]
+        return min(others, key=lambda c: c.step_s) if others else None
+
     def proof(self) -> str:
         """What the bounds prove about the plan chosen (one chain) and what they leave open."""
         chosen = next((c for c in self.candidates if c.outcome == "chosen"), None)
         if chosen is None:
             return "no plan chosen"
         least = self.least_chain_bound_s
+        which = "the best one-chain plan" if self.returned else "the one chosen"
         said = (
-            f"proved: no one-chain plan that fits, of any candidate, is faster than {format_ms(least)} ms; the one chosen, "
+            f"proved: no one-chain plan that fits, of any candidate, is faster than {format_ms(least)} ms; {which}, "
             f"{format_ms(chosen.step_s)} ms, is {100 * (chosen.step_s - least) / chosen.step_s:.1f} % above that"
         )
         bubbles = self.least_bubbles_bound_s
         if bubbles is not None:
             said += f"; no encoder-in-bubbles plan is faster than {format_ms(bubbles)} ms (the least bound of any candidate)"
+        if self.returned:
+            how, step_s = self.returned
+            said += f"\nchosen: {how}, {format_ms(step_s)} ms simulated (faster than the best one-chain plan)"
         return said
 
 

@@ -23,6 +23,7 @@ from vlmcompile.cost_models.memory import fits, usable_memory_bytes
 from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.meta_keys import PROFILE_SPREAD_META
 from vlmcompile.ir.plan import Decision, Plan, Reason
 from vlmcompile.passes.bubbles import bubbles
 from vlmcompile.passes.megatron import EncoderPlacement, megatron, megatron_layout_plan
@@ -62,7 +63,16 @@ def stage_cuts(
     runs, rows = compare_baselines(layer_graph, cluster, request)
     warm = fastest_baseline(runs, request)
     result = partition(layer_graph, cluster, request, solver=solver, warm_start=warm.plan if warm else None)
-    return dataclasses.replace(result, baselines=rows)
+    return dataclasses.replace(result, baselines=mark_same_plans(rows, runs, result.plan))
+
+
+def mark_same_plans(
+    rows: Iterable[PolicyRow], runs: Iterable[PolicyResult], ours: Plan
+) -> tuple[PolicyRow, ...]:
+    """The baselines' rows, those whose plan is ``ours`` under its own name marked so (a reader
+    learns that our policy found nothing better than theirs)."""
+    same = {r.plan.policy for r in runs if ours.same_layout(r.plan)}
+    return tuple(dataclasses.replace(row, same_as_ours=row.policy in same) for row in rows)
 
 
 def vlmcompile(
@@ -76,7 +86,10 @@ def vlmcompile(
     faster (:func:`with_encoder_in_bubbles`), the baselines its comparison's rows."""
     chain = stage_cuts(layer_graph, cluster, request, solver=solver)
     best = with_encoder_in_bubbles(chain, layer_graph, cluster, request, solver)
-    return dataclasses.replace(best, baselines=chain.baselines)
+    rows = chain.baselines
+    if best.sim.step_time_s != chain.sim.step_time_s:  # encoders on a plan of their own: no baseline's
+        rows = tuple(dataclasses.replace(r, same_as_ours=False) for r in rows)
+    return dataclasses.replace(best, baselines=rows)
 
 
 POLICIES: dict[str, Policy] = {
@@ -408,28 +421,59 @@ def search_and_compare(
     request = PlanRequest(
         parallel=plan.pipeline_parallel, global_batch=global_batch, microbatch_size=plan.microbatch_size
     )
-    searched = result.report
+    searched, chain_s = result.report, result.sim.step_time_s
     # The bubbles fill best where the pipeline leaves the most: v = 1 is tried beside the v chosen.
     others = [request.with_degrees(v=1)] if request.parallel.v > 1 else []
     result = with_encoder_in_bubbles(result, layer_graph, cluster, request, solver, also=others)
+    how = "the encoder-in-bubbles plan" if result.sim.step_time_s != chain_s else None
     plan = result.plan
     request = PlanRequest(
         parallel=plan.pipeline_parallel, global_batch=global_batch, microbatch_size=plan.microbatch_size
     )
     runs, rows = baselines_at(layer_graph, cluster, request, planned)
     faster = fastest_baseline(runs, request)
+    later: tuple = ()
     if faster is not None and faster.sim.step_time_s < result.sim.step_time_s:
         # Only where the search did not partition this request itself (the encoder-in-bubbles plan
         # took a v the search space left out, or the search's partition failed there).
         result = partition(layer_graph, cluster, request, solver=solver, warm_start=faster.plan)
-        plan = result.plan
+        plan, later = result.plan, (result.report,)
+        how = f"a partition warm-started from {faster.plan.policy}'s plan"
+    if how is not None:  # the search's table says which plan came back, and why it is another
+        searched = dataclasses.replace(
+            searched, returned=(f"{how} at {plan.pipeline_parallel}", result.sim.step_time_s)
+        )
+    rows = mark_same_plans(rows, runs, plan)
     said = Decision(
         "parallel degrees",
         Reason.PLAN_SEARCH,
         f"{plan.pipeline_parallel}, microbatch {plan.microbatch_size}: fastest simulated of "
         f"{len(searched.candidates)} candidates",
     )
+    tie = noise_tie(searched, result, layer_graph.meta.get(PROFILE_SPREAD_META), cluster)
+    said = (said, tie) if tie is not None else (said,)
     # The search's report first, then the passes after it (the encoder-in-bubbles pass's).
-    later = result.report.parts[1:] if isinstance(result.report, Reports) else ()
+    later = later or (result.report.parts[1:] if isinstance(result.report, Reports) else ())
     report = Reports((searched, *later)) if later else searched
-    return dataclasses.replace(result.with_decisions(said, report=report), baselines=rows)
+    return dataclasses.replace(result.with_decisions(*said, report=report), baselines=rows)
+
+
+def noise_tie(searched, result: PolicyResult, spread: float | None, cluster: Cluster) -> Decision | None:
+    """Where the layer times were measured here (the profile pass), a decision naming the runner-up
+    at other degrees when the plan chosen beats it by less than the profile's spread: which of the
+    two is faster then depends on the machine's load while it was profiled, not on the plans."""
+    if not spread:
+        return None
+    other = searched.runner_up(result.plan.pipeline_parallel, usable_memory_bytes(cluster.device.mem_bytes))
+    ours = result.sim.step_time_s
+    if other is None or (other.step_s - ours) / ours >= spread:
+        return None
+    return Decision(
+        "parallel degrees",
+        Reason.PLAN_SEARCH,
+        f"within the noise: {result.plan.pipeline_parallel} ({format_ms(ours)} ms simulated) and "
+        f"{other.request.parallel} ({format_ms(other.step_s)} ms) differ by {100 * (other.step_s - ours) / ours:.1f} %, "
+        f"less than the {100 * spread:.0f} % the profile's rounds spread over: on this machine at another "
+        "load either may be the faster; measure both to choose",
+        {"runner_up": str(other.request.parallel), "runner_up_step_s": other.step_s, "spread": spread},
+    )

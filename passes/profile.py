@@ -13,6 +13,7 @@ layers and models not profiled.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from tabulate import tabulate
 
 from vlmcompile.cost_models.calibrate import LayerMeasurement
 from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.meta_keys import PROFILE_SPREAD_META
 from vlmcompile.passes.codegen import layer_modules
 
 
@@ -36,6 +38,27 @@ class ProfileReport:
     """Batch rows the layers were timed on (one microbatch)."""
     measurements: tuple[LayerMeasurement, ...]
     wall_s: float
+    round_totals_s: tuple[float, ...] = ()
+    """Each round's time over every layer (forward + backward): the spread of the figures."""
+    load: tuple[float | None, float | None] = (None, None)
+    """The machine's load average when the timing began and ended."""
+
+    @property
+    def spread(self) -> float:
+        return Timings((), self.round_totals_s).spread
+
+    def noise_line(self) -> str:
+        """How steady the machine was: the rounds' totals and the load."""
+        totals = self.round_totals_s
+        if not totals:
+            return ""
+        began, ended = self.load
+        load = f"; load average {began:.1f} -> {ended:.1f}" if began is not None and ended is not None else ""
+        return (
+            f"{len(totals)} rounds, each layer once a round: a round {1e3 * min(totals):.1f} .. "
+            f"{1e3 * max(totals):.1f} ms (median {1e3 * statistics.median(totals):.1f}), a spread of "
+            f"{100 * self.spread:.0f} %{load}; the medians are kept"
+        )
 
     def __str__(self) -> str:
         rows = [
@@ -49,6 +72,8 @@ class ProfileReport:
             f"{self.rows} rows, in {self.wall_s:.1f} s; forward {1e3 * total_f:.1f} ms, backward "
             f"{1e3 * total_b:.1f} ms"
         )
+        noise = self.noise_line()
+        head += f"\n{noise}" if noise else ""
         return head + "\n" + tabulate(rows, headers=["layer", "region", "fwd ms", "bwd ms"])
 
 
@@ -102,11 +127,29 @@ def _layer_runs(module: fx.GraphModule, leaves: list[Any]) -> tuple[Callable[[],
     return (lambda: module(*leaves)), forward_backward
 
 
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Every layer's (forward s, backward s), the median of the rounds; and the spread of the
+    rounds' totals (one round times every layer once, so a round is one snapshot of the
+    machine's speed)."""
+
+    layers: tuple[tuple[float, float], ...]
+    round_totals_s: tuple[float, ...]
+    """Each round's forward + backward time over every layer, in order."""
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest round) / median round: how far a plan's times may move with the
+        machine's load while it is profiled."""
+        totals = self.round_totals_s
+        return (max(totals) - min(totals)) / statistics.median(totals) if totals else 0.0
+
+
 def _time_layers(
     runs: list[tuple[Callable, Callable]], repeats: int, sync: Callable[[], None] = _no_sync
-) -> list[tuple[float, float]]:
-    """(forward s, backward s) per layer, the median of ``repeats`` rounds; the backward is a
-    forward + backward run less the forward.
+) -> Timings:
+    """Every layer timed in ``repeats`` rounds; the backward is a forward + backward run less
+    the forward.
 
     Rounds go over every layer in turn, not layer after layer: a shared machine's speed drifts
     over seconds, and round-robin spreads a slow spell over all layers instead of inflating
@@ -116,16 +159,20 @@ def _time_layers(
         forward_backward()
     fwd: list[list[float]] = [[] for _ in runs]
     both: list[list[float]] = [[] for _ in runs]
+    totals = []
     for _ in range(repeats):
+        total = 0.0
         for k, (forward, forward_backward) in enumerate(runs):
             fwd[k].append(_timed_s(forward, sync))
             both[k].append(_timed_s(forward_backward, sync))
+            total += both[k][-1]
+        totals.append(total)
     out = []
     for f, b in zip(fwd, both):
         fwd_s = statistics.median(f)
         # Timer noise can make a tiny layer's difference negative; keep a floor.
         out.append((fwd_s, max(statistics.median(b) - fwd_s, 0.05 * fwd_s)))
-    return out
+    return Timings(tuple(out), tuple(totals))
 
 
 def profile(
@@ -161,9 +208,11 @@ def profile(
                 for a in (values[n] for n in inputs)
             ]
             runs.append(_layer_runs(module, leaves))
+        load = _load()
+        timings = _time_layers(runs, repeats, sync)
         measurements = [
             LayerMeasurement(layer, fwd_s, bwd_s, samples=1 / per_batch)
-            for layer, (fwd_s, bwd_s) in zip(layer_graph.layers, _time_layers(runs, repeats, sync))
+            for layer, (fwd_s, bwd_s) in zip(layer_graph.layers, timings.layers)
         ]
     finally:
         torch.set_num_threads(saved_threads)
@@ -172,7 +221,14 @@ def profile(
         dataclasses.replace(m.layer, measured=(device_name, m.fwd_s * per_batch, m.bwd_s * per_batch))
         for m in measurements
     )
-    graph = dataclasses.replace(
-        layer_graph, layers=layers, meta={**layer_graph.meta, "profiled_on": device_name}
+    meta = {**layer_graph.meta, "profiled_on": device_name, PROFILE_SPREAD_META: timings.spread}
+    graph = dataclasses.replace(layer_graph, layers=layers, meta=meta)
+    report = ProfileReport(
+        device_name, threads, rows, tuple(measurements), wall, timings.round_totals_s, (load, _load())
     )
-    return ProfileResult(graph, ProfileReport(device_name, threads, rows, tuple(measurements), wall))
+    return ProfileResult(graph, report)
+
+
+def _load() -> float | None:
+    """The machine's 1-minute load average (None where the platform has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None

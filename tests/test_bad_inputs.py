@@ -112,6 +112,39 @@ class _Logits(nn.Module):
         return self.llm(self.vision(x))
 
 
+class _OddNames(nn.Module):
+    """Layers whose names say nothing of their region; the forward returns logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.front = nn.Linear(8, 8)
+        self.back = nn.Linear(8, 5)
+
+    def forward(self, feats, ids):
+        return self.back(self.front(feats))
+
+
+def _llava_batch_keyed(key: str):
+    """A tiny transformers LLaVA and its batch with ``pixel_values`` under another key."""
+    from vlmcompile.models import hf_tiny
+
+    def run(tmp: Path):
+        from vlmcompile import compile
+
+        model, batch = hf_tiny.build("hf-llava")
+        batch[key] = batch.pop("pixel_values")
+        return compile(model, batch, log=None)
+
+    return run
+
+
+def _config_over_earlier_run(tmp: Path):
+    from vlmcompile import TrainConfig
+
+    (tmp / "ckpt" / "step_000004").mkdir(parents=True)
+    return TrainConfig(steps=2, checkpoint_dir=str(tmp / "ckpt"))
+
+
 class _NoParams(nn.Module):
     def forward(self, x):
         return x.sum()
@@ -476,6 +509,30 @@ CASES = {
         cli(*PLAN, "--json", "{tmp}/no/such/plan.json"),
         "which does not exist; create it first",
     ),
+    "cli-png-under-a-file": Case(
+        "CLI",
+        "--png under a regular file",
+        lambda tmp: (tmp / "afile").touch() or cli(*PLAN, "--png", "{tmp}/afile/x.png")(tmp),
+        "afile', which is a file, not a folder",
+    ),
+    "cli-model-no-module": Case(
+        "CLI",
+        "--model pkg.module:function whose module is nowhere",
+        cli("plan", "--model", "no_such_vlm:build", "--cluster", "cpu:2", "--search"),
+        "no module 'no_such_vlm' in",
+    ),
+    "cli-model-function-misnamed": Case(
+        "CLI",
+        "--model naming a function the module lacks",
+        cli("plan", "--model", "tests.user_code.my_qwen:build_modle", "--cluster", "cpu:2", "--search"),
+        "has no function 'build_modle'; did you mean tests.user_code.my_qwen:build_model?",
+    ),
+    "cli-model-returns-samples": Case(
+        "CLI",
+        "--model naming a function that returns no model",
+        cli("plan", "--model", "tests.user_code.my_qwen:samples", "--cluster", "cpu:2", "--search"),
+        "returned a list; return the model (an nn.Module), or (model, sample_batch)",
+    ),
     "cli-png-is-dir": Case(
         "CLI", "--png naming a folder", cli(*PLAN, "--png", "{tmp}"), "is a directory; give a file name"
     ),
@@ -553,6 +610,27 @@ CASES = {
         "model is not an nn.Module",
         compile_model(lambda: "llava", lambda: {"x": torch.ones(1)}),
         "model is a str; give a torch.nn.Module",
+    ),
+    "api-batch-key-misnamed": Case(
+        "API",
+        "a LLaVA batch keyed 'images' (found before capture)",
+        _llava_batch_keyed("images"),
+        "sample_batch key 'images' is no argument of LlavaForConditionalGeneration.forward: did you mean "
+        "'pixel_values'?",
+    ),
+    "api-returns-logits-odd-names": Case(
+        "API",
+        "forward returns logits, layer names unfamiliar (named before region detection)",
+        lambda tmp: __import__("vlmcompile").compile(
+            _OddNames(), {"feats": torch.ones(2, 8), "ids": torch.ones(2, dtype=torch.long)}, log=None
+        ),
+        "returned a [2, 5] torch.float32 tensor, not a scalar loss",
+    ),
+    "api-checkpoint-dir-held": Case(
+        "API",
+        "TrainConfig over an earlier run's checkpoints (found when made, before compile)",
+        _config_over_earlier_run,
+        "holds checkpoints of an earlier run (steps 4)",
     ),
     "api-model-no-params": Case(
         "API",

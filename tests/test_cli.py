@@ -60,7 +60,7 @@ def test_freeze_plans_every_policy_for_the_frozen_parameters(tmp_path, capsys):
 
 
 def test_megatron_plan_prints_its_layout(capsys):
-    assert main([*ARGS, "--recompute", "none"]) == 0
+    assert main([*ARGS, "--policy", "megatron", "--recompute", "none"]) == 0
     assert '--pipeline-model-parallel-layout "Ett|tt|tt|ttL"' in capsys.readouterr().out
 
 

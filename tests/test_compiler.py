@@ -94,3 +94,38 @@ def test_freeze_layers_freezes_the_modules_a_region_or_path_names_and_a_new_comp
         p.numel() for p in model.parameters() if not p.requires_grad
     )
     assert again.forward_only() == {layer.name for layer in again.layers if layer.region.value == "vision"}
+
+
+@pytest.mark.parametrize(
+    "mistake, message",
+    [
+        ('batch["images"] = batch.pop("pixel_values")', "did you mean 'pixel_values'?"),
+        ('batch.pop("labels")', "with no loss in it"),
+    ],
+    ids=["misnamed-key", "no-labels"],
+)
+def test_a_users_mistake_through_the_api_prints_one_short_error(tmp_path, mistake, message):
+    """The exception a script sees is the message that says what to fix: no chain of internal
+    frames or exceptions behind it (10 lines printed at most)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "mine.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import vlmcompile
+            from vlmcompile.models import hf_tiny
+
+            model, batch = hf_tiny.build("hf-llava")
+            {mistake}
+            vlmcompile.compile(model, batch, log=None)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    printed = [line for line in done.stderr.splitlines() if "Warning" not in line and line.strip()]
+    assert done.returncode == 1 and message in printed[-1], done.stderr
+    assert len(printed) <= 10, done.stderr
+    assert "During handling" not in done.stderr and "direct cause" not in done.stderr, done.stderr

@@ -27,6 +27,7 @@ TOP = {
     "vlmcompile.cli",
     "vlmcompile.demo",
     "vlmcompile.train_job",
+    "vlmcompile.model_source",
 }
 ALLOWED = {
     "ir": {"ir"},

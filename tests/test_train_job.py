@@ -382,3 +382,85 @@ def test_a_global_batch_the_plan_cannot_hold_is_refused_and_a_resume_may_change_
     epochs = float(re.findall(r"\((\d+\.\d+) epochs of the dataset in all, no sample left out\)", out)[-1])
     assert epochs == pytest.approx((4 * fits + 16) / 40, abs=0.005)
     assert sum(x["samples"] for x in lines) + lines[-1]["deferred_samples"] == 4 * fits + 16
+
+
+USER_CODE = Path(__file__).resolve().parent / "user_code"
+"""A user's own module (my_qwen.py): a transformers Qwen2-VL and its samples, built there."""
+
+
+@pytest.mark.hf
+def test_a_users_own_model_and_data_plan_and_train_from_the_cli_like_eager(tmp_path, capsys, monkeypatch):
+    """``--model my_qwen:build_model --data my_qwen:samples``, found from the folder the command
+    runs in: planned with our policy by default, trained on 2 local ranks and under torchrun,
+    both with eager's losses on the same steps' samples."""
+    from vlmcompile.compiler import compile
+    from vlmcompile.data.steps import PaddedSteps
+    from vlmcompile.ir.plan import Plan
+    from vlmcompile.runtime.data import GlobalBatches
+
+    monkeypatch.chdir(USER_CODE)
+    own = ["--model", "my_qwen:build_model", "--data", "my_qwen:samples", "--global-batch", "4"]
+    plan = tmp_path / "plan.json"
+    assert main(["plan", *own, "--cluster", "cpu:2", "--search", "--json", str(plan)]) == 0
+    capsys.readouterr()
+    assert Plan.load(str(plan)).policy == "vlmcompile"
+    train = ["train", "--plan", str(plan), *own[2:], "--steps", "3", "--lr", "3e-3"]
+    local, under_torchrun = tmp_path / "local.jsonl", tmp_path / "torchrun.jsonl"
+    assert main([*train, "--log-jsonl", str(local)]) == 0  # the plan names the model
+    done = _torchrun(2, *train[1:], "--log-jsonl", str(under_torchrun), "--timeout", "60")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    import my_qwen  # on the path from the commands above (the folder they ran in)
+
+    samples = my_qwen.samples()
+    pipe = compile(my_qwen.build_model(), dataset=samples, global_batch=4, log=None)
+    steps = pipe.packed_steps(GlobalBatches(samples, 4), Plan.load(str(plan)))
+    expected = eager_training(my_qwen.build_model(), PaddedSteps(steps), TrainConfig(steps=3, lr=3e-3))
+    for log in (local, under_torchrun):
+        got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected))
+
+
+def _readme_training_commands() -> list[list[str]]:
+    """The README's ``vlmcompile train`` block, each command as argv (continuations joined,
+    comments dropped)."""
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("`vlmcompile train` does the same", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    joined = block.replace("\\\n", " ")
+    return [shlex.split(line) for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+
+
+@pytest.mark.slow
+def test_the_readmes_training_commands_run_twice_in_one_folder_alike(tmp_path):
+    """Plan, then train under torchrun with checkpoints, as the README has it, twice in the same
+    folder (the steps cut from 30 to 4 and the saves from every 10 to every 2, for time): both
+    runs succeed and train the same losses."""
+    commands = _readme_training_commands()
+    assert [c[:1] for c in commands] == [["vlmcompile"], ["GLOO_SOCKET_IFNAME=lo"]], commands
+    shorter = {"30": "4", "10": "2"}
+    runs = []
+    for _ in range(2):
+        outputs = []
+        for argv in commands:
+            env = dict(os.environ)
+            while "=" in argv[0]:  # VAR=value before the command
+                key, value = argv.pop(0).split("=", 1)
+                env[key] = value
+            argv = [
+                shorter.get(a, a) if i and argv[i - 1] in ("--steps", "--checkpoint-every") else a
+                for i, a in enumerate(argv)
+            ]
+            program = {
+                "vlmcompile": [sys.executable, "-m", "vlmcompile"],
+                "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+            }[argv[0]]
+            done = subprocess.run(
+                [*program, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+            )
+            assert done.returncode == 0, (argv, done.stderr[-3000:])
+            outputs.append(done.stdout)
+        runs.append(re.search(r"loss [\d.]+ -> [\d.]+", outputs[-1]).group(0))
+    assert runs[0] == runs[1], runs
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_000002", "step_000004"]

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from vlmcompile import train_job
+from vlmcompile.ir.errors import TRACEBACK_ENV, ArgumentError
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OUTPUT_FLAGS = ("json", "png", "trace", "log_jsonl")
@@ -92,18 +93,15 @@ def _check_output_paths(args: argparse.Namespace) -> None:
 
 def _annotate(args: argparse.Namespace) -> int:
     import vlmcompile
-    from vlmcompile import models
+    from vlmcompile import model_source
 
-    if args.model.startswith("hf-"):
-        from vlmcompile.models import hf_tiny
-
-        model, batch = hf_tiny.build(args.model, batch=args.batch_size, device="cpu" if args.real else "meta")
-    else:
-        device = "cpu" if args.real else "meta"
-        model = models.build(args.model, device=device, dtype=_DTYPES[args.dtype])
-        batch = models.sample_batch(
-            args.model, batch_size=args.batch_size, device=device, dtype=_DTYPES[args.dtype]
-        )
+    built = model_source.build(
+        args.model,
+        device="cpu" if args.real else "meta",
+        dtype=_DTYPES[args.dtype],
+        batch_size=args.batch_size,
+    )
+    model, batch = built.model, _batch_of(built)
     pipe = vlmcompile.compile(
         model, batch, model_name=args.model, tensor_mode="real" if args.real else "fake"
     )
@@ -114,18 +112,24 @@ def _annotate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_of(built):
+    """A model's sample batch of one shape (a dict), for the commands that run one."""
+    if not isinstance(built.batch, dict):
+        given = "returned the model alone" if built.batch is None else "gave samples of different shapes"
+        raise ArgumentError(
+            f"--model {built.name} {given}; this command runs one batch of one shape: return (model, batch) "
+            "with the batch a dict, or plan and train samples with vlmcompile plan/train --data"
+        )
+    return built.batch
+
+
 def _plan(args: argparse.Namespace) -> int:
-    from vlmcompile.compiler import zoo_layer_graph
     from vlmcompile.cost_models.cluster import Cluster
 
     _fill_plan_args(args)
     cluster = Cluster.preset(args.cluster)
     print(f"annotating {args.model} ...", file=sys.stderr)
-    found = None
-    if args.data:
-        graph, found = _data_layer_graph(args)
-    else:
-        graph = zoo_layer_graph(args.model, dtype=_DTYPES[args.dtype])
+    graph, found = _layer_graph(args)
     if args.freeze:
         graph = graph.with_frozen(args.freeze)
         frozen = graph.meta["frozen"]
@@ -170,19 +174,43 @@ def _llm_alone_s(run, graph, cluster) -> tuple[float | None, float | None]:
     return llm_alone_step_s(run.plan, graph, cluster, alone=alone), bound
 
 
-def _data_layer_graph(args: argparse.Namespace):
-    """The LayerGraph of the packed microbatch a dataset's samples make (``--data``), on meta
-    weights: memory at the largest microbatch, times at the mean one (the plan then takes the
-    microbatches a step needs, one row each), and the dataset's scan."""
-    import vlmcompile
-    from vlmcompile import models
-    from vlmcompile.data.families import family_of
-    from vlmcompile.data.synthetic import dataset_from_spec
+def _layer_graph(args: argparse.Namespace):
+    """(the LayerGraph to plan, the dataset's scan or None): a zoo model on meta weights, or the
+    model a user's function builds; packed samples where ``--data`` or the function gives them."""
+    from vlmcompile import model_source
+    from vlmcompile.compiler import compile, zoo_layer_graph
+    from vlmcompile.ir.microbatch import num_samples
 
-    model = models.build(args.model, device="meta", dtype=_DTYPES[args.dtype])
-    data = dataset_from_spec(
-        args.data, family_of(model), num_samples=args.data_samples, text_scale=args.text_scale
-    )
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    own = model_source.is_function(args.model) or args.model.startswith("hf-")
+    if not own and not args.data:
+        return zoo_layer_graph(args.model, dtype=dtype), None
+    built = model_source.build(args.model, device="meta", dtype=dtype or (None if own else torch.bfloat16))
+    if args.data:
+        data = model_source.data(
+            args.data, built.model, num_samples=args.data_samples, text_scale=args.text_scale
+        )
+    elif built.batch is None:
+        raise ArgumentError(
+            f"--model {args.model} returned the model alone: give --data (a dataset of its samples), or return "
+            "(model, sample_batch) from the function"
+        )
+    else:
+        data = built.samples
+    if data is None:
+        args.global_batch = args.global_batch or num_samples(built.batch)
+        return compile(built.model, built.batch, model_name=args.model, log=None).layer_graph, None
+    if not args.global_batch:
+        raise ArgumentError(f"missing --global-batch: the samples a step draws from the {len(data)} given")
+    return _data_layer_graph(args, built.model, data)
+
+
+def _data_layer_graph(args: argparse.Namespace, model, data):
+    """The LayerGraph of the packed microbatch a dataset's samples make, on meta weights where
+    the model is: memory at the largest microbatch, times at the mean one (the plan then takes
+    the microbatches a step needs, one row each), and the dataset's scan."""
+    import vlmcompile
+
     pipe = vlmcompile.compile(
         model,
         dataset=data,
@@ -206,7 +234,7 @@ def _fill_plan_args(args: argparse.Namespace) -> None:
             f"--search plans with the vlmcompile policy; drop --policy {args.policy} (or drop --search to plan "
             f"with {args.policy} at the degrees you give)"
         )
-    args.policy = args.policy or ("vlmcompile" if args.search else "megatron")
+    args.policy = args.policy or "vlmcompile"
     _warn_ignored_flags(args)
     if args.setup:
         s = setup(args.setup)
@@ -224,9 +252,17 @@ def _fill_plan_args(args: argparse.Namespace) -> None:
         if args.search
         else ("model", "cluster", "tp", "pp", "global_batch")
     )
+    if args.model and _own_model(args.model):
+        required = tuple(k for k in required if k != "global_batch")  # the model's own batch gives it
     missing = [f"--{k.replace('_', '-')}" for k in required if not getattr(args, k)]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --setup NAME)")
+
+
+def _own_model(spec: str) -> bool:
+    from vlmcompile.model_source import is_function
+
+    return is_function(spec) or spec.startswith("hf-")
 
 
 def _plan_run(args: argparse.Namespace, graph, cluster):
@@ -348,6 +384,7 @@ def _demo(args: argparse.Namespace) -> int:
         on_compiled=show,
         memory_cap=args.memory_cap,
         freeze=args.freeze or (),
+        model_name=args.model,
     )
     print(result, flush=True)
     if args.json:
@@ -359,15 +396,17 @@ def _demo(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import statistics
 
-    from vlmcompile import models
+    from vlmcompile import model_source
     from vlmcompile.compiler import compile
+    from vlmcompile.ir.microbatch import num_samples
     from vlmcompile.planning.request import SearchSpace
     from vlmcompile.runtime.launch import check_launchable
     from vlmcompile.runtime.training import timed_steps
 
     check_launchable(args.nprocs, args.timeout)  # before minutes of compiling
-    model = models.build(args.model)
-    batch = models.sample_batch(args.model, batch_size=args.global_batch)
+    built = model_source.build(args.model, batch_size=args.global_batch)
+    model, batch = built.model, _batch_of(built)
+    args.global_batch = num_samples(batch)
     pipe = compile(
         model,
         batch,
@@ -449,15 +488,16 @@ def _command(sub, name: str, help: str, description: str | None = None) -> argpa
     return sub.add_parser(name, help=help, description=description or help, formatter_class=_HelpFormatter)
 
 
+_MODEL_HELP = (
+    "a zoo name (demo, InternVL-Chat-1.5, Optimus-Model-D, ViT-22B+GPT-175B, ...), a tiny transformers model "
+    "(hf-llava, hf-qwen2-vl, ...), or your own: pkg.module:function, a function returning the model or "
+    "(model, sample_batch), found from the folder you run in"
+)
+
+
 def _add_annotate(sub) -> None:
-    p = _command(sub, "annotate", "capture and annotate a zoo model; print the report")
-    p.add_argument(
-        "--model",
-        required=True,
-        help="zoo name (demo, tiny, InternVL-Chat-1.5, ViT-22B+GPT-175B, CLIP-L, ...) or a tiny "
-        "transformers model (hf-llava, hf-llava-next, hf-qwen2.5-vl, hf-gemma3, hf-mllama, hf-clip, ...: "
-        "vlmcompile.models.hf_tiny.BUILDERS)",
-    )
+    p = _command(sub, "annotate", "capture and annotate a model; print the report")
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
     p.add_argument("--json", metavar="FILE", help="write the LayerGraph (per-layer figures) as JSON")
     p.add_argument(
         "--batch-size", type=_positive_int, default=1, help="samples in the sample batch (default 1)"
@@ -471,34 +511,8 @@ def _add_annotate(sub) -> None:
     p.set_defaults(run=_annotate)
 
 
-def _add_plan(sub) -> None:
-    q = _command(sub, "plan", "plan a zoo model on a cluster with a baseline policy; simulate it")
-    q.add_argument(
-        "--setup", help="a paper configuration (fills the options below): " + ", ".join(_setup_names())
-    )
-    q.add_argument("--model", help="zoo name, e.g. Optimus-Model-D, InternViT-6B+Llama3-8B, demo")
-    q.add_argument("--cluster", help="preset: h100x512, a100x32, v100x64, cpu:2, ...")
-    q.add_argument(
-        "--policy",
-        choices=_policy_names(),
-        help="default megatron (vlmcompile with --search); "
-        + "; ".join(f"{name}: {p.summary}" for name, p in _policies().items()),
-    )
-    q.add_argument(
-        "--search", action="store_true", help="let the plan search choose TP/PP/DP/v/microbatch (vlmcompile)"
-    )
-    q.add_argument(
-        "--time-limit",
-        type=_positive_float,
-        default=None,
-        help=f"CP-SAT time limit in seconds (vlmcompile; default 10, with --search {SEARCH_TIME_LIMIT_S:g} per "
-        "candidate it partitions)",
-    )
-    q.add_argument("--tp", type=_positive_int, help="tensor-parallel size")
-    q.add_argument("--pp", type=_positive_int, help="pipeline-parallel size (dp is what the cluster leaves)")
-    q.add_argument("--v", type=_positive_int, help="virtual stages per rank (interleaved 1F1B when > 1)")
-    q.add_argument("--global-batch", type=_positive_int, help="samples per step")
-    q.add_argument("--microbatch-size", type=_positive_int, help="samples per microbatch (default 1)")
+def _add_layout_flags(q) -> None:
+    """``plan``'s flags for a layout at fixed degrees: recompute, Megatron's placement, the schedule."""
     q.add_argument(
         "--recompute",
         choices=["auto", "none", "selective", "full"],
@@ -528,7 +542,46 @@ def _add_plan(sub) -> None:
         help="which rank holds each virtual stage: loop (stage k on rank k mod pp; the default) or v "
         "(V-shaped; schedule v_1f1b by default)",
     )
-    q.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+
+
+def _add_plan(sub) -> None:
+    q = _command(
+        sub,
+        "plan",
+        "plan a model on a cluster with our policy (a baseline's with --policy); simulate it",
+    )
+    q.add_argument(
+        "--setup", help="a paper configuration (fills the options below): " + ", ".join(_setup_names())
+    )
+    q.add_argument("--model", help=_MODEL_HELP)
+    q.add_argument("--cluster", help="preset: h100x512, a100x32, v100x64, cpu:2, ...")
+    q.add_argument(
+        "--policy",
+        choices=_policy_names(),
+        help="default vlmcompile (ours); "
+        + "; ".join(f"{name}: {p.summary}" for name, p in _policies().items()),
+    )
+    q.add_argument(
+        "--search", action="store_true", help="let the plan search choose TP/PP/DP/v/microbatch (vlmcompile)"
+    )
+    q.add_argument(
+        "--time-limit",
+        type=_positive_float,
+        default=None,
+        help=f"CP-SAT time limit in seconds (vlmcompile; default 10, with --search {SEARCH_TIME_LIMIT_S:g} per "
+        "candidate it partitions)",
+    )
+    q.add_argument("--tp", type=_positive_int, help="tensor-parallel size")
+    q.add_argument("--pp", type=_positive_int, help="pipeline-parallel size (dp is what the cluster leaves)")
+    q.add_argument("--v", type=_positive_int, help="virtual stages per rank (interleaved 1F1B when > 1)")
+    q.add_argument("--global-batch", type=_positive_int, help="samples per step")
+    q.add_argument("--microbatch-size", type=_positive_int, help="samples per microbatch (default 1)")
+    _add_layout_flags(q)
+    q.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        help="parameter and activation dtype (default: bf16 for a zoo model; a function's model keeps its own)",
+    )
     q.add_argument(
         "--freeze",
         type=_names,
@@ -559,6 +612,11 @@ def _add_demo(sub) -> None:
         "baselines' (Megatron-LM, its balanced variant, Megatron MIMO's colocated layout) on the same "
         "runtime, and print measured against predicted step times. The default takes about 2.5 minutes "
         "on 2 idle cores, --full about 6.5. Progress goes to stderr as it happens.",
+    )
+    d.add_argument(
+        "--model",
+        default="demo",
+        help=_MODEL_HELP + "; a function's model trains its own sample batch (default demo)",
     )
     size = d.add_mutually_exclusive_group()
     size.add_argument(
@@ -595,8 +653,8 @@ def _add_demo(sub) -> None:
 
 
 def _add_run(sub) -> None:
-    r = _command(sub, "run", "compile a zoo model for N local CPU ranks and train a few steps on them")
-    r.add_argument("--model", default="demo", help="zoo name (default demo)")
+    r = _command(sub, "run", "compile a model for N local CPU ranks and train a few steps on them")
+    r.add_argument("--model", default="demo", help=_MODEL_HELP + " (default demo)")
     r.add_argument("--nprocs", type=_positive_int, default=2, help="local ranks, one thread each (default 2)")
     r.add_argument("--policy", choices=_policy_names(), default="vlmcompile")
     r.add_argument(
@@ -653,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlmcompile: {rank_prefix()}error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # a bug: one line, and the traceback on request
-        if os.environ.get("VLMCOMPILE_TRACEBACK"):
+        if os.environ.get(TRACEBACK_ENV):
             raise
         print(
             f"vlmcompile: {rank_prefix()}internal error: {type(err).__name__}: {err} - a bug in vlmcompile; please report it "

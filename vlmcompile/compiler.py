@@ -31,14 +31,21 @@ from torch import nn
 from vlmcompile import models
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.data.distribution import DatasetScan, backlog_limit, scan
-from vlmcompile.data.families import family_of
+from vlmcompile.data.families import PatchStreamFamily, family_of
 from vlmcompile.data.manifest import read_manifest
-from vlmcompile.data.packing import check_samples
+from vlmcompile.data.packing import check_samples, split_batch
 from vlmcompile.data.synthetic import ManifestDataset
 from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
 from vlmcompile.ir.coupled_loss import CoupledLoss
-from vlmcompile.ir.errors import ArgumentError, ClusterError, ModelError, VlmCompileError, positive_int
+from vlmcompile.ir.errors import (
+    ArgumentError,
+    ClusterError,
+    ModelError,
+    VlmCompileError,
+    positive_int,
+    user_facing,
+)
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import COUPLING_META, LOSS_SPLIT_META, OUTPUT_META, PACKED_META
 from vlmcompile.ir.microbatch import num_samples
@@ -330,6 +337,7 @@ def _on_meta(state: CompileState) -> bool:
     return any(t.device.type == "meta" for t in [*tensors, *state.model.parameters()])
 
 
+@user_facing
 def compile(
     model: nn.Module,
     sample_batch: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
@@ -459,7 +467,9 @@ def _samples_or_dataset(model: nn.Module, sample_batch: Any, dataset: Any, globa
             raise VlmCompileError(
                 "give a sample batch (a dict), a list of samples of different shapes, or dataset=..."
             )
-        return (None if isinstance(sample_batch, Mapping) else check_samples(sample_batch)), None
+        if isinstance(sample_batch, Mapping):
+            return (split_batch(sample_batch, family_of(model)) if packs_dict_batches(model) else None), None
+        return check_samples(sample_batch), None
     if sample_batch is not None:
         raise VlmCompileError("give either a sample batch or dataset=..., not both")
     if global_batch is None:
@@ -467,6 +477,23 @@ def _samples_or_dataset(model: nn.Module, sample_batch: Any, dataset: Any, globa
     if isinstance(dataset, (str, os.PathLike)):
         dataset = ManifestDataset(tuple(read_manifest(dataset)), family_of(model))
     return None, dataset
+
+
+@user_facing
+def packs_dict_batches(model: nn.Module) -> bool:
+    """Whether a dict batch of ``model`` is captured as its samples, packed: a Qwen-VL model's
+    forward reads its images' grids and token types as values (window index, 3-D positions), so
+    a graph of one batch would be specialised on that batch's images and train no other."""
+    try:
+        family = family_of(model)
+    except VlmCompileError:
+        return False
+    # The packed graph's block-diagonal mask is sdpa's; with eager attention transformers' Qwen
+    # decoder does not keep the samples apart (its packed losses differ), so such a batch stays whole.
+    if not isinstance(family, PatchStreamFamily):
+        return False
+    text = getattr(model.config, "text_config", model.config)
+    return getattr(text, "_attn_implementation", None) != "eager"
 
 
 def freeze_layers(model: nn.Module, layer_graph: LayerGraph, names: Sequence[str]) -> list[str]:

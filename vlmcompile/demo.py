@@ -43,20 +43,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-from vlmcompile import models
-from vlmcompile.compiler import compile, freeze_layers, zoo_layer_graph
+from vlmcompile import model_source
+from vlmcompile.compiler import compile, freeze_layers
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.ir.layer_graph import format_bytes
-from vlmcompile.ir.microbatch import rows_per_sample, take
+from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
 from vlmcompile.passes.policies import plan_and_simulate
 from vlmcompile.planning.request import PlanRequest, SearchSpace
 from vlmcompile.runtime.launch import launch
@@ -352,11 +352,18 @@ def prediction_warning(
 
 
 def demo_command(
-    global_batch: int, num_steps: int, *, memory_cap: str | None = None, freeze: Sequence[str] = ()
+    global_batch: int,
+    num_steps: int,
+    *,
+    memory_cap: str | None = None,
+    freeze: Sequence[str] = (),
+    model: str = "demo",
 ) -> str:
     """The command line that runs the demo at these sizes."""
-    extra = (f" --memory-cap {memory_cap}" if memory_cap else "") + (
-        f" --freeze {','.join(freeze)}" if freeze else ""
+    extra = (
+        (f" --model {model}" if model != "demo" else "")
+        + (f" --memory-cap {memory_cap}" if memory_cap else "")
+        + (f" --freeze {','.join(freeze)}" if freeze else "")
     )
     if (global_batch, num_steps) == (FULL_GLOBAL_BATCH, DEFAULT_STEPS):
         return f"vlmcompile demo --full{extra}"
@@ -519,6 +526,34 @@ def _demo_batch(global_batch: int | None, num_steps: int, full: bool) -> int:
     return global_batch or (FULL_GLOBAL_BATCH if full else DEFAULT_GLOBAL_BATCH)
 
 
+def _demo_model(model_name: str, global_batch: int, *, given: int | None):
+    """(model, batch, global batch): a zoo model with a batch of ``global_batch``, or the model and
+    batch a user's function returns (the demo trains that batch; a ``given`` global batch must be
+    its size)."""
+    built = model_source.build(model_name, batch_size=global_batch)
+    if not isinstance(built.batch, Mapping):
+        raise ArgumentError(
+            f"--model {model_name} gave {'no sample batch' if built.batch is None else 'samples of different shapes'}; "
+            "the demo trains one batch of one shape: return (model, batch) with the batch a dict keyed by the "
+            "forward's argument names"
+        )
+    held = num_samples(built.batch)
+    if held != global_batch:
+        if given is not None:
+            raise ArgumentError(
+                f"global batch {given}, but --model {model_name}'s sample batch holds {held} samples: leave "
+                f"--global-batch out (the demo trains the batch given), or return a batch of {given}"
+            )
+        global_batch = held
+    return built.model, built.batch, global_batch
+
+
+def _layer_graph(model_name: str):
+    """The model's layers, captured on meta weights where its source builds them there."""
+    meta = model_source.build(model_name, device="meta")
+    return compile(meta.model, meta.batch, model_name=model_name, log=None).layer_graph
+
+
 def _sample(batch, global_batch: int):
     return take(batch, 0, min(SAMPLE_SIZE, global_batch), rows_per_sample(batch))
 
@@ -655,7 +690,9 @@ def run_demo(
         log: where the progress lines go (None: silence).
         on_compiled: called with the compiled pipeline before anything is measured (the CLI prints
             the compile report there, so that it is read while the plans run).
-        model_name: the zoo VLM to run (the tests run "tiny").
+        model_name: the model to run: a zoo VLM (the tests run "tiny"), a tiny transformers model
+            (``hf-llava``) or a user's function, ``pkg.module:function``, returning (model, batch):
+            the demo then trains that batch (:mod:`vlmcompile.model_source`).
         memory_cap: hold every plan to this memory per rank, as on a device on which the model
             does not fit whole: a size (``2GiB``) or a fraction of what one rank needs to train the
             whole model alone (``0.6``; :func:`whole_model_need_bytes`). A baseline whose plan does
@@ -663,13 +700,13 @@ def run_demo(
         freeze: regions or module paths to freeze (``requires_grad=False``) before compiling;
             every plan trains the model so frozen.
     """
+    given_batch = global_batch if not full else FULL_GLOBAL_BATCH
     global_batch = _demo_batch(global_batch, num_steps, full)
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     say = Progress(log)
     cap = parse_memory_cap(memory_cap) if memory_cap is not None else None
-    model = models.build(model_name)
-    frozen = tuple(freeze_layers(model, zoo_layer_graph(model_name), freeze)) if freeze else ()
-    batch = models.sample_batch(model_name, batch_size=global_batch)
+    model, batch, global_batch = _demo_model(model_name, global_batch, given=given_batch)
+    frozen = tuple(freeze_layers(model, _layer_graph(model_name), freeze)) if freeze else ()
     start = time.perf_counter()
     cluster = _capped(Cluster.preset(f"cpu:{NUM_RANKS}"), cap, model, batch, model_name, global_batch, say)
     pipe = _compiled(model, batch, model_name, global_batch, cluster, say, log)
@@ -691,7 +728,7 @@ def run_demo(
         num_steps,
         tuple(eager),
         tuple(runs),
-        demo_command(global_batch, num_steps, memory_cap=memory_cap, freeze=freeze),
+        demo_command(global_batch, num_steps, memory_cap=memory_cap, freeze=freeze, model=model_name),
         load_avg,
         memory_cap_gib=usable_memory_bytes(cluster.device.mem_bytes) / 2**30 if cap is not None else None,
         not_fitting=not_fitting,
@@ -727,4 +764,4 @@ def _plan_run(policy: str, plan, mine: list[dict[str, list[float]]], eager: list
 def is_our_plan(plan, ours) -> bool:
     """Whether ``plan`` is ``ours`` under another policy's name: the same stages, ranks and actions
     (what a policy decided, and why, may differ)."""
-    return plan is not ours and replace(plan, policy=ours.policy, decisions=ours.decisions) == ours
+    return plan is not ours and ours.same_layout(plan)

@@ -25,10 +25,17 @@ from torch import nn
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.data.families import family_of
 from vlmcompile.data.packed_step import pack_step
-from vlmcompile.data.packing import check_samples
+from vlmcompile.data.packing import samples_of
 from vlmcompile.data.steps import PackedSteps, check_run
 from vlmcompile.graph.loss_split import LossSplit, coupled_loss_error
-from vlmcompile.ir.errors import ArgumentError, ClusterError, DataError, PlanError, SampleBatchError
+from vlmcompile.ir.errors import (
+    ArgumentError,
+    ClusterError,
+    DataError,
+    PlanError,
+    SampleBatchError,
+    user_facing,
+)
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, PACKED_META, SPECIALIZED_META
 from vlmcompile.ir.microbatch import rows_per_sample
@@ -110,6 +117,7 @@ class CompiledPipeline:
     def plan(self) -> Plan | None:
         return self.planned.plan if self.planned else None
 
+    @user_facing
     def runner(self, plan: Plan | None = None, *, timeout_s: float = 60.0) -> PipelineRunner:
         """This pipeline's stage modules for ``plan`` (default: ``self.plan``), ready to run on
         every rank (see :mod:`vlmcompile.runtime.executor`)."""
@@ -118,6 +126,7 @@ class CompiledPipeline:
             raise ValueError("no plan: compile with a cluster (e.g. cluster='cpu:2'), or pass plan=...")
         return make_runner(self, plan, timeout_s=timeout_s)
 
+    @user_facing
     def step(
         self,
         batch: Mapping[str, Any] | Sequence[Mapping[str, Any]],
@@ -148,6 +157,7 @@ class CompiledPipeline:
         """How a pipeline compiled for samples of different shapes packs them (None otherwise)."""
         return self.gm.meta.get(PACKED_META)
 
+    @user_facing
     def packed_steps(self, data: Any, plan: Plan | None = None) -> PackedSteps:
         """Training data of a packed pipeline: step ``k``'s samples packed into ``plan``'s
         microbatches (:class:`~vlmcompile.data.steps.PackedSteps`). ``data``: a
@@ -170,8 +180,10 @@ class CompiledPipeline:
             data, family_of(self.model), self.packed.tokens, dp * plan.num_microbatches, replicas=dp
         )
 
+    @user_facing
     def pack(self, samples: Sequence[Mapping[str, Any]], plan: Plan | None = None) -> PackedBatch:
-        """``samples`` packed into ``plan``'s microbatches (every data-parallel rank's)."""
+        """``samples`` packed into ``plan``'s microbatches (every data-parallel rank's); a Qwen-VL
+        dict batch is split into its samples first (:func:`~vlmcompile.data.packing.split_batch`)."""
         plan = plan or self.plan
         if self.packed is None:
             raise DataError(
@@ -181,7 +193,7 @@ class CompiledPipeline:
             raise DataError("packing needs a plan and the model: compile with a cluster and real weights")
         family = family_of(self.model)
         return pack_step(
-            check_samples(samples),
+            samples_of(samples, family),
             family,
             tokens=self.packed.tokens,
             num_microbatches=runnable_degrees(plan).dp * plan.num_microbatches,
@@ -197,6 +209,7 @@ class CompiledPipeline:
             self._runners["default"] = self.runner()
         return self._runners["default"]
 
+    @user_facing
     def launch(
         self,
         fn: Callable[..., Any] | None = None,
@@ -226,6 +239,7 @@ class CompiledPipeline:
                 runner.check_batch(value)
         return launch(fn, runner, world, args=args, timeout_s=timeout_s)
 
+    @user_facing
     def contrastive_step(self, plan: TowerPlan | None = None, *, timeout_s: float = 60.0) -> ContrastiveStep:
         """The step of ``plan`` (default: :attr:`tower_plan`) for this contrastive model."""
         plan = plan or self.tower_plan
@@ -257,6 +271,7 @@ class CompiledPipeline:
             fn, args = one_step, (dict(self.sample_batch),)
         return launch(fn, step, plan.num_ranks, args=args, timeout_s=timeout_s)
 
+    @user_facing
     def train(
         self,
         data: Data,
@@ -414,6 +429,7 @@ class CompiledPipeline:
             peak_of=cluster.device.name,
         )
 
+    @user_facing
     def baseline(
         self,
         policy: str = "megatron",

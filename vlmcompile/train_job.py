@@ -14,9 +14,13 @@ import argparse
 import datetime
 import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from vlmcompile import model_source
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.runtime.launch import threads_per_rank
 
@@ -197,9 +201,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, plan, device: str, autocast):
-    from vlmcompile import models
-    from vlmcompile.compiler import compile
-    from vlmcompile.models.data import SyntheticBatches
     from vlmcompile.runtime.checkpoint_dir import checkpoint_bytes
     from vlmcompile.runtime.executor import runnable_degrees
     from vlmcompile.runtime.trainer import TrainConfig, claim_for
@@ -221,29 +222,68 @@ def _train(args: argparse.Namespace, plan, device: str, autocast):
         log_jsonl=args.log_jsonl,
     )
     name = args.model or plan.model
-    model = models.build(name, seed=args.seed)
+    built = model_source.build(name, seed=args.seed)
+    model = built.model
     _freeze_as_planned(model, plan)
     size = checkpoint_bytes([*model.parameters(), *model.buffers()])
     # The checkpoint directory and the log are checked (and the directory held) before capture;
     # train() below claims it again, from this claim.
     with claim_for(config, size):
-        if args.data:
-            pipe, data = _packed_data(args, model, name, plan)
+        if args.data or built.samples is not None:
+            pipe, data = _packed_data(args, built, plan)
         else:
             if plan.packed_tokens is not None:
                 raise ArgumentError(
                     f"the plan in {args.plan} was made for packed samples of varying shapes (vlmcompile plan "
                     "--data ...): give the data to train on, --data SPEC"
                 )
-            pipe = compile(
-                model, models.sample_batch(name, batch_size=1, seed=args.seed), model_name=name, log=None
-            )
             global_batch = runnable_degrees(plan).dp * plan.num_microbatches * plan.microbatch_size
-            data = SyntheticBatches(name, global_batch, seed=args.seed)
+            pipe, data = _one_shape_data(built, global_batch, args.seed)
         _check_freeze_flag(args.freeze, pipe.layer_graph, plan)
         return pipe.train(
             data, config, plan=plan, device=device, autocast_dtype=autocast, timeout_s=args.timeout
         )
+
+
+@dataclass(frozen=True)
+class SameBatch:
+    """Every step's global batch: the one a model's function gave (picklable, for the ranks)."""
+
+    batch: Mapping[str, Any]
+
+    def __call__(self, step: int) -> Mapping[str, Any]:
+        return self.batch
+
+
+def _one_shape_data(built, global_batch: int, seed: int):
+    """The pipeline compiled for batches of one shape, and every step's global batch: a zoo
+    model's synthetic batches, or the sample batch a function (or a tiny transformers builder)
+    gives, every step."""
+    from vlmcompile.compiler import compile
+    from vlmcompile.ir.microbatch import num_samples
+    from vlmcompile.models.data import SyntheticBatches
+
+    name = built.name
+    if not (model_source.is_function(name) or name.startswith("hf-")):
+        data = SyntheticBatches(name, global_batch, seed=seed)
+        return compile(built.model, built.batch, model_name=name, log=None), data
+    batch = (
+        model_source.build(name, batch_size=global_batch, seed=seed).batch
+        if name.startswith("hf-")
+        else built.batch
+    )
+    if not isinstance(batch, Mapping):
+        raise ArgumentError(
+            f"--model {name} returned the model alone: give --data (a dataset of its samples), or return (model, "
+            "sample_batch) from the function"
+        )
+    held = num_samples(batch)
+    if held != global_batch:
+        raise ArgumentError(
+            f"the plan trains {global_batch} samples a step; --model {name}'s sample batch holds {held}: plan for "
+            f"it (vlmcompile plan --model {name} --global-batch {held} ...), or train samples with --data"
+        )
+    return compile(built.model, batch, model_name=name, log=None), SameBatch(batch)
 
 
 def _freeze_as_planned(model, plan) -> None:
@@ -282,18 +322,20 @@ def _span(names) -> str:
     return "none" if not names else names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
 
 
-def _packed_data(args: argparse.Namespace, model, name: str, plan):
-    """The pipeline compiled for ``--data``'s samples at the plan's token budget, and its global
-    batches of them."""
+def _packed_data(args: argparse.Namespace, built, plan):
+    """The pipeline compiled for the samples (``--data``'s, else the model function's) at the
+    plan's token budget, and its global batches of them."""
     from vlmcompile.compiler import compile
-    from vlmcompile.data.families import family_of
-    from vlmcompile.data.synthetic import dataset_from_spec
     from vlmcompile.runtime.data import GlobalBatches
 
-    samples = max(args.data_samples, args.global_batch)
-    data = dataset_from_spec(
-        args.data, family_of(model), num_samples=samples, seed=args.seed, text_scale=args.text_scale
-    )
+    if args.data:
+        samples = max(args.data_samples, args.global_batch)
+        data = model_source.data(
+            args.data, built.model, num_samples=samples, seed=args.seed, text_scale=args.text_scale
+        )
+    else:
+        data = built.samples
+    model, name = built.model, built.name
     planned = plan.packed_tokens
     if planned is None:
         raise ArgumentError(

@@ -122,7 +122,9 @@ def test_data_dependent_control_flow_names_the_operation_and_the_workaround():
 def test_sample_batch_keys_that_forward_does_not_take_are_named():
     model, batch = build("tiny")
     with pytest.raises(
-        SampleBatchError, match=r"\['images'\].*arguments are \[.*'input_ids', 'labels'.*'pixel_values'"
+        SampleBatchError,
+        match=r"key 'images' is no argument of VLM.forward: did you mean 'pixel_values'\? \(its arguments: .*input_ids, "
+        r"labels,.*pixel_values",
     ):
         capture(
             model,

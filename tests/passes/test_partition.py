@@ -35,7 +35,7 @@ def test_plan_is_valid_and_within_memory(demo_graph, h100):
     assert result.report.solution.status == "OPTIMAL"
     assert any(d.reason is Reason.SOLVED for d in plan.decisions)
     text = str(result.report)
-    assert "CP-SAT OPTIMAL" in text and "boundary MiB" in text
+    assert "CP-SAT optimal in" in text and "boundary MiB" in text
     # the step bound, in the simulator's terms: the plan is above it, and the report says by how much
     bound = result.report.step_bound
     assert 0 < bound.step_s <= sim.step_time_s

@@ -346,3 +346,22 @@ def test_a_pause_is_told_apart_from_a_hang_only_when_it_came_within_the_timeout(
     assert stopped.explain(gave_up_at=58.0, timeout_s=8).startswith(
         "rank 1 stopped (SIGSTOP or Ctrl-Z) for 8 s"
     )
+
+
+def _rank_1_raises(_payload):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("sample 7 has no labels")
+    dist.barrier()
+    return "done"
+
+
+def test_a_rank_error_is_the_first_line_of_the_launch_error():
+    """The cause comes first (what the user acts on); who failed when, after it."""
+    with pytest.raises(LaunchError) as info:
+        launch(_rank_1_raises, None, 2, timeout_s=30, grace_s=1)
+    first, *rest = str(info.value).splitlines()
+    assert first.startswith("rank 1: ") and "sample 7 has no labels" in first, str(info.value)
+    assert any(line.startswith("rank 1 failed first") for line in rest), str(info.value)
+    assert sum("sample 7 has no labels" in line for line in rest) == 0, str(info.value)

@@ -268,3 +268,44 @@ def test_a_packed_step_without_label_tokens_stops_saying_so_or_is_skipped(compil
     result = pipe.train(batches, TrainConfig(steps=2, on_nonfinite="skip"), timeout_s=60)
     assert result.skipped_steps == 2 and result.samples == 0
     assert f"{result.skipped_samples} left out in skipped steps" in str(result)
+
+
+def _qwen_as_released():
+    from vlmcompile.models.hf_tiny.qwen import qwen2_5_vl
+
+    return qwen2_5_vl(1, patch_size=14, window_size=56)[0]  # windows of 2 x 2 merge units, reordered
+
+
+def _qwen3():
+    from vlmcompile.models.hf_tiny.qwen import qwen3_vl
+
+    return qwen3_vl(1)[0]
+
+
+def test_a_qwen_dict_batch_is_captured_as_its_samples_and_trains_like_eager():
+    """A collated dict batch (padded rows, flat patches, attention_mask, mm_token_type_ids) of
+    Qwen2.5-VL as released and of Qwen3-VL: export cannot capture it as one batch (the window
+    index and 3-D positions read the grids as values), so it is split into its samples and goes
+    the packed path; one step on 2 ranks equals eager on the dict batch itself."""
+    from vlmcompile.compiler import compile
+    from vlmcompile.data.families import family_of
+    from vlmcompile.data.packing import padded_batch
+    from vlmcompile.data.synthetic import SyntheticDataset
+
+    cases = []
+    for build, scale in ((_qwen_as_released, 1 / 8), (_qwen3, 1 / 16)):
+        model = build()
+        family = family_of(model)
+        data = SyntheticDataset(
+            "qwen-native", family, 40, seed=3, text_only=0.3, text_scale=1 / 30, pixel_scale=scale
+        )
+        batch = padded_batch([data[i] for i in range(6)], family)
+        assert {"attention_mask", "mm_token_type_ids", "image_grid_thw"} <= set(batch), sorted(batch)
+        images = [int(n) for n in (batch["input_ids"] == family.vision_start_id).sum(1)]
+        assert 0 in images and max(images) >= 2, images  # text-only rows and several images a row
+        pipe = compile(model, batch, cluster="cpu:2", log=None)
+        assert pipe.packed is not None, "a Qwen dict batch goes the packed path"
+        cases.append((model, batch, pipe.runner(timeout_s=120), pipe.pack(batch)))
+    per_rank = launch(_every_step, [(c[2], c[3]) for c in cases], 2, timeout_s=120)
+    for k, (model, batch, _, _) in enumerate(cases):
+        check_equal_to_eager(model, batch, [results[k] for results in per_rank])

@@ -66,6 +66,69 @@ def check_samples(samples: Any) -> list[Mapping[str, Any]]:
     return list(samples)
 
 
+_NOT_PACKED = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "position_ids", "inputs_embeds")
+"""Inputs of a dict batch the packed path does not take apart (videos; what it computes itself)."""
+
+
+def samples_of(batch: Any, family: Family) -> list[Mapping[str, Any]]:
+    """The samples a pipeline for samples of different shapes packs: a list as given, or a dict
+    batch of a Qwen-VL family split into its samples (:func:`split_batch`)."""
+    if isinstance(batch, Mapping):
+        return split_batch(batch, family)
+    return check_samples(batch)
+
+
+def split_batch(batch: Mapping[str, Any], family: Family) -> list[dict[str, Any]]:
+    """A collated dict batch of a Qwen-VL family (right- or left-padded rows, images as flat
+    patches in row order) as its samples: each row's tokens, labels and mask, and the images its
+    image tokens take, in order (``mm_token_type_ids`` is left out: packing derives it).
+
+    Raises:
+        DataError: another family, videos, or image tokens that do not match the images' grids.
+    """
+    if not isinstance(family, PatchStreamFamily):
+        raise DataError(
+            f"this pipeline packs {family.name} samples of different shapes: give the step's samples as a list of "
+            "per-sample dicts, not a dict batch"
+        )
+    ids, labels = batch.get("input_ids"), batch.get("labels")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not isinstance(labels, torch.Tensor):
+        raise DataError(
+            "the dict batch needs input_ids and labels of shape (samples, length); or give a list of per-sample dicts"
+        )
+    videos = [k for k in _NOT_PACKED if k in batch]
+    if videos:
+        raise DataError(f"the dict batch holds {videos}; the packed path takes images only: give samples")
+    mask = batch.get("attention_mask")
+    rows = [
+        {"input_ids": ids[i : i + 1], "labels": labels[i : i + 1]}
+        | ({"attention_mask": mask[i : i + 1]} if mask is not None else {})
+        for i in range(ids.shape[0])
+    ]
+    grids = batch.get("image_grid_thw")
+    patches = [] if grids is None else [int(p) for p in grids.prod(-1)]
+    image, patch = 0, 0
+    for i, row in enumerate(rows):
+        wanted = int((row["input_ids"][0, attended(row, f"row {i}")] == family.image_token_id).sum())
+        first, got = image, 0
+        while got < wanted and image < len(patches):
+            got += patches[image] // family.merge**2
+            image += 1
+        if got != wanted:
+            raise DataError(
+                f"row {i} of the dict batch has {wanted} image tokens where the images left make {got}: check "
+                "image_grid_thw, or give a list of per-sample dicts"
+            )
+        if image > first:
+            used = sum(patches[first:image])
+            row["pixel_values"] = batch["pixel_values"][patch : patch + used]
+            row["image_grid_thw"] = grids[first:image]
+            patch += used
+    if image != len(patches):
+        raise DataError(f"the dict batch has {len(patches) - image} images that no row's image tokens take")
+    return rows
+
+
 def too_long(name: str, length: int, tokens: int, over: int = 1, of: int | None = None) -> DataError:
     """The error for a sample longer than a microbatch's ``tokens``: it names the sample, how
     many more there are, and the fix."""

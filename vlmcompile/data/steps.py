@@ -37,6 +37,7 @@ from vlmcompile.data.packing import (
     padded_batch,
     sample_length,
     sample_name,
+    samples_of,
     too_long,
 )
 from vlmcompile.ir.errors import DataError, positive_int
@@ -120,7 +121,7 @@ class PackedSteps:
     def _items(self, step: int) -> list[Item]:
         if self.dataset is not None:
             return list(self.samples.indices(step))
-        return [_Given(step, j, s) for j, s in enumerate(self.samples(step))]
+        return [_Given(step, j, s) for j, s in enumerate(samples_of(self.samples(step), self.family))]
 
     def _sample(self, item: Item) -> Sample:
         return item.sample if isinstance(item, _Given) else self.dataset[item]

@@ -11,7 +11,7 @@ where they come from:
   (COCO's are at most 640 px on the long side, mostly 4:3). The text length is *not* published
   per sample: a log-normal with median 180 tokens and sigma 0.8, cut at 2048, is our assumption.
 * ``internvl-tiles`` - InternVL-Chat-1.2's 1.2M samples as OmniBal measured them (OmniBal
-  section 5.1 and Table 1; ``shared/reference/paper_setups.json``): LLM input tokens mean 1400,
+  section 5.1 and Table 1; ``tests/reference/paper_setups.json``): LLM input tokens mean 1400,
   std 900, up to 4 tiles of 448 px and a thumbnail an image (max_patch_num 4), at most 4096
   text tokens (its Q_t). The LLM tokens are drawn as a gamma with that mean and std; the image
   aspect ratio (log-uniform in 1:3..3:1) and the 6 % text-only share are our assumptions.

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class VlmCompileError(Exception):
@@ -90,3 +95,26 @@ def enough_samples(count: int, global_batch: int) -> None:
             f"the dataset holds {count} samples, fewer than global_batch={global_batch}; give at least "
             f"{global_batch} samples, or a global batch of at most {count}"
         )
+
+
+TRACEBACK_ENV = "VLMCOMPILE_TRACEBACK"
+"""Set (to anything) to see the internal frames behind an error, to report a bug."""
+
+
+def user_facing(function: _F) -> _F:
+    """For the API's entry points: an error about the input (a :class:`VlmCompileError`) reaches
+    the caller as one exception, without the internal frames it passed through or the
+    exceptions it was raised from, since its message says what to fix. A :class:`PassError`
+    (something unexpected inside a pass) keeps them, as does any error with
+    ``VLMCOMPILE_TRACEBACK`` set."""
+
+    @functools.wraps(function)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except VlmCompileError as err:
+            if isinstance(err, PassError) or os.environ.get(TRACEBACK_ENV):
+                raise
+            raise err.with_traceback(None) from None
+
+    return entry  # type: ignore[return-value]

@@ -53,3 +53,8 @@ the inputs export specialised on, to try first), so that a capture again at a mi
 OUTPUT_META = "vlmcompile.output"
 """On ``GraphModule.meta``, set by annotate: the graph's output as annotate ran it (on fake or
 real tensors); ``compile`` checks that it is a scalar loss."""
+
+PROFILE_SPREAD_META = "profile_spread"
+"""In ``LayerGraph.meta`` after the profile pass: (slowest - fastest round) / median round of its
+timing, the share by which the measured times move with the machine's load; the plan search
+calls two plans closer than it a tie within the noise."""

@@ -15,6 +15,7 @@ prints the step x rank grid with the fault marked.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from collections import Counter, defaultdict
@@ -453,6 +454,11 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    def same_layout(self, other: Plan) -> bool:
+        """Whether ``other`` runs as this plan does: the same stages, layers, recompute, ranks,
+        degrees and actions (the policy that made it, and its reasons, may differ)."""
+        return dataclasses.replace(other, policy=self.policy, decisions=self.decisions) == self
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

@@ -1,4 +1,4 @@
-"""Configurations of the reference zoo, and every model named in shared/reference/paper_setups.json.
+"""Configurations of the reference zoo, and every model named in tests/reference/paper_setups.json.
 
 Where a paper gives no value, the choice is ours and is stated next to it:
 
@@ -376,5 +376,7 @@ def resolve(name: str) -> ModelConfig:
     raise KeyError(
         f"unknown model {name!r}; use a VLM name ({', '.join(sorted(VLMS))}), a composition "
         f"'ENCODER+LLM' of encoders ({', '.join(sorted(ENCODERS))}) and LLMs ({', '.join(sorted(LLMS))}), "
-        f"or one of those towers alone"
+        f"or one of those towers alone; for your own model: --model pkg.module:function on the command line (a "
+        "function returning the model, or the model and a sample batch), vlmcompile.compile(model, batch, cluster) "
+        "in Python"
     )

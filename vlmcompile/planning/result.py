@@ -37,6 +37,8 @@ class PolicyRow:
     applies: bool = True
     """False: the policy cannot express the request at all (e.g. MIMO's colocated layout at PP > 1;
     :class:`~vlmcompile.planning.request.NotApplicable`); its row says "n/a", not "does not fit"."""
+    same_as_ours: bool = False
+    """The policy's plan is ours (:meth:`Plan.same_layout`): our policy found nothing better."""
 
     def __post_init__(self):
         if not self.applies and (self.step_s is not None or self.fits):
@@ -103,7 +105,7 @@ class PolicyResult:
                 f"{r.step_s / ours:.3f}" if r.step_s is not None else "-",
                 r.recompute,
                 r.fits_text,
-                r.note,
+                "; ".join(x for x in ("the same plan as ours" if r.same_as_ours else "", r.note) if x),
             ]
             for r in rows
         ]
@@ -122,4 +124,10 @@ class PolicyResult:
                 "policies at the same degrees (simulated: predictions of the cost model):",
                 self.comparison_table(),
             ]
+            same = [r.policy for r in self.baselines if r.same_as_ours]
+            if same:
+                parts.append(
+                    f"our plan is {' and '.join(same)}'s plan: the same stages, layers, recompute and degrees "
+                    "(our search found none faster)"
+                )
         return "\n".join(parts)

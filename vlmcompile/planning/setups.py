@@ -1,5 +1,5 @@
 """The model, cluster and parallel configurations of the Optimus and OmniBal papers
-(``shared/reference/paper_setups.json``), as named setups the CLI and the benchmarks share.
+(``tests/reference/paper_setups.json``), as named setups the CLI and the benchmarks share.
 
 Both Megatron-LM baselines run every setup at the same degrees, v, microbatches and recompute
 rule, so they differ only in where the layers go (Optimus appendix B defines its balanced

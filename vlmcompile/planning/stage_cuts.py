@@ -91,11 +91,17 @@ class Solution:
         )
 
     def summary(self) -> str:
-        state = "timed out; best plan found" if self.timed_out else "finished"
-        head = (
-            f"CP-SAT {self.status} ({state}) in {self.wall_s:.2f} s: objective {format_ms(self.objective_s)} ms "
-            f"({self.objective}), bound {format_ms(self.bound_s)} ms, gap {100 * self.gap:.2f} %"
-        )
+        """One state: optimal, or stopped at the time limit with the gap it left (never both)."""
+        figures = f"objective {format_ms(self.objective_s)} ms ({self.objective}), bound {format_ms(self.bound_s)} ms"
+        if self.status == "OPTIMAL" and not self.timed_out:
+            head = f"CP-SAT optimal in {self.wall_s:.2f} s: {figures}"
+        elif self.timed_out:
+            head = (
+                f"CP-SAT timed out after {self.wall_s:.2f} s with the best plan found ({self.status}): {figures}, "
+                f"gap {100 * self.gap:.2f} %"
+            )
+        else:
+            head = f"CP-SAT {self.status} in {self.wall_s:.2f} s: {figures}, gap {100 * self.gap:.2f} %"
         return head + (f" [{'; '.join(self.phases)}]" if len(self.phases) > 1 else "") + self.why_gap()
 
     def why_gap(self) -> str:
@@ -506,11 +512,17 @@ def solve(
     both = {"wall_s": first.wall_s + polished.wall_s, "phases": (*first.phases, *polished.phases)}
     if polished.status == "OPTIMAL" or polished.evaluation.step_s < first.evaluation.step_s * (1 - 1e-12):
         return replace(polished, **both)
+    # The closed form's plan stays; the state reported is the timeline's, the model that ran out
+    # of time, with its own objective, bound and gap.
     return replace(
         first,
-        status=f"{first.status} (closed form; the timeline found no faster plan in its time)",
+        status=polished.status,
+        objective_s=polished.objective_s,
+        bound_s=polished.bound_s,
+        objective=polished.objective,
         timed_out=True,
-        **both,
+        wall_s=both["wall_s"],
+        phases=(*both["phases"], "the closed form's plan kept: the timeline found none faster in its time"),
     )
 
 

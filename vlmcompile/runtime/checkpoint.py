@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from vlmcompile.ir.errors import VlmCompileError
+from vlmcompile.ir.errors import VlmCompileError, user_facing
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -465,6 +465,7 @@ def _load_here(state: dict[str, Any], path: str | Path) -> None:
             raise CheckpointError(f"loading the checkpoint {path} failed{_failures(err)}") from None
 
 
+@user_facing
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """The whole checkpoint in one process (no torch.distributed needed): ``{"model": state dict
     under the original names, "optimizer": {name: {state: tensor}}, "step": int}``. ``path`` is a

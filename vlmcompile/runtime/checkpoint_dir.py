@@ -83,13 +83,23 @@ def check_output_file(path: str | Path, flag: str) -> None:
     if target.is_dir():
         problem = "is a directory; give a file name"
     elif not folder.is_dir():
-        problem = f"is in {str(folder)!r}, which does not exist; create it first"
+        problem = f"is in {str(folder)!r}, {_what_is(folder)}"
     else:
         problem = _probe(folder)
         if problem is None and target.exists() and not os.access(target, os.W_OK):
             problem = "cannot be written (permission denied); choose another path"
     if problem:
         raise ArgumentError(f"{flag} {path} {problem}")
+
+
+def _what_is(folder: Path) -> str:
+    """What stands where a folder should be: a file (itself or above it), or nothing."""
+    existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
+    if existing is None or existing.is_dir():
+        return "which does not exist; create it first"
+    if existing == folder:
+        return "which is a file, not a folder; choose another path"
+    return f"which is under {str(existing)!r}, a file, not a folder; choose another path"
 
 
 def _probe(folder: Path) -> str | None:
@@ -227,6 +237,29 @@ def _holder(path: Path) -> str:
         return "its lock file names no holder"
 
 
+def check_start(checkpoint_dir: str | None, *, resume: bool, overwrite: bool) -> None:
+    """Refuse at once, changing nothing, what :func:`claim` would refuse for where a run starts: a
+    file where the directory goes, or an earlier run's checkpoints with neither ``resume`` nor
+    ``overwrite`` (``TrainConfig`` checks it when made, so a script learns it before compiling)."""
+    if not checkpoint_dir:
+        return
+    root = Path(checkpoint_dir)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} is a file; give a directory")
+    if root.is_dir() and not (resume or overwrite):
+        steps = checkpoint.steps_in(root)
+        if steps:
+            raise _earlier_run(root, steps)
+
+
+def _earlier_run(root: Path, steps) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint directory {root} holds checkpoints of an earlier run (steps {_ranges([s for s, _ in steps])}): "
+        "continue it with --resume (resume=True), or start again with --overwrite (overwrite=True, "
+        "which deletes them)"
+    )
+
+
 def _start(root: Path, resume: bool, overwrite: bool, existed: bool = True) -> Start:
     notes = []
     partial = sorted(p for p in root.iterdir() if p.name.endswith(checkpoint.PARTIAL_SUFFIX))
@@ -247,12 +280,7 @@ def _start(root: Path, resume: bool, overwrite: bool, existed: bool = True) -> S
         notes.insert(0, f"resuming from step {step}: {found} is {why}")
         return Start(step, str(found), "; ".join(notes))
     if steps and not overwrite:
-        numbers = [s for s, _ in steps]
-        raise CheckpointError(
-            f"checkpoint directory {root} holds checkpoints of an earlier run (steps {_ranges(numbers)}): "
-            "continue it with --resume (resume=True), or start again with --overwrite (overwrite=True, "
-            "which deletes them)"
-        )
+        raise _earlier_run(root, steps)
     if steps:
         for _, path in steps:
             shutil.rmtree(path)

@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from vlmcompile.ir.errors import ArgumentError, DataError, VlmCompileError, enough_samples, positive_int
+from vlmcompile.ir.errors import (
+    ArgumentError,
+    DataError,
+    VlmCompileError,
+    enough_samples,
+    positive_int,
+    user_facing,
+)
 
 
 def concat_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -82,6 +89,7 @@ class GlobalBatches:
     """(step, position): step ``start[0]`` begins at sample ``start[1]`` of the stream (a resumed
     run's first step; earlier steps are not asked for)."""
 
+    @user_facing
     def __post_init__(self):
         positive_int("global_batch", self.global_batch, "the samples per step")
         enough_samples(len(self.dataset), self.global_batch)

@@ -699,15 +699,16 @@ class _Watch:
                 lines.append(f"  rank {r}: finished")
             elif r in errors:
                 then = f" (then killed by the launcher, {why_killed})" if r in killed else ""
-                lines.append(
-                    f"  rank {r}: {_how(codes[r])} after {ended[r]:.1f} s: {errors[r].strip()}{then}"
-                )
+                said = "the error above" if r == first and not paused else errors[r].strip()
+                lines.append(f"  rank {r}: {_how(codes[r])} after {ended[r]:.1f} s: {said}{then}")
             elif r in killed:
                 lines.append(f"  rank {r}: killed by the launcher, {why_killed}")
             elif codes[r] != 0:
                 lines.append(f"  rank {r}: {_how(codes[r])} after {ended.get(r, 0):.1f} s without a report")
             else:
                 lines.append(f"  rank {r}: ended without a report")
+        if first in errors and not paused:  # the cause first: what the user acts on
+            lines.insert(0, f"rank {first}: {errors[first].strip()}")
         if all(r not in errors and codes[r] == 1 for r in range(nprocs)) and max(ended.values()) < 60:
             lines.append(
                 f"(no rank reported an error; if each printed a RuntimeError about bootstrapping: {_NO_GUARD})"

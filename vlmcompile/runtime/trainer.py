@@ -34,11 +34,18 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from vlmcompile.ir.errors import ArgumentError, DataError, VlmCompileError, positive_int, positive_number
+from vlmcompile.ir.errors import (
+    ArgumentError,
+    DataError,
+    VlmCompileError,
+    positive_int,
+    positive_number,
+    user_facing,
+)
 from vlmcompile.ir.microbatch import IGNORE_INDEX
 from vlmcompile.ir.packed import PackedBatch, nonfinite_keys
 from vlmcompile.runtime import checkpoint, preemption
-from vlmcompile.runtime.checkpoint_dir import Start, claim, kept_saves
+from vlmcompile.runtime.checkpoint_dir import Start, check_start, claim, kept_saves
 from vlmcompile.runtime.executor import BatchError, PipelineRunner
 from vlmcompile.runtime.launch import LOCAL_RANK_ENV
 from vlmcompile.runtime.saves import RunSaves, epochs_of
@@ -86,6 +93,7 @@ class TrainConfig:
     progress: bool | None = None
     """Rank 0 draws a progress bar (None: when stderr is a terminal)."""
 
+    @user_facing
     def __post_init__(self):
         positive_int("steps", self.steps, "the number of training steps")
         positive_number("lr", self.lr, "the peak learning rate")
@@ -116,6 +124,7 @@ class TrainConfig:
             raise ArgumentError("checkpoint_every, resume and overwrite need a checkpoint_dir")
         if self.resume and self.overwrite:
             raise ArgumentError("resume and overwrite contradict each other: give one")
+        check_start(self.checkpoint_dir, resume=self.resume, overwrite=self.overwrite)
         if self.on_nonfinite not in ("stop", "skip"):
             raise ArgumentError(f"on_nonfinite={self.on_nonfinite!r}; give 'stop' or 'skip'")
 
