@@ -155,6 +155,14 @@ class Cluster:
             note=f"{note}plans held to {cap_bytes / 2**30:.2f} GiB per rank",
         )
 
+    def with_peak(self, flops_per_s: float, why: str) -> Cluster:
+        """The same cluster with its device's peak raised to ``flops_per_s`` (a measured peak
+        that a profiled layer beat: MFU is work over the peak, so the peak is the best seen)."""
+        if flops_per_s <= self.device.peak_flops_per_s:
+            return self
+        device = replace(self.device, peak_flops_per_s=flops_per_s, source=f"{self.device.source}; {why}")
+        return replace(self, device=device)
+
     @property
     def num_nodes(self) -> int:
         return max(1, self.num_gpus // self.gpus_per_node)

@@ -180,7 +180,7 @@ class SearchReport:
         which = "the best one-chain plan" if self.returned else "the one chosen"
         said = (
             f"proved: no one-chain plan that fits, of any candidate, is faster than {format_ms(least)} ms; {which}, "
-            f"{format_ms(chosen.step_s)} ms, is {100 * (chosen.step_s - least) / chosen.step_s:.1f} % above that"
+            f"{format_ms(chosen.step_s)} ms, is {max(0.0, 100 * (chosen.step_s - least) / chosen.step_s):.1f} % above that"
         )
         bubbles = self.least_bubbles_bound_s
         if bubbles is not None:

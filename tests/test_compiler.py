@@ -96,6 +96,7 @@ def test_freeze_layers_freezes_the_modules_a_region_or_path_names_and_a_new_comp
     assert again.forward_only() == {layer.name for layer in again.layers if layer.region.value == "vision"}
 
 
+@pytest.mark.slow  # two interpreters importing transformers
 @pytest.mark.parametrize(
     "mistake, message",
     [
@@ -129,3 +130,18 @@ def test_a_users_mistake_through_the_api_prints_one_short_error(tmp_path, mistak
     assert done.returncode == 1 and message in printed[-1], done.stderr
     assert len(printed) <= 10, done.stderr
     assert "During handling" not in done.stderr and "direct cause" not in done.stderr, done.stderr
+
+
+def test_plan_png_draws_the_plan_and_a_profiled_cpu_plan_never_shows_mfu_over_100_percent(tmp_path):
+    """pipe.plan_png draws the step from Python; profiled on this CPU, the device's peak is at
+    least the fastest layer's rate, so the simulated MFU stays a share."""
+    from vlmcompile.compiler import fastest_layer_rate
+
+    model, batch = build("tiny", batch_size=4)
+    pipe = vlmcompile.compile(model, batch, cluster="cpu:2", profile=True, log=None)
+    assert pipe.cluster.device.peak_flops_per_s >= fastest_layer_rate(pipe.layer_graph) > 0
+    assert 0 < pipe.planned.sim.mfu <= 1
+    written = pipe.plan_png(tmp_path / "plan.png")
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(vlmcompile.VlmCompileError, match="which does not exist"):
+        pipe.plan_png(tmp_path / "no" / "plan.png")

@@ -6,7 +6,6 @@ line per phase."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 
 import pytest
@@ -297,11 +296,15 @@ def test_the_report_prints_the_chosen_plan_once():
 
 
 @pytest.mark.multiproc
-def test_a_whole_run_prints_every_phase_as_it_goes_and_the_pairs_last(monkeypatch, capfd):
-    monkeypatch.setattr(demo_module, "run_demo", functools.partial(demo_module.run_demo, model_name="tiny"))
-    assert main(["demo", "--global-batch", "2"]) == 0
+def test_a_whole_run_prints_every_phase_as_it_goes_and_the_pairs_last(capfd):
+    assert main(["demo", "--model", "tiny", "--global-batch", "2"]) == 0
     out, err = capfd.readouterr()
-    stamped = [line for line in err.splitlines() if re.match(r"\[demo \d+:\d\d\] ", line)]
+    stamped = [
+        line
+        for line in err.splitlines()
+        if re.match(r"\[demo \d+:\d\d\] ", line)
+        and "  ... still " not in line  # not a slow machine's heartbeats
+    ]
     phases = [
         "compiling the tiny VLM",
         "compiled in",
@@ -334,3 +337,46 @@ def test_a_whole_run_prints_every_phase_as_it_goes_and_the_pairs_last(monkeypatc
         assert best.group(1, 2) == ("DP=2", "mimo_colocated") and "the same plan as ours" in out
     assert tail[4].startswith("the bound, every rank busy")
     assert tail[5:] == [] or tail[5].startswith("warning: prediction error over 10 %")
+
+
+def test_a_long_phase_prints_a_line_every_heartbeat(monkeypatch):
+    """No phase of the demo stays silent: while a block runs, a line says it still does."""
+    import io
+    import time
+
+    monkeypatch.setattr(demo_module, "HEARTBEAT_S", 0.05)
+    out = io.StringIO()
+    say = demo_module.Progress(out)
+    with say.still("training eager"):
+        time.sleep(0.3)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 3 and all("... still training eager (" in line for line in lines), lines
+    time.sleep(0.15)
+    assert out.getvalue().splitlines() == lines  # and none after it ends
+
+
+@pytest.mark.multiproc
+@pytest.mark.hf
+@pytest.mark.extended  # a minute of measuring; CI trains a user's model from the CLI in test_train_job
+def test_the_demo_compares_the_plans_of_a_users_own_model_on_its_batch(capfd):
+    """``vlmcompile demo --model pkg.module:function``: a transformers LLaVA and its batch of 8,
+    every plan measured, each loss equal to eager's."""
+    assert main(["demo", "--model", "tests.user_code.my_llava:build_model_and_batch"]) == 0
+    out, err = capfd.readouterr()
+    assert (
+        "compiling the tests.user_code.my_llava:build_model_and_batch VLM for 2 CPU ranks, global batch 8"
+        in err
+    )
+    assert "every plan's loss equals eager's at all 6 steps" in out, out
+    assert (
+        "vlmcompile demo --global-batch 8 --steps 6 --model tests.user_code.my_llava:build_model_and_batch"
+        in out
+    )
+    assert (
+        main(["demo", "--model", "tests.user_code.my_llava:build_model_and_batch", "--global-batch", "4"])
+        == 2
+    )
+    assert (
+        "global batch 4, but --model tests.user_code.my_llava:build_model_and_batch's sample batch holds 8"
+        in (capfd.readouterr().err)
+    )

@@ -433,6 +433,7 @@ def _readme_training_commands() -> list[list[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 70 s; the Python examples' twice-run (tests/test_docs.py) stays in CI
 def test_the_readmes_training_commands_run_twice_in_one_folder_alike(tmp_path):
     """Plan, then train under torchrun with checkpoints, as the README has it, twice in the same
     folder (the steps cut from 30 to 4 and the saves from every 10 to every 2, for time): both

@@ -1,13 +1,16 @@
 """Command line.
 
-``vlmcompile annotate --model NAME [--json FILE]``: capture and annotate a zoo model.
-``vlmcompile plan --model NAME --cluster PRESET --policy NAME`` (a name of
-:data:`~vlmcompile.passes.policies.POLICIES`): plan, simulate and print the step and its bubbles
-(``--setup NAME`` fills in a paper's configuration; ``--search`` lets the plan search choose the
-degrees).
-``vlmcompile demo [--json FILE]``: the demo VLM on 2 local CPU ranks, our plan against Megatron-LM's,
-measured and predicted.
-``vlmcompile run --model NAME --nprocs N``: train a zoo model a few steps on N local CPU ranks.
+Every ``--model`` takes a zoo name, a tiny transformers model (``hf-llava``) or your own model as
+``pkg.module:function`` (:mod:`vlmcompile.model_source`).
+
+``vlmcompile annotate --model NAME [--json FILE]``: capture and annotate a model.
+``vlmcompile plan --model NAME --cluster PRESET [--policy NAME]``: plan with our policy (or a
+baseline of :data:`~vlmcompile.passes.policies.POLICIES`), simulate and print the step and its
+bubbles (``--setup NAME`` fills in a paper's configuration; ``--search`` lets the plan search
+choose the degrees; ``--data`` plans for samples of any shape).
+``vlmcompile demo [--model NAME] [--json FILE]``: the demo VLM (or yours) on 2 local CPU ranks,
+our plan against the baselines', measured and predicted.
+``vlmcompile run --model NAME --nprocs N``: train a model a few steps on N local CPU ranks.
 ``vlmcompile train --plan FILE [--steps N ...]``: train a saved plan with AdamW, checkpoints and
 metrics; under ``torchrun --nproc-per-node N -m vlmcompile train ...`` each process is a rank.
 """
@@ -114,7 +117,9 @@ def _annotate(args: argparse.Namespace) -> int:
 
 def _batch_of(built):
     """A model's sample batch of one shape (a dict), for the commands that run one."""
-    if not isinstance(built.batch, dict):
+    from collections.abc import Mapping
+
+    if not isinstance(built.batch, Mapping):
         given = "returned the model alone" if built.batch is None else "gave samples of different shapes"
         raise ArgumentError(
             f"--model {built.name} {given}; this command runs one batch of one shape: return (model, batch) "
@@ -610,8 +615,9 @@ def _add_demo(sub) -> None:
         "compile the demo VLM for 2 CPU ranks; run our plan and the baselines'; measured vs predicted",
         "Compile the demo VLM for 2 local CPU ranks, run eager training and our plan and the "
         "baselines' (Megatron-LM, its balanced variant, Megatron MIMO's colocated layout) on the same "
-        "runtime, and print measured against predicted step times. The default takes about 2.5 minutes "
-        "on 2 idle cores, --full about 6.5. Progress goes to stderr as it happens.",
+        "runtime, and print measured against predicted step times. The default took 2 min 44 s on 2 idle "
+        "cores (load 0.5) and 7 min 45 s at load 2-5 (measured 2026-11-28); --full trains 4x the samples a step. "
+        "Progress goes to stderr as it happens, a line at least every 15 s.",
     )
     d.add_argument(
         "--model",
@@ -625,7 +631,7 @@ def _add_demo(sub) -> None:
     size.add_argument(
         "--full",
         action="store_true",
-        help="the full-size demo: global batch 32, the size of the batch-32 table in docs/benchmarks.md (about 6.5 minutes on 2 idle cores)",
+        help="the full-size demo: global batch 32, the size of the batch-32 table in docs/benchmarks.md (4x the default's samples a step)",
     )
     d.add_argument(
         "--steps",
@@ -673,7 +679,7 @@ def _add_train(sub) -> None:
     t = _command(
         sub,
         "train",
-        "train a saved plan of a zoo model: AdamW, LR schedule, clipping, checkpoints, metrics; under "
+        "train a saved plan (of a zoo model or your own): AdamW, LR schedule, clipping, checkpoints, metrics; under "
         "torchrun (torchrun --nproc-per-node N -m vlmcompile train --plan FILE) or on local ranks",
     )
     train_job.add_arguments(

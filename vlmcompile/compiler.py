@@ -47,7 +47,13 @@ from vlmcompile.ir.errors import (
     user_facing,
 )
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.meta_keys import COUPLING_META, LOSS_SPLIT_META, OUTPUT_META, PACKED_META
+from vlmcompile.ir.meta_keys import (
+    CAPTURE_OPTIONS_META,
+    COUPLING_META,
+    LOSS_SPLIT_META,
+    OUTPUT_META,
+    PACKED_META,
+)
 from vlmcompile.ir.microbatch import num_samples
 from vlmcompile.ir.plan import Decision, Reason
 from vlmcompile.ir.regions import Region
@@ -157,7 +163,8 @@ def packed_decision(found: DatasetScan) -> Decision:
         f"{found.global_batch} samples a step pack into {found.microbatches} microbatches of "
         f"{found.tokens} LLM tokens on the dataset's first {found.scanned} samples, deferring at most "
         f"{found.deferred.max} samples a step to the next (the busiest step alone needs {found.most_needed}; a "
-        f"run stops before a step that would leave more than {backlog_limit(found.global_batch)}, a whole step's)",
+        f"run stops before a step that would leave more than {backlog_limit(found.global_batch)}, a whole step's)"
+        + (f"; warning: {found.warning}" if found.warning else ""),
         {"tokens": found.tokens, "global_batch": found.global_batch},
     )
 
@@ -189,9 +196,27 @@ def _profile_pass(state: CompileState, *, repeats: int) -> None:
     cut = state.gm.meta.get(COUPLING_META)
     if cut is not None and cut.loss is not None:
         rows = max(1, num_samples(state.sample_batch) // _ranks_here(state))
+    elif state.samples is None and state.gm.meta.get(CAPTURE_OPTIONS_META, {}).get("method") == "export":
+        # An exported graph holds the sample batch's shapes: it runs at that many rows only.
+        rows = num_samples(state.sample_batch)
     result = _profiled(state, rows, repeats)
     state.layer_graph, state.profiled = result.layer_graph, (rows, repeats)
     state.reports["profile"] = result.report
+    if state.cluster is not None:
+        rate = fastest_layer_rate(result.layer_graph)
+        state.cluster = state.cluster.with_peak(
+            rate, f"peak raised to the fastest profiled layer's {rate / 1e9:.1f} GFLOP/s"
+        )
+
+
+def fastest_layer_rate(layer_graph: LayerGraph) -> float:
+    """The highest FLOP rate (forward + backward) any profiled layer reached; 0 where none was."""
+    rates = [
+        (layer.fwd_flops + layer.bwd_flops) / (layer.measured[1] + layer.measured[2])
+        for layer in layer_graph.layers
+        if layer.measured is not None and layer.measured[1] + layer.measured[2] > 0
+    ]
+    return max(rates, default=0.0)
 
 
 def _profiled(state: CompileState, rows: int, repeats: int):

@@ -24,8 +24,8 @@ each on its own copy of the weights: the speed of a shared machine drifts over m
 interleaving puts the drift on every plan alike. Every step time is measured; the first step of
 each plan is a warm-up, left out of the median.
 
-Sizes: the default global batch is 8 (8 microbatches on PP = 2; about 2.5 minutes on 2 idle
-cores), ``full=True`` (``vlmcompile demo --full``) the benchmark's 32 (about 6.5 minutes). The compile
+Sizes: the default global batch is 8 (8 microbatches on PP = 2; 2 min 44 s on 2 idle cores, 7 min
+45 s at load 2-5, measured 2026-11-28), ``full=True`` (``vlmcompile demo --full``) the benchmark's 32. The compile
 passes see a sample of the batch (its first samples: the capture pass checks numerics on it and
 the profile pass times single samples), the plans are made for the whole global batch, and the
 plans and eager train on the whole batch. Every phase prints a line with the elapsed time as it
@@ -34,6 +34,7 @@ starts and ends, and each measured step one line with every plan's time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -41,6 +42,7 @@ import os
 import re
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,7 +53,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from vlmcompile import model_source
-from vlmcompile.compiler import compile, freeze_layers
+from vlmcompile.compiler import compile, freeze_layers, packs_dict_batches
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
 from vlmcompile.ir.errors import ArgumentError, PlanError
@@ -66,9 +68,9 @@ from vlmcompile.sim.simulator import simulate
 
 NUM_RANKS = 2
 DEFAULT_GLOBAL_BATCH = 8
-"""8 microbatches of one sample on PP = 2: about 2.5 minutes on 2 idle cores."""
+"""8 microbatches of one sample on PP = 2 (2 min 44 s on 2 idle cores, 7 min 45 s at load 2-5)."""
 FULL_GLOBAL_BATCH = 32
-"""``--full``: the batch-32 table of docs/benchmarks.md (about 6.5 minutes on 2 idle cores)."""
+"""``--full``: the batch-32 table of docs/benchmarks.md (4x the default's samples a step)."""
 DEFAULT_STEPS = 6
 """A warm-up step and 5 timed steps, the fewest the demo takes (a median of 5)."""
 SAMPLE_SIZE = 2
@@ -485,6 +487,33 @@ class Progress:
             elapsed = int(time.time() - self.started)
             print(f"[demo {elapsed // 60}:{elapsed % 60:02d}] {text}", file=self.log, flush=True)
 
+    @contextlib.contextmanager
+    def still(self, what: str):
+        """While the block runs, a line every :data:`HEARTBEAT_S` seconds saying it still does
+        (``what``, and for how long): a loaded machine makes a phase minutes long, and a silent
+        terminal looks like a hang."""
+        if self.log is None:
+            yield
+            return
+        done = threading.Event()
+        began = time.time()
+
+        def beat() -> None:
+            while not done.wait(HEARTBEAT_S):
+                self(f"  ... still {what} ({time.time() - began:.0f} s so far)")
+
+        thread = threading.Thread(target=beat, name="demo-progress", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+
+HEARTBEAT_S = 15.0
+"""Seconds between the demo's lines during a long phase (no phase stays silent 20 s)."""
+
 
 def measured_steps(
     runners: Sequence[Any],
@@ -536,6 +565,11 @@ def _demo_model(model_name: str, global_batch: int, *, given: int | None):
             f"--model {model_name} gave {'no sample batch' if built.batch is None else 'samples of different shapes'}; "
             "the demo trains one batch of one shape: return (model, batch) with the batch a dict keyed by the "
             "forward's argument names"
+        )
+    if packs_dict_batches(built.model):
+        raise ArgumentError(
+            f"--model {model_name}'s batch is captured as its samples, packed (a Qwen-VL family); the demo measures "
+            "plans on one batch of one shape: compare plans with vlmcompile plan --search, train with vlmcompile train"
         )
     held = num_samples(built.batch)
     if held != global_batch:
@@ -630,7 +664,8 @@ def _measured(
     """Eager's losses, then every plan's run, all interleaved step by step in one launch."""
     say(f"eager reference: {num_steps} SGD steps of the whole batch in this process ...")
     start = time.perf_counter()
-    eager = eager_losses(copy.deepcopy(model), batch, num_steps, lr)
+    with say.still("training eager"):
+        eager = eager_losses(copy.deepcopy(model), batch, num_steps, lr)
     took = time.perf_counter() - start
     say(f"eager reference done in {took:.1f} s ({took / num_steps:.1f} s a step)")
     # Each plan's runner gets its own copy of the parameters: all train from the same weights.
@@ -642,9 +677,10 @@ def _measured(
     start = time.perf_counter()
     names = [name for name, _ in plans]
     started = say.started if log is not None else None
-    results = launch(
-        measured_steps, runners, NUM_RANKS, args=(batch, num_steps, lr, names, started), timeout_s=300
-    )
+    with say.still("measuring the plans on the ranks"):
+        results = launch(
+            measured_steps, runners, NUM_RANKS, args=(batch, num_steps, lr, names, started), timeout_s=300
+        )
     say(f"measured in {time.perf_counter() - start:.1f} s")
     runs = [
         _plan_run(policy, plan, [r[j] for r in results], eager, pipe)
@@ -709,7 +745,8 @@ def run_demo(
     frozen = tuple(freeze_layers(model, _layer_graph(model_name), freeze)) if freeze else ()
     start = time.perf_counter()
     cluster = _capped(Cluster.preset(f"cpu:{NUM_RANKS}"), cap, model, batch, model_name, global_batch, say)
-    pipe = _compiled(model, batch, model_name, global_batch, cluster, say, log)
+    with say.still("compiling"):
+        pipe = _compiled(model, batch, model_name, global_batch, cluster, say, log)
     plans, not_fitting = _plans_to_measure(pipe, global_batch)
     say(
         f"compiled in {time.perf_counter() - start:.1f} s; plans to measure: "

@@ -15,6 +15,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -52,7 +53,7 @@ from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOpti
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
 from vlmcompile.runtime import preemption
-from vlmcompile.runtime.checkpoint_dir import checkpoint_bytes
+from vlmcompile.runtime.checkpoint_dir import check_output_file, checkpoint_bytes
 from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.data import GlobalBatches
 from vlmcompile.runtime.executor import PipelineRunner, runnable_degrees
@@ -428,6 +429,24 @@ class CompiledPipeline:
             world_size=world,
             peak_of=cluster.device.name,
         )
+
+    @user_facing
+    def plan_png(self, path: str | Path, plan: Plan | None = None) -> Path:
+        """Draw ``plan``'s simulated step (default: this pipeline's) as a PNG timeline: a row per
+        rank, actions coloured by kind and labelled by microbatch, bubbles grey, in ms. Returns
+        the path written. What ``vlmcompile plan --png FILE`` draws."""
+        from vlmcompile.sim.simulator import simulate
+        from vlmcompile.sim.trace import write_png
+
+        if plan is None and self.planned is None:
+            raise PlanError(
+                "no plan to draw: compile with a cluster (e.g. cluster='cpu:2'), or pass plan=..."
+            )
+        check_output_file(path, "path")
+        plan = plan or self.plan
+        sim = self.planned.sim if plan is self.plan else simulate(plan, self.layer_graph, self.cluster)
+        write_png(plan, sim, path)
+        return Path(path)
 
     @user_facing
     def baseline(

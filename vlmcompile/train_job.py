@@ -1,4 +1,6 @@
-"""``vlmcompile train``: train a saved plan of a zoo model, under torchrun or on local ranks.
+"""``vlmcompile train``: train a saved plan, under torchrun or on local ranks; the model is the
+plan's (or ``--model``'s): a zoo name, a tiny transformers model or a user's
+``pkg.module:function``, built with the same seed on every rank.
 
 Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) this process is one
 rank: it joins the process group (gloo on CPU, NCCL on CUDA with ``LOCAL_RANK`` picking the
@@ -37,8 +39,9 @@ def data_arguments(parser: argparse.ArgumentParser, positive_int, positive_float
     parser.add_argument(
         "--data",
         metavar="SPEC",
-        help="synthetic:<name> (llava-chat, internvl-tiles, qwen-native, interleaved) or a JSONL manifest "
-        f'of sample sizes ({{"text_tokens": 412, "images": [[768, 1024]]}} a line): {what}',
+        help="synthetic:<name> (llava-chat, internvl-tiles, qwen-native, interleaved), a JSONL manifest of "
+        f'sample sizes ({{"text_tokens": 412, "images": [[768, 1024]]}} a line), or your own dataset of samples '
+        f"as pkg.module:function: {what}",
     )
     parser.add_argument(
         "--data-samples", type=positive_int, default=1024, help="samples of a synthetic:<name> dataset"
@@ -70,7 +73,9 @@ def add_arguments(
     parser.add_argument(
         "--plan", required=True, metavar="FILE", help="plan JSON (vlmcompile plan ... --json FILE)"
     )
-    parser.add_argument("--model", help="zoo name of the model (default: the plan's)")
+    parser.add_argument(
+        "--model", help="the model: a zoo name or your own pkg.module:function (default: the plan's)"
+    )
     parser.add_argument(
         "--freeze",
         type=names,

@@ -96,3 +96,18 @@ def test_bad_datasets_are_refused():
         scan(data, FAMILY, global_batch=2, tokens=4, log=None)
     with pytest.raises(DataError, match="the manifest holds no samples"):
         ManifestDataset((), FAMILY)
+
+
+@pytest.mark.parametrize(
+    ("samples", "warned"), [(40, "1 whole step of 32, 8 of them in no whole step"), (64, None)]
+)
+def test_a_plan_resting_on_one_step_or_leaving_samples_out_warns(samples, warned):
+    data = SyntheticDataset(
+        "internvl-tiles", FAMILY, samples, seed=2, text_scale=1 / 50, pixel_scale=28 / 448
+    )
+    found = scan(data, FAMILY, global_batch=32, log=None)
+    if warned is None:
+        assert found.warning == "" and "warning" not in str(found)
+    else:
+        assert warned in found.warning and f"holds {samples} samples" in found.warning
+        assert str(found).endswith(f"warning: {found.warning}")

@@ -435,3 +435,27 @@ def test_candidates_with_long_action_lists_are_visited_last_and_the_plan_stays(d
     assert long and later[-len(long) :] == long  # last, in their bounds' order
     assert deferred.plan.pipeline_parallel == plain.plan.pipeline_parallel
     assert deferred.sim.step_time_s == pytest.approx(plain.sim.step_time_s, rel=1e-9)
+
+
+def test_the_table_and_the_proof_name_the_plan_returned_when_it_is_not_the_best_chain(demo_graph):
+    """A plan other than the search's best one chain came back (the encoder-in-bubbles plan):
+    the table no longer calls that row "chosen", and the proof line names what was returned."""
+    import dataclasses as dc
+
+    from vlmcompile.passes.plan_search import SearchReport
+
+    cluster = Cluster.preset("h100x8")
+    result = plan_search(
+        demo_graph, cluster, global_batch=16, progress=False, solver=SolverOptions(time_limit_s=1.0)
+    )
+    report = result.report
+    assert "chosen" in report.table() and "\nchosen:" not in report.proof()
+    returned = dc.replace(report, returned=("the encoder-in-bubbles plan at DP=1 TP=1 PP=2 V=1", 0.001))
+    assert isinstance(returned, SearchReport)
+    table = returned.table()
+    assert " chosen " not in table and "best chain" in table
+    proof = returned.proof()
+    assert (
+        "the best one-chain plan" in proof
+        and "chosen: the encoder-in-bubbles plan at DP=1 TP=1 PP=2 V=1, 1.000" in proof
+    )

@@ -158,3 +158,31 @@ def test_the_least_recompute_judged_by_memory_alone_is_the_one_timed_each(demo_g
     assert fast.sim.step_time_s == timed.sim.step_time_s
     assert fast.plan.decisions[-1] == timed.plan.decisions[-1]  # the same settings tried, the same bytes
     assert (fast.recompute == "none") == (share == 1.0)  # below the peak without recompute it climbs
+
+
+def test_a_baseline_whose_plan_is_ours_is_marked_and_the_report_says_so():
+    """Where our partition finds nothing better than a baseline's plan, the comparison says that
+    the two are one plan (not only a 1.000 ratio)."""
+    import dataclasses
+
+    from vlmcompile.compiler import zoo_layer_graph
+    from vlmcompile.cost_models.cluster import Cluster
+    from vlmcompile.passes.policies import compare_baselines, mark_same_plans
+    from vlmcompile.planning.request import PlanRequest
+
+    graph = zoo_layer_graph("tiny")
+    cluster = Cluster.preset("h100x8")
+    request = PlanRequest.on(cluster, tp=1, pp=2, global_batch=8)
+    runs, rows = compare_baselines(graph, cluster, request)
+    theirs = runs[0]
+    marked = mark_same_plans(rows, runs, theirs.plan)
+    same = [r.policy for r in marked if r.same_as_ours]
+    assert theirs.plan.policy in same
+    assert all(theirs.plan.same_layout(r.plan) for r in runs if r.plan.policy in same)
+    ours = dataclasses.replace(theirs, baselines=marked)
+    text = str(ours)
+    assert "the same plan as ours" in ours.comparison_table()
+    assert f"our plan is {' and '.join(same)}'s plan" in text
+    assert not any(
+        r.same_as_ours for r in mark_same_plans(rows, runs, runs[-1].plan) if r.policy == theirs.plan.policy
+    ) or (theirs.plan.same_layout(runs[-1].plan))

@@ -48,3 +48,43 @@ def test_profiled_times_survive_the_json_round_trip(tmp_path):
     path = tmp_path / "layers.json"
     profiled.save(path)
     assert type(profiled).load(path).layers == profiled.layers
+
+
+def test_the_profile_reports_its_rounds_spread_and_the_load_and_the_graph_keeps_the_spread():
+    from vlmcompile.ir.meta_keys import PROFILE_SPREAD_META
+
+    model, batch = build("tiny", batch_size=1)
+    gm = capture(model, batch).gm
+    graph = annotate(gm, batch).layer_graph
+    result = profile(gm, graph, batch, device_name="cpu", threads=1, repeats=4)
+    totals = result.report.round_totals_s
+    assert len(totals) == 4 and all(t > 0 for t in totals)
+    spread = result.layer_graph.meta[PROFILE_SPREAD_META]
+    middle = sorted(totals)[1:3]
+    assert abs(spread - (max(totals) - min(totals)) / (sum(middle) / 2)) < 1e-12
+    assert abs(spread - result.report.spread) < 1e-12
+    text = str(result.report)
+    assert "4 rounds, each layer once a round" in text and "a spread of" in text and "load average" in text
+
+
+def test_two_plans_closer_than_the_profiles_spread_are_called_a_tie_naming_both():
+    """The plan search's choice between degrees is only as sure as the layer times: where the
+    runner-up is within the profile's spread, a decision names both (else none)."""
+    from vlmcompile.cost_models.cluster import Cluster
+    from vlmcompile.ir.meta_keys import PROFILE_SPREAD_META
+    from vlmcompile.passes.policies import search_and_compare
+
+    model, batch = build("tiny", batch_size=4)
+    gm = capture(model, batch).gm
+    graph = annotate(gm, batch).layer_graph
+    cluster = Cluster.preset("cpu:2")
+
+    def ties(spread):
+        noisy = dataclasses.replace(graph, meta={**graph.meta, PROFILE_SPREAD_META: spread})
+        run = search_and_compare(noisy, cluster, global_batch=4, progress=False)
+        return run, [d.detail for d in run.plan.decisions if d.detail.startswith("within the noise")]
+
+    run, found = ties(10.0)  # any runner-up is within a spread of 1000 %
+    assert len(found) == 1, [d.detail for d in run.plan.decisions]
+    assert str(run.plan.pipeline_parallel) in found[0] and found[0].count("ms") >= 2, found[0]
+    assert ties(0.0)[1] == []

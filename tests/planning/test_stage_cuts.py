@@ -263,3 +263,19 @@ def test_a_wrong_bound_never_refuses_a_problem(monkeypatch):
         solution = solve(problem, SolverOptions(time_limit_s=4.0, workers=1), hint=start)
         assert solution.evaluation.fits
         assert solution.bound_s <= solution.objective_s * (1 + 1e-9)
+
+
+def test_the_summary_reads_as_one_state_optimal_or_timed_out_with_its_gap():
+    import dataclasses
+
+    problem = _large_problem(24, 4, 8)
+    hint = (tuple(i * 4 // 24 for i in range(24)), (True,) * 24)
+    solution = solve(problem, SolverOptions(time_limit_s=4.0, workers=1), hint=hint)
+    optimal = dataclasses.replace(solution, status="OPTIMAL", timed_out=False)
+    assert optimal.summary().startswith("CP-SAT optimal in ") and "timed out" not in optimal.summary()
+    late = dataclasses.replace(
+        solution, status="FEASIBLE", timed_out=True, bound_s=0.5 * solution.objective_s
+    )
+    said = late.summary()
+    assert said.startswith("CP-SAT timed out after ") and "(FEASIBLE)" in said and "gap 50.00 %" in said
+    assert "optimal" not in said.split("[")[0].lower()

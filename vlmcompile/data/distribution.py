@@ -84,8 +84,13 @@ class DatasetScan:
     """Microbatches the scanned step that needed the most would take to defer nothing."""
     deferred: Spread
     """Samples a step defers into the next, over the scanned steps."""
+    warning: str = ""
+    """What the plan rests on too little of (one whole step, samples left out of the scan)."""
 
     def __str__(self) -> str:
+        return self._summary() + (f"\nwarning: {self.warning}" if self.warning else "")
+
+    def _summary(self) -> str:
         return (
             f"planned for the dataset: its first {self.scanned} of {self.of} samples in steps of {self.global_batch} "
             "(whole steps only) "
@@ -177,6 +182,7 @@ def scan(
     steps = [range(k, min(k + global_batch, count)) for k in range(0, count, global_batch)]
     if len(steps) > 1 and len(steps[-1]) < global_batch:
         steps.pop()  # a partial last step would pad rows planned for a whole one
+    warning = _thin(count, size, len(steps), global_batch)
     most = max(fewest_rows([lengths[i] for i in step], budget) for step in steps)
     least = max(1, -(-sum(lengths[i] for step in steps for i in step) // (len(steps) * budget)))
     # Steps the scan saw, replayed in turn: a backlog that grows step after step shows (one scanned
@@ -204,6 +210,22 @@ def scan(
         largest,
         most,
         Spread.of(deferred),
+        warning,
+    )
+
+
+def _thin(scanned: int, size: int, steps: int, global_batch: int) -> str:
+    """A warning where the microbatch count rests on fewer than two whole steps or leaves scanned
+    samples out ("" otherwise): a run then meets steps the plan never saw."""
+    left = scanned - steps * global_batch
+    if steps >= 2 and left <= 0:
+        return ""
+    whole = f"{steps} whole step{'s' if steps > 1 else ''} of {global_batch}"
+    out = f", {left} of them in no whole step, left out" if left > 0 else ""
+    return (
+        f"the dataset holds {size} samples, of which the scan read {scanned}: {whole}{out}; the microbatches a "
+        f"step gets are planned from {'that one step' if steps == 1 else 'those steps'} alone. Plan for more "
+        "samples, or a smaller --global-batch, for a count that holds"
     )
 
 
