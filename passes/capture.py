@@ -223,8 +223,8 @@ def _check_keys(model: str, keys: set[str], named: set[str], keyword: set[str] |
     missing = named - keys
     for key in sorted(keys - named - (keyword or set())):
         meant = closest_argument(key, missing or named)
-        if keyword is None and meant is None:
-            continue  # untyped **kwargs may read it
+        if keyword is None and meant not in [a for a, aliases in _ALIASES.items() if key.lower() in aliases]:
+            continue  # untyped **kwargs may read it: refused only as a known other name of an argument
         hint = f"did you mean {meant!r}? " if meant else ""
         raise SampleBatchError(
             f"sample_batch key {key!r} is no argument of {model}.forward: {hint}(its arguments: "

@@ -167,7 +167,8 @@ class SearchReport:
             if c.step_s is not None
             and c.outcome in ("chosen", "planned", "screened")
             and c.request.parallel != chosen
-            and (c.peak_bytes or 0) <= cap_bytes
+            and c.peak_bytes is not None  # a plan's peak is known: it was simulated
+            and c.peak_bytes <= cap_bytes
         ]
         return min(others, key=lambda c: c.step_s) if others else None
 

@@ -135,11 +135,9 @@ def test_a_users_mistake_through_the_api_prints_one_short_error(tmp_path, mistak
 def test_plan_png_draws_the_plan_and_a_profiled_cpu_plan_never_shows_mfu_over_100_percent(tmp_path):
     """pipe.plan_png draws the step from Python; profiled on this CPU, the device's peak is at
     least the fastest layer's rate, so the simulated MFU stays a share."""
-    from vlmcompile.compiler import fastest_layer_rate
-
     model, batch = build("tiny", batch_size=4)
     pipe = vlmcompile.compile(model, batch, cluster="cpu:2", profile=True, log=None)
-    assert pipe.cluster.device.peak_flops_per_s >= fastest_layer_rate(pipe.layer_graph) > 0
+    assert pipe.cluster.device.peak_flops_per_s >= pipe.layer_graph.fastest_measured_rate() > 0
     assert 0 < pipe.planned.sim.mfu <= 1
     written = pipe.plan_png(tmp_path / "plan.png")
     assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

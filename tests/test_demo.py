@@ -377,6 +377,6 @@ def test_the_demo_compares_the_plans_of_a_users_own_model_on_its_batch(capfd):
         == 2
     )
     assert (
-        "global batch 4, but --model tests.user_code.my_llava:build_model_and_batch's sample batch holds 8"
+        "--global-batch 4 samples a step, but --model tests.user_code.my_llava:build_model_and_batch's sample batch holds 8"
         in (capfd.readouterr().err)
     )

@@ -25,7 +25,9 @@ def test_a_zoo_name_builds_its_model_and_batch_and_a_function_its_own(monkeypatc
     assert isinstance(zoo.model, nn.Module) and zoo.batch["input_ids"].shape[0] == 3
     own = model_source.build("tests.user_code.my_qwen:build_model_and_batch")
     assert type(own.model).__name__ == "Qwen2VLForConditionalGeneration" and own.model.training
-    assert own.batch["input_ids"].shape[0] == 2 and own.samples is None
+    assert own.batch["input_ids"].shape[0] == 2
+    assert [s["image_grid_thw"].shape[0] for s in own.samples] == [1, 1]  # a Qwen dict batch trains packed
+    assert model_source.build("tests.user_code.my_llava:build_model_and_batch").samples is None
     alone = model_source.build("tests.user_code.my_qwen:build_model", dtype=torch.bfloat16)
     assert alone.batch is None and next(alone.model.parameters()).dtype == torch.bfloat16
     data = model_source.data("tests.user_code.my_qwen:samples", alone.model, num_samples=8)
@@ -62,3 +64,30 @@ def test_data_that_is_no_dataset_or_scaled_is_refused():
         model_source.dataset("tests.user_code.my_qwen:build_model")
     with pytest.raises(DataError, match="drop --text-scale"):
         model_source.data("tests.user_code.my_qwen:samples", model, num_samples=4, text_scale=0.5)
+
+
+def test_a_users_module_or_function_that_fails_is_named_not_called_our_bug(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken_vlm.py").write_text("raise RuntimeError('no weights here')\n")
+    (tmp_path / "raising_vlm.py").write_text("def build():\n    raise ValueError('bad config')\n")
+    with pytest.raises(ModelError, match=r"importing broken_vlm failed: RuntimeError: no weights here"):
+        model_source.build("broken_vlm:build")
+    with pytest.raises(ModelError, match=r"--model raising_vlm:build raised ValueError: bad config"):
+        model_source.build("raising_vlm:build")
+    with pytest.raises(DataError, match=r"--data raising_vlm:build raised ValueError: bad config"):
+        model_source.dataset("raising_vlm:build")
+
+
+def test_every_generator_is_seeded_before_a_users_function_so_ranks_build_alike(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "numpy_vlm.py").write_text(
+        "import random, numpy, torch\n"
+        "def build():\n"
+        "    model = torch.nn.Linear(2, 2)\n"
+        "    with torch.no_grad():\n"
+        "        model.weight.fill_(float(numpy.random.rand()) + random.random())\n"
+        "    return model\n"
+    )
+    first, second = (model_source.build("numpy_vlm:build", seed=5).model for _ in range(2))
+    assert torch.equal(first.weight, second.weight)
+    assert not torch.equal(first.weight, model_source.build("numpy_vlm:build", seed=6).model.weight)

@@ -119,11 +119,17 @@ def _batch_of(built):
     """A model's sample batch of one shape (a dict), for the commands that run one."""
     from collections.abc import Mapping
 
-    if not isinstance(built.batch, Mapping):
-        given = "returned the model alone" if built.batch is None else "gave samples of different shapes"
+    if not isinstance(built.batch, Mapping) or built.samples is not None:
+        given = (
+            "returned the model alone"
+            if built.batch is None
+            else "gave samples of different shapes"
+            if isinstance(built.batch, list)
+            else "gave a Qwen-VL batch, which is captured as its samples (packed)"
+        )
         raise ArgumentError(
-            f"--model {built.name} {given}; this command runs one batch of one shape: return (model, batch) "
-            "with the batch a dict, or plan and train samples with vlmcompile plan/train --data"
+            f"--model {built.name} {given}; this command runs one batch of one shape: plan and train it with "
+            "vlmcompile plan and vlmcompile train (--data for a dataset of samples)"
         )
     return built.batch
 
@@ -201,9 +207,16 @@ def _layer_graph(args: argparse.Namespace):
             "(model, sample_batch) from the function"
         )
     else:
-        data = built.samples
+        data = built.samples  # a Qwen-VL dict batch too: it is captured and planned as its samples
+        args.global_batch = args.global_batch or (len(data) if data is not None else num_samples(built.batch))
     if data is None:
-        args.global_batch = args.global_batch or num_samples(built.batch)
+        held = num_samples(built.batch)
+        if model_source.is_function(args.model) and args.global_batch != held:
+            raise ArgumentError(
+                f"--global-batch {args.global_batch}, but --model {args.model}'s sample batch holds {held} samples, "
+                f"which is what vlmcompile train trains each step: give --global-batch {held} (or leave it out), "
+                "or samples to draw steps from with --data"
+            )
         return compile(built.model, built.batch, model_name=args.model, log=None).layer_graph, None
     if not args.global_batch:
         raise ArgumentError(f"missing --global-batch: the samples a step draws from the {len(data)} given")
@@ -411,7 +424,11 @@ def _run(args: argparse.Namespace) -> int:
     check_launchable(args.nprocs, args.timeout)  # before minutes of compiling
     built = model_source.build(args.model, batch_size=args.global_batch)
     model, batch = built.model, _batch_of(built)
-    args.global_batch = num_samples(batch)
+    if num_samples(batch) != args.global_batch:
+        raise ArgumentError(
+            f"--global-batch {args.global_batch}, but --model {args.model}'s sample batch holds {num_samples(batch)} "
+            f"samples, which run trains: give --global-batch {num_samples(batch)}"
+        )
     pipe = compile(
         model,
         batch,

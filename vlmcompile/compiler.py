@@ -31,9 +31,9 @@ from torch import nn
 from vlmcompile import models
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.data.distribution import DatasetScan, backlog_limit, scan
-from vlmcompile.data.families import PatchStreamFamily, family_of
+from vlmcompile.data.families import family_of
 from vlmcompile.data.manifest import read_manifest
-from vlmcompile.data.packing import check_samples, split_batch
+from vlmcompile.data.packing import check_samples, packs_dict_batches, split_batch
 from vlmcompile.data.synthetic import ManifestDataset
 from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
@@ -203,20 +203,13 @@ def _profile_pass(state: CompileState, *, repeats: int) -> None:
     state.layer_graph, state.profiled = result.layer_graph, (rows, repeats)
     state.reports["profile"] = result.report
     if state.cluster is not None:
-        rate = fastest_layer_rate(result.layer_graph)
-        state.cluster = state.cluster.with_peak(
-            rate, f"peak raised to the fastest profiled layer's {rate / 1e9:.1f} GFLOP/s"
-        )
+        state.cluster = with_profiled_peak(state.cluster, result.layer_graph)
 
 
-def fastest_layer_rate(layer_graph: LayerGraph) -> float:
-    """The highest FLOP rate (forward + backward) any profiled layer reached; 0 where none was."""
-    rates = [
-        (layer.fwd_flops + layer.bwd_flops) / (layer.measured[1] + layer.measured[2])
-        for layer in layer_graph.layers
-        if layer.measured is not None and layer.measured[1] + layer.measured[2] > 0
-    ]
-    return max(rates, default=0.0)
+def with_profiled_peak(cluster: Cluster, layer_graph: LayerGraph) -> Cluster:
+    """``cluster`` with its device's peak at least the fastest profiled layer's rate."""
+    rate = layer_graph.fastest_measured_rate()
+    return cluster.with_peak(rate, f"peak raised to the fastest profiled layer's {rate / 1e9:.1f} GFLOP/s")
 
 
 def _profiled(state: CompileState, rows: int, repeats: int):
@@ -269,6 +262,7 @@ def _timed_at_tower_microbatches(state: CompileState, plan: TowerPlan) -> TowerP
         f"layer times measured again at each tower's largest microbatch ({rows[0]} and {rows[1]} samples; "
         f"the plan was chosen with times at {timed_rows})",
     )
+    state.cluster = with_profiled_peak(state.cluster, graph)  # its MFU against a peak no layer beat
     return dataclasses.replace(
         plan, predicted=predict_step(graph, state.cluster, plan), decisions=(*plan.decisions, decision)
     )
@@ -505,22 +499,6 @@ def _samples_or_dataset(model: nn.Module, sample_batch: Any, dataset: Any, globa
 
 
 @user_facing
-def packs_dict_batches(model: nn.Module) -> bool:
-    """Whether a dict batch of ``model`` is captured as its samples, packed: a Qwen-VL model's
-    forward reads its images' grids and token types as values (window index, 3-D positions), so
-    a graph of one batch would be specialised on that batch's images and train no other."""
-    try:
-        family = family_of(model)
-    except VlmCompileError:
-        return False
-    # The packed graph's block-diagonal mask is sdpa's; with eager attention transformers' Qwen
-    # decoder does not keep the samples apart (its packed losses differ), so such a batch stays whole.
-    if not isinstance(family, PatchStreamFamily):
-        return False
-    text = getattr(model.config, "text_config", model.config)
-    return getattr(text, "_attn_implementation", None) != "eager"
-
-
 def freeze_layers(model: nn.Module, layer_graph: LayerGraph, names: Sequence[str]) -> list[str]:
     """Freeze (``requires_grad=False``) the parameters of the layers ``names`` mean in
     ``layer_graph`` (regions or module paths, :meth:`LayerGraph.select`), as a recipe's

@@ -53,9 +53,10 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from vlmcompile import model_source
-from vlmcompile.compiler import compile, freeze_layers, packs_dict_batches
+from vlmcompile.compiler import compile, freeze_layers
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.data.packing import packs_dict_batches
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.ir.layer_graph import format_bytes
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
@@ -555,7 +556,7 @@ def _demo_batch(global_batch: int | None, num_steps: int, full: bool) -> int:
     return global_batch or (FULL_GLOBAL_BATCH if full else DEFAULT_GLOBAL_BATCH)
 
 
-def _demo_model(model_name: str, global_batch: int, *, given: int | None):
+def _demo_model(model_name: str, global_batch: int, *, given: str | None):
     """(model, batch, global batch): a zoo model with a batch of ``global_batch``, or the model and
     batch a user's function returns (the demo trains that batch; a ``given`` global batch must be
     its size)."""
@@ -575,8 +576,8 @@ def _demo_model(model_name: str, global_batch: int, *, given: int | None):
     if held != global_batch:
         if given is not None:
             raise ArgumentError(
-                f"global batch {given}, but --model {model_name}'s sample batch holds {held} samples: leave "
-                f"--global-batch out (the demo trains the batch given), or return a batch of {given}"
+                f"{given} samples a step, but --model {model_name}'s sample batch holds {held}: leave it out (the "
+                f"demo trains the batch given), or return a batch of {global_batch}"
             )
         global_batch = held
     return built.model, built.batch, global_batch
@@ -736,15 +737,25 @@ def run_demo(
         freeze: regions or module paths to freeze (``requires_grad=False``) before compiling;
             every plan trains the model so frozen.
     """
-    given_batch = global_batch if not full else FULL_GLOBAL_BATCH
+    given_batch = (
+        f"--global-batch {global_batch}"
+        if global_batch
+        else f"--full's {FULL_GLOBAL_BATCH}"
+        if full
+        else None
+    )
     global_batch = _demo_batch(global_batch, num_steps, full)
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     say = Progress(log)
     cap = parse_memory_cap(memory_cap) if memory_cap is not None else None
     model, batch, global_batch = _demo_model(model_name, global_batch, given=given_batch)
-    frozen = tuple(freeze_layers(model, _layer_graph(model_name), freeze)) if freeze else ()
+    with say.still("finding the layers to freeze"):
+        frozen = tuple(freeze_layers(model, _layer_graph(model_name), freeze)) if freeze else ()
     start = time.perf_counter()
-    cluster = _capped(Cluster.preset(f"cpu:{NUM_RANKS}"), cap, model, batch, model_name, global_batch, say)
+    with say.still("planning the whole model on one rank, for the memory cap"):
+        cluster = _capped(
+            Cluster.preset(f"cpu:{NUM_RANKS}"), cap, model, batch, model_name, global_batch, say
+        )
     with say.still("compiling"):
         pipe = _compiled(model, batch, model_name, global_batch, cluster, say, log)
     plans, not_fitting = _plans_to_measure(pipe, global_batch)

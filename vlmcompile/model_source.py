@@ -20,12 +20,14 @@ import difflib
 import importlib
 import inspect
 import os
+import random
 import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 from torch import nn
 
@@ -51,8 +53,16 @@ class BuiltModel:
 
     @property
     def samples(self) -> list | None:
-        """The samples of different shapes the source gave (a list), else None."""
-        return self.batch if isinstance(self.batch, list) else None
+        """The samples the model trains packed: a list the source gave, or a dict batch of a
+        model whose dict batches are captured as their samples (a Qwen-VL family); else None."""
+        from vlmcompile.data.families import family_of
+        from vlmcompile.data.packing import packs_dict_batches, split_batch
+
+        if isinstance(self.batch, list):
+            return self.batch
+        if isinstance(self.batch, Mapping) and packs_dict_batches(self.model):
+            return split_batch(self.batch, family_of(self.model))
+        return None
 
 
 def build(
@@ -93,12 +103,16 @@ def load_function(spec: str, flag: str):
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        if err.name is not None and module_name.startswith(err.name):
+        if err.name == module_name or module_name.startswith(f"{err.name}."):
             raise ModelError(
                 f"{flag} {spec}: no module {err.name!r} in {here} or on the Python path; run from the folder "
                 f"that holds {module_name.replace('.', '/')}.py, or add its folder to PYTHONPATH"
             ) from None
-        raise ModelError(f"{flag} {spec}: importing {module_name} failed: {err}") from None
+        raise ModelError(f"{flag} {spec}: importing {module_name} failed: {err}") from err
+    except Exception as err:  # the user's module itself: its message, and its frames behind it
+        raise ModelError(
+            f"{flag} {spec}: importing {module_name} failed: {type(err).__name__}: {err}"
+        ) from err
     function = getattr(module, function_name, None)
     if not callable(function):
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
@@ -112,11 +126,34 @@ def load_function(spec: str, flag: str):
     return function
 
 
-def _from_function(spec: str, *, device: str, dtype, seed: int) -> BuiltModel:
-    function = load_function(spec, "--model")
-    kwargs = {"device": device} if "device" in inspect.signature(function).parameters else {}
+def seeded(seed: int) -> None:
+    """Every generator a user's code may draw from, seeded alike on every rank (torchrun's
+    processes each build the model and the data themselves: they must build the same)."""
+    random.seed(seed)
+    numpy.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    made = function(**kwargs)
+
+
+def call(spec: str, flag: str, seed: int, error: type[Exception] = ModelError, **kwargs: Any) -> Any:
+    """What the function ``spec`` returns, called after :func:`seeded` (its module imported after it
+    too); an exception it raises becomes ``error`` naming it, the user's frames behind it."""
+    seeded(seed)
+    try:
+        function = load_function(spec, flag)
+    except ModelError as err:
+        raise error(str(err)) from err.__cause__
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    try:
+        return function(**{k: v for k, v in kwargs.items() if k in parameters})
+    except Exception as err:
+        raise error(f"{flag} {spec} raised {type(err).__name__}: {err}") from err
+
+
+def _from_function(spec: str, *, device: str, dtype, seed: int) -> BuiltModel:
+    made = call(spec, "--model", seed, device=device)
     model, batch = (made, None) if isinstance(made, nn.Module) else _pair(spec, made)
     return BuiltModel(spec, _cast(model.train(), dtype), _cast_batch(batch, dtype))
 
@@ -151,16 +188,13 @@ def _cast_batch(batch, dtype):
     }
 
 
-def dataset(spec: str) -> Sequence:
+def dataset(spec: str, seed: int = 0) -> Sequence:
     """The dataset a ``--data pkg.module:function`` returns.
 
     Raises:
         DataError: it returns something without ``len`` and indexing.
     """
-    try:
-        data = load_function(spec, "--data")()
-    except ModelError as err:
-        raise DataError(str(err)) from None
+    data = call(spec, "--data", seed, DataError)
     if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         raise DataError(
             f"--data {spec} returned a {type(data).__name__}; return a dataset of samples (a list, or anything "
@@ -180,7 +214,7 @@ def data(
                 f"--text-scale {text_scale:g} scales synthetic or manifest samples; --data {spec} gives its own "
                 "samples: drop --text-scale"
             )
-        return dataset(spec)
+        return dataset(spec, seed)
     from vlmcompile.data.families import family_of
     from vlmcompile.data.synthetic import dataset_from_spec
 

@@ -419,8 +419,9 @@ class CompiledPipeline:
         if on_gpu:
             gpu = next((c for c in named if not c.startswith("cpu")), "h100x1")
             cluster = Cluster.preset(gpu)
-        else:
-            cluster = Cluster.preset(f"cpu:{world}")
+        else:  # this CPU's measured peak, or the rate a profiled layer beat it by
+            rate = self.layer_graph.fastest_measured_rate()
+            cluster = Cluster.preset(f"cpu:{world}").with_peak(rate, "the fastest profiled layer's rate")
         return Throughput(
             global_batch=runner.parallel.dp * plan.num_microbatches * plan.microbatch_size,
             flops_per_sample=per_sample,
@@ -438,13 +439,17 @@ class CompiledPipeline:
         from vlmcompile.sim.simulator import simulate
         from vlmcompile.sim.trace import write_png
 
-        if plan is None and self.planned is None:
-            raise PlanError(
-                "no plan to draw: compile with a cluster (e.g. cluster='cpu:2'), or pass plan=..."
-            )
-        check_output_file(path, "path")
+        if self.cluster is None:
+            raise PlanError("no cluster to simulate a plan on: compile with one (e.g. cluster='cpu:2')")
         plan = plan or self.plan
-        sim = self.planned.sim if plan is self.plan else simulate(plan, self.layer_graph, self.cluster)
+        if plan is None:
+            raise PlanError("no plan to draw: the plan pass did not run; pass plan=...")
+        check_output_file(path, "path")
+        sim = (
+            self.planned.sim
+            if self.planned is not None and plan is self.plan
+            else simulate(plan, self.layer_graph, self.cluster)
+        )
         write_png(plan, sim, path)
         return Path(path)
 

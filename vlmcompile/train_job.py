@@ -92,7 +92,9 @@ def add_arguments(
         "model's one shape",
     )
     parser.add_argument(
-        "--global-batch", type=positive_int, default=8, help="samples a step (--data; default 8)"
+        "--global-batch",
+        type=positive_int,
+        help="samples a step of packed samples (default: the plan's, made with --data or a model's own samples)",
     )
     parser.add_argument("--steps", type=positive_int, default=10, help="training steps")
     parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate (AdamW)")
@@ -332,6 +334,8 @@ def _packed_data(args: argparse.Namespace, built, plan):
     plan's token budget, and its global batches of them."""
     from vlmcompile.compiler import compile
     from vlmcompile.runtime.data import GlobalBatches
+
+    args.global_batch = args.global_batch or plan.packed_global_batch or 8
 
     if args.data:
         samples = max(args.data_samples, args.global_batch)

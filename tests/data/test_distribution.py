@@ -99,7 +99,8 @@ def test_bad_datasets_are_refused():
 
 
 @pytest.mark.parametrize(
-    ("samples", "warned"), [(40, "1 whole step of 32, 8 of them in no whole step"), (64, None)]
+    ("samples", "warned"),
+    [(40, "one whole step of 32, 8 more in no whole step, left out"), (64, None), (72, None)],
 )
 def test_a_plan_resting_on_one_step_or_leaving_samples_out_warns(samples, warned):
     data = SyntheticDataset(

@@ -265,3 +265,33 @@ def test_padding_packing_cannot_reproduce_is_refused_naming_the_sample():
             tokens=16,
             num_microbatches=1,
         )
+
+
+def test_a_qwen_dict_batch_splits_into_its_samples_and_refuses_what_it_would_drop():
+    from vlmcompile.data.families import RELEASED
+    from vlmcompile.data.packing import split_batch
+
+    family = RELEASED["qwen2-vl"]
+    ids = torch.tensor([[5, 2, 1, 1, 3, 6, 0], [7, 2, 1, 3, 2, 1, 3]])  # row 0: one image, padded; row 1: two
+    batch = {
+        "input_ids": ids,
+        "labels": ids.masked_fill(ids == 1, -100),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1] * 7]),
+        "pixel_values": torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3),
+        "image_grid_thw": torch.tensor([[1, 2, 4], [1, 2, 2], [1, 2, 2]]),  # 2, 1 and 1 tokens (merge 2)
+    }
+    first, second = split_batch(batch, family)
+    assert first["image_grid_thw"].tolist() == [[1, 2, 4]] and torch.equal(
+        first["pixel_values"], batch["pixel_values"][:8]
+    )
+    assert second["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2]]
+    assert torch.equal(second["pixel_values"], batch["pixel_values"][8:])
+    assert first["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1, 0]]
+    with pytest.raises(DataError, match=r"holds \['second_per_grid_ts'\]|holds \['cache_position'\]"):
+        split_batch({**batch, "cache_position": torch.arange(7)}, family)
+    with pytest.raises(DataError, match="makes 16 patches, but pixel_values holds 12"):
+        split_batch({**batch, "pixel_values": batch["pixel_values"][:12]}, family)
+    wrong = batch["image_grid_thw"].clone()
+    wrong[0] = torch.tensor([1, 2, 2])
+    with pytest.raises(DataError, match="makes 12 patches|row 0 of the dict batch has 2 image tokens"):
+        split_batch({**batch, "image_grid_thw": wrong}, family)

@@ -182,7 +182,7 @@ def scan(
     steps = [range(k, min(k + global_batch, count)) for k in range(0, count, global_batch)]
     if len(steps) > 1 and len(steps[-1]) < global_batch:
         steps.pop()  # a partial last step would pad rows planned for a whole one
-    warning = _thin(count, size, len(steps), global_batch)
+    warning = _scan_warning(count, size, len(steps), global_batch)
     most = max(fewest_rows([lengths[i] for i in step], budget) for step in steps)
     least = max(1, -(-sum(lengths[i] for step in steps for i in step) // (len(steps) * budget)))
     # Steps the scan saw, replayed in turn: a backlog that grows step after step shows (one scanned
@@ -214,19 +214,25 @@ def scan(
     )
 
 
-def _thin(scanned: int, size: int, steps: int, global_batch: int) -> str:
-    """A warning where the microbatch count rests on fewer than two whole steps or leaves scanned
-    samples out ("" otherwise): a run then meets steps the plan never saw."""
-    left = scanned - steps * global_batch
-    if steps >= 2 and left <= 0:
+def _scan_warning(scanned: int, size: int, steps: int, global_batch: int) -> str:
+    """A warning where the microbatch count rests on one whole step ("" otherwise): a run then
+    meets steps the plan never saw. What it says to do depends on why: a dataset that small, or a
+    scan that read only the first samples."""
+    if steps >= 2:
         return ""
-    whole = f"{steps} whole step{'s' if steps > 1 else ''} of {global_batch}"
-    out = f", {left} of them in no whole step, left out" if left > 0 else ""
-    return (
-        f"the dataset holds {size} samples, of which the scan read {scanned}: {whole}{out}; the microbatches a "
-        f"step gets are planned from {'that one step' if steps == 1 else 'those steps'} alone. Plan for more "
-        "samples, or a smaller --global-batch, for a count that holds"
+    left = scanned - global_batch
+    out = f", {left} more in no whole step, left out" if left > 0 else ""
+    why = (
+        f"the dataset holds {size} samples: one whole step of {global_batch}{out}"
+        if scanned == size
+        else f"the scan read the first {scanned} of {size} samples: one whole step of {global_batch}{out}"
     )
+    fix = (
+        "give more samples, or a smaller --global-batch"
+        if scanned == size
+        else "plan for a smaller --global-batch"
+    )
+    return f"{why}; the microbatches a step gets are planned from that one step alone: {fix}, for a count that holds"
 
 
 SIZED_LIMIT = 1 << 16

@@ -35,6 +35,7 @@ from vlmcompile.data.families import (
     PatchStreamFamily,
     Sample,
     attended,
+    family_of,
     labels_of,
     raw_labels,
     tokens_of,
@@ -68,6 +69,10 @@ def check_samples(samples: Any) -> list[Mapping[str, Any]]:
 
 _NOT_PACKED = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "position_ids", "inputs_embeds")
 """Inputs of a dict batch the packed path does not take apart (videos; what it computes itself)."""
+_SPLIT_KEYS = frozenset(
+    {"input_ids", "labels", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
+)
+"""What a Qwen-VL dict batch is split by (``mm_token_type_ids`` is derived again when packing)."""
 
 
 def samples_of(batch: Any, family: Family) -> list[Mapping[str, Any]]:
@@ -76,6 +81,23 @@ def samples_of(batch: Any, family: Family) -> list[Mapping[str, Any]]:
     if isinstance(batch, Mapping):
         return split_batch(batch, family)
     return check_samples(batch)
+
+
+def packs_dict_batches(model: Any) -> bool:
+    """Whether a dict batch of ``model`` is captured as its samples, packed: a Qwen-VL model's
+    forward reads its images' grids and token types as values (window index, 3-D positions), so
+    a graph of one batch would be specialised on that batch's images and train no other."""
+    try:
+        family = family_of(model)
+    except DataError:
+        return False
+    # With eager attention transformers' Qwen decoder does not keep packed samples apart (their
+    # losses differ, which capture's check refuses for a list of samples too): a dict batch of
+    # such a model stays whole, the one-shape capture it had before.
+    if not isinstance(family, PatchStreamFamily):
+        return False
+    text = getattr(model.config, "text_config", model.config)
+    return getattr(text, "_attn_implementation", None) != "eager"
 
 
 def split_batch(batch: Mapping[str, Any], family: Family) -> list[dict[str, Any]]:
@@ -99,14 +121,29 @@ def split_batch(batch: Mapping[str, Any], family: Family) -> list[dict[str, Any]
     videos = [k for k in _NOT_PACKED if k in batch]
     if videos:
         raise DataError(f"the dict batch holds {videos}; the packed path takes images only: give samples")
+    unknown = sorted(set(batch) - _SPLIT_KEYS)
+    if unknown:
+        raise DataError(
+            f"the dict batch holds {unknown}, which splitting it into samples would leave out; give a list of "
+            f"per-sample dicts (or drop them: the keys taken are {', '.join(sorted(_SPLIT_KEYS))})"
+        )
+    grids = batch.get("image_grid_thw")
+    if (grids is None) != (batch.get("pixel_values") is None):
+        raise DataError(
+            "the dict batch needs pixel_values and image_grid_thw together (or neither, text only)"
+        )
     mask = batch.get("attention_mask")
     rows = [
         {"input_ids": ids[i : i + 1], "labels": labels[i : i + 1]}
         | ({"attention_mask": mask[i : i + 1]} if mask is not None else {})
         for i in range(ids.shape[0])
     ]
-    grids = batch.get("image_grid_thw")
     patches = [] if grids is None else [int(p) for p in grids.prod(-1)]
+    if grids is not None and sum(patches) != batch["pixel_values"].shape[0]:
+        raise DataError(
+            f"the dict batch's image_grid_thw makes {sum(patches)} patches, but pixel_values holds "
+            f"{batch['pixel_values'].shape[0]}: give the images' patches and grids alike"
+        )
     image, patch = 0, 0
     for i, row in enumerate(rows):
         wanted = int((row["input_ids"][0, attended(row, f"row {i}")] == family.image_token_id).sum())

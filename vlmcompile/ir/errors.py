@@ -105,15 +105,17 @@ def user_facing(function: _F) -> _F:
     """For the API's entry points: an error about the input (a :class:`VlmCompileError`) reaches
     the caller as one exception, without the internal frames it passed through or the
     exceptions it was raised from, since its message says what to fix. A :class:`PassError`
-    (something unexpected inside a pass) keeps them, as does any error with
-    ``VLMCOMPILE_TRACEBACK`` set."""
+    (something unexpected inside a pass) and a :class:`CaptureError` (the model's own code could
+    not be captured) keep them, as does any error with ``VLMCOMPILE_TRACEBACK`` set."""
 
     @functools.wraps(function)
     def entry(*args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
         except VlmCompileError as err:
-            if isinstance(err, PassError) or os.environ.get(TRACEBACK_ENV):
+            # Something unexpected in a pass, or a capture that failed inside the model's own code:
+            # the frames behind those are what fixes them.
+            if isinstance(err, (PassError, CaptureError)) or os.environ.get(TRACEBACK_ENV):
                 raise
             raise err.with_traceback(None) from None
 

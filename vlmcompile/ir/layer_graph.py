@@ -268,6 +268,16 @@ class LayerGraph:
         frozen = [layer.name for layer in layers if layer.num_frozen_params]
         return LayerGraph(tuple(layers), self.edges, {**self.meta, "frozen": frozen})
 
+    def fastest_measured_rate(self) -> float:
+        """The highest FLOP rate (forward + backward) a profiled layer reached; 0 where none was
+        profiled. A device's peak is at least this: MFU is work over the peak."""
+        rates = [
+            (layer.fwd_flops + layer.bwd_flops) / (layer.measured[1] + layer.measured[2])
+            for layer in self.layers
+            if layer.measured is not None and layer.measured[1] + layer.measured[2] > 0
+        ]
+        return max(rates, default=0.0)
+
     def totals(self, layers: Iterable[Layer] | None = None) -> dict[str, int]:
         chosen = list(self.layers if layers is None else layers)
         keys = (

@@ -290,6 +290,16 @@ class Plan:
         return carried(self.ahead)
 
     @property
+    def packed_global_batch(self) -> int | None:
+        """Samples a step of the packed plan was made for (None: one batch shape, or an older plan)."""
+        found = next((d for d in self.decisions if d.reason is Reason.PACKED), None)
+        return (
+            int(found.numbers["global_batch"])
+            if found is not None and "global_batch" in found.numbers
+            else None
+        )
+
+    @property
     def packed_tokens(self) -> int | None:
         """LLM tokens of the packed microbatches the plan was made for (its ``packed`` decision);
         None: a plan for batches of one shape."""
