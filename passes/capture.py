@@ -28,6 +28,7 @@ import torch.fx as fx
 from tabulate import tabulate
 from torch import nn
 
+from vlmcompile.data.families import family_of
 from vlmcompile.graph.coupling import CouplingCut, find_coupling
 from vlmcompile.graph.export import (
     DATA_DEPENDENT_HELP,
@@ -197,13 +198,17 @@ _ALIASES = {
 """Names users give a forward argument under another name (the processors' keys are the right ones)."""
 
 
+def _alias_of(key: str, names: set[str]) -> str | None:
+    """The argument of ``names`` that ``key`` is a known other name of, or None."""
+    return next(
+        (name for name, aliases in _ALIASES.items() if name in names and key.lower() in aliases), None
+    )
+
+
 def closest_argument(key: str, names: set[str]) -> str | None:
     """The argument of ``names`` a batch key ``key`` most likely meant, or None."""
-    for name, aliases in _ALIASES.items():
-        if name in names and key.lower() in aliases:
-            return name
     close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
-    return close[0] if close else None
+    return _alias_of(key, names) or (close[0] if close else None)
 
 
 def _keyword_arguments(params: Mapping[str, inspect.Parameter]) -> set[str] | None:
@@ -222,9 +227,12 @@ def _check_keys(model: str, keys: set[str], named: set[str], keyword: set[str] |
     looks like an argument under another name), naming the argument it most likely meant."""
     missing = named - keys
     for key in sorted(keys - named - (keyword or set())):
-        meant = closest_argument(key, missing or named)
-        if keyword is None and meant not in [a for a, aliases in _ALIASES.items() if key.lower() in aliases]:
-            continue  # untyped **kwargs may read it: refused only as a known other name of an argument
+        if keyword is None:  # untyped **kwargs may read it: refused only as a known other name of an argument
+            meant = _alias_of(key, missing or named)
+            if meant is None:
+                continue
+        else:
+            meant = closest_argument(key, missing or named)
         hint = f"did you mean {meant!r}? " if meant else ""
         raise SampleBatchError(
             f"sample_batch key {key!r} is no argument of {model}.forward: {hint}(its arguments: "
@@ -444,8 +452,6 @@ def _check_returns_a_loss(gm: fx.GraphModule, root: nn.Module, batch: Mapping[st
 def _what_to_try(model: nn.Module) -> str:
     """The way out of a failed capture: samples, for a model the packed path takes (captured once
     for any images), else what makes a forward capturable."""
-    from vlmcompile.data.families import family_of  # noqa: PLC0415 - only on this error path
-
     try:
         family = family_of(model)
     except VlmCompileError:

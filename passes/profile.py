@@ -45,7 +45,7 @@ class ProfileReport:
 
     @property
     def spread(self) -> float:
-        return Timings((), self.round_totals_s).spread
+        return spread(self.round_totals_s)
 
     def noise_line(self) -> str:
         """How steady the machine was: the rounds' totals and the load."""
@@ -127,6 +127,13 @@ def _layer_runs(module: fx.GraphModule, leaves: list[Any]) -> tuple[Callable[[],
     return (lambda: module(*leaves)), forward_backward
 
 
+def spread(round_totals_s: tuple[float, ...]) -> float:
+    """(slowest - fastest round) / median round: how far a plan's times may move with the
+    machine's load while it is profiled (0 without rounds)."""
+    totals = round_totals_s
+    return (max(totals) - min(totals)) / statistics.median(totals) if totals else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Timings:
     """Every layer's (forward s, backward s), the median of the rounds; and the spread of the
@@ -139,10 +146,7 @@ class Timings:
 
     @property
     def spread(self) -> float:
-        """(slowest - fastest round) / median round: how far a plan's times may move with the
-        machine's load while it is profiled."""
-        totals = self.round_totals_s
-        return (max(totals) - min(totals)) / statistics.median(totals) if totals else 0.0
+        return spread(self.round_totals_s)
 
 
 def _time_layers(

@@ -17,6 +17,7 @@ The folder the command runs in is searched first, as ``python script.py`` would.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import os
@@ -51,7 +52,7 @@ class BuiltModel:
     model: nn.Module
     batch: Mapping[str, Any] | list | None
 
-    @property
+    @functools.cached_property
     def samples(self) -> list | None:
         """The samples the model trains packed: a list the source gave, or a dict batch of a
         model whose dict batches are captured as their samples (a Qwen-VL family); else None."""
