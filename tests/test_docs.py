@@ -114,3 +114,17 @@ def test_quickstart_keeps_the_two_commands_ci_reads():
     tests = lines[lines.index("# run the tests") + 1]
     assert install.endswith("&& vlmcompile demo"), install
     assert "pytest" in tests, tests
+
+
+README_MAX_LINES = 250
+
+
+def test_readme_stays_short():
+    """The README says what vlmcompile is and for whom, the two commands, the headline figures,
+    the model contract with one example, training, planning at scale, how it works and links;
+    every table and long section lives in docs/."""
+    count = len((ROOT / "README.md").read_text().splitlines())
+    assert count <= README_MAX_LINES, (
+        f"README.md has {count} lines, over the limit of {README_MAX_LINES}: move the detail "
+        "(tables, long sections, further examples) to a page of docs/ and link it from the README"
+    )
