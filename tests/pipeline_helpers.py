@@ -147,7 +147,7 @@ def run_ahead_plan(layer_graph, *, pp: int = 2, dp: int = 1, global_batch: int, 
     the greedy bubble scheduler with the forwards of the first ``ahead`` microbatches run one
     global batch ahead (``Plan.ahead``)."""
     from vlmcompile.cost_models.stage_costs import plan_costs
-    from vlmcompile.passes.bubbles import scheduled_plan
+    from vlmcompile.passes.planning.bubbles import scheduled_plan
     from vlmcompile.planning.bubble_schedule import greedy, problem_from
 
     phased = separate_plan(layer_graph, pp=pp, dp=dp, encoder_pp=1, global_batch=global_batch)

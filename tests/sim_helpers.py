@@ -63,7 +63,7 @@ def synthetic_costs(
 
 
 def bubble_plan_with_tp(demo_graph):
-    from vlmcompile.passes.bubbles import bubbles
+    from vlmcompile.passes.planning.bubbles import bubbles
     from vlmcompile.planning.request import PlanRequest, SolverOptions
 
     cluster = Cluster.preset("h100x4")

@@ -246,7 +246,7 @@ def _load_missing_plan(tmp: Path):
 
 def launch_batch(change: Callable[[dict], object]) -> Callable[[Path], object]:
     def run(tmp: Path):
-        from vlmcompile.runtime.training import one_step
+        from vlmcompile.runtime.timed_steps import one_step
 
         pipe, batch = _pipe()
         plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)
@@ -397,7 +397,7 @@ def _requires_grad_changed_after_compile(tmp: Path):
 
 def _train_config(**options):
     def run(tmp: Path):
-        from vlmcompile.runtime.trainer import TrainConfig
+        from vlmcompile.runtime.train_loop import TrainConfig
 
         return TrainConfig(steps=1, **options)
 
@@ -967,43 +967,43 @@ ELSEWHERE = {
     "train-more-ranks-than-torchrun": (
         "train",
         "a plan for more ranks than torchrun started",
-        "tests/test_train_job.py::test_a_plan_for_more_ranks_than_torchrun_started_is_refused",
+        "tests/test_train_command.py::test_a_plan_for_more_ranks_than_torchrun_started_is_refused",
         "vlmcompile: rank 0: error: the plan in plan.json runs on 4 ranks; torchrun started 2",
     ),
     "train-cuda-plan-without-cuda": (
         "train",
         "a plan made for GPUs on a machine without CUDA",
-        "tests/test_train_job.py::test_a_cuda_plan_without_cuda_is_refused_and_runs_on_cpu_when_asked",
+        "tests/test_train_command.py::test_a_cuda_plan_without_cuda_is_refused_and_runs_on_cpu_when_asked",
         "made for h100x2 and asks for CUDA, but this machine has none; run it on CPU ranks with --device cpu",
     ),
     "train-rank-killed": (
         "train",
         "a torchrun worker killed mid-run",
-        "tests/test_train_job.py::test_a_rank_killed_mid_run_ends_the_job_within_the_timeout_naming_it",
+        "tests/test_train_command.py::test_a_rank_killed_mid_run_ends_the_job_within_the_timeout_naming_it",
         "(torchrun ends the job and names it) rank: 1 ... Signal 9 (SIGKILL)",
     ),
     "train-checkpoint-other-model": (
         "train",
         "resuming from a checkpoint of another model",
-        "tests/runtime/test_trainer.py::test_a_checkpoint_of_another_model_names_the_parameters_that_differ",
+        "tests/runtime/test_train_loop.py::test_a_checkpoint_of_another_model_names_the_parameters_that_differ",
         "the checkpoint ... is not of this model: N parameters missing from it (the first five named)",
     ),
     "train-checkpoint-larger-model": (
         "train",
         "resuming from a checkpoint of a larger model (it holds all this model's tensors and more)",
-        "tests/runtime/test_trainer.py::test_a_checkpoint_of_another_model_names_the_parameters_that_differ",
+        "tests/runtime/test_train_loop.py::test_a_checkpoint_of_another_model_names_the_parameters_that_differ",
         "is not of this model: N tensors the model does not have (encoders.1....",
     ),
     "train-resume-other-schedule": (
         "train",
         "resuming under another LR schedule (--lr, --steps, --warmup-steps, --decay changed)",
-        "tests/runtime/test_trainer.py::test_a_run_resumed_under_another_lr_schedule_is_refused_naming_what_changed",
+        "tests/runtime/test_train_loop.py::test_a_run_resumed_under_another_lr_schedule_is_refused_naming_what_changed",
         "was trained with another LR schedule: decay_steps 4 (now 6), lr 0.0001 (now 0.001)",
     ),
     "train-gpu-without-torchrun": (
         "train",
         "train(device='cuda') without torchrun",
-        "tests/runtime/test_trainer.py::test_training_on_gpus_without_torchrun_says_to_use_it",
+        "tests/runtime/test_train_loop.py::test_training_on_gpus_without_torchrun_says_to_use_it",
         "to train on GPUs start one process per GPU with torchrun",
     ),
     "train-latest-stale": (
@@ -1015,7 +1015,7 @@ ELSEWHERE = {
     "train-existing-checkpoints": (
         "train",
         "a run into a directory holding another run's checkpoints, without --resume",
-        "tests/test_train_job.py::test_a_second_run_into_a_directory_holding_checkpoints_is_refused_and_overwrite_starts_again",
+        "tests/test_train_command.py::test_a_second_run_into_a_directory_holding_checkpoints_is_refused_and_overwrite_starts_again",
         "holds checkpoints of an earlier run (steps 2, 4): continue it with --resume (resume=True), or start again with --overwrite",
     ),
     "train-directory-in-use": (
@@ -1057,37 +1057,37 @@ ELSEWHERE = {
     "train-nonfinite-step": (
         "train",
         "NaN or infinite values in a batch (or a diverged loss)",
-        "tests/runtime/test_trainer.py::test_a_non_finite_step_stops_before_the_update_naming_the_step_and_the_samples",
+        "tests/runtime/test_train_loop.py::test_a_non_finite_step_stops_before_the_update_naming_the_step_and_the_samples",
         "step 3: the loss is nan and the gradient norm nan: stopped before the optimizer step, so no weight changed. batch['pixel_values'] holds NaN or infinite values in sample 3 (the shard of data-parallel rank 1)",
     ),
     "train-nonfinite-skipped": (
         "train",
         "the same with --skip-nonfinite-steps",
-        "tests/runtime/test_trainer.py::test_skipped_non_finite_steps_train_like_eager_that_skips_them",
+        "tests/runtime/test_train_loop.py::test_skipped_non_finite_steps_train_like_eager_that_skips_them",
         "step 2: skipped: loss nan, grad norm nan (1 skipped so far); trains equal to eager that skips the step",
     ),
     "train-data-shapes": (
         "train",
         "data whose global batches do not match the compiled shapes",
-        "tests/runtime/test_trainer.py::test_data_whose_batches_do_not_match_the_compiled_shapes_is_refused_before_ranks_start",
+        "tests/runtime/test_train_loop.py::test_data_whose_batches_do_not_match_the_compiled_shapes_is_refused_before_ranks_start",
         "batch['pixel_values'] is [8, 1, 3, 16, 16] torch.float32; the pipeline expects [4, 1, 3, 16, 16]",
     ),
     "train-data-later-batch": (
         "train",
         "a later global batch of other shapes",
-        "tests/runtime/test_trainer.py::test_a_later_batch_of_other_shapes_names_its_step",
+        "tests/runtime/test_train_loop.py::test_a_later_batch_of_other_shapes_names_its_step",
         "the data's global batch for step 2: batch['pixel_values'] is [2, ...",
     ),
     "train-data-collate": (
         "train",
         "samples of one global batch with other text lengths (the default collate)",
-        "tests/runtime/test_data.py::test_samples_of_other_lengths_are_refused_naming_the_key_and_the_fix",
+        "tests/runtime/test_global_batches.py::test_samples_of_other_lengths_are_refused_naming_the_key_and_the_fix",
         "samples of one batch differ in 'input_ids': sample 0 is [1, 8], sample 2 [1, 5]. ... pad or crop",
     ),
     "train-data-lambda": (
         "train",
         "data given as a lambda to local ranks",
-        "tests/runtime/test_data.py::test_data_the_local_ranks_cannot_receive_is_refused_with_the_fix",
+        "tests/runtime/test_global_batches.py::test_data_the_local_ranks_cannot_receive_is_refused_with_the_fix",
         "data (...<lambda>) cannot be sent to the local ranks, which are separate processes",
     ),
     "train-all-frozen": (
@@ -1099,7 +1099,7 @@ ELSEWHERE = {
     "train-options": (
         "train",
         "training options out of range (steps 0, warm-up beyond the steps, resume without a directory)",
-        "tests/runtime/test_trainer.py::test_bad_training_options_are_named",
+        "tests/runtime/test_train_loop.py::test_bad_training_options_are_named",
         "warmup_steps=5 must be between 0 and steps=3",
     ),
     "cli-flags-ignored": (
@@ -1189,14 +1189,14 @@ ELSEWHERE = {
     "signal-preemption-torchrun": (
         "signal",
         "SIGTERM to torchrun (`--signals-to-handle SIGTERM,SIGUSR1`)",
-        "tests/test_train_job.py::test_sigterm_to_torchrun_saves_the_step_in_flight_and_only_torchrun_listens_beyond_loopback",
+        "tests/test_train_command.py::test_sigterm_to_torchrun_saves_the_step_in_flight_and_only_torchrun_listens_beyond_loopback",
         "stopped by SIGTERM after step N of 100000: saved .../step_00000N; resume goes on from there",
     ),
     "demo-memory-cap-too-small": (
         "CLI",
         "`vlmcompile demo --memory-cap` under what any plan needs",
         "tests/test_demo.py::test_a_memory_cap_no_plan_fits_in_names_the_least_any_plan_needs",
-        "no parallel plan fits in 47.48 KiB per rank on cpu:2, of 4 candidates: 4 pruned: their model states alone exceed the cap (least 416.25 KiB per rank) ...",
+        "no parallel plan fits in 47.48 KiB per rank on cpu:2, of 5 candidates: 5 pruned: even with every layer recomputed they need more than the cap (least 288.96 KiB on a fullest rank, 241.48 KiB (509 %) over it). For memory: more GPUs (more PP / TP), ...",
     ),
     "fault-hung-in-save": (
         "fault",
@@ -1213,7 +1213,7 @@ ELSEWHERE = {
     "fault-torchrun-ports": (
         "fault",
         "what listens under torchrun",
-        "tests/test_train_job.py::test_sigterm_to_torchrun_saves_the_step_in_flight_and_only_torchrun_listens_beyond_loopback",
+        "tests/test_train_command.py::test_sigterm_to_torchrun_saves_the_step_in_flight_and_only_torchrun_listens_beyond_loopback",
         "(the ranks on 127.0.0.1 only; torchrun's own rendezvous store on every interface, as the README says)",
     ),
     "data-padding-unpackable": (
@@ -1271,14 +1271,14 @@ ELSEWHERE = {
     "train-data-fails-mid-run": (
         "train",
         "a step whose data fails on every rank mid-run (a broken sample)",
-        "tests/runtime/test_trainer.py::test_a_step_whose_data_fails_saves_the_steps_before_it_and_the_run_goes_on_from_there",
+        "tests/runtime/test_train_loop.py::test_a_step_whose_data_fails_saves_the_steps_before_it_and_the_run_goes_on_from_there",
         "the data's global batch for step 3: ...; the steps before it were saved first: the newest checkpoint is "
         ".../step_000002",
     ),
     "train-step-without-labels": (
         "train",
         "a global batch whose every label is -100 (its loss 0/0)",
-        "tests/runtime/test_trainer.py::test_a_step_without_label_tokens_stops_saying_so_after_saving_the_steps_before_it",
+        "tests/runtime/test_train_loop.py::test_a_step_without_label_tokens_stops_saying_so_after_saving_the_steps_before_it",
         "step 2: the loss is nan ...: the global batch has no label token (every label is -100), so its loss is "
         "0/0: give its samples labels, or drop them; the steps before it were saved first: ...",
     ),
@@ -1292,14 +1292,14 @@ ELSEWHERE = {
     "train-frozen-plan-cli": (
         "train",
         "a plan made with --freeze (a frozen vision tower; LLaVA's stage 1), trained from the CLI",
-        "tests/test_train_job.py::test_a_frozen_plan_trains_exactly_its_frozen_set_from_the_cli",
+        "tests/test_train_command.py::test_a_frozen_plan_trains_exactly_its_frozen_set_from_the_cli",
         "(no error) the plan's frozen layers train frozen: bit for bit unchanged in the checkpoint, losses "
         "equal eager's",
     ),
     "train-global-batch-over-plan-cli": (
         "train",
         "--global-batch 32 on a plan for 8 of a 40-sample manifest; another --global-batch on --resume",
-        "tests/test_train_job.py::test_a_global_batch_the_plan_cannot_hold_is_refused_and_a_resume_may_change_it",
+        "tests/test_train_command.py::test_a_global_batch_the_plan_cannot_hold_is_refused_and_a_resume_may_change_it",
         "the plan's 7 microbatches of 64 LLM tokens cannot hold 32 samples a step of this data: ... The most they "
         "hold is N a step; (resumed with 8: the stream goes on where the checkpoint left it)",
     ),
@@ -1312,7 +1312,7 @@ ELSEWHERE = {
     "api-all-frozen-compile": (
         "API",
         "compile a model whose every parameter is frozen, with a cluster",
-        "tests/passes/test_plan_search.py::test_a_screen_that_meets_its_own_bound_is_kept",
+        "tests/passes/planning/test_plan_search.py::test_a_screen_that_meets_its_own_bound_is_kept",
         "(no error: it plans; was 'no parallel plan fits ... least peak 92.50 KiB') train() then says: every "
         "parameter of the model has requires_grad=False: there is nothing to train",
     ),

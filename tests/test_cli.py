@@ -7,7 +7,7 @@ import pytest
 
 from vlmcompile.cli import main
 from vlmcompile.ir.plan import Plan
-from vlmcompile.passes.policies import BASELINES
+from vlmcompile.passes.planning.policies import BASELINES
 
 ARGS = ["plan", "--model", "demo", "--cluster", "h100x16", "--tp", "2", "--pp", "4", "--global-batch", "16"]
 

@@ -357,7 +357,7 @@ def test_a_long_phase_prints_a_line_every_heartbeat(monkeypatch):
 
 @pytest.mark.multiproc
 @pytest.mark.hf
-@pytest.mark.extended  # a minute of measuring; CI trains a user's model from the CLI in test_train_job
+@pytest.mark.extended  # a minute of measuring; CI trains a user's model from the CLI in test_train_command
 def test_the_demo_compares_the_plans_of_a_users_own_model_on_its_batch(capfd):
     """``vlmcompile demo --model pkg.module:function``: a transformers LLaVA and its batch of 8,
     every plan measured, each loss equal to eager's."""

@@ -1,4 +1,4 @@
-"""Imports point one way: ir <- cost_models <- sim <- planning <- passes <- compiler <- cli, demo, train_job
+"""Imports point one way: ir <- cost_models <- sim <- planning <- passes <- compiler <- cli, demo, train_command
 (graph and runtime read ir only; models read ir). Planning sits above the simulator: a policy's
 result is its plan simulated, and the simulator knows nothing of how plans are made.
 
@@ -22,11 +22,11 @@ SOURCES = {
 TOP = {
     "vlmcompile",
     "vlmcompile.compiler",
-    "vlmcompile.pipeline",
+    "vlmcompile.compiled_pipeline",
     "vlmcompile.pass_runner",
     "vlmcompile.cli",
     "vlmcompile.demo",
-    "vlmcompile.train_job",
+    "vlmcompile.train_command",
     "vlmcompile.model_source",
 }
 ALLOWED = {
@@ -41,7 +41,7 @@ ALLOWED = {
     "passes": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "data", "passes"},
     "top": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "models", "data", "passes", "top"},
 }
-COMPILER_USERS = {"vlmcompile", "vlmcompile.cli", "vlmcompile.demo", "vlmcompile.train_job"}
+COMPILER_USERS = {"vlmcompile", "vlmcompile.cli", "vlmcompile.demo", "vlmcompile.train_command"}
 """The package's own __init__ (``vlmcompile.compile``), the CLI, the demo and the train command."""
 
 
@@ -89,7 +89,7 @@ for _name, _path in MODULES.items():
 def test_the_sources_are_all_found():
     assert {
         "vlmcompile.ir.plan",
-        "vlmcompile.passes.capture",
+        "vlmcompile.passes.graph.capture",
         "vlmcompile.cost_models.memory",
         "vlmcompile.cli",
     } <= set(MODULES)
@@ -128,8 +128,47 @@ def test_the_tour_and_the_passes_package_name_every_pass():
     import vlmcompile.passes
 
     root = Path(__file__).resolve().parent.parent
-    files = sorted(p.stem for p in (root / "passes").glob("*.py") if p.stem != "__init__")
+    files = sorted(
+        p.relative_to(root / "passes").with_suffix("").as_posix()
+        for p in (root / "passes").rglob("*.py")
+        if p.stem != "__init__"
+    )
     readme = root.joinpath("README.md").read_text()
     tour = next(line for line in readme.splitlines() if line.startswith("| `passes/` |"))
-    assert [f for f in files if f"`{f}`" not in tour] == []
+    for f in files:
+        folder, name = f.split("/")
+        assert f"`{folder}/`" in tour and f"`{name}`" in tour, f"README's passes/ row does not name {f}"
     assert [f for f in files if f"{f}.py" not in vlmcompile.passes.__doc__] == []
+
+
+def _named_in(doc: str, name: str) -> bool:
+    return f"``{name}``" in doc or f"{name}.py" in doc or f"{name}/" in doc
+
+
+def test_every_packages_tour_names_all_its_modules():
+    """Each package's ``__init__`` docstring names every module and sub-package in it (or an
+    enclosing package's names it by its path, as ``passes`` does its folders')."""
+    missing = []
+    for root in SOURCES.values():
+        for init in root.rglob("__init__.py"):
+            if root == ROOT / "vlmcompile" and init.parent.relative_to(root).parts[:1] in (
+                ("passes",),
+                ("cost_models",),
+            ):
+                continue
+            folder = init.parent
+            children = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+            children += [p.name for p in folder.iterdir() if (p / "__init__.py").exists()]
+            docs = [ast.get_docstring(ast.parse(init.read_text())) or ""]
+            enclosing = [
+                (a, folder.relative_to(a).as_posix()) for a in folder.parents if (a / "__init__.py").exists()
+            ]
+            for name in children:
+                named = _named_in(docs[0], name) or any(
+                    f"{rel}/{name}.py"
+                    in (ast.get_docstring(ast.parse((a / "__init__.py").read_text())) or "")
+                    for a, rel in enclosing
+                )
+                if not named:
+                    missing.append(f"{folder.relative_to(ROOT)}/__init__.py does not name {name}")
+    assert not missing, "\n".join(missing)

@@ -10,8 +10,8 @@ from tests.models import ZOO
 from vlmcompile import Region, models
 from vlmcompile.ir.errors import ModelError
 from vlmcompile.models.configs import ENCODERS, LLMS, VLMS, ProjectorConfig, VLMConfig
-from vlmcompile.passes.annotate import annotate
-from vlmcompile.passes.capture import capture
+from vlmcompile.passes.graph.annotate import annotate
+from vlmcompile.passes.graph.capture import capture
 
 
 def _num_params(model: torch.nn.Module) -> int:

@@ -23,7 +23,7 @@ from vlmcompile import compile
 from vlmcompile.ir.regions import ENCODER_SIDE, Region
 from vlmcompile.planning.encoder_plans import encoder_layer_count
 from vlmcompile.runtime.launch import launch
-from vlmcompile.runtime.training import one_step
+from vlmcompile.runtime.timed_steps import one_step
 
 # The first test's setup compiles every selected case (all 36 where nothing is deselected: 300 s
 # and more with another worker beside it, 2026-11-28): more than the suite's 300 s a test.

@@ -6,6 +6,19 @@
 >>> run = pipe.baseline("megatron", tp=8, pp=4, global_batch=32)
 >>> print(run.sim)             # predicted step time and bubbles
 >>> vlmcompile.train(pipe, batches, vlmcompile.TrainConfig(steps=100))
+
+The modules here are the top of the import order (docs/architecture.md tours the rest):
+
+* ``compiler`` - ``compile``: the pass list, run by ``pass_runner`` (numbered passes that explain themselves).
+* ``compiled_pipeline`` - what ``compile`` returns: :class:`CompiledPipeline`, and a rank's runner for a plan.
+* ``model_source`` - ``--model`` / ``--data`` as ``pkg.module:function``: a user's model and samples.
+* ``cli`` (and ``__main__``) - the command line; ``train_command`` is ``vlmcompile train``; ``demo`` is ``vlmcompile demo``.
+
+Below them, in import order: ``ir`` (the data every stage hands the next), ``cost_models`` and
+``sim`` (what a plan costs; its simulated step), ``planning`` (requests, CP-SAT models, schedules,
+bounds), ``passes`` (capture, annotate, our planning passes, the baselines, codegen), and beside
+them ``graph`` (FX machinery), ``data`` (samples of any shape), ``models`` (the zoo and tiny
+transformers VLMs) and ``runtime`` (a plan run on torch.distributed).
 """
 
 import importlib
@@ -27,11 +40,11 @@ _EXPORTS = {
     "LayerGraph": "vlmcompile.ir.layer_graph",
     "Plan": "vlmcompile.ir.plan",
     "Region": "vlmcompile.ir.regions",
-    "CompiledPipeline": "vlmcompile.pipeline",
-    "CompileReport": "vlmcompile.pipeline",
-    "TrainConfig": "vlmcompile.runtime.trainer",
-    "GlobalBatches": "vlmcompile.runtime.data",
-    "train": "vlmcompile.pipeline",
+    "CompiledPipeline": "vlmcompile.compiled_pipeline",
+    "CompileReport": "vlmcompile.compiled_pipeline",
+    "TrainConfig": "vlmcompile.runtime.train_loop",
+    "GlobalBatches": "vlmcompile.runtime.global_batches",
+    "train": "vlmcompile.compiled_pipeline",
     "load_checkpoint": "vlmcompile.runtime.checkpoint",
 }
 """Loaded on first use: a local rank imports ``vlmcompile.runtime.launch`` before anything else

@@ -5,7 +5,7 @@ Every ``--model`` takes a zoo name, a tiny transformers model (``hf-llava``) or 
 
 ``vlmcompile annotate --model NAME [--json FILE]``: capture and annotate a model.
 ``vlmcompile plan --model NAME --cluster PRESET [--policy NAME]``: plan with our policy (or a
-baseline of :data:`~vlmcompile.passes.policies.POLICIES`), simulate and print the step and its
+baseline of :data:`~vlmcompile.passes.planning.policies.POLICIES`), simulate and print the step and its
 bubbles (``--setup NAME`` fills in a paper's configuration; ``--search`` lets the plan search
 choose the degrees; ``--data`` plans for samples of any shape).
 ``vlmcompile demo [--model NAME] [--json FILE]``: the demo VLM (or yours) on 2 local CPU ranks,
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from vlmcompile import train_job
+from vlmcompile import train_command
 from vlmcompile.ir.errors import TRACEBACK_ENV, ArgumentError
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -172,10 +172,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _llm_alone_s(run, graph, cluster) -> tuple[float | None, float | None]:
-    """The bounds' steps (passes/llm_alone.py): the LLM alone, and with the encoders'
+    """The bounds' steps (vlmcompile/planning/llm_alone_bound.py): the LLM alone, and with the encoders'
     dependencies; None for a model with nothing but encoders."""
     from vlmcompile.ir.errors import PlanError
-    from vlmcompile.passes.llm_alone import dependency_bound, llm_alone_plan, llm_alone_step_s
+    from vlmcompile.planning.llm_alone_bound import dependency_bound, llm_alone_plan, llm_alone_step_s
 
     try:
         alone = llm_alone_plan(run.plan, graph, cluster)
@@ -284,7 +284,7 @@ def _own_model(spec: str) -> bool:
 
 
 def _plan_run(args: argparse.Namespace, graph, cluster):
-    from vlmcompile.passes.policies import POLICIES, plan_and_simulate, search_and_compare
+    from vlmcompile.passes.planning.policies import POLICIES, plan_and_simulate, search_and_compare
     from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOptions
 
     solver = SolverOptions(time_limit_s=args.time_limit or (SEARCH_TIME_LIMIT_S if args.search else 10.0))
@@ -385,7 +385,7 @@ def _warn_ignored_flags(args: argparse.Namespace) -> None:
     if ignored:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in ignored)
         print(f"vlmcompile: warning: ignoring {flags}: {why}", file=sys.stderr)
-    train_job.warn_without_data(args)
+    train_command.warn_without_data(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -419,7 +419,7 @@ def _run(args: argparse.Namespace) -> int:
     from vlmcompile.ir.microbatch import num_samples
     from vlmcompile.planning.request import SearchSpace
     from vlmcompile.runtime.launch import check_launchable
-    from vlmcompile.runtime.training import timed_steps
+    from vlmcompile.runtime.timed_steps import timed_steps
 
     check_launchable(args.nprocs, args.timeout)  # before minutes of compiling
     built = model_source.build(args.model, batch_size=args.global_batch)
@@ -462,7 +462,7 @@ def _setup_names() -> list[str]:
 
 
 def _policies() -> dict:
-    from vlmcompile.passes.policies import POLICIES
+    from vlmcompile.passes.planning.policies import POLICIES
 
     return POLICIES
 
@@ -484,7 +484,7 @@ def _stage_placement_names() -> list[str]:
 
 
 def _placement_names() -> list[str]:
-    from vlmcompile.passes.megatron import EncoderPlacement
+    from vlmcompile.passes.baselines.megatron import EncoderPlacement
 
     return [p.value for p in EncoderPlacement]
 
@@ -613,7 +613,7 @@ def _add_plan(sub) -> None:
         "(vision, projector, llm, head) or module paths, comma-separated, e.g. vision or vision,llm,head "
         "(LLaVA's first stage); every policy gets the same freezing",
     )
-    train_job.data_arguments(
+    train_command.data_arguments(
         q,
         _positive_int,
         _positive_float,
@@ -699,10 +699,10 @@ def _add_train(sub) -> None:
         "train a saved plan (of a zoo model or your own): AdamW, LR schedule, clipping, checkpoints, metrics; under "
         "torchrun (torchrun --nproc-per-node N -m vlmcompile train --plan FILE) or on local ranks",
     )
-    train_job.add_arguments(
+    train_command.add_arguments(
         t, _positive_int, _positive_float, non_negative_float=_non_negative_float, names=_names
     )
-    t.set_defaults(run=train_job.run)
+    t.set_defaults(run=train_command.run)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -720,14 +720,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from vlmcompile.ir.errors import VlmCompileError
     from vlmcompile.runtime.launch import Interrupted, interrupt_on_stop_signals, restore_signals
-    from vlmcompile.train_job import rank_prefix
+    from vlmcompile.train_command import rank_prefix
 
     previous = interrupt_on_stop_signals()
     try:
         _check_output_paths(args)
         return args.run(args)
     except Interrupted as err:
-        done = "stopped at once, without saving" if train_job.under_torchrun() else "stopped every rank"
+        done = "stopped at once, without saving" if train_command.under_torchrun() else "stopped every rank"
         print(f"vlmcompile: {rank_prefix()}interrupted by {err.signal_name}; {done}", file=sys.stderr)
         return 128 + int(getattr(signal, err.signal_name))
     except (VlmCompileError, ValueError, KeyError, OSError) as err:

@@ -1,17 +1,18 @@
 """``vlmcompile.compile``: builds the pass list and runs it.
 
-| #   | pass     | file               |
-|-----|----------|--------------------|
-| 1   | capture  | passes/capture.py  |
-| 2   | annotate | passes/annotate.py |
-| (3) | profile  | passes/profile.py (``profile=True``: measured layer times for the plan) |
-| 3   | plan     | passes/plan_search.py, passes/partition.py, every baseline (passes/policies.py) |
-| 4   | codegen  | passes/codegen.py: the plan's stage modules |
+| #   | pass     | file |
+|-----|----------|------|
+| 1   | capture  | passes/graph/capture.py (samples of different shapes: passes/graph/capture_packed.py) |
+| 2   | annotate | passes/graph/annotate.py |
+| (3) | profile  | passes/graph/profile.py (``profile=True``: measured layer times for the plan) |
+| 3   | plan     | passes/planning/plan_search.py, passes/planning/partition.py, passes/planning/bubbles.py, every baseline (passes/planning/policies.py) |
+| 4   | codegen  | passes/codegen/stages.py: the plan's stage modules (a contrastive model's towers: passes/codegen/contrastive.py) |
 
 The plan pass runs when a cluster is given: the plan search picks the degrees, the partition
-pass the cuts and recompute, and every baseline is planned at the chosen degrees for the
-report. Codegen splits the captured graph along the plan (not on meta tensors: nothing could
-run them). The schedule pass joins this list as it lands.
+pass the cuts and recompute, the bubbles pass the encoders' own plan and their work in the LLM's
+bubbles (the schedule is part of the plan), and every baseline is planned at the chosen degrees
+for the report. Codegen splits the captured graph along the plan (not on meta tensors: nothing
+could run them).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.fx as fx
 from torch import nn
 
 from vlmcompile import models
+from vlmcompile.compiled_pipeline import CompiledPipeline, CompileReport, frozen_parameters
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.data.distribution import DatasetScan, backlog_limit, scan
 from vlmcompile.data.families import family_of
@@ -37,7 +39,8 @@ from vlmcompile.data.packing import check_samples, packs_dict_batches, split_bat
 from vlmcompile.data.synthetic import ManifestDataset
 from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
-from vlmcompile.ir.coupled_loss import CoupledLoss
+from vlmcompile.ir.contrastive_loss import CoupledLoss
+from vlmcompile.ir.contrastive_plan import TowerPlan
 from vlmcompile.ir.errors import (
     ArgumentError,
     ClusterError,
@@ -57,19 +60,17 @@ from vlmcompile.ir.meta_keys import (
 from vlmcompile.ir.microbatch import num_samples
 from vlmcompile.ir.plan import Decision, Reason
 from vlmcompile.ir.regions import Region
-from vlmcompile.ir.tower_plan import TowerPlan
 from vlmcompile.pass_runner import Pass, PassRunner
-from vlmcompile.passes.annotate import TensorMode, annotate
-from vlmcompile.passes.capture import CaptureMethod, capture
-from vlmcompile.passes.capture_packed import capture_packed
-from vlmcompile.passes.codegen import CodegenResult, codegen_for
-from vlmcompile.passes.codegen_towers import codegen_towers
-from vlmcompile.passes.policies import search_and_compare
-from vlmcompile.passes.profile import profile
-from vlmcompile.pipeline import CompiledPipeline, CompileReport, frozen_parameters
+from vlmcompile.passes.codegen.contrastive import codegen_towers
+from vlmcompile.passes.codegen.stages import CodegenResult, codegen_for
+from vlmcompile.passes.graph.annotate import TensorMode, annotate
+from vlmcompile.passes.graph.capture import CaptureMethod, capture
+from vlmcompile.passes.graph.capture_packed import capture_packed
+from vlmcompile.passes.graph.profile import profile
+from vlmcompile.passes.planning.policies import search_and_compare
+from vlmcompile.planning.contrastive import predict_step
+from vlmcompile.planning.contrastive_placement import place_towers
 from vlmcompile.planning.request import SearchSpace, SolverOptions
-from vlmcompile.planning.tower_placement import place_towers
-from vlmcompile.planning.towers import predict_step
 from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.executor import RUNTIME
 from vlmcompile.runtime.launch import threads_per_rank

@@ -60,11 +60,11 @@ from vlmcompile.data.packing import packs_dict_batches
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.ir.layer_graph import format_bytes
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
-from vlmcompile.passes.policies import plan_and_simulate
+from vlmcompile.passes.planning.policies import plan_and_simulate
 from vlmcompile.planning.request import PlanRequest, SearchSpace
 from vlmcompile.runtime.launch import launch
-from vlmcompile.runtime.trainer import TrainConfig, eager_training
-from vlmcompile.runtime.training import interleaved_steps
+from vlmcompile.runtime.timed_steps import interleaved_steps
+from vlmcompile.runtime.train_loop import TrainConfig, eager_training
 from vlmcompile.sim.simulator import simulate
 
 NUM_RANKS = 2
@@ -524,7 +524,7 @@ def measured_steps(
     names: Sequence[str],
     started: float | None,
 ) -> list[dict[str, list[float]]]:
-    """:func:`~vlmcompile.runtime.training.interleaved_steps`, rank 0 printing every plan's time
+    """:func:`~vlmcompile.runtime.timed_steps.interleaved_steps`, rank 0 printing every plan's time
     after each round when ``started`` is given; runs on every rank."""
     say = Progress(sys.stderr if started is not None and dist.get_rank() == 0 else None, started)
     rounds_s, last = [], [time.perf_counter()]

@@ -39,7 +39,7 @@ def test_no_simulated_step_beats_its_bound(demo_graph):
     # spread over every rank; a step under it would make the figure meaningless.
     from vlmcompile.cost_models.cluster import Cluster
     from vlmcompile.cost_models.stage_costs import plan_costs
-    from vlmcompile.passes.bubbles import bubbles
+    from vlmcompile.passes.planning.bubbles import bubbles
     from vlmcompile.planning.request import PlanRequest, SolverOptions
     from vlmcompile.sim.simulator import simulate
 

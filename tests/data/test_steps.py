@@ -13,7 +13,7 @@ from vlmcompile.data.manifest import read_manifest
 from vlmcompile.data.steps import DeferralError, PackedSteps, check_run
 from vlmcompile.data.synthetic import ManifestDataset
 from vlmcompile.ir.errors import DataError
-from vlmcompile.runtime.data import GlobalBatches
+from vlmcompile.runtime.global_batches import GlobalBatches
 
 FAMILY = TileFamily(
     "zoo", image_token_id=63, side=16, channels=3, tokens_per_tile=4, max_tiles=1, empty_images=True

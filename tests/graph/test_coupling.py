@@ -8,9 +8,9 @@ import torch
 
 from tests.models import TWO_TOWER_REGIONS as REGIONS
 from tests.models import TwoTowers, build, needs_transformers, two_tower_batch
-from vlmcompile.graph.coupling import find_coupling
-from vlmcompile.ir.coupled_loss import LossKind
-from vlmcompile.passes.capture import capture
+from vlmcompile.graph.contrastive import find_coupling
+from vlmcompile.ir.contrastive_loss import LossKind
+from vlmcompile.passes.graph.capture import capture
 
 
 def _cut(model, batch):

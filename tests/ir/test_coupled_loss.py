@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlmcompile.ir.coupled_loss import CoupledLoss, LossKind, batch_loss, rows_loss
+from vlmcompile.ir.contrastive_loss import CoupledLoss, LossKind, batch_loss, rows_loss
 
 
 def _loss(kind):

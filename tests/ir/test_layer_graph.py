@@ -6,8 +6,8 @@ import pytest
 from tests.models import build
 from vlmcompile.ir.layer_graph import SCHEMA_VERSION, Layer, LayerGraph
 from vlmcompile.ir.regions import Region
-from vlmcompile.passes.annotate import annotate
-from vlmcompile.passes.capture import capture
+from vlmcompile.passes.graph.annotate import annotate
+from vlmcompile.passes.graph.capture import capture
 
 
 @pytest.fixture(scope="module")

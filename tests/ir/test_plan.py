@@ -11,7 +11,7 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.actions import Action, ActionKind, format_grid
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Parallel, Plan, Precision, Stage
-from vlmcompile.passes.megatron import megatron
+from vlmcompile.passes.baselines.megatron import megatron
 from vlmcompile.planning.request import GlobalRecompute, PlanRequest
 from vlmcompile.planning.schedules import one_f_one_b
 from vlmcompile.sim.simulator import simulate

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from vlmcompile.ir.actions import Action, ActionKind, dependencies
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Stage
+from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.planning import encoder_plans as ep
 from vlmcompile.planning.bubble_schedule import (
     BubbleProblem,
@@ -393,3 +394,8 @@ def test_a_wrong_bound_never_refuses_a_schedule(monkeypatch):
     monkeypatch.setattr(bubble_schedule, "schedule_bound", lambda problem: 10**9)
     found = solve_schedule(problem, time_limit_s=5, num_workers=1)
     assert found.step == expected and found.bound <= found.objective
+
+
+def test_a_batchs_re_planning_tries_the_screens_setting_first_and_only_settings_the_pass_tries():
+    assert bs.PER_BATCH_SETTINGS[: len(bs.SCREEN_LAYER)] == bs.SCREEN_LAYER
+    assert set(bs.PER_BATCH_SETTINGS) <= set(bs.GREEDY_SETTINGS)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.planning.test_stage_cuts import _large_problem, enumerate_plans, problems
 from vlmcompile.planning.partition_bound import Units, closed_form_bound, timeline_bound
-from vlmcompile.planning.problem import PartitionProblem, model_step, stage_figures, stage_timeline
+from vlmcompile.planning.partition_problem import PartitionProblem, model_step, stage_figures, stage_timeline
 from vlmcompile.planning.request import SolverOptions
 from vlmcompile.planning.stage_cuts import _solve_one
 

@@ -7,7 +7,7 @@ import pytest
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.plan import Decision, Reason
-from vlmcompile.passes.megatron import megatron
+from vlmcompile.passes.baselines.megatron import megatron
 from vlmcompile.planning.megatron_layout import MegatronReport
 from vlmcompile.planning.policy import Policy
 from vlmcompile.planning.request import PlanRequest

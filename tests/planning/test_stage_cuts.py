@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.placement import Placement
-from vlmcompile.planning.problem import PartitionProblem, evaluate, memory_patterns
+from vlmcompile.planning.partition_problem import PartitionProblem, evaluate, memory_patterns
 from vlmcompile.planning.request import GAP_GOAL, SolverOptions
 from vlmcompile.planning.schedules import make_schedule
 from vlmcompile.planning.stage_cuts import Infeasible, solve

@@ -1,5 +1,5 @@
 """The step bounds against exhaustive search: no cut and recompute choice of a small random
-problem, timed by the simulator's rules (:func:`~vlmcompile.planning.problem.evaluate`), is
+problem, timed by the simulator's rules (:func:`~vlmcompile.planning.partition_problem.evaluate`), is
 faster than the bound."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from vlmcompile.ir.placement import Placement
 from vlmcompile.ir.plan import Parallel
 from vlmcompile.planning.candidate_bound import INTERLEAVED_SCAN_GROUPS, _held_per_rank, _held_per_stage
-from vlmcompile.planning.problem import PartitionProblem, evaluate
+from vlmcompile.planning.partition_problem import PartitionProblem, evaluate
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import make_schedule
 from vlmcompile.planning.step_bound import (

@@ -16,10 +16,10 @@ import torch
 from tests.models import build
 from tests.pipeline_helpers import even_plan
 from vlmcompile import compile
-from vlmcompile.models.data import SyntheticBatches
+from vlmcompile.models.synthetic_batches import SyntheticBatches
 from vlmcompile.runtime import checkpoint
 from vlmcompile.runtime.checkpoint import CheckpointError, load_checkpoint, newest, problems
-from vlmcompile.runtime.trainer import TrainConfig
+from vlmcompile.runtime.train_loop import TrainConfig
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 

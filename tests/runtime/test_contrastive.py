@@ -16,15 +16,15 @@ import torch.distributed as dist
 from tests.models import TWO_TOWER_REGIONS, TwoTowers, build, needs_transformers, two_tower_batch
 from tests.pipeline_helpers import check_equal_to_eager, eager_step
 from vlmcompile import compile
-from vlmcompile.ir.coupled_loss import batch_loss
+from vlmcompile.ir.contrastive_loss import batch_loss
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.microbatch import num_samples
+from vlmcompile.planning.contrastive_placement import separate_towers
 from vlmcompile.planning.request import SearchSpace
-from vlmcompile.planning.tower_placement import separate_towers
 from vlmcompile.runtime.collectives import Deadline, sum_gradients
 from vlmcompile.runtime.contrastive import ContrastiveStep
 from vlmcompile.runtime.launch import launch
-from vlmcompile.runtime.training import one_step
+from vlmcompile.runtime.timed_steps import one_step
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 COLOCATED_2 = SearchSpace(tower_microbatches=2, tower_placement="colocated")

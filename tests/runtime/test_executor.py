@@ -28,7 +28,7 @@ from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.runtime.executor import BatchError, PipelineRunner
 from vlmcompile.runtime.launch import LaunchError, launch
-from vlmcompile.runtime.training import interleaved_steps, one_step
+from vlmcompile.runtime.timed_steps import interleaved_steps, one_step
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 

@@ -18,11 +18,11 @@ from tests.models import build, needs_transformers
 from tests.pipeline_helpers import check_equal_to_eager, encoder_on_rank_1, even_plan, separate_plan
 from vlmcompile import compile
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.models.data import SyntheticBatches
-from vlmcompile.passes.bubbles import bubbles
+from vlmcompile.models.synthetic_batches import SyntheticBatches
+from vlmcompile.passes.planning.bubbles import bubbles
 from vlmcompile.planning.request import PlanRequest, SolverOptions
 from vlmcompile.runtime.checkpoint import load_checkpoint
-from vlmcompile.runtime.trainer import TrainConfig, eager_training
+from vlmcompile.runtime.train_loop import TrainConfig, eager_training
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 

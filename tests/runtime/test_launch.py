@@ -221,7 +221,7 @@ def test_a_python_level_sigint_handler_survives_a_cp_sat_solve(tmp_path):
             import signal, threading
             from vlmcompile.cost_models.cluster import Cluster
             from vlmcompile.compiler import zoo_layer_graph
-            from vlmcompile.passes.policies import plan_and_simulate
+            from vlmcompile.passes.planning.policies import plan_and_simulate
             from vlmcompile.planning.request import PlanRequest, SolverOptions
 
             # Python's handler, even when this process was started with SIGINT ignored (as a

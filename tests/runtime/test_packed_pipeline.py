@@ -15,8 +15,8 @@ from tests.models import needs_transformers
 from tests.pipeline_helpers import check_equal_to_eager, even_plan, separate_plan
 from vlmcompile.runtime.checkpoint_dir import Start
 from vlmcompile.runtime.launch import launch
-from vlmcompile.runtime.trainer import train_on_rank
-from vlmcompile.runtime.training import one_step
+from vlmcompile.runtime.timed_steps import one_step
+from vlmcompile.runtime.train_loop import train_on_rank
 
 pytestmark = [needs_transformers, pytest.mark.hf, pytest.mark.multiproc]
 
@@ -171,8 +171,8 @@ def test_six_adamw_steps_on_variable_data_equal_eager(compiled):
     (:mod:`vlmcompile.planning.per_batch`): the steps run different schedules, none hangs, and
     the losses are eager's all the same."""
     from vlmcompile.data.steps import PaddedSteps
-    from vlmcompile.runtime.data import GlobalBatches
-    from vlmcompile.runtime.trainer import TrainConfig, eager_training
+    from vlmcompile.runtime.global_batches import GlobalBatches
+    from vlmcompile.runtime.train_loop import TrainConfig, eager_training
 
     config = TrainConfig(steps=STEPS, **CONFIG)
     cases, expected = [], {}
@@ -240,8 +240,8 @@ def _no_labels(sample):
 
 @pytest.mark.parametrize("compiled", ["ci"], indirect=True)
 def test_a_packed_step_with_nan_images_stops_naming_the_dataset_samples(compiled):
-    from vlmcompile.runtime.data import GlobalBatches
-    from vlmcompile.runtime.trainer import NonFiniteStepError, TrainConfig
+    from vlmcompile.runtime.global_batches import GlobalBatches
+    from vlmcompile.runtime.train_loop import NonFiniteStepError, TrainConfig
 
     _, _, _, pipe, data = compiled["tiny"]
     with pytest.raises(
@@ -256,8 +256,8 @@ def test_a_packed_step_with_nan_images_stops_naming_the_dataset_samples(compiled
 def test_a_packed_step_without_label_tokens_stops_saying_so_or_is_skipped(compiled):
     """Stopped naming the cause (not a divergence); with ``on_nonfinite="skip"`` skipped as an
     eager loop skips it, its samples counted as left out."""
-    from vlmcompile.runtime.data import GlobalBatches
-    from vlmcompile.runtime.trainer import NonFiniteStepError, TrainConfig
+    from vlmcompile.runtime.global_batches import GlobalBatches
+    from vlmcompile.runtime.train_loop import NonFiniteStepError, TrainConfig
 
     _, _, _, pipe, data = compiled["tiny"]
     batches = GlobalBatches(_Edited(data, _no_labels), 6, seed=2)

@@ -17,7 +17,7 @@ from vlmcompile.ir.errors import PlanError, VlmCompileError
 from vlmcompile.ir.plan import Plan
 from vlmcompile.runtime.executor import BatchError
 from vlmcompile.runtime.launch import launch
-from vlmcompile.runtime.training import one_step
+from vlmcompile.runtime.timed_steps import one_step
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 

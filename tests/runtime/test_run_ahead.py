@@ -15,10 +15,10 @@ from tests.models import build, needs_transformers
 from tests.pipeline_helpers import check_equal_to_eager, run_ahead_plan
 from vlmcompile import compile
 from vlmcompile.ir.actions import ActionKind
-from vlmcompile.models.data import SyntheticBatches
+from vlmcompile.models.synthetic_batches import SyntheticBatches
 from vlmcompile.runtime.checkpoint import load_checkpoint
 from vlmcompile.runtime.launch import launch
-from vlmcompile.runtime.trainer import TrainConfig, eager_training
+from vlmcompile.runtime.train_loop import TrainConfig, eager_training
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 

@@ -9,7 +9,7 @@ import torch.fx as fx
 from tests.models import build, needs_transformers
 from tests.pipeline_helpers import even_plan
 from vlmcompile import compile
-from vlmcompile.passes.codegen import codegen_for
+from vlmcompile.passes.codegen.stages import codegen_for
 from vlmcompile.runtime.stage import move_stage
 
 

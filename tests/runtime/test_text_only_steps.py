@@ -15,8 +15,8 @@ from vlmcompile.data.families import family_of
 from vlmcompile.data.packed_step import PackedStep
 from vlmcompile.data.steps import PackedSteps, PaddedSteps
 from vlmcompile.data.synthetic import SyntheticDataset
-from vlmcompile.runtime.data import GlobalBatches
 from vlmcompile.runtime.executor import drop_unused_gradients
+from vlmcompile.runtime.global_batches import GlobalBatches
 
 
 def test_only_all_zero_gradients_are_dropped():

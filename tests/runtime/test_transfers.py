@@ -13,7 +13,7 @@ from tests.pipeline_helpers import check_equal_to_eager, even_plan, first_forwar
 from tests.runtime.test_executor import CASES, SEPARATE, _pipe
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.runtime.launch import launch
-from vlmcompile.runtime.training import one_step
+from vlmcompile.runtime.timed_steps import one_step
 from vlmcompile.runtime.transfers import Transfer, transfer_order
 
 

@@ -22,9 +22,9 @@ from tests.models import build
 from tests.pipeline_helpers import even_plan
 from vlmcompile import compile
 from vlmcompile.ir.errors import VlmCompileError
-from vlmcompile.models.data import SyntheticBatches
+from vlmcompile.models.synthetic_batches import SyntheticBatches
 from vlmcompile.runtime.launch import Interrupted, LaunchError
-from vlmcompile.runtime.trainer import TrainConfig
+from vlmcompile.runtime.train_loop import TrainConfig
 
 
 class SlowData:

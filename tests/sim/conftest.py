@@ -4,7 +4,7 @@ traces' tests."""
 import pytest
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.passes.megatron import megatron
+from vlmcompile.passes.baselines.megatron import megatron
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.sim.simulator import simulate
 

@@ -14,7 +14,7 @@ from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.regions import Region
-from vlmcompile.passes.megatron import megatron
+from vlmcompile.passes.baselines.megatron import megatron
 from vlmcompile.planning.request import PlanRequest
 from vlmcompile.planning.schedules import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
 from vlmcompile.sim.simulator import CAUSES, simulate

@@ -71,7 +71,7 @@ Item = int | _Given
 class PackedSteps:
     """``steps(k)``: step ``k``'s :class:`PackedBatch` for ``num_microbatches`` microbatches of
     ``tokens`` LLM tokens. ``samples(k)`` gives step ``k``'s global batch as a list of samples:
-    a :class:`~vlmcompile.runtime.data.GlobalBatches` with ``collate=list`` (its samples are then
+    a :class:`~vlmcompile.runtime.global_batches.GlobalBatches` with ``collate=list`` (its samples are then
     named, sized and checkpointed by dataset index), or any function of the step."""
 
     samples: Callable[[int], Sequence[Sample]]

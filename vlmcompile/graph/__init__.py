@@ -1,3 +1,10 @@
-"""FX-graph machinery behind the capture and annotate passes: torch.export of meta models,
-fake tensors, specialisation on shape-deciding values, node-to-layer grouping and the loss
-split check. Reads the IR."""
+"""FX-graph machinery behind the capture and annotate passes. Reads the IR.
+
+* ``export`` - torch.export of (meta) models on fake CPU tensors, with the loss wrapper.
+* ``fake`` - fake tensors that claim the CPU, standing in for a model's meta or real tensors.
+* ``specialize`` - a capture specialised on the batch values that decide shapes.
+* ``layering`` - the captured graph's nodes grouped into layers, each with its region.
+* ``subgraph`` - a run of a captured graph's nodes copied out as a module of its own.
+* ``loss_split`` - whether the loss splits over microbatches (checked on the sample batch).
+* ``contrastive`` - where a loss couples a batch's samples, and whether it is a contrastive loss we shard.
+"""

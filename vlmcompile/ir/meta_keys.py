@@ -35,7 +35,7 @@ sample batch (whether microbatch losses add up to the batch's)."""
 
 COUPLING_META = "vlmcompile.coupling"
 """On ``GraphModule.meta``, for a loss that couples the samples: the
-:class:`vlmcompile.graph.coupling.CouplingCut` (the contrastive loss found, or why none)."""
+:class:`vlmcompile.graph.contrastive.CouplingCut` (the contrastive loss found, or why none)."""
 
 RUNTIME_CHECK_META = "vlmcompile.runtime_check"
 """True on a runtime assertion export inserted and on the nodes only it reads: run on real

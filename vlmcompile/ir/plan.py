@@ -266,6 +266,12 @@ class Plan:
         Other groups (encoders) spread their own degrees over the same GPUs."""
         return self.parallel[self.stages[-1].group]
 
+    @property
+    def global_batch(self) -> int:
+        """Samples a step trains: DP x microbatches x microbatch size, the one product (a packed
+        plan's microbatches hold rows of samples instead: :attr:`packed_global_batch`)."""
+        return self.pipeline_parallel.dp * self.num_microbatches * self.microbatch_size
+
     def rank_of_action(self) -> dict[Action, int]:
         """The pipeline rank that runs each action (a replicated stage's work runs on one holder)."""
         return {a: rank for rank, acts in enumerate(self.actions) for a in acts}

@@ -1,5 +1,13 @@
 """The reference model zoo: plain-PyTorch VLMs, their towers, and every model the papers use.
 
+* ``blocks`` - the transformer blocks (encoder and decoder kinds) every zoo model is made of.
+* ``components`` - the towers a VLM is assembled from: ViT encoder, projector, decoder LLM, heads.
+* ``vlm`` - whole models: the generative VLM (one or more encoders) and the contrastive pair.
+* ``configs`` - the zoo's configurations and every model of the papers' setups.
+* ``synthetic_batches`` - a fresh random global batch per step, with the sample batch's shapes.
+* ``hf_tiny`` - tiny transformers VLMs from configs (random weights, nothing downloaded).
+* ``hf_scale`` - transformers LLaVA at the sizes people plan, on the meta device.
+
 >>> from vlmcompile import models
 >>> model = models.build("InternVL-Chat-1.5", device="meta")   # 26B parameters, no memory
 >>> batch = models.sample_batch("InternVL-Chat-1.5", device="meta")
@@ -30,6 +38,7 @@ import torch
 from torch import nn
 
 from vlmcompile.ir.errors import ModelError
+from vlmcompile.models.components import DecoderLM, TextEncoder, ViTEncoder
 from vlmcompile.models.configs import (
     ENCODERS,
     LLMS,
@@ -45,7 +54,6 @@ from vlmcompile.models.configs import (
     narrowed,
     resolve,
 )
-from vlmcompile.models.towers import DecoderLM, TextEncoder, ViTEncoder
 from vlmcompile.models.vlm import VLM, ContrastivePair
 
 __all__ = [

@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlmcompile.models.components import (
+    ContrastiveHead,
+    DecoderLM,
+    LMHead,
+    Projector,
+    TextEncoder,
+    ViTEncoder,
+)
 from vlmcompile.models.configs import ContrastiveConfig, VLMConfig
-from vlmcompile.models.towers import ContrastiveHead, DecoderLM, LMHead, Projector, TextEncoder, ViTEncoder
 
 
 class VLM(nn.Module):

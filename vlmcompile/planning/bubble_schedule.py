@@ -351,6 +351,26 @@ def rank_peak(problem: BubbleProblem, acts: Sequence[Action]) -> int:
 
 
 # ---- the list scheduler ----------------------------------------------------------------------
+GREEDY_SETTINGS = ((1, False), (1, True), (2, False), (2, True), (4, False), (8, False), (16, False))
+"""(lookahead, fill_only) settings of the list scheduler tried on the fastest encoder plans."""
+KERNEL_SETTINGS = (
+    (4, False, False),
+    (8, False, False),
+    (16, False, True),
+    (8, True, False),
+    (32, True, True),
+)
+"""Settings (lookahead, fill_only, end_room) of the list scheduler run with encoder work inside
+the LLM's TP gaps too. Where the LLM has TP collectives these schedules won on every Optimus
+setup (the layer-level ones by 2-8 %), so the layer-level settings are cut to one there (the
+kernel level's reference)."""
+SCREEN_LAYER, SCREEN_KERNEL = ((8, False),), ((16, True, True),)
+"""The settings every encoder plan is screened with: those that won most often."""
+PER_BATCH_SETTINGS = ((8, False), (1, False), (2, True), (16, False))
+"""(lookahead, fill_only) a batch's re-planning (:mod:`vlmcompile.planning.per_batch`) tries in
+turn while its time lasts: the screen's setting first."""
+
+
 def greedy(
     problem: BubbleProblem,
     *,

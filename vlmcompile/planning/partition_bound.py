@@ -30,7 +30,7 @@ import numpy as np
 
 from vlmcompile.ir.actions import ActionKind
 from vlmcompile.planning.cut_lagrangian import CutLayers, CutTerms, Term
-from vlmcompile.planning.problem import PartitionProblem
+from vlmcompile.planning.partition_problem import PartitionProblem
 
 
 @dataclass(frozen=True)

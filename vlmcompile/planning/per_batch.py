@@ -39,9 +39,6 @@ from vlmcompile.ir.plan import Plan
 from vlmcompile.planning import bubble_schedule as bs
 from vlmcompile.sim.simulator import simulate_step
 
-SETTINGS = ((8, False), (1, False), (2, True), (16, False))
-"""(lookahead, fill_only) of the list scheduler, tried in turn while time is left: the setting
-the bubbles pass screens every encoder plan with first (:data:`passes.bubbles.SCREEN_LAYER`)."""
 ORDERS = ("given", "light ends", "ascending")
 """Microbatch orders tried on each replica: as packed; the lightest encoder work at both ends
 and the heaviest in the middle (where the encoder's work hides in the steady state); lightest
@@ -75,7 +72,7 @@ class PerBatchScheduler:
     of the static schedule's step as costed, shared by the ``replicas_per_host``."""
     replicas_per_host: int = 1
     """Replicas one host re-plans in turn (the local launcher's rank 0 plans every replica's)."""
-    settings: tuple[tuple[int, bool], ...] = SETTINGS
+    settings: tuple[tuple[int, bool], ...] = bs.PER_BATCH_SETTINGS
     orders: tuple[str, ...] = ORDERS
     kernel_level: bool = False
     """Place encoder work inside the LLM's TP gaps too (where the LLM has TP collectives)."""

@@ -1,5 +1,5 @@
 """A planning policy as data: :class:`Policy`, the record the registry
-(:data:`vlmcompile.passes.policies.POLICIES`) holds for every policy, and what the comparison,
+(:data:`vlmcompile.passes.planning.policies.POLICIES`) holds for every policy, and what the comparison,
 the plan search, the CLI and the benchmarks read instead of lists of names of their own."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from vlmcompile.planning.result import PolicyResult
 
 OPTIONS = ("recompute", "placement", "first_stage_layers", "last_stage_layers", "solver")
 """Every option a policy may take (besides the request): see
-:func:`vlmcompile.passes.policies.plan_and_simulate`."""
+:func:`vlmcompile.passes.planning.policies.plan_and_simulate`."""
 
 
 @dataclass(frozen=True, slots=True)

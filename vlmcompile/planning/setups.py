@@ -5,7 +5,7 @@ Both Megatron-LM baselines run every setup at the same degrees, v, microbatches 
 rule, so they differ only in where the layers go (Optimus appendix B defines its balanced
 baseline for the interleaved 1F1B schedule); our planner is compared at the same request.
 
-Which Megatron encoder placement (:class:`~vlmcompile.passes.megatron.EncoderPlacement`) each
+Which Megatron encoder placement (:class:`~vlmcompile.passes.baselines.megatron.EncoderPlacement`) each
 paper's baseline used, and why we think so:
 
 * Optimus: ``chain``. Appendix B balances "encoder layers and LLM layers [that] follow a linear

@@ -1,6 +1,6 @@
 """Stage cuts and per-layer recompute flags as one integer program (OR-Tools CP-SAT).
 
-The numbers are a :class:`~vlmcompile.planning.problem.PartitionProblem`. Layers go, in
+The numbers are a :class:`~vlmcompile.planning.partition_problem.PartitionProblem`. Layers go, in
 order, into S = p x v consecutive stages; stage k runs on the rank its placement gives it
 (:mod:`vlmcompile.ir.placement`; Megatron's interleaved placement by default). Per stage its forward F_k and backward B_k (recompute included) are sums of its
 layers'; per cut the transfer of the layer it follows.
@@ -27,7 +27,7 @@ The step time is modelled twice, and :func:`solve` runs the two models in turn:
 Memory is exact for the schedule: at every step of rank r the activations in flight (per
 stage, counted from its action list) times the bytes each stage keeps, plus the recompute
 transient of the stage whose backward runs, plus the rank's model states, stay within the cap
-(the simulator's accounting: :func:`~vlmcompile.planning.problem.evaluate` and the property
+(the simulator's accounting: :func:`~vlmcompile.planning.partition_problem.evaluate` and the property
 tests hold them equal).
 
 Each model is given a lower bound on its objective over whole layers
@@ -46,7 +46,7 @@ from ortools.sat.python import cp_model
 
 from vlmcompile.ir.actions import ActionKind, dependencies
 from vlmcompile.planning.partition_bound import Units, closed_form_bound, timeline_bound
-from vlmcompile.planning.problem import (
+from vlmcompile.planning.partition_problem import (
     Evaluation,
     PartitionProblem,
     evaluate,

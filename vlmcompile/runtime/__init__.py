@@ -1,2 +1,27 @@
-"""Running a plan: the per-rank executor on torch.distributed and the local launcher. Reads
-the IR and the stage modules codegen made; never runs a pass or reads a report."""
+"""Running a plan on torch.distributed. Reads the IR and the stage modules codegen made; never
+runs a pass or reads a report.
+
+A step:
+
+* ``stage`` - the stage modules codegen makes and the runtime runs.
+* ``executor`` - :class:`PipelineRunner`: one rank's share of a plan, its actions run in order.
+* ``transfers`` - the order two pipeline ranks exchange their values in (for backends that pair by order).
+* ``collectives`` - waits with a deadline, and the summed gradient all-reduce.
+* ``contrastive`` - one exact step of a two-tower model whose loss couples the global batch.
+
+Training:
+
+* ``global_batches`` - global batches from a dataset of samples, the same on every rank.
+* ``train_loop`` - the loop a user keeps: optimizer, LR schedule, clipping, checkpoints, metrics.
+* ``timed_steps`` - one step returning the gradients, and timed steps of runners (measured comparisons).
+* ``checkpoint`` - checkpoints in DCP format, under the original model's names.
+* ``checkpoint_dir`` - a run's checkpoint folder: checked first, held by one run, where a run starts.
+* ``saves`` - what a run keeps of itself in its checkpoints besides the weights.
+* ``preemption`` - stop requests (SIGTERM, SIGUSR1): finish the step, save, stop.
+
+Ranks:
+
+* ``launch`` - N local ranks (gloo over 127.0.0.1), or torchrun's.
+* ``rank_server`` - a server local ranks fork from, so that they do not each import torch.
+* ``rank_server_process`` - that server's own process.
+"""

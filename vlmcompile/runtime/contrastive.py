@@ -7,7 +7,7 @@ Three phases (DESIGN.md, "Coupled losses"; DistMM's batch-sync instruction, Grad
    (``keep``: with their autograd graphs; ``recompute``: without, under ``no_grad``, the RNG
    state noted to replay them).
 2. **Loss.** Every rank gathers both embeddings of the whole global batch, computes the loss
-   term of its own rows of the embeddings it holds (:func:`vlmcompile.ir.coupled_loss.rows_loss`,
+   term of its own rows of the embeddings it holds (:func:`vlmcompile.ir.contrastive_loss.rows_loss`,
    in tiles of ``tile_rows`` rows so no rank holds an ``N x N`` matrix), and the gradients of the gathered
    embeddings go back to the ranks that own those rows by reduce-scatter. The loss of the batch
    is the sum of the ranks' terms. Never a loss per microbatch.
@@ -34,10 +34,10 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from vlmcompile.ir.coupled_loss import rows_loss
+from vlmcompile.ir.contrastive_loss import rows_loss
+from vlmcompile.ir.contrastive_plan import MemoryPolicy, TowerPlan
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
-from vlmcompile.ir.tower_plan import MemoryPolicy, TowerPlan
 from vlmcompile.runtime.collectives import Deadline, sum_gradients
 from vlmcompile.runtime.executor import BatchError
 

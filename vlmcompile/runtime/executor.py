@@ -467,7 +467,7 @@ class PipelineRunner:
                 )
                 raise BatchError(
                     f"batch[{key!r}] is {got}; the pipeline expects {list(shape)} {dtype} (global batch "
-                    f"{self.parallel.dp * self.plan.num_microbatches * self.plan.microbatch_size} = DP x "
+                    f"{self.plan.global_batch} = DP x "
                     "microbatches x microbatch size; other dims as in the compiled sample batch)"
                 )
         for key, expected in self.batch_constants.items():

@@ -26,7 +26,7 @@ class RunSaves:
     step that fails alike on every rank."""
 
     config: Any
-    """The run's :class:`~vlmcompile.runtime.trainer.TrainConfig`."""
+    """The run's :class:`~vlmcompile.runtime.train_loop.TrainConfig`."""
     runner: PipelineRunner
     opt: torch.optim.Optimizer
     sched: Any

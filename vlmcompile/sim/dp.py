@@ -1,6 +1,6 @@
 """The data-parallel collectives of a step, per layer on one DP stream per rank: the one rule of
 their timing, which the simulator (:func:`vlmcompile.sim.simulator.simulate`), the stage-cut
-evaluation (:func:`vlmcompile.planning.problem.evaluate`) and the bubble schedule's evaluation
+evaluation (:func:`vlmcompile.planning.partition_problem.evaluate`) and the bubble schedule's evaluation
 (:func:`vlmcompile.planning.bubble_schedule.evaluate_schedule`) all apply.
 
 * **All-gather** (the distributed optimizer's parameters): at the start of the step every rank

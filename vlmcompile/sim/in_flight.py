@@ -4,7 +4,7 @@ A microbatch is in flight on a stage from its forward until its last backward ac
 when the stage's backward is split into I and W; never, on a stage with no backward); a stage that recomputes adds its transient
 while its backward (B or I) runs. This is the one memory rule: the simulator's peak
 (:mod:`vlmcompile.sim.simulator`) walks it with a plan's stage bytes, and the stage-cut model
-(:func:`vlmcompile.planning.problem.memory_patterns`) keeps its distinct patterns to state the
+(:func:`vlmcompile.planning.partition_problem.memory_patterns`) keeps its distinct patterns to state the
 same peak as constraints.
 """
 

@@ -4,7 +4,7 @@ An action starts when its rank is free and every action it depends on has ended 
 output over (the producer's end plus the transfer, none when the producer ran on the same rank;
 transfers overlap compute). This is the
 one timing rule of step time: the simulator runs plans with it, and the stage-cut model's
-evaluation (:func:`vlmcompile.planning.problem.evaluate`) runs candidate cuts with it; the
+evaluation (:func:`vlmcompile.planning.partition_problem.evaluate`) runs candidate cuts with it; the
 CP-SAT model states the same rule as constraints.
 """
 

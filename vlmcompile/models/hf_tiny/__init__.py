@@ -6,6 +6,11 @@ Needs the ``test`` extra (transformers 5.x). Every builder is
 model in train mode and a batch whose loss is finite (image placeholder tokens match the image
 features the model makes). ``device="meta"`` builds the model without memory; see
 :func:`._common.finish` for what a meta batch keeps on the CPU.
+
+* ``projector_vlms`` - image tokens through a projector into the LLM's sequence (LLaVA, InternVL, Gemma3, ...).
+* ``qwen`` - Qwen-VL: flat patches, image grids and 3-D positions.
+* ``other_vlms`` - cross-attention (Mllama), learned queries (BLIP-2), contrastive pairs (CLIP, SigLIP).
+* ``_common`` - what every builder shares: sizes, token ids, seeding, the batch's device.
 """
 
 from __future__ import annotations
