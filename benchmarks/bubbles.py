@@ -9,29 +9,29 @@ multi-encoder, single node), at the paper's request (DP/TP/PP, v, microbatches),
 vision encoder trained and again frozen (``requires_grad=False``, as LLaVA's second stage trains;
 every policy gets the same freezing):
 
-* every baseline as its users run it (:func:`~vlmcompile.passes.policies.compare_baselines`:
+* every baseline as its users run it (:func:`~vlmcompile.passes.planning.policies.compare_baselines`:
   ``megatron`` at its faster even placement, ``megatron_balanced``, ``omnibal``,
   ``torchtitan_vlm``, ``mimo_colocated``), the least global recompute that fits;
-* ours: the encoder-in-bubbles pass (:func:`~vlmcompile.passes.bubbles.bubbles`) at the same LLM
+* ours: the encoder-in-bubbles pass (:func:`~vlmcompile.passes.planning.bubbles.bubbles`) at the same LLM
   degrees; where it holds more memory than the best baseline, ours held to that baseline's peak:
   the faster of the encoder-in-bubbles pass and the stage-cut partition (started from the fastest
   baseline that fits) planned there, as ``vlmcompile`` chooses;
 * the bound: the same LLM without its encoders at these degrees, schedule and recompute
-  (:mod:`vlmcompile.passes.llm_alone`), and every rank busy (our plan's compute over the ranks).
+  (:mod:`vlmcompile.planning.llm_alone_bound`), and every rank busy (our plan's compute over the ranks).
 
 Columns: step per policy (s), ours over the best baseline that fits, our step over the LLM
 alone (the goal: <= 1.08 with the encoder trained, <= 1.02 frozen), every rank busy over the LLM
 alone and the dependency bound over it (the LLM alone with one microbatch's encoder forward
-before its first stage and its encoder backward after: :func:`~vlmcompile.passes.llm_alone.dependency_bound`;
+before its first stage and its encoder backward after: :func:`~vlmcompile.planning.llm_alone_bound.dependency_bound`;
 where either bound is above the goal, the goal is above its bound), the share of the encoder's cost
 we recover against the best baseline, (best - ours) / (best - LLM alone), the share of encoder
 compute run in the LLM's bubbles (layer level: while the rank's next LLM action lacked its LLM
 inputs; kernel level: inside TP gaps), where our step goes past our own LLM stages run alone
-(:func:`~vlmcompile.passes.llm_alone.encoder_delays`: how much later the LLM starts, how much its
+(:func:`~vlmcompile.planning.llm_alone_bound.encoder_delays`: how much later the LLM starts, how much its
 actions stretch, how long the step runs past its last action; in brackets the dependency bound's
 head and tail), our placement's bound over the LLM alone (the least step any schedule reaches
 with each of our plan's actions on its rank and the LLM's order:
-:func:`~vlmcompile.passes.llm_alone.placement_bound`; it bounds schedules of our placement, not
+:func:`~vlmcompile.planning.llm_alone_bound.placement_bound`; it bounds schedules of our placement, not
 every plan, so it does not make a goal "above its bound"), our peak memory over the best
 baseline's, our plan held to that memory (its speedup over the best baseline, the pass that made
 it, and the encoder-in-bubbles pass's own held plan), and the pass's wall time on this machine
@@ -53,14 +53,14 @@ import sys
 from pathlib import Path
 
 import torch
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 from vlmcompile.compiler import zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.passes.bubbles import bubbles
-from vlmcompile.passes.llm_alone import encoder_cost_recovered
-from vlmcompile.passes.policies import BASELINES, compare_baselines, stage_cuts
+from vlmcompile.passes.planning.bubbles import bubbles
+from vlmcompile.passes.planning.policies import BASELINES, compare_baselines, stage_cuts
+from vlmcompile.planning.llm_alone_bound import encoder_cost_recovered
 from vlmcompile.planning.request import SolverOptions
 from vlmcompile.planning.setups import SETUPS
 
@@ -201,14 +201,14 @@ def markdown_table(rows: list[dict]) -> str:
         "held to the best baseline's memory",
         "pass wall s",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for r in rows:
         cells = [r["setup"], "frozen" if r.get("frozen") else "trained", r["degrees"]]
         cells += [f"{r['baselines'][p]:.2f}" if r["baselines"].get(p) is not None else "-" for p in BASELINES]
         ours = r.get("ours")
         best = best_baseline(r)
         if not ours:
-            lines.append("| " + " | ".join(cells + ["-"] * (len(head) - len(cells))) + " |")
+            body.append(cells + ["-"] * (len(head) - len(cells)))
             continue
         alone = r["llm_alone_s"]
         cells.append(f"{ours:.2f}")
@@ -225,8 +225,8 @@ def markdown_table(rows: list[dict]) -> str:
         cells.append(f"{r['peak_gib'] / held:.2f}" if held else "-")
         cells.append(_within_memory_cell(r, best))
         cells.append(f"{r['wall_s']:.1f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        body.append(cells)
+    return github_table(head, body)
 
 
 def _within_memory_cell(row: dict, best: tuple[str, float] | None) -> str:

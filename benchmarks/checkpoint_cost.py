@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 from vlmcompile import compile, models
-from vlmcompile.models.data import SyntheticBatches
+from vlmcompile.models.synthetic_batches import SyntheticBatches
 from vlmcompile.runtime.checkpoint import load_checkpoint, problems
-from vlmcompile.runtime.trainer import TrainConfig
+from vlmcompile.runtime.train_loop import TrainConfig
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint_cost.json"
 

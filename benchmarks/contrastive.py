@@ -8,7 +8,7 @@ at single-device (1 GPU), single-node (8) and multi-node (64) scale, planned fou
 
 * ``vlmcompile``: each tower on GPUs of its own or both on every GPU, whichever is predicted
   faster; per tower a tensor-parallel degree inside a node, pipeline stages (towers apart),
-  microbatches, and activations kept or recomputed (:func:`~vlmcompile.planning.tower_placement.place_towers`).
+  microbatches, and activations kept or recomputed (:func:`~vlmcompile.planning.contrastive_placement.place_towers`).
 * ``megatron``: both towers on every GPU at one TP and DP (DistMM's baseline). An exact loss
   needs the whole global batch in one microbatch (Megatron-LM's schedules microbatch the loss);
   activations kept, or every layer checkpointed (``--recompute-granularity full``) where keeping
@@ -30,7 +30,7 @@ Then one plan is measured: a small zoo-style pair compiled for 2 CPU ranks over 
 measured layer times (``profile=True``), its step run ``--steps`` times in each of ``--repeats``
 launches, the median step and phases against the prediction.
 
-Writes ``benchmarks/results/contrastive.json`` and the README section ``contrastive``.
+Writes ``benchmarks/results/contrastive.json`` and the section ``contrastive`` of docs/contrastive.md.
 """
 
 from __future__ import annotations
@@ -43,19 +43,19 @@ import sys
 import time
 from pathlib import Path
 
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 from vlmcompile import compile, models
 from vlmcompile.compiler import zoo_coupled_loss, zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.ir.coupled_loss import CoupledLoss
+from vlmcompile.ir.contrastive_loss import CoupledLoss
+from vlmcompile.ir.contrastive_plan import MemoryPolicy, TowerPlan
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Precision
-from vlmcompile.ir.tower_plan import MemoryPolicy, TowerPlan
+from vlmcompile.planning.contrastive import plan_towers, tower_layers
+from vlmcompile.planning.contrastive_placement import place_towers
 from vlmcompile.planning.request import SearchSpace
-from vlmcompile.planning.tower_placement import place_towers
-from vlmcompile.planning.towers import plan_towers, tower_layers
 
 RESULTS = Path(__file__).parent / "results" / "contrastive.json"
 MODELS = tuple(f"{family}-{size}" for family in ("CLIP", "CoCa", "LiT") for size in "SML")
@@ -237,16 +237,20 @@ def _batch_cell(n: int, gpus: int) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| model | GPUs | largest exact batch a GPU: ours / Megatron / open_clip / one microbatch "
-        "| ours over Megatron (at its batch) | ours over open_clip (at its batch) "
-        "| ours over one microbatch (at its batch) | ours at Megatron's batch (else our largest): N, step, "
-        "samples/s, MFU vision / text | our plan there |",
-        "|---|---|---|---|---|---|---|---|",
+    head = [
+        "model",
+        "GPUs",
+        "largest exact batch a GPU: ours / Megatron / open_clip / one microbatch",
+        "ours over Megatron (at its batch)",
+        "ours over open_clip (at its batch)",
+        "ours over one microbatch (at its batch)",
+        "ours at Megatron's batch (else our largest): N, step, samples/s, MFU vision / text",
+        "our plan there",
     ]
+    body = []
     for row in rows:
         g = row["gpus"]
-        cells = " / ".join(_batch_cell(row["largest_batch"][p], g) for p in POLICIES)
+        largest = " / ".join(_batch_cell(row["largest_batch"][p], g) for p in POLICIES)
         speed = [
             "-"
             if row["vs"][b] is None
@@ -261,8 +265,8 @@ def table(rows: list[dict]) -> str:
             f"{ours['mfu']['vision']:.0%} / {ours['mfu']['text']:.0%}"
         )
         where = "-" if ours is None else ours["placement"]
-        lines.append(f"| {row['model']} | {g} | {cells} | {' | '.join(speed)} | {said} | {where} |")
-    return "\n".join(lines)
+        body.append([row["model"], g, largest, *speed, said, where])
+    return github_table(head, body)
 
 
 # -- measured on CPU ranks -------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 from vlmcompile.data.balance import IsfTargets, SampleSizes, isf_epoch, measure
 from vlmcompile.data.families import RELEASED
@@ -100,16 +100,28 @@ def compare(name: str, sizes: SampleSizes, dp: int, seed: int = 0) -> list[dict]
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| dataset | method | Pad Ratio (LLM) | Dist Ratio (vision) | Dist Ratio (LLM) | Dist Ratio (LLM, packed) | samples a mini-batch |",
-        "|---|---|---|---|---|---|---|",
+    head = [
+        "dataset",
+        "method",
+        "Pad Ratio (LLM)",
+        "Dist Ratio (vision)",
+        "Dist Ratio (LLM)",
+        "Dist Ratio (LLM, packed)",
+        "samples a mini-batch",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['dataset']} | {r['method']} | {r['pad_ratio']:.3f} | {r['dist_ratio_vision']:.3f} | "
-            f"{r['dist_ratio_llm']:.3f} | {r['dist_ratio_llm_packed']:.3f} | {r['samples_per_batch']:.2f} |"
-        )
-    return "\n".join(lines)
+    body = [
+        [
+            r["dataset"],
+            r["method"],
+            f"{r['pad_ratio']:.3f}",
+            f"{r['dist_ratio_vision']:.3f}",
+            f"{r['dist_ratio_llm']:.3f}",
+            f"{r['dist_ratio_llm_packed']:.3f}",
+            f"{r['samples_per_batch']:.2f}",
+        ]
+        for r in rows
+    ]
+    return github_table(head, body)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 from vlmcompile.demo import DEFAULT_STEPS, FULL_GLOBAL_BATCH, run_demo
 
@@ -84,11 +84,10 @@ def _table(runs: list[dict]) -> str:
         f"{p}: predicted / measured s (error)" for p in policies
     ]
     head += ["speedup over the fastest at our degrees (predicted)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for k, r in enumerate(runs, 1):
         ours = r["runs"][0]
-        stages = f"{ours['degrees']}: {ours['stages']}".replace("|", "\\|")  # a pipe ends a Markdown cell
-        cells = [str(k), stages]
+        cells = [str(k), f"{ours['degrees']}: {ours['stages']}"]  # github_table escapes the stages' pipes
         for p in r["runs"]:
             same = p["degrees"].split()[0] == ours["degrees"].split()[0]
             at = "" if same else f" at {p['degrees']}"
@@ -98,8 +97,8 @@ def _table(runs: list[dict]) -> str:
             if r["best_baseline"]
             else "-"
         )
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        body.append(cells)
+    return github_table(head, body)
 
 
 def report(runs: list[dict], summary: dict, command: str) -> str:

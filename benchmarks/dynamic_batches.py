@@ -16,7 +16,7 @@ compiler plans for a dataset (``data.distribution``), so a static plan meets its
 
 Methods, each at the setup's degrees, schedule, v, microbatches and recompute rule:
 
-* ``static``: our encoder-in-bubbles plan (``passes.bubbles``), made once for the planned
+* ``static``: our encoder-in-bubbles plan (``passes.planning.bubbles``), made once for the planned
   microbatch; steps packed by tokens (longest first into the emptiest row, what does not fit
   carried into the next step), run on the plan's schedule;
 * ``per-batch``: the same steps, the schedule re-planned for each (``planning.per_batch``, within
@@ -25,15 +25,18 @@ Methods, each at the setup's degrees, schedule, v, microbatches and recompute ru
   rows too (``data.microbatches``, greedy);
 * ``ISF + per-batch``: microbatches are OmniBal ISF groups (``data.balance``; targets the
   microbatch's tokens and the dataset's ratio of tiles to tokens), re-planned per batch;
-* ``megatron``: Megatron-LM's best plan at the same request (``passes.megatron``: the faster of
-  its encoder placements), its data as given: ``global_batch`` samples a step in order,
-  ``microbatch_size`` a microbatch, each padded or cut to ``llm_tokens``;
-* ``torchtitan``: torchtitan's VLM pipeline split (``passes.torchtitan_vlm``) on steps of a fixed
-  token budget (packed by tokens, as ``static``).
+* ``megatron``: Megatron-LM's best plan at the same request (the fastest that fits of
+  ``passes.baselines.megatron``, the faster of its encoder placements, and
+  ``passes.baselines.megatron_balanced``, its layers balanced by time), its data as given:
+  ``global_batch`` samples a step in order, ``microbatch_size`` a microbatch, each padded or cut
+  to ``llm_tokens``;
+* ``torchtitan``: torchtitan's VLM pipeline split (``passes.baselines.torchtitan_vlm``) on steps
+  of a fixed token budget (packed by tokens, as ``static``).
 
 Each method's ``of bound`` is its steps' bound over their time: no step at these degrees is
-faster than the LLM without its encoders (``passes.bubbles``' LLM alone), nor than its whole
-compute (every replica's microbatches, at our plan's recompute) spread evenly over every rank.
+faster than the LLM without its encoders (the LLM-alone bound in the bubbles pass's report,
+computed by ``vlmcompile.planning.llm_alone_bound``), nor than its whole compute (every
+replica's microbatches, at our plan's recompute) spread evenly over every rank.
 
 A step's time is the slowest data-parallel replica's; to keep 200 batches of a 24-replica
 setup within minutes, only the ``--replicas-timed`` replicas with the most encoder work are
@@ -56,7 +59,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 from vlmcompile import models
 from vlmcompile.compiler import zoo_layer_graph
@@ -69,8 +72,8 @@ from vlmcompile.data.microbatches import assign
 from vlmcompile.data.synthetic import DISTRIBUTIONS, draw_sizes
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.regions import ENCODER_SIDE
-from vlmcompile.passes.bubbles import bubbles
-from vlmcompile.passes.policies import compare_baselines
+from vlmcompile.passes.planning.bubbles import bubbles
+from vlmcompile.passes.planning.policies import compare_baselines
 from vlmcompile.planning.per_batch import per_batch_scheduler
 from vlmcompile.planning.request import SolverOptions
 from vlmcompile.planning.setups import SETUPS
@@ -115,7 +118,8 @@ class Planned:
     """Share of the drawn samples longer than a microbatch (left out of every method)."""
     plan_s: float
     llm_alone_s: float
-    """The bound: our plan's LLM stages and schedule without the encoders (``passes.bubbles``)."""
+    """The bound: our plan's LLM stages and schedule without the encoders (the bubbles pass's report,
+    computed by ``vlmcompile.planning.llm_alone_bound``)."""
 
 
 def plan_setup(name: str, dataset: str, samples: int) -> Planned:
@@ -383,35 +387,50 @@ def assignment_row(dataset: str, steps: int = 20, step_samples: int = 64, time_l
 
 
 def assignment_table(rows: list[dict]) -> str:
-    lines = [
-        "| dataset | assignment | heaviest microbatch / mean | heavier replica / half | time a step (median) |",
-        "|---|---|---|---|---|",
+    head = [
+        "dataset",
+        "assignment",
+        "heaviest microbatch / mean",
+        "heavier replica / half",
+        "time a step (median)",
     ]
-    for row in rows:
-        for method, m in row["methods"].items():
-            lines.append(
-                f"| {row['dataset']} | {method} ({', '.join(m['outcomes'])}) | {m['heaviest_over_mean']:.3f} | "
-                f"{m['heavier_replica_over_half']:.3f} | {1e3 * m['solve_s']:.1f} ms |"
-            )
-    return "\n".join(lines) + "\n"
+    body = [
+        [
+            row["dataset"],
+            f"{method} ({', '.join(m['outcomes'])})",
+            f"{m['heaviest_over_mean']:.3f}",
+            f"{m['heavier_replica_over_half']:.3f}",
+            f"{1e3 * m['solve_s']:.1f} ms",
+        ]
+        for row in rows
+        for method, m in row["methods"].items()
+    ]
+    return github_table(head, body) + "\n"
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = (
-        "| setup | dataset | batches | method | step mean / p95 (s) | samples/s | tokens/s trained | vs static | of bound | solve / step |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
-    )
-    lines = []
+    head = [
+        "setup",
+        "dataset",
+        "batches",
+        "method",
+        "step mean / p95 (s)",
+        "samples/s",
+        "tokens/s trained",
+        "vs static",
+        "of bound",
+        "solve / step",
+    ]
+    unmeasured = [""] * 5  # a row that ran nothing: its note stands in the step column, the rest blank
+    body = []
     for row in rows:
         if "note" in row:
-            lines.append(f"| {row['setup']} | {row['dataset']} | - | - | {row['note']} | | | | | |")
+            body.append([row["setup"], row["dataset"], "-", "-", row["note"], *unmeasured])
             continue
         static = row["methods"].get("static", {}).get("tokens_per_s")
         for method, m in row["methods"].items():
             if "note" in m:
-                lines.append(
-                    f"| {row['setup']} | {row['dataset']} | {row['batches']} | {method} | {m['note']} | | | | | |"
-                )
+                body.append([row["setup"], row["dataset"], row["batches"], method, m["note"], *unmeasured])
                 continue
             vs = f"{m['tokens_per_s'] / static:.3f}x" if static else "-"
             bound = f"{m['of_bound']:.2f}" if "of_bound" in m else "-"
@@ -419,11 +438,21 @@ def markdown_table(rows: list[dict]) -> str:
             if "solve_mean_s" in m:
                 worst = f"max {100 * m['solve_share_max']:.1f} %, " if "solve_share_max" in m else ""
                 solve = f"{100 * m['solve_share_of_step']:.1f} % ({worst}{m['fell_back']} late)"
-            lines.append(
-                f"| {row['setup']} | {row['dataset']} | {row['batches']} | {method} | {m['step_mean_s']:.2f} / {m['step_p95_s']:.2f} | "
-                f"{m['samples_per_s']:.1f} | {m['tokens_per_s'] / 1e3:.1f} K | {vs} | {bound} | {solve} |"
+            body.append(
+                [
+                    row["setup"],
+                    row["dataset"],
+                    row["batches"],
+                    method,
+                    f"{m['step_mean_s']:.2f} / {m['step_p95_s']:.2f}",
+                    f"{m['samples_per_s']:.1f}",
+                    f"{m['tokens_per_s'] / 1e3:.1f} K",
+                    vs,
+                    bound,
+                    solve,
+                ]
             )
-    return head + "\n".join(lines) + "\n"
+    return github_table(head, body) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS, help="(default: all)")
     parser.add_argument("--jobs", type=int, default=1, help="processes (default 1)")
     parser.add_argument("--json", default=str(RESULTS), help=f"result JSON (default {RESULTS})")
-    parser.add_argument("--readme", action="store_true", help="write the table into benchmarks/README.md")
+    parser.add_argument(
+        "--readme", action="store_true", help="write the table into docs/data.md (section dynamic_batches)"
+    )
     args = parser.parse_args(argv)
     if args.batches < 1 or args.replicas_timed < 1 or args.jobs < 1:
         parser.error("--batches, --replicas-timed and --jobs take positive numbers")

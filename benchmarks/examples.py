@@ -29,8 +29,8 @@ Three kinds of block:
    transformers, so they run only with ``--python``.
 3. **Generated sections** between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``: the headline
    (made here, from ``benchmarks/results/*.json``), and the tables whose benchmark re-renders its
-   saved results (``--no-run``): :data:`RERENDERED`. The other benchmarks' sections
-   (:data:`RUN_ONLY`) change only when their benchmark runs (``--readme``).
+   saved results (``--no-run``): :data:`RERENDERED`. Every other section is written only by its
+   benchmark's run (``--readme``); :data:`RUN_ONLY` names some of them, with that command.
 
 Comparing (``--check``): figures that vary from run to run are masked on both sides first
 (:data:`MASKS`: wall-clock seconds, measured rates, MFU and peak memory of measured runs), and
@@ -105,7 +105,8 @@ RUN_ONLY: dict[str, str] = {
     "plan_baselines": "python benchmarks/plan_baselines.py --readme",
     "transformers_support": "python benchmarks/support_table.py --readme",
 }
-"""Sections that only their benchmark's run writes (it saves no table to print again)."""
+"""Section -> the command that writes it, for some of the sections written only by their
+benchmark's run (it saves no table to print again); the others are not listed here."""
 
 
 # ---- rendering -------------------------------------------------------------------------------

@@ -41,9 +41,9 @@ import torch
 from vlmcompile import compile, models
 from vlmcompile.cost_models.calibrate import LayerMeasurement, calibrate
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.models.data import SyntheticBatches
-from vlmcompile.passes.profile import profile
-from vlmcompile.runtime.trainer import TrainConfig, eager_training
+from vlmcompile.models.synthetic_batches import SyntheticBatches
+from vlmcompile.passes.graph.profile import profile
+from vlmcompile.runtime.train_loop import TrainConfig, eager_training
 
 MODEL = "demo"
 """The model checked (``--model`` takes another zoo model: the test suite's dry run uses ``tiny``)."""

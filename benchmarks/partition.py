@@ -33,13 +33,13 @@ import time
 from pathlib import Path
 
 import torch
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 from vlmcompile.compiler import zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import ClusterError, PlanError
-from vlmcompile.passes.partition import partition
-from vlmcompile.passes.policies import BASELINES, plan_and_simulate, search_and_compare
+from vlmcompile.passes.planning.partition import partition
+from vlmcompile.passes.planning.policies import BASELINES, plan_and_simulate, search_and_compare
 from vlmcompile.planning.request import PlanRequest, SearchSpace, SolverOptions
 from vlmcompile.planning.setups import SETUPS
 
@@ -176,12 +176,8 @@ def markdown_table(rows: list[dict]) -> str:
         by_setup.setdefault(r["setup"], {})[r["policy"]] = r
     baselines = list(BASELINES)
     policies = [*baselines, "partition", "vlmcompile search"]
-    lines = [
-        "| setup | DP/TP/PP/V | "
-        + " | ".join(policies)
-        + " | ours vs best baseline (same request) | search picks |",
-        "|---|---|" + "---|" * len(policies) + "---|---|",
-    ]
+    head = ["setup", "DP/TP/PP/V", *policies, "ours vs best baseline (same request)", "search picks"]
+    body = []
     for name, got in by_setup.items():
         cells = []
         for p in policies:
@@ -196,13 +192,10 @@ def markdown_table(rows: list[dict]) -> str:
         ours = got["partition"]["step_time_s"]
         ratio = f"{min(base) / ours:.2f}x" if base else "-"
         s = got["vlmcompile search"]
-        setup = SETUPS[name]
-        lines.append(
-            f"| {name} | {setup.parallel.dp}/{setup.parallel.tp}/{setup.parallel.pp}/{setup.parallel.v} | "
-            + " | ".join(cells)
-            + f" | {ratio} | {s['degrees']} mb {s['microbatch_size']} |"
-        )
-    return "\n".join(lines)
+        par = SETUPS[name].parallel
+        degrees = f"{par.dp}/{par.tp}/{par.pp}/{par.v}"
+        body.append([name, degrees, *cells, ratio, f"{s['degrees']} mb {s['microbatch_size']}"])
+    return github_table(head, body)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 from vlmcompile import compile, models
 from vlmcompile.data.distribution import Spread
@@ -36,8 +36,8 @@ from vlmcompile.data.families import family_of
 from vlmcompile.data.steps import PaddedSteps
 from vlmcompile.data.synthetic import SyntheticDataset
 from vlmcompile.planning.request import SearchSpace
-from vlmcompile.runtime.data import GlobalBatches
-from vlmcompile.runtime.trainer import TrainConfig, eager_training
+from vlmcompile.runtime.global_batches import GlobalBatches
+from vlmcompile.runtime.train_loop import TrainConfig, eager_training
 
 RESULTS = Path(__file__).parent / "results" / "per_batch_measured.json"
 MODEL = "demo"
@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each policy, in turn (default 2)")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (pipeline stages; default 2)")
     parser.add_argument("--json", default=str(RESULTS))
-    parser.add_argument("--readme", action="store_true", help="write the table into benchmarks/README.md")
+    parser.add_argument(
+        "--readme", action="store_true", help="write the table into docs/data.md (section per_batch_measured)"
+    )
     args = parser.parse_args(argv)
     if args.steps < 2 or args.repeats < 1 or args.ranks < 2:
         parser.error(
@@ -182,10 +184,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(out: dict) -> str:
-    lines = [
-        "| policy | measured step mean / p95 (s) | predicted step error, median | solve / step | losses = eager |",
-        "|---|---|---|---|---|",
+    head = [
+        "policy",
+        "measured step mean / p95 (s)",
+        "predicted step error, median",
+        "solve / step",
+        "losses = eager",
     ]
+    body = []
     for policy, s in out["summary"].items():
         solves = [
             r["solve_share_of_step"]
@@ -193,11 +199,16 @@ def _table(out: dict) -> str:
             if r["policy"] == policy and "solve_share_of_step" in r
         ]
         equal = all(r["losses_equal_eager"] for r in out["runs"] if r["policy"] == policy)
-        lines.append(
-            f"| {policy} | {s['step_mean_s']:.3f} / {s['step_p95_s']:.3f} | {100 * s['prediction_error_median']:+.1f} % | "
-            f"{f'{100 * statistics.median(solves):.1f} %' if solves else '-'} | {'yes' if equal else 'NO'} |"
+        body.append(
+            [
+                policy,
+                f"{s['step_mean_s']:.3f} / {s['step_p95_s']:.3f}",
+                f"{100 * s['prediction_error_median']:+.1f} %",
+                f"{100 * statistics.median(solves):.1f} %" if solves else "-",
+                "yes" if equal else "NO",
+            ]
         )
-    return "\n".join(lines) + "\n"
+    return github_table(head, body) + "\n"
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 import torch
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 from vlmcompile.compiler import zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.passes.policies import plan_and_simulate
+from vlmcompile.passes.planning.policies import plan_and_simulate
 from vlmcompile.planning.setups import SETUPS
 from vlmcompile.sim.simulator import simulate
 
@@ -122,10 +122,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = [
-        "| setup | policy | DP/TP/PP/V | mb | recompute | step (s) | MFU (model FLOPs) | HFU (recompute counted) | bubbles | DP ag / warm / other / cool / TP / DP rs | peak GiB per stage | sim (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    head = [
+        "setup",
+        "policy",
+        "DP/TP/PP/V",
+        "mb",
+        "recompute",
+        "step (s)",
+        "MFU (model FLOPs)",
+        "HFU (recompute counted)",
+        "bubbles",
+        "DP ag / warm / other / cool / TP / DP rs",
+        "peak GiB per stage",
+        "sim (s)",
     ]
+    body = []
     for r in rows:
         p = r["parallel"]
         s = r["bubble_share_by_cause"]
@@ -136,12 +147,23 @@ def markdown_table(rows: list[dict]) -> str:
         peaks = " ".join(f"{g:.0f}" for g in r["peak_mem_gib_per_stage"])
         fits = "" if r["fits"] else " (does not fit)"
         policy = f"{r['policy']} ({r['placement']})" if r.get("placement") else r["policy"]
-        lines.append(
-            f"| {r['setup']} | {policy} | {p['dp']}/{p['tp']}/{p['pp']}/{p['v']} | {r['microbatches']} | "
-            f"{r['recompute']}{fits} | {r['step_time_s']:.2f} | {100 * r['mfu']:.1f} % | "
-            f"{100 * r['hfu']:.1f} % | {100 * r['bubble_share']:.1f} % | {causes} | {peaks} | {r['simulate_s_median']:.2f} |"
+        body.append(
+            [
+                r["setup"],
+                policy,
+                f"{p['dp']}/{p['tp']}/{p['pp']}/{p['v']}",
+                r["microbatches"],
+                f"{r['recompute']}{fits}",
+                f"{r['step_time_s']:.2f}",
+                f"{100 * r['mfu']:.1f} %",
+                f"{100 * r['hfu']:.1f} %",
+                f"{100 * r['bubble_share']:.1f} %",
+                causes,
+                peaks,
+                f"{r['simulate_s_median']:.2f}",
+            ]
         )
-    return "\n".join(lines)
+    return github_table(head, body)
 
 
 if __name__ == "__main__":

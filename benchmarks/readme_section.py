@@ -2,16 +2,30 @@
 
 The section lives in README.md or in one of the pages under docs/ (the long tables moved there);
 :func:`write_readme_section` finds the one file that holds the markers and rewrites it there.
+:func:`github_table` writes the Markdown tables those sections hold, the same way for every benchmark.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
+
+
+def github_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """``rows`` under ``headers`` as a GitHub Markdown table, its columns padded to line up.
+
+    Each cell is written as the benchmark formatted it: number parsing is off, or tabulate would
+    print "1.50" as "1.5". A pipe inside a cell is escaped, since it would end the cell.
+    """
+    cells = [[str(c).replace("|", "\\|") for c in row] for row in rows]
+    return tabulate(cells, headers=list(headers), tablefmt="github", disable_numparse=True)
 
 
 def markers(name: str) -> tuple[str, str]:

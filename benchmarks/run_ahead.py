@@ -24,12 +24,13 @@ import time
 from pathlib import Path
 
 import torch
+from readme_section import github_table
 
 from vlmcompile import models
 from vlmcompile.compiler import freeze_layers, zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.demo import _compiled, _measured  # the demo's compile and measurement, shared on purpose
-from vlmcompile.passes.bubbles import bubbles
+from vlmcompile.passes.planning.bubbles import bubbles
 from vlmcompile.planning.request import PlanRequest, SolverOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,29 +80,30 @@ def _quiet(*_args, **_kwargs) -> None:
 
 
 def markdown(entry: dict) -> str:
-    lines = [
-        "| repeat | forwards ahead | run ahead: predicted / measured s (error) | in the step: predicted / "
-        "measured s (error) | in the step / run ahead, measured (predicted) | losses equal eager |",
-        "|---|---|---|---|---|---|",
+    head = [
+        "repeat",
+        "forwards ahead",
+        "run ahead: predicted / measured s (error)",
+        "in the step: predicted / measured s (error)",
+        "in the step / run ahead, measured (predicted)",
+        "losses equal eager",
     ]
+    body = []
     for k, r in enumerate(entry["repeats"], 1):
         cells = [
             f"{p['predicted_s']:.3f} / {p['measured_s']:.3f} ({p['error'] * 100:+.1f} %)"
             for p in (r["plans"]["run ahead"], r["plans"]["in the step"])
         ]
         same = all(p["equal_to_eager"] for p in r["plans"].values())
-        lines.append(
-            f"| {k} | {r['forwards_ahead']} | {cells[0]} | {cells[1]} | {r['measured_ratio']:.3f}x "
-            f"({r['predicted_ratio']:.3f}x) | {'yes' if same else 'NO'} |"
-        )
+        ratio = f"{r['measured_ratio']:.3f}x ({r['predicted_ratio']:.3f}x)"
+        body.append([k, r["forwards_ahead"], *cells, ratio, "yes" if same else "NO"])
     s = entry["summary"]
-    lines.append("")
-    lines.append(
+    median = (
         f"Median over {len(entry['repeats'])} repeats: the plan without run-ahead takes "
         f"{s['measured_ratio']:.3f}x the run-ahead plan's step, measured ({s['predicted_ratio']:.3f}x "
         f"predicted). Command: `{entry['command']}`."
     )
-    return "\n".join(lines)
+    return github_table(head, body) + "\n\n" + median
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@ Results go to ``results/search_speed.json``; ``--readme`` writes the table into 
 
 ``--scale`` runs the search once per row of :data:`SCALE` instead (how its time grows with GPUs,
 with layers and with encoders: Optimus's Model D from 1536 to 16,384 H100s, a ViT and an LLM from
-75 to 300 layers, three encoders on one LLM), and ``--readme`` writes that table into README.md.
+75 to 300 layers, three encoders on one LLM), and ``--readme`` writes that table into
+docs/benchmarks.md (section ``search_scale``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "search_speed.json"
@@ -126,21 +127,38 @@ def measure_scale() -> list[dict]:
 
 
 def scale_table(rows: list[dict]) -> str:
-    lines = [
-        "| grows | model | layers | cluster | candidates | wall (one run) | search alone | plan chosen | simulated step |",
-        "|---|---|---|---|---|---|---|---|---|",
+    head = [
+        "grows",
+        "model",
+        "layers",
+        "cluster",
+        "candidates",
+        "wall (one run)",
+        "search alone",
+        "plan chosen",
+        "simulated step",
     ]
+    body = []
     for r in rows:
         plan = (
             r["plan"]
             + (" + encoder plan" if len(r["groups"]) > 1 else "")
             + ("" if r["fits"] else ", over memory")
         )
-        lines.append(
-            f"| {r['grows']} | {r['model']} | {r['layers']} | {r['cluster']} | {r['candidates']} | "
-            f"{r['wall_s']:.1f} s | {r['search_s']:.1f} s | {plan} | {1e3 * r['step_s']:.0f} ms |"
+        body.append(
+            [
+                r["grows"],
+                r["model"],
+                r["layers"],
+                r["cluster"],
+                r["candidates"],
+                f"{r['wall_s']:.1f} s",
+                f"{r['search_s']:.1f} s",
+                plan,
+                f"{1e3 * r['step_s']:.0f} ms",
+            ]
         )
-    return "\n".join(lines)
+    return github_table(head, body)
 
 
 def measure(names, repeats: int) -> dict:
@@ -161,23 +179,34 @@ def measure(names, repeats: int) -> dict:
 
 
 def markdown_table(results: dict) -> str:
-    lines = [
-        "| setup | wall (median of 3) | runs | search alone | plan chosen | simulated step | before: wall, step |",
-        "|---|---|---|---|---|---|---|",
+    head = [
+        "setup",
+        "wall (median of 3)",
+        "runs",
+        "search alone",
+        "plan chosen",
+        "simulated step",
+        "before: wall, step",
     ]
+    body = []
     for name, r in results["setups"].items():
         last = r["runs"][-1]
         steps = {round(x["step_s"], 6) for x in r["runs"]}
         before = BEFORE.get(name)
         was = f"{before['wall_s']:.0f} s, {1e3 * before['step_s']:.0f} ms" if before else "-"
         plan = last["plan"] + (" + encoder plan" if len(last["groups"]) > 1 else "")
-        lines.append(
-            f"| {name} | {r['median_wall_s']:.1f} s | {', '.join(f'{w:.0f}' for w in r['wall_s'])} s | "
-            f"{last['search_s']:.1f} s | {plan} | "
-            + " / ".join(f"{1e3 * s:.0f} ms" for s in sorted(steps))
-            + f" | {was} |"
+        body.append(
+            [
+                name,
+                f"{r['median_wall_s']:.1f} s",
+                ", ".join(f"{w:.0f}" for w in r["wall_s"]) + " s",
+                f"{last['search_s']:.1f} s",
+                plan,
+                " / ".join(f"{1e3 * s:.0f} ms" for s in sorted(steps)),
+                was,
+            ]
         )
-    return "\n".join(lines)
+    return github_table(head, body)
 
 
 def main() -> None:

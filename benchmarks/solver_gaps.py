@@ -9,7 +9,7 @@ Per setup (``vlmcompile.planning.setups``), at the paper's DP/TP/PP, v and micro
   baseline; :func:`vlmcompile.planning.stage_cuts.solve`): the closed form's status, objective,
   bound and gap, then the timeline model's where it runs. Each model is given its bound over whole
   layers (:mod:`vlmcompile.planning.partition_bound`) as a constraint;
-* the encoder-in-bubbles pass (:func:`vlmcompile.passes.bubbles.bubbles`): the schedule's CP-SAT
+* the encoder-in-bubbles pass (:func:`vlmcompile.passes.planning.bubbles.bubbles`): the schedule's CP-SAT
   status, objective, bound (the LLM's actions alone after and before the encoder's,
   :func:`~vlmcompile.planning.bubble_schedule.schedule_bound`) and gap.
 
@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 
 import torch
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 from vlmcompile.compiler import zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.ir.errors import PlanError
-from vlmcompile.passes.bubbles import bubbles
-from vlmcompile.passes.policies import plan_and_simulate
+from vlmcompile.passes.planning.bubbles import bubbles
+from vlmcompile.passes.planning.policies import plan_and_simulate
 from vlmcompile.planning.request import SolverOptions
 from vlmcompile.planning.setups import SETUPS
 
@@ -85,11 +85,17 @@ def _gap(part: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| setup | degrees | partition: CP-SAT (model) | objective / bound ms | gap | "
-        "encoder schedule: CP-SAT | objective / bound ms | gap |",
-        "|---|---|---|---|---|---|---|---|",
+    head = [
+        "setup",
+        "degrees",
+        "partition: CP-SAT (model)",
+        "objective / bound ms",
+        "gap",
+        "encoder schedule: CP-SAT",
+        "objective / bound ms",
+        "gap",
     ]
+    body = []
     for r in rows:
         p, b = r["partition"], r["bubbles"]
         schedule = (
@@ -97,12 +103,18 @@ def table(rows: list[dict]) -> str:
             if "error" in b
             else (b["status"], f"{1e3 * (b['objective_s'] or 0):.0f} / {1e3 * (b['bound_s'] or 0):.0f}")
         )
-        lines.append(
-            f"| {r['setup']} | {r['degrees']} | {p['status']} ({p['model']}) | "
-            f"{1e3 * p['objective_s']:.0f} / {1e3 * p['bound_s']:.0f} | {_gap(p)} | "
-            f"{schedule[0]} | {schedule[1]} | {_gap(b)} |"
+        body.append(
+            [
+                r["setup"],
+                r["degrees"],
+                f"{p['status']} ({p['model']})",
+                f"{1e3 * p['objective_s']:.0f} / {1e3 * p['bound_s']:.0f}",
+                _gap(p),
+                *schedule,
+                _gap(b),
+            ]
         )
-    return "\n".join(lines)
+    return github_table(head, body)
 
 
 def main() -> None:

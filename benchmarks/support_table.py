@@ -1,4 +1,4 @@
-"""The README's table of supported transformers VLM families, made from the tests.
+"""The table in docs/models.md of supported transformers VLM families, made from the tests.
 
 Runs ``tests/test_transformers_vlms.py`` (about 2 minutes on 2 cores) and reads its JUnit XML:
 one row per family, a column per thing the tests check, with what capture recorded (the batch
@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import write_readme_section  # noqa: E402
+from readme_section import github_table, write_readme_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = "tests/test_transformers_vlms.py"
@@ -64,26 +64,22 @@ def table(root: ET.Element) -> tuple[str, int]:
         "specialised on",
         "loss over microbatches",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    body = []
     bad = 0
     for name in names:
         facts = props.get(f"test_compiles_for_cpu_ranks_with_its_regions[{name}]", {})
         cells = [outcome.get(f"{test}[{case.format(name=name)}]", "not run") for test, case, _ in COLUMNS]
         bad += sum(c != "yes" for c in cells)
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    name,
-                    facts.get("model_class", "?"),
-                    *cells,
-                    facts.get("specialised") or "-",
-                    facts.get("loss_split", "?"),
-                ]
-            )
-            + " |"
+        body.append(
+            [
+                name,
+                facts.get("model_class", "?"),
+                *cells,
+                facts.get("specialised") or "-",
+                facts.get("loss_split", "?"),
+            ]
         )
-    return "\n".join(lines), bad
+    return github_table(header, body), bad
 
 
 def main() -> int:

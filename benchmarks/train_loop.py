@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from vlmcompile import compile, models
-from vlmcompile.models.data import SyntheticBatches
+from vlmcompile.models.synthetic_batches import SyntheticBatches
 from vlmcompile.planning.request import SearchSpace
 from vlmcompile.runtime.executor import runnable_degrees
-from vlmcompile.runtime.trainer import TrainConfig, eager_training
+from vlmcompile.runtime.train_loop import TrainConfig, eager_training
 
 RESULTS = Path(__file__).parent / "results" / "train_loop.json"
 MODES = ("tagged", "ordered")

@@ -21,7 +21,7 @@ machine is shared).
     python benchmarks/variable_data.py [--repeats 3] [--steps 8] [--global-batch 16] [--readme]
 
 Writes ``benchmarks/results/variable_data.json`` with this machine named; ``--readme`` writes
-the table into the README (section ``variable_data``).
+the table into docs/data.md (section ``variable_data``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from readme_section import write_readme_section
+from readme_section import github_table, write_readme_section
 
 from vlmcompile import compile, models
 from vlmcompile.data.families import family_of
@@ -47,9 +47,9 @@ from vlmcompile.data.packing import padded_batch, sample_length
 from vlmcompile.data.synthetic import SyntheticDataset
 from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.planning.request import SearchSpace
-from vlmcompile.runtime.data import GlobalBatches
+from vlmcompile.runtime.global_batches import GlobalBatches
 from vlmcompile.runtime.launch import launch
-from vlmcompile.runtime.trainer import TrainConfig
+from vlmcompile.runtime.train_loop import TrainConfig
 from vlmcompile.sim.simulator import simulate
 
 RESULTS = Path(__file__).parent / "results" / "variable_data.json"
@@ -170,10 +170,17 @@ def _median(runs: list[dict], key: str) -> float:
 
 
 def table(results: dict) -> str:
-    lines = [
-        "| dataset | training | step s | real tokens/s | padding | peak GiB (busiest rank) | step prediction error (median / max) | planned step s (error) |",
-        "|---|---|---|---|---|---|---|---|",
+    head = [
+        "dataset",
+        "training",
+        "step s",
+        "real tokens/s",
+        "padding",
+        "peak GiB (busiest rank)",
+        "step prediction error (median / max)",
+        "planned step s (error)",
     ]
+    body = []
     for name, row in results["datasets"].items():
         for kind in ("padded", "packed"):
             runs = row[kind]
@@ -192,11 +199,19 @@ def table(results: dict) -> str:
                 if kind == "padded"
                 else f"packed ({runs[0]['plan']})"
             )
-            lines.append(
-                f"| {name} | {label} | {_median(runs, 'step_s'):.3f} | {_median(runs, 'tokens_per_s'):,.0f} | "
-                f"{100 * _median(runs, 'pad_share'):.0f} % | {_median(runs, 'peak_gib'):.2f} | {error} | {planned} |"
+            body.append(
+                [
+                    name,
+                    label,
+                    f"{_median(runs, 'step_s'):.3f}",
+                    f"{_median(runs, 'tokens_per_s'):,.0f}",
+                    f"{100 * _median(runs, 'pad_share'):.0f} %",
+                    f"{_median(runs, 'peak_gib'):.2f}",
+                    error,
+                    planned,
+                ]
             )
-    return "\n".join(lines)
+    return github_table(head, body)
 
 
 def main(argv: list[str] | None = None) -> int:

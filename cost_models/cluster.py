@@ -201,7 +201,8 @@ class Cluster:
             num_gpus=num_ranks,
             gpus_per_node=num_ranks,
             device=device("cpu", num_local_ranks=num_ranks),
-            # gloo over 127.0.0.1 moves a few GB/s between processes; the runtime measures it.
+            # gloo over 127.0.0.1 moves a few GB/s between processes: an assumed figure, not measured
+            # (see the note).
             intra_node_bw_bytes_per_s=2 * GB,
             inter_node_bw_bytes_per_s=2 * GB,
             intra_node_latency_s=50e-6,

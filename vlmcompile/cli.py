@@ -24,12 +24,19 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
-
 from vlmcompile import train_command
 from vlmcompile.ir.errors import TRACEBACK_ENV, ArgumentError
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = ("bf16", "fp16", "fp32")
+"""``--dtype`` names; torch's dtypes are looked up when a command runs (``--help`` imports no torch)."""
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
 _OUTPUT_FLAGS = ("json", "png", "trace", "log_jsonl")
 
 
@@ -101,7 +108,7 @@ def _annotate(args: argparse.Namespace) -> int:
     built = model_source.build(
         args.model,
         device="cpu" if args.real else "meta",
-        dtype=_DTYPES[args.dtype],
+        dtype=_dtype(args.dtype),
         batch_size=args.batch_size,
     )
     model, batch = built.model, _batch_of(built)
@@ -192,11 +199,11 @@ def _layer_graph(args: argparse.Namespace):
     from vlmcompile.compiler import compile, zoo_layer_graph
     from vlmcompile.ir.microbatch import num_samples
 
-    dtype = _DTYPES[args.dtype] if args.dtype else None
+    dtype = _dtype(args.dtype) if args.dtype else None
     own = model_source.is_function(args.model) or args.model.startswith("hf-")
     if not own and not args.data:
         return zoo_layer_graph(args.model, dtype=dtype), None
-    built = model_source.build(args.model, device="meta", dtype=dtype or (None if own else torch.bfloat16))
+    built = model_source.build(args.model, device="meta", dtype=dtype or (None if own else _dtype("bf16")))
     if args.data:
         data = model_source.data(
             args.data, built.model, num_samples=args.data_samples, text_scale=args.text_scale

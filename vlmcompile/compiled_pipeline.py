@@ -99,8 +99,8 @@ class CompiledPipeline:
     report: CompileReport
     cluster: Cluster | None = None
     planned: PolicyResult | None = None
-    """The plan chosen by the plan search and partition passes, simulated, with every baseline
-    at the same degrees (None without a cluster)."""
+    """The plan chosen by the plan pass (plan search, partition, encoder-in-bubbles), simulated,
+    with every baseline at the same degrees (None without a cluster)."""
     codegen: CodegenResult | None = None
     """The codegen pass's stage modules for :attr:`plan` (None without a plan, or on meta tensors)."""
     model: nn.Module | None = None

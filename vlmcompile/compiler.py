@@ -384,7 +384,9 @@ def compile(
             or a list of samples of different shapes (one dict per example, as a transformers
             processor returns it: any number of images, any length), for a pipeline captured
             once that packs every step's samples into microbatches of ``tokens_per_microbatch``
-            LLM tokens (LLaVA, InternVL, Qwen2-VL, Qwen2.5-VL).
+            LLM tokens (the families :func:`~vlmcompile.data.families.family_of` packs: LLaVA,
+            LLaVA-NeXT, InternVL, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and the zoo's
+            VLMs).
         cluster: the cluster to plan for: a :class:`Cluster` or a preset name ("h100x64", "cpu:2").
         region_overrides: module-path prefix -> region ("vision", "projector", "llm", "text", "head").
         capture_method: "auto", "fx" or "export".

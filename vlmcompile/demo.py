@@ -2,8 +2,8 @@
 baselines' on the same runtime, and compare measurement with eager and with prediction.
 
 Our plan and the pipelined baselines run at the same degrees and microbatches (PP = 2,
-microbatches of one sample, the same global batch), each at its fastest predicted v of 1, 2, 4
-(v is a setting each system's user tunes; a baseline held at our v would not be the best its
+microbatches of one sample, the same global batch), each at its fastest predicted v of 1, 2, 3,
+4 (:data:`V_CHOICES`; v is a setting each system's user tunes; a baseline held at our v would not be the best its
 users run: at 4 microbatches ``megatron_balanced`` is 12 % faster at v = 4 than at v = 1, and
 our search may pick v = 1). ``megatron``
 is the faster of its even placements (``llava``: the vision encoder, projector and embedding on

@@ -20,14 +20,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from vlmcompile import model_source
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.runtime.launch import threads_per_rank
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+_PRECISIONS = ("fp32", "bf16")
+"""``--precision`` besides ``auto``: fp32, or bf16 autocast. Names only: ``vlmcompile plan --help``
+imports no torch (this module is read to build the command line)."""
 
 
 def under_torchrun() -> bool:
@@ -129,7 +128,7 @@ def add_arguments(
     )
     parser.add_argument(
         "--precision",
-        choices=["auto", "fp32", "bf16"],
+        choices=["auto", *_PRECISIONS],
         default="auto",
         help="compute dtype; auto: bf16 autocast on CUDA when the plan's parameters are 2 bytes, else fp32 "
         "(parameters, gradients and their reduction are fp32 either way)",
@@ -208,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, plan, device: str, autocast):
+    from vlmcompile import model_source
     from vlmcompile.runtime.checkpoint_dir import checkpoint_bytes
     from vlmcompile.runtime.train_loop import TrainConfig, claim_for
 
@@ -265,6 +265,7 @@ def _one_shape_data(built, global_batch: int, seed: int):
     """The pipeline compiled for batches of one shape, and every step's global batch: a zoo
     model's synthetic batches, or the sample batch a function (or a tiny transformers builder)
     gives, every step."""
+    from vlmcompile import model_source
     from vlmcompile.compiler import compile
     from vlmcompile.ir.microbatch import num_samples
     from vlmcompile.models.synthetic_batches import SyntheticBatches
@@ -331,6 +332,7 @@ def _span(names) -> str:
 def _packed_data(args: argparse.Namespace, built, plan):
     """The pipeline compiled for the samples (``--data``'s, else the model function's) at the
     plan's token budget, and its global batches of them."""
+    from vlmcompile import model_source
     from vlmcompile.compiler import compile
     from vlmcompile.runtime.global_batches import GlobalBatches
 
@@ -368,6 +370,8 @@ def _packed_data(args: argparse.Namespace, built, plan):
 
 
 def _device(choice: str, plan) -> str:
+    import torch
+
     gpu_plan = bool(plan.cluster) and not plan.cluster.startswith("cpu")
     device = choice if choice != "auto" else ("cuda" if gpu_plan else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -380,7 +384,9 @@ def _device(choice: str, plan) -> str:
 
 def _autocast(choice: str):
     """ "auto" lets train() follow the plan's precision (bf16 on GPUs for 2-byte parameters)."""
-    return "auto" if choice == "auto" else _PRECISIONS[choice]
+    import torch
+
+    return {"auto": "auto", "fp32": None, "bf16": torch.bfloat16}[choice]
 
 
 def _abort_process_group() -> None:
@@ -395,6 +401,7 @@ def _abort_process_group() -> None:
 
 
 def _join_process_group(device: str, timeout_s: float) -> None:
+    import torch
     import torch.distributed as dist
 
     # NCCL's watchdog times operations from when they were issued and ends the process at this

@@ -13,8 +13,8 @@ Read from NVIDIA/Megatron-LM at d98e8a64 (main; megatron-core 0.16.1 ships none 
   (FAN_IN / FAN_OUT gather or slice along the batch); both grids must have PP = 1.
 
 We model the EQUAL bridge (the encoder at the language model's TP and DP, which our runtime
-runs); other encoder degrees wait for plans with a parallel group per module. The encoder is
-data-parallel over every rank either way. Recompute is one global setting, as Megatron's.
+runs); other encoder degrees (FAN_IN / FAN_OUT) are not modelled in this baseline. The encoder
+is data-parallel over every rank. Recompute is one global setting, as Megatron's.
 """
 
 from __future__ import annotations

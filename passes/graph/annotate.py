@@ -806,7 +806,7 @@ def _build_layer_graph(
         "tensor_mode": tensor_mode,
         "batch": {k: str(_spec(v)) for k, v in batch.items() if isinstance(v, torch.Tensor)},
         "batch_size": num_samples(batch),
-        # str, so the LayerGraph's JSON holds it; planning reads it (one microbatch if coupled).
+        # str, so the LayerGraph's JSON holds it; for reports (the plan pass reads gm.meta's LossSplitCheck).
         "loss_split": str(gm.meta[LOSS_SPLIT_META].verdict) if LOSS_SPLIT_META in gm.meta else "unchecked",
     }
     return LayerGraph(layers=tuple(layers), edges=edges, meta=meta)

@@ -1,6 +1,6 @@
 """Capture pass: model + sample batch -> an ``fx.GraphModule`` of the training forward (with loss).
 
-Two capture paths, as decided in DESIGN.md:
+Two capture paths (docs/models.md, "Capture"):
 
 * ``fx``: ``torch.fx`` symbolic tracing with transformer blocks as leaf modules. Plain-PyTorch
   models (the zoo). The graph keeps the user's modules, so a 200B-parameter model is ~150 nodes.
@@ -11,7 +11,7 @@ Both tag every node with its layer and region (:mod:`vlmcompile.graph.layering`)
 returns a ModelOutput is captured up to its ``loss``. The export machinery - meta models on fake
 CPU tensors, specialisation on the batch values that decide shapes, failures named by the
 model's line - is :mod:`vlmcompile.graph.export`. On real weights capture then checks the graph
-against eager and whether the loss splits over microbatches (:mod:`.loss_split`).
+against eager and whether the loss splits over microbatches (:mod:`vlmcompile.graph.loss_split`).
 """
 
 from __future__ import annotations

@@ -168,9 +168,8 @@ def test_a_pair_too_large_for_one_gpu_plans_at_the_tensor_parallel_degree_that_f
 
 
 def test_the_contrastive_runtime_refuses_what_it_does_not_run(clip_s):
-    from vlmcompile.passes.codegen.contrastive import _check_runnable
-
     from vlmcompile.ir.errors import PlanError
+    from vlmcompile.passes.codegen.contrastive import _check_runnable
 
     layer_graph, loss = clip_s
     cluster = Cluster.preset("v100x8")
@@ -271,9 +270,8 @@ def test_pipeline_stages_fill_and_drain_and_shard_the_states(clip_s):
 
 
 def test_towers_apart_take_pipeline_stages_where_nothing_else_fits(clip_s):
-    from vlmcompile.passes.codegen.contrastive import _check_runnable
-
     from vlmcompile.ir.errors import PlanError
+    from vlmcompile.passes.codegen.contrastive import _check_runnable
     from vlmcompile.planning.contrastive_placement import place_towers
 
     layer_graph, loss = clip_s

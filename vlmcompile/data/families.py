@@ -1,15 +1,21 @@
 """How one model family lays out a sample's images, as its transformers processor returns them
 for one example, and the per-sample facts the packer needs from it.
 
-Two layouts cover LLaVA-1.5, InternVL and Qwen2-VL / Qwen2.5-VL:
+Four layouts cover the families :func:`family_of` packs:
 * :class:`TileFamily` - ``pixel_values`` of shape (tiles, channels, side, side), every tile the
-  same number of image tokens in ``input_ids`` (LLaVA: one tile an image; InternVL: 1-12 tiles
-  and a thumbnail). The tiles of several samples are joined along the first dimension in
-  token order, as a padded batch of them would hold them.
+  same number of image tokens in ``input_ids`` (LLaVA-1.5 and the zoo's VLMs: one tile an image;
+  InternVL: 1-12 tiles and a thumbnail). The tiles of several samples are joined along the
+  first dimension in token order, as a padded batch of them would hold them.
 * :class:`PatchStreamFamily` - ``pixel_values`` of shape (patches, patch_dim) with one
   ``image_grid_thw`` row (frames, height, width in patches) per image, one image token per
   ``merge x merge`` patches, each image between a vision-start and a vision-end token, and 3-D
-  M-RoPE positions (:func:`mrope_positions`).
+  M-RoPE positions (:func:`mrope_positions`) (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
+* :class:`AnyresFamily` - LLaVA-NeXT's "anyres" images: a base tile and a grid of crops each,
+  ``pixel_values`` of shape (images, crops, channels, side, side) with crops padded to the most
+  of any image, and ``image_sizes`` (height, width) per image.
+* :class:`SplitTileFamily` - Idefics3 and SmolVLM: an image split into tiles (and a global view
+  of the whole when it takes more than one), ``pixel_values`` of shape (1, tiles, channels,
+  side, side) a sample, every tile the same number of image tokens.
 
 A sample is a dict of tensors with a leading batch dimension of one for the per-token keys
 (``input_ids``, ``labels``: shape (1, length)), as a processor returns it; a text-only sample

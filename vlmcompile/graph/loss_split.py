@@ -9,7 +9,9 @@ with the loss of the whole batch. The same run checks that the batch splits into
 :func:`vlmcompile.ir.microbatch.take` cuts it (Qwen-VL's patches: the same number per sample).
 
 A model whose loss does not split trains only as one microbatch on one data-parallel rank: the
-plan search keeps to such plans and the runtime refuses others.
+plan search keeps to such plans and the runtime refuses others. A recognised contrastive loss is
+the exception: its towers are microbatched and the loss runs on the whole batch
+(:mod:`vlmcompile.graph.contrastive`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ class LossSplit(str, enum.Enum):
     PER_SAMPLE = "per-sample"
     """The loss of the batch is the weighted sum of the samples' losses."""
     BATCH_COUPLED = "batch-coupled"
-    """It is not (or the model cannot run on one sample): one microbatch, DP = 1."""
+    """It is not (or the model cannot run on one sample): one microbatch, DP = 1 (unless it is a
+    recognised contrastive loss: towers microbatched, the loss on the whole batch,
+    :mod:`vlmcompile.graph.contrastive`)."""
     UNCHECKED = "unchecked"
     """Meta tensors, or a one-sample batch: nothing to compare."""
 

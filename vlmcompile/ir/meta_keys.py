@@ -1,4 +1,4 @@
-"""Keys under which vlmcompile writes into ``fx.Node.meta``.
+"""Keys under which vlmcompile writes into ``fx.Node.meta``, ``GraphModule.meta`` and ``LayerGraph.meta``.
 
 torch's own keys (``val``, ``tensor_meta``, ``nn_module_stack``) are read, never written.
 Tests import these constants rather than spelling the strings.

@@ -91,8 +91,8 @@ class InputSizes:
 def _bound(
     formulas: tuple[tuple[str, tuple[int | str, ...]], ...], shapes: tuple[tuple[int, ...], ...]
 ) -> tuple[tuple[str, int], ...]:
-    # Cached: sympy's solve takes milliseconds, and the trainer's check and the step read the
-    # same microbatches' sizes.
+    # Cached: sympy's solve takes milliseconds, and the training loop's batch check
+    # (PipelineRunner.check_batch) and the step read the same microbatches' sizes.
     import sympy
 
     sizes: dict[str, int] = {}

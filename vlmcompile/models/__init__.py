@@ -19,7 +19,8 @@ compositions ``ENCODER[+ENCODER]+LLM`` of the towers in ``ENCODERS`` and ``LLMS`
 
 The ``demo`` VLM's forward FLOPs split by region like InternVL-Chat-1.5's (InternViT-6B +
 InternLM2-20B, 9 tiles x 1024 ViT tokens, 4096 LLM tokens per sample), as measured by the
-annotate pass on both (``tests/models/test_zoo.py`` checks it, 5 points of tolerance)::
+annotate pass on both (checked, 5 points of tolerance, by
+``tests/test_models.py::test_demo_forward_flop_shares_match_internvl_chat_1_5_within_5_points``)::
 
     region      InternVL-Chat-1.5   demo
     vision            37.9 %        39.6 %

@@ -1,7 +1,7 @@
 """Plan a contrastive two-tower step: samples per rank, microbatches and what a rank keeps.
 
 Both towers sit on every rank here (data parallelism over the cluster, tensor parallelism inside
-a node where asked); towers on ranks of their own are :mod:`.tower_placement`'s. The global batch
+a node where asked); towers on ranks of their own are :mod:`.contrastive_placement`'s. The global batch
 is split as evenly as the counts allow. A rank's memory is its model states plus, between its
 tower forwards and the loss, either every microbatch's activations (``keep``) or one
 microbatch's for the forward run again before its backward (``recompute``), plus the loss

@@ -30,15 +30,19 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from vlmcompile.ir.errors import VlmCompileError, user_facing
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+# torch.distributed.checkpoint is imported where a checkpoint is written or read: it takes about
+# a second to import, and planning (which imports this module through the checkpoint folder's
+# checks) never uses it.
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -81,6 +85,9 @@ def save(
     Refuses (:class:`CheckpointError`, on every rank) to save non-finite weights, or over a step
     directory that exists. A failed write (a full disk, an I/O error) leaves nothing behind: the
     partial directory is removed and ``latest`` stays where it was."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     root = Path(directory)
     final = step_dir(root, step)
     staging = root / f".{final.name}{PARTIAL_SUFFIX}"
@@ -368,6 +375,9 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
     optimizer and the scheduler (every rank calls it); returns the checkpoint's step. ``path``
     was checked whole before (:func:`newest` or :func:`resolve`, on one process): here each rank
     checks only that its files are all there, at their sizes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     # Agreed before DCP's collectives: a rank that refused alone would leave the others waiting.
     try:
         bad = problems(path, checksums=False)
@@ -457,6 +467,9 @@ def saved_data(path: str | Path) -> dict[str, Any]:
 
 def _load_here(state: dict[str, Any], path: str | Path) -> None:
     """DCP's load of ``state`` (what it names, in place) from ``path``, in this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():  # one process on purpose: DCP warns that it is not distributed
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -494,6 +507,8 @@ def check_fits(
 ) -> None:
     """Refuse a checkpoint that lacks a tensor this rank holds, has it in another shape, or holds
     tensors the model (all of ``model_names``, when known) does not have."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     missing = sorted(k[len("model.") :] for k in expected if k not in stored)
     shapes = sorted(
         f"{k[len('model.') :]} (checkpoint {list(stored[k].size)}, model {list(shape)})"
@@ -544,6 +559,8 @@ def _entries(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple]]:
 
 
 def _read_metadata(path: str | Path):
+    import torch.distributed.checkpoint as dcp
+
     try:
         return dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # noqa: BLE001 - unpickling a damaged file raises anything
@@ -554,6 +571,8 @@ def _read_metadata(path: str | Path):
 
 def _placeholder(meta, device) -> torch.Tensor | None:
     """What DCP loads an entry into: a tensor of its shape, or None for a Python value."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     if isinstance(meta, TensorStorageMetadata):
         return torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
     return None

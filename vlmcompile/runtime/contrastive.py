@@ -1,6 +1,6 @@
 """One exact training step of a two-tower model whose contrastive loss couples the global batch.
 
-Three phases (DESIGN.md, "Coupled losses"; DistMM's batch-sync instruction, GradCache):
+Three phases (docs/contrastive.md; DistMM's batch-sync instruction, GradCache):
 
 1. **Towers.** Each rank runs its samples' microbatches through the towers it holds (both, or
    one when each tower has ranks of its own: DistMM's placement) and keeps their embeddings

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from vlmcompile.runtime.rank_server_process import STATUS
+from vlmcompile.runtime.rank_server_process import PRELOAD, STATUS
 
 START_ENV = "VLMCOMPILE_RANK_START"
 """``spawn`` spawns every rank (each imports torch itself) instead of forking it from the server."""
@@ -121,7 +121,13 @@ class RankServer:
         preparation = multiprocessing.spawn.get_preparation_data(name)
         preparation["authkey"] = bytes(multiprocessing.process.current_process().authkey)
         request = pickle.dumps(
-            {"preparation": preparation, "call": call, "name": name, "environ": dict(os.environ)}
+            {
+                "preparation": preparation,
+                "call": call,
+                "name": name,
+                "environ": dict(os.environ),
+                "preload": _preload(),
+            }
         )
         status_r, status_w = os.pipe()
         try:
@@ -137,6 +143,16 @@ class RankServer:
             os.close(status_r)
             raise Unavailable("the rank server did not fork the rank")
         return ServedRank(pid, status_r)
+
+
+def _preload() -> dict[str, str]:
+    """The modules of the server's preload list this process has imported -> their files."""
+    found = {}
+    for name in PRELOAD:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            found[name] = file
+    return found
 
 
 @contextlib.contextmanager

@@ -38,6 +38,11 @@ SIGTERM): the launcher decides what its ranks do with those, and the server must
 report the ranks' exit codes."""
 _MAX_FDS = 16
 _MAX_REQUEST = 1 << 20
+PRELOAD = ("torch._dynamo", "torch.optim", "sympy", "transformers")
+"""Modules a rank imports after its fork when the launcher has them (torch.optim's AdamW imports
+torch._dynamo, 2-3 s; shape formulas sympy; a transformers model transformers): the server imports
+those the launcher reports before it forks, once, instead of every rank of every launch (in
+tests/runtime/test_packed_pipeline.py the ranks spent 13 % of their time importing torch._dynamo)."""
 
 
 def main(control_fd: int) -> None:
@@ -89,8 +94,26 @@ def _take_request(control: socket.socket, statuses: dict[int, int], server_fds: 
         for fd in fds:
             os.close(fd)
         return True
+    _preload(request.get("preload", {}))
     _fork_rank(request, fds, statuses, server_fds)
     return True
+
+
+def _preload(modules: dict[str, str]) -> None:
+    """Import each of :data:`PRELOAD` the launcher has imported (name -> its file), where this
+    process finds the same file: a rank must run the launcher's code, never another copy."""
+    import importlib
+    import importlib.util
+
+    for name, file in modules.items():
+        if name not in PRELOAD or name in sys.modules:
+            continue
+        try:
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.origin == file:
+                importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the rank imports it itself, and meets the error there
+            pass
 
 
 def _fork_rank(request: dict, fds: list[int], statuses: dict[int, int], server_fds: tuple[int, ...]) -> None:
