@@ -11,6 +11,19 @@ settings.register_profile("explore", max_examples=300, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vlmcompile"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The heaviest test files first (tests/durations.json), each file's tests in their order:
+    CI's two workers take whole files (``--dist loadfile``) as they come free, so a long file
+    started last would leave one worker idle while the other finishes it."""
+    from tests.durations import weights
+
+    seconds = weights()
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(item.nodeid.split("::")[0], len(first_seen))
+    items.sort(key=lambda item: (-seconds.get(path := item.nodeid.split("::")[0], 0.0), first_seen[path]))
+
+
 @pytest.fixture(autouse=True)
 def _single_thread_and_seed():
     # Deterministic and gentle on a shared 2-core machine.

@@ -197,3 +197,46 @@ def test_a_server_that_cannot_start_leaves_the_ranks_spawned_and_is_not_tried_ag
         # A server that could start now is not tried again in the environment it failed in.
         monkeypatch.setattr(rank_server, "_PROCESS_FILE", real)
     assert rank_server._server is None and rank_server._failed_key is not None
+
+
+@pytest.mark.skipif(not rank_server._supported(), reason="no rank server on this platform or Python")
+def test_the_module_the_ranks_run_is_imported_once_by_the_server_not_by_every_rank(tmp_path):
+    # The module of the function the ranks run (with what it imports) is imported by the server
+    # before its first fork: two launches of two ranks import it once, in the server; a module
+    # the launcher imported from another file than the server would find is imported by the
+    # ranks themselves (their code is the launcher's).
+    imports = tmp_path / "imports.txt"
+    (tmp_path / "ranked.py").write_text(
+        textwrap.dedent(
+            f"""
+            import os
+            with open({str(imports)!r}, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+
+            def rank_fn(payload):
+                import torch.distributed as dist
+                return dist.get_rank()
+            """
+        )
+    )
+    script = tmp_path / "launch_twice.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(tmp_path)!r})
+            import ranked
+            from vlmcompile.runtime.launch import launch
+
+            if __name__ == "__main__":
+                print(launch(ranked.rank_fn, None, 2, timeout_s=30), launch(ranked.rank_fn, None, 2, timeout_s=30))
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[0,", "1]", "[0,", "1]"], out.stdout
+    pids = imports.read_text().split()
+    assert len(pids) == 2, f"imported by {len(pids)} processes (the launcher and the server expected): {pids}"

@@ -328,16 +328,27 @@ def launch(
     work = _work(fn, payload, args, arg_names)
     # Started (or found running) before any signal is held: it takes seconds the first time.
     with rank_server.in_use() as server:
-        return _run(server, work, nprocs, timeout_s, limit_s, grace_s, forward_stop_requests)
+        return _run(
+            server, work, nprocs, timeout_s, limit_s, grace_s, forward_stop_requests, _rank_modules(fn)
+        )
 
 
-def _run(server, work: bytes, nprocs, timeout_s, limit_s, grace_s, forward_stop_requests) -> list[Any]:
+def _rank_modules(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The modules a rank imports first: this one (its main) and ``fn``'s, with all they import:
+    the rank server imports them once, before it forks (:mod:`~vlmcompile.runtime.rank_server`)."""
+    own = getattr(fn, "__module__", None)
+    return (__name__,) if own in (None, "__main__", __name__) else (__name__, own)
+
+
+def _run(
+    server, work: bytes, nprocs, timeout_s, limit_s, grace_s, forward_stop_requests, modules: tuple[str, ...]
+) -> list[Any]:
     procs: list[Any] = []
     reports: list[Any] = []
     alive_r, alive_w = _alive_pipe()
     previous = interrupt_on_stop_signals((signal.SIGINT,) if forward_stop_requests else _STOP_SIGNALS)
     try:
-        senders = _start_ranks(server, nprocs, timeout_s, alive_r, procs, reports)
+        senders = _start_ranks(server, nprocs, timeout_s, alive_r, procs, reports, modules)
         _send_work(senders, work)
         return _watch(procs, reports, limit_s, grace_s, timeout_s, forward_stop_requests)
     finally:
@@ -389,6 +400,7 @@ def _start_ranks(
     alive: int,
     procs: list[Any],
     reports: list[Any],
+    modules: tuple[str, ...] = (),
 ) -> list[Any]:
     """Start the ranks (appended to ``procs``, their report pipes to ``reports``, so that the
     caller reaps them whatever happens); return the pipes their work goes down. They fork from
@@ -400,7 +412,9 @@ def _start_ranks(
         port = store_socket.getsockname()[1]
         if server is not None:
             try:
-                return _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, reports)
+                return _fork_ranks(
+                    server, nprocs, timeout_s, port, store_socket, alive, procs, reports, modules
+                )
             except rank_server.Unavailable:
                 rank_server.forget(server)
                 _stop(procs)
@@ -412,7 +426,7 @@ def _start_ranks(
             return _spawn_ranks(nprocs, timeout_s, port, store_socket, procs, reports)
 
 
-def _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, reports) -> list[Any]:
+def _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, reports, modules) -> list[Any]:
     senders: list[Any] = []
     try:
         for rank in range(nprocs):
@@ -425,7 +439,7 @@ def _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, rep
                 fds.append(store_socket.fileno())
             try:
                 call = pickle.dumps((_served_rank_main, (rank, nprocs, port, timeout_s)))
-                procs.append(server.start(f"vlmcompile-r{rank}", call, fds))
+                procs.append(server.start(f"vlmcompile-r{rank}", call, fds, modules))
             finally:
                 # The rank's ends close here, or a dead rank's pipes would never break.
                 work_r.close()

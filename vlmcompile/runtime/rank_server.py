@@ -41,7 +41,9 @@ START_ENV = "VLMCOMPILE_RANK_START"
 START_TIMEOUT_S = 120.0
 """How long the server may take to import torch (seconds on a loaded machine) before ranks are
 spawned instead."""
-_PID_TIMEOUT_S = 30.0
+_PID_TIMEOUT_S = 60.0
+"""How long the server may take to fork a rank: the first request of a launch imports what its
+ranks run (seconds; tens on a loaded machine) before it forks."""
 _PROCESS_FILE = Path(__file__).with_name("rank_server_process.py")
 
 
@@ -115,9 +117,10 @@ class RankServer:
             self.process.kill()
             self.process.wait()
 
-    def start(self, name: str, call: bytes, fds: list[int]) -> ServedRank:
+    def start(self, name: str, call: bytes, fds: list[int], modules: tuple[str, ...] = ()) -> ServedRank:
         """Fork a rank that runs ``fn(passed, *args)`` (``call`` pickles ``(fn, args)``), where
-        ``passed`` are its own copies of ``fds``."""
+        ``passed`` are its own copies of ``fds``; the server imports ``modules`` (this process's
+        copies) before, once for every launch after."""
         preparation = multiprocessing.spawn.get_preparation_data(name)
         preparation["authkey"] = bytes(multiprocessing.process.current_process().authkey)
         request = pickle.dumps(
@@ -126,7 +129,7 @@ class RankServer:
                 "call": call,
                 "name": name,
                 "environ": dict(os.environ),
-                "preload": _preload(),
+                "preload": _preload(modules),
             }
         )
         status_r, status_w = os.pipe()
@@ -145,10 +148,11 @@ class RankServer:
         return ServedRank(pid, status_r)
 
 
-def _preload() -> dict[str, str]:
-    """The modules of the server's preload list this process has imported -> their files."""
+def _preload(modules: tuple[str, ...]) -> dict[str, str]:
+    """The modules the server is to import before it forks -> their files here: ``modules``, then
+    those of its own list (:data:`PRELOAD`) this process has imported."""
     found = {}
-    for name in PRELOAD:
+    for name in (*modules, *PRELOAD):
         file = getattr(sys.modules.get(name), "__file__", None)
         if file:
             found[name] = file

@@ -2,14 +2,17 @@
 once, then forks a local rank for each request that arrives on its control socket, and reports
 each rank's pid and, when it has reaped it, its exit code.
 
-It is run by path (``python -P rank_server_process.py FD``) and imports only the standard library
-and torch, never vlmcompile: a rank takes the launcher's ``sys.path``, working directory and main
-module first (multiprocessing's ``spawn.prepare``, as a spawned process does), so the vlmcompile
-and the user code it then imports are the launcher's, whichever checkout the server started in.
+It is run by path (``python -P rank_server_process.py FD``) and starts with the standard library
+and torch alone: a rank takes the launcher's ``sys.path``, working directory and main module first
+(multiprocessing's ``spawn.prepare``, as a spawned process does), so the vlmcompile and the user
+code it imports are the launcher's, whichever checkout the server started in. What a request
+names to import before the fork (``preload``: the module of the function the ranks run, and
+:data:`PRELOAD`) the server imports on the launcher's ``sys.path``, each only where it finds the
+file the launcher has: the same code, imported once for every launch instead of in every rank.
 
 A request is one ``SOCK_SEQPACKET`` message: a pickle of builtins (``preparation``, multiprocessing's
 preparation data; ``environ``, the launcher's environment; ``call``, the pickled ``(fn, args)`` the rank runs as ``fn(passed_fds, *args)``;
-``name``, the rank's process name) with descriptors attached: the launcher's standard output and
+``name``, the rank's process name; ``preload``, module name -> the launcher's file) with descriptors attached: the launcher's standard output and
 error as they are at the request, the pipe the server reports on, then the call's own.
 """
 
@@ -40,9 +43,10 @@ _MAX_FDS = 16
 _MAX_REQUEST = 1 << 20
 PRELOAD = ("torch._dynamo", "torch.optim", "sympy", "transformers")
 """Modules a rank imports after its fork when the launcher has them (torch.optim's AdamW imports
-torch._dynamo, 2-3 s; shape formulas sympy; a transformers model transformers): the server imports
-those the launcher reports before it forks, once, instead of every rank of every launch (in
-tests/runtime/test_packed_pipeline.py the ranks spent 13 % of their time importing torch._dynamo)."""
+torch._dynamo, 2-3 s; shape formulas sympy; a transformers model transformers). With the module
+of the function the ranks run (and so everything it imports: vlmcompile's runtime, a test module's
+imports), the server imports them before it forks, once, instead of every rank of every launch:
+in CI's multi-process lane ranks spent a third of their time importing (2026-11-28)."""
 
 
 def main(control_fd: int) -> None:
@@ -94,25 +98,28 @@ def _take_request(control: socket.socket, statuses: dict[int, int], server_fds: 
         for fd in fds:
             os.close(fd)
         return True
-    _preload(request.get("preload", {}))
+    _preload(request.get("preload", {}), request["preparation"].get("sys_path"))
     _fork_rank(request, fds, statuses, server_fds)
     return True
 
 
-def _preload(modules: dict[str, str]) -> None:
-    """Import each of :data:`PRELOAD` the launcher has imported (name -> its file), where this
-    process finds the same file: a rank must run the launcher's code, never another copy."""
+def _preload(modules: dict[str, str], sys_path: list[str] | None) -> None:
+    """Import the modules the launcher named (name -> its file there), each where this process
+    finds the same file on the launcher's ``sys.path``: a rank must run the launcher's code, never
+    another copy (this server is the launcher's alone, so its code does not change under it)."""
     import importlib
     import importlib.util
 
+    if sys_path is not None:
+        sys.path[:] = sys_path
     for name, file in modules.items():
-        if name not in PRELOAD or name in sys.modules:
+        if name in sys.modules:
             continue
         try:
             spec = importlib.util.find_spec(name)
             if spec is not None and spec.origin == file:
                 importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the rank imports it itself, and meets the error there
+        except BaseException:  # noqa: BLE001 - the rank imports it itself, and meets the error there
             pass
 
 
