@@ -46,10 +46,10 @@ from pathlib import Path
 from readme_section import github_table, write_readme_section
 
 from vlmcompile import compile, models
-from vlmcompile.compiler import zoo_coupled_loss, zoo_layer_graph
+from vlmcompile.compiler import zoo_contrastive_loss, zoo_layer_graph
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.ir.contrastive_loss import CoupledLoss
-from vlmcompile.ir.contrastive_plan import MemoryPolicy, TowerPlan
+from vlmcompile.ir.contrastive_loss import ContrastiveLoss
+from vlmcompile.ir.contrastive_plan import ContrastivePlan, MemoryPolicy
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Precision
@@ -77,10 +77,10 @@ class Problem:
     """The cluster preset's family (``v100``): a DP = 1 plan runs on ``<family>x<tp>``."""
     cluster: Cluster
     layer_graph: LayerGraph
-    loss: CoupledLoss
+    loss: ContrastiveLoss
 
 
-def plan(policy: str, problem: Problem, global_batch: int) -> TowerPlan:
+def plan(policy: str, problem: Problem, global_batch: int) -> ContrastivePlan:
     """``policy``'s plan of ``global_batch`` samples (module docstring).
 
     Raises:
@@ -124,7 +124,7 @@ def plan(policy: str, problem: Problem, global_batch: int) -> TowerPlan:
     )
 
 
-def _fastest(planner, options) -> TowerPlan:
+def _fastest(planner, options) -> ContrastivePlan:
     plans, refusals = [], []
     for option in options:
         try:
@@ -174,7 +174,7 @@ def _fits(policy: str, problem: Problem, global_batch: int) -> bool:
     return False
 
 
-def figures(problem: Problem, tower_plan: TowerPlan) -> dict:
+def figures(problem: Problem, tower_plan: ContrastivePlan) -> dict:
     """Step, samples/s and each tower's MFU of a plan (module docstring)."""
     step = tower_plan.predicted.step_s
     n = tower_plan.global_batch
@@ -197,7 +197,7 @@ def figures(problem: Problem, tower_plan: TowerPlan) -> dict:
     }
 
 
-def _placement(tower_plan: TowerPlan) -> str:
+def _placement(tower_plan: ContrastivePlan) -> str:
     """A short description: where each tower runs, at which TP, kept or recomputed, microbatches."""
     parts = []
     for t, name in enumerate(("vision", "text")):
@@ -209,7 +209,7 @@ def _placement(tower_plan: TowerPlan) -> str:
     return f"{where}: " + ", ".join(parts)
 
 
-def run_setup(model: str, gpus: int, layer_graph: LayerGraph, loss: CoupledLoss) -> dict:
+def run_setup(model: str, gpus: int, layer_graph: LayerGraph, loss: ContrastiveLoss) -> dict:
     """Every policy's largest batch, and ours against each baseline at that baseline's largest."""
     problem = Problem(model, "v100", Cluster.preset(f"v100x{gpus}"), layer_graph, loss)
     row = {"model": model, "gpus": gpus, "largest_batch": {}, "vs": {}}
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.measure_only:
         rows = []
         for model in args.models:
-            layer_graph, loss = zoo_layer_graph(model), zoo_coupled_loss(model)
+            layer_graph, loss = zoo_layer_graph(model), zoo_contrastive_loss(model)
             for gpus in args.gpus:
                 start = time.perf_counter()
                 rows.append(run_setup(model, gpus, layer_graph, loss))

@@ -29,7 +29,7 @@ from vlmcompile.data.packed_step import pack_step
 from vlmcompile.data.packing import samples_of
 from vlmcompile.data.steps import PackedSteps, check_run
 from vlmcompile.graph.loss_split import LossSplit, coupled_loss_error
-from vlmcompile.ir.contrastive_plan import TowerPlan
+from vlmcompile.ir.contrastive_plan import ContrastivePlan
 from vlmcompile.ir.errors import (
     ArgumentError,
     ClusterError,
@@ -105,7 +105,7 @@ class CompiledPipeline:
     """The codegen pass's stage modules for :attr:`plan` (None without a plan, or on meta tensors)."""
     model: nn.Module | None = None
     sample_batch: Mapping[str, Any] = field(default_factory=dict)
-    tower_plan: TowerPlan | None = None
+    tower_plan: ContrastivePlan | None = None
     """For a contrastive two-tower model: the plan of its step (towers microbatched, the loss on the
     whole batch); then :attr:`planned` is None."""
     tower_step: ContrastiveStep | None = None
@@ -222,8 +222,8 @@ class CompiledPipeline:
     ) -> list[Any]:
         """Start the plan's ranks on this machine and run ``fn(runner, *args)`` on each (default:
         one training step on the sample batch, returning the loss); results in rank order. A
-        contrastive model's :class:`TowerPlan` runs the same way, ``fn(step, *args)``."""
-        if isinstance(plan, TowerPlan) or (plan is None and self.tower_plan is not None):
+        contrastive model's :class:`ContrastivePlan` runs the same way, ``fn(step, *args)``."""
+        if isinstance(plan, ContrastivePlan) or (plan is None and self.tower_plan is not None):
             return self._launch_towers(fn, plan, nprocs=nprocs, args=args, timeout_s=timeout_s)
         runner = self.runner(plan, timeout_s=timeout_s)
         world = runner.parallel.world_size
@@ -241,7 +241,9 @@ class CompiledPipeline:
         return launch(fn, runner, world, args=args, timeout_s=timeout_s)
 
     @user_facing
-    def contrastive_step(self, plan: TowerPlan | None = None, *, timeout_s: float = 60.0) -> ContrastiveStep:
+    def contrastive_step(
+        self, plan: ContrastivePlan | None = None, *, timeout_s: float = 60.0
+    ) -> ContrastiveStep:
         """The step of ``plan`` (default: :attr:`tower_plan`) for this contrastive model."""
         plan = plan or self.tower_plan
         if plan is None:

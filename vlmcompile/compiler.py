@@ -39,8 +39,8 @@ from vlmcompile.data.packing import check_samples, packs_dict_batches, split_bat
 from vlmcompile.data.synthetic import ManifestDataset
 from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
-from vlmcompile.ir.contrastive_loss import CoupledLoss
-from vlmcompile.ir.contrastive_plan import TowerPlan
+from vlmcompile.ir.contrastive_loss import ContrastiveLoss
+from vlmcompile.ir.contrastive_plan import ContrastivePlan
 from vlmcompile.ir.errors import (
     ArgumentError,
     ClusterError,
@@ -89,7 +89,7 @@ class CompileState:
     layer_graph: LayerGraph | None = None
     planned: Any = None
     codegen: CodegenResult | None = None
-    tower_plan: TowerPlan | None = None
+    tower_plan: ContrastivePlan | None = None
     """A contrastive model's plan (then ``planned`` stays None)."""
     tower_step: ContrastiveStep | None = None
     profiled: tuple[int, int] | None = None
@@ -237,7 +237,7 @@ def _ranks_here(state: CompileState) -> int:
     return state.cluster.num_gpus if local else 1
 
 
-def _timed_at_tower_microbatches(state: CompileState, plan: TowerPlan) -> TowerPlan:
+def _timed_at_tower_microbatches(state: CompileState, plan: ContrastivePlan) -> ContrastivePlan:
     """``plan`` predicted again with each tower's layers timed at its own largest microbatch, where
     that is not the share the profile pass timed (a layer's time per sample falls with the
     samples: towers on ranks of their own, or in several microbatches, run other sizes)."""
@@ -532,7 +532,7 @@ def zoo_layer_graph(model_name: str, *, dtype: Any = None) -> LayerGraph:
     return compile(model, batch, model_name=model_name, log=None).layer_graph
 
 
-def zoo_coupled_loss(model_name: str) -> CoupledLoss:
+def zoo_contrastive_loss(model_name: str) -> ContrastiveLoss:
     """A zoo contrastive model's loss as capture recognises it, for the paper-size model that
     :func:`zoo_layer_graph` annotates on meta tensors (where nothing runs, so nothing can be
     recognised): the loss is recognised on a narrow copy with the same layers on real tensors,

@@ -22,8 +22,8 @@ from torch import nn
 
 from vlmcompile.graph.contrastive import CouplingCut, record_values
 from vlmcompile.graph.subgraph import ancestors, extract
-from vlmcompile.ir.contrastive_loss import CoupledLoss
-from vlmcompile.ir.contrastive_plan import MemoryPolicy, TowerPlan
+from vlmcompile.ir.contrastive_loss import ContrastiveLoss
+from vlmcompile.ir.contrastive_plan import ContrastivePlan, MemoryPolicy
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.meta_keys import CAPTURE_OPTIONS_META, COUPLING_META, WRAPPER_PREFIX_META
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
@@ -34,7 +34,7 @@ from vlmcompile.runtime.stage import LayerModule
 
 @dataclass(frozen=True, slots=True)
 class TowerCodegenReport:
-    loss: CoupledLoss
+    loss: ContrastiveLoss
     sizes: tuple[int, ...]
     recaptured: tuple[int, ...]
     """Microbatch sizes the model was captured again for (export graphs are fixed to a size)."""
@@ -50,7 +50,7 @@ class TowerCodegenReport:
         )
 
 
-def coupled_loss_of(gm: fx.GraphModule) -> CoupledLoss:
+def coupled_loss_of(gm: fx.GraphModule) -> ContrastiveLoss:
     """The contrastive loss capture found in ``gm``.
 
     Raises:
@@ -69,7 +69,7 @@ def coupled_loss_of(gm: fx.GraphModule) -> CoupledLoss:
 
 def codegen_towers(
     gm: fx.GraphModule,
-    plan: TowerPlan,
+    plan: ContrastivePlan,
     *,
     model: nn.Module,
     sample_batch: Mapping[str, Any],
@@ -132,7 +132,7 @@ def _tower(gm: fx.GraphModule, embedding: str) -> Tower:
     return Tower(module, tuple(str(p.target) for p in inputs))
 
 
-def _scalars_module(gm: fx.GraphModule, loss: CoupledLoss) -> fx.GraphModule | None:
+def _scalars_module(gm: fx.GraphModule, loss: ContrastiveLoss) -> fx.GraphModule | None:
     if not loss.scalars:
         return None
     outputs = [n for name in loss.scalars for n in gm.graph.nodes if n.name == name]
@@ -180,7 +180,7 @@ def _check_like(pair, batch: Mapping[str, Any], reference: list[torch.Tensor], s
             )
 
 
-def _check_runnable(plan: TowerPlan) -> None:
+def _check_runnable(plan: ContrastivePlan) -> None:
     """Refuse what the plan asks for and the contrastive runtime does not run."""
     for degree, field in (("tp", "tower_tensor_parallel"), ("pp", "tower_pipeline_parallel")):
         wide = max(getattr(plan.placement(t), degree) for t in (0, 1))

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlmcompile.ir.contrastive_loss import CoupledLoss, LossKind, batch_loss, rows_loss
+from vlmcompile.ir.contrastive_loss import ContrastiveLoss, LossKind, batch_loss, rows_loss
 
 
 def _loss(kind):
-    return CoupledLoss(
+    return ContrastiveLoss(
         kind, ("a", "b"), "s", "bias" if kind is LossKind.SIGMOID else None, width=6, detail=""
     )
 
@@ -55,4 +55,4 @@ def test_row_blocks_add_up_to_the_batch_loss_and_its_gradients(kind, blocks):
 
 def test_an_infonce_loss_takes_no_bias():
     with pytest.raises(ValueError, match="takes no bias"):
-        CoupledLoss(LossKind.INFONCE, ("a", "b"), "s", "bias", width=4, detail="")
+        ContrastiveLoss(LossKind.INFONCE, ("a", "b"), "s", "bias", width=4, detail="")

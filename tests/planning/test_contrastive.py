@@ -132,11 +132,11 @@ def test_a_paper_size_pair_gets_its_loss_from_a_narrow_copy(clip_s):
     assert set(loss.tower_layers[0]) | set(loss.tower_layers[1]) == names  # every layer in a tower
     assert any(n.startswith("vision.") for n in loss.tower_layers[0])
     assert not any(n.startswith("vision.") for n in loss.tower_layers[1])
-    from vlmcompile.compiler import zoo_coupled_loss
+    from vlmcompile.compiler import zoo_contrastive_loss
     from vlmcompile.ir.errors import ModelError
 
     with pytest.raises(ModelError, match="'demo' is not a contrastive two-tower model; zoo pairs: .*CLIP-S"):
-        zoo_coupled_loss("demo")
+        zoo_contrastive_loss("demo")
 
 
 def test_tensor_parallel_shards_states_and_activations(clip_s):

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from vlmcompile.graph.subgraph import ancestors, extract
-from vlmcompile.ir.contrastive_loss import CoupledLoss, LossKind, batch_loss
+from vlmcompile.ir.contrastive_loss import ContrastiveLoss, LossKind, batch_loss
 from vlmcompile.ir.meta_keys import LAYER_META
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample
 
@@ -45,7 +45,7 @@ class Batching(str, enum.Enum):
 class CouplingCut:
     """The outcome: the recognised loss, or why the batch cannot be cut (then ``loss`` is None)."""
 
-    loss: CoupledLoss | None
+    loss: ContrastiveLoss | None
     meeting_points: tuple[str, ...]
     """The coupled nodes that read only per-sample and sample-free values: where samples meet,
     as ``node (layer)``."""
@@ -393,7 +393,7 @@ def loss_module(
             "embeddings (and trainable scalars) can be computed on the whole batch apart"
         )
     nodes = [n for n in gm.graph.nodes if n in needed]
-    module, inputs = extract(gm, nodes, [loss], class_name="CoupledLoss")
+    module, inputs = extract(gm, nodes, [loss], class_name="ContrastiveLoss")
     order = {n: i for i, n in enumerate(cut)}
     # extract() orders its arguments by first use; the caller's order is the cut's.
     bound = [order[p] if p in order else _Constant(constants[p]) for p in inputs]
@@ -425,7 +425,7 @@ def _recognise(
     embeddings: Sequence[fx.Node],
     scalars: Sequence[fx.Node],
     values: Mapping[fx.Node, Any],
-) -> CoupledLoss | str:
+) -> ContrastiveLoss | str:
     """The first formula that equals ``module`` in value and gradients, or why none does."""
     embedding_names = [n.name for n in embeddings]
     scalar_names = [n.name for n in scalars]
@@ -438,7 +438,7 @@ def _recognise(
             scale is None and bias is not None
         ):
             continue
-        candidate = CoupledLoss(
+        candidate = ContrastiveLoss(
             kind,
             (embedding_names[0], embedding_names[1]),
             None if scale is None else scalar_names[scale],
@@ -474,7 +474,7 @@ def _random_like(tensors: Sequence[torch.Tensor], seed: int) -> list[torch.Tenso
 
 def _mismatch(
     module: fx.GraphModule,
-    loss: CoupledLoss,
+    loss: ContrastiveLoss,
     inputs: Sequence[torch.Tensor],
     scale: int | None,
     bias: int | None,

@@ -13,7 +13,7 @@ microbatch:
 
 Both are sums over rows of ``a`` against all of ``b`` (and, for InfoNCE, rows of ``b`` against
 all of ``a``): :func:`rows_loss` is the term of one block of rows, and the loss of the batch is
-the sum of every block's term over :meth:`CoupledLoss.directions`.
+the sum of every block's term over :meth:`ContrastiveLoss.directions`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class LossKind(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class CoupledLoss:
+class ContrastiveLoss:
     """The coupled part of a captured graph: what it reads, and which formula it is."""
 
     kind: LossKind
@@ -94,7 +94,7 @@ def rows_loss(
 
 
 def batch_loss(
-    loss: CoupledLoss,
+    loss: ContrastiveLoss,
     a: torch.Tensor,
     b: torch.Tensor,
     scale: torch.Tensor | None = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from vlmcompile.ir.contrastive_loss import CoupledLoss
+from vlmcompile.ir.contrastive_loss import ContrastiveLoss
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import format_bytes
 from vlmcompile.ir.plan import Decision, Precision
@@ -170,10 +170,10 @@ class TowerPlacement:
 
 
 @dataclass(frozen=True, slots=True)
-class TowerPlan:
+class ContrastivePlan:
     """Everything the contrastive step needs, and why it was chosen."""
 
-    loss: CoupledLoss
+    loss: ContrastiveLoss
     split: SampleSplit
     """How the samples spread over the ranks when both towers sit on every rank (colocated)."""
     memory: MemoryPolicy = MemoryPolicy.KEEP

@@ -29,8 +29,8 @@ from vlmcompile.cost_models.memory import (
     usable_memory_bytes,
 )
 from vlmcompile.cost_models.stage_costs import layer_cost, samples_per_microbatch
-from vlmcompile.ir.contrastive_loss import CoupledLoss
-from vlmcompile.ir.contrastive_plan import MemoryPolicy, SampleSplit, TowerPlan, TowerStepCost
+from vlmcompile.ir.contrastive_loss import ContrastiveLoss
+from vlmcompile.ir.contrastive_plan import ContrastivePlan, MemoryPolicy, SampleSplit, TowerStepCost
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import Layer, LayerGraph, format_bytes
 from vlmcompile.ir.plan import Decision, Parallel, Precision, Reason, Recompute
@@ -134,7 +134,7 @@ def _stage_input_bytes(layer_graph: LayerGraph, first: Layer) -> float:
 def plan_towers(
     layer_graph: LayerGraph,
     cluster: Cluster,
-    loss: CoupledLoss,
+    loss: ContrastiveLoss,
     *,
     global_batch: int,
     embedding_width: int,
@@ -144,7 +144,7 @@ def plan_towers(
     tensor_parallel: Sequence[int] = (1,),
     precision: Precision | None = None,
     zero_stage: int = 1,
-) -> TowerPlan:
+) -> ContrastivePlan:
     """The contrastive step's plan on ``cluster`` with both towers on every rank (module
     docstring) at the fastest predicted of the ``tensor_parallel`` degrees that fits;
     :func:`~vlmcompile.planning.contrastive_placement.place_towers` may give each tower ranks
@@ -184,7 +184,7 @@ def plan_towers(
         if fit is None:
             continue
         policy, split, need = fit
-        plan = TowerPlan(
+        plan = ContrastivePlan(
             loss,
             split,
             policy,
@@ -217,13 +217,13 @@ def tp_options(cluster: Cluster, ranks: int, allowed: Sequence[int]) -> list[int
     return [tp for tp in sorted(set(allowed)) if tp >= 1 and ranks % tp == 0 and tp <= cluster.gpus_per_node]
 
 
-def tower_layers(layer_graph: LayerGraph, loss: CoupledLoss, tower: int) -> list[Layer]:
+def tower_layers(layer_graph: LayerGraph, loss: ContrastiveLoss, tower: int) -> list[Layer]:
     """The layers of one tower (every layer if capture recorded none)."""
     names = set(loss.tower_layers[tower])
     return [layer for layer in layer_graph.layers if layer.name in names] or list(layer_graph.layers)
 
 
-def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: TowerPlan) -> TowerStepCost:
+def predict_step(layer_graph: LayerGraph, cluster: Cluster, plan: ContrastivePlan) -> TowerStepCost:
     """The step by phase on its busiest ranks: roofline compute and Megatron-LM's tensor-parallel
     collectives per layer, ring collectives over every rank (the runtime gathers and
     reduce-scatters over the world), each tower's gradient reduction over its own data-parallel
@@ -376,7 +376,7 @@ def cheapest_fit(
 
 
 def _decisions(
-    loss: CoupledLoss,
+    loss: ContrastiveLoss,
     split: SampleSplit,
     policy: MemoryPolicy,
     need: TowerMemory,

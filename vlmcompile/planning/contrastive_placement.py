@@ -16,8 +16,8 @@ import itertools
 
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
-from vlmcompile.ir.contrastive_loss import CoupledLoss
-from vlmcompile.ir.contrastive_plan import MemoryPolicy, SampleSplit, TowerPlacement, TowerPlan
+from vlmcompile.ir.contrastive_loss import ContrastiveLoss
+from vlmcompile.ir.contrastive_plan import ContrastivePlan, MemoryPolicy, SampleSplit, TowerPlacement
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.plan import Decision, Reason
@@ -27,13 +27,13 @@ PLACEMENTS = ("auto", "colocated", "separate")
 
 
 def separate_towers(
-    plan: TowerPlan,
+    plan: ContrastivePlan,
     ranks: tuple[int, int],
     microbatches: tuple[int, int] = (1, 1),
     memory: tuple[MemoryPolicy | None, MemoryPolicy | None] = (None, None),
     tp: tuple[int, int] = (1, 1),
     pp: tuple[int, int] = (1, 1),
-) -> TowerPlan:
+) -> ContrastivePlan:
     """``plan`` with tower 0 on the first ``ranks[0]`` ranks and tower 1 on the next ``ranks[1]``
     (DistMM's placement), each spreading the whole batch over its data-parallel groups of
     ``tp x pp`` ranks in ``microbatches`` a group.
@@ -79,7 +79,7 @@ def separate_towers(
 def place_towers(
     layer_graph: LayerGraph,
     cluster: Cluster,
-    loss: CoupledLoss,
+    loss: ContrastiveLoss,
     *,
     global_batch: int,
     embedding_width: int,
@@ -87,7 +87,7 @@ def place_towers(
     microbatches: int | None = None,
     tensor_parallel: tuple[int, ...] = (1,),
     pipeline_parallel: tuple[int, ...] = (1,),
-) -> TowerPlan:
+) -> ContrastivePlan:
     """Both towers on every rank (:func:`~vlmcompile.planning.contrastive.plan_towers`), or the
     separate split of the ranks with the fastest predicted step that fits (module docstring),
     whichever is faster, with the comparison as a decision; separate also where both towers do
@@ -119,7 +119,7 @@ def place_towers(
         colocated, together = None, refusal
     if placement == "colocated" or ranks < 2:
         return colocated
-    base = colocated or TowerPlan(
+    base = colocated or ContrastivePlan(
         loss,
         SampleSplit.even(n, ranks, 1),
         tile_rows=contrastive.default_tile_rows(cluster, n),
@@ -157,10 +157,10 @@ def place_towers(
 def _best_split(
     layer_graph: LayerGraph,
     cluster: Cluster,
-    base: TowerPlan,
+    base: ContrastivePlan,
     microbatches: int | None,
     degrees: tuple[tuple[int, ...], tuple[int, ...]],
-) -> TowerPlan | None:
+) -> ContrastivePlan | None:
     """The separate plan with the fastest predicted step that fits, over every split of the
     ranks; None if none fits. For each split, each tower's degrees (of ``degrees``: TP, PP) are
     ranked by that tower's own predicted time, and the best ``_KEPT_PER_TOWER`` of each are
@@ -213,7 +213,7 @@ def _tower_options(
 
 def _tower_fit(
     layer_graph: LayerGraph,
-    plan: TowerPlan,
+    plan: ContrastivePlan,
     tower: int,
     ranks: int,
     tp: int,

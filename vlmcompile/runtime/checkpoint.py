@@ -86,7 +86,6 @@ def save(
     directory that exists. A failed write (a full disk, an I/O error) leaves nothing behind: the
     partial directory is removed and ``latest`` stays where it was."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     root = Path(directory)
     final = step_dir(root, step)
@@ -118,7 +117,7 @@ def save(
     try:
         with _peers_blamed(runner, f"saving the checkpoint of step {step}"):
             metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging), overwrite=False))
-    except CheckpointException as err:  # every rank gets it, whichever rank's write failed
+    except dcp.CheckpointException as err:  # every rank gets it, whichever rank's write failed
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         _interrupted(err)
@@ -376,7 +375,6 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
     was checked whole before (:func:`newest` or :func:`resolve`, on one process): here each rank
     checks only that its files are all there, at their sizes."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     # Agreed before DCP's collectives: a rank that refused alone would leave the others waiting.
     try:
@@ -416,7 +414,7 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
     try:
         with _peers_blamed(runner, f"loading the checkpoint {path}"):
             dcp.load(state, checkpoint_id=str(path))
-    except CheckpointException as err:
+    except dcp.CheckpointException as err:
         _interrupted(err)
         raise CheckpointError(f"loading the checkpoint {path} failed{_failures(err)}") from None
     saved_schedule = json.loads(state["trainer"]["schedule"])
@@ -468,13 +466,12 @@ def saved_data(path: str | Path) -> dict[str, Any]:
 def _load_here(state: dict[str, Any], path: str | Path) -> None:
     """DCP's load of ``state`` (what it names, in place) from ``path``, in this process alone."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     with warnings.catch_warnings():  # one process on purpose: DCP warns that it is not distributed
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
-        except CheckpointException as err:
+        except dcp.CheckpointException as err:
             raise CheckpointError(f"loading the checkpoint {path} failed{_failures(err)}") from None
 
 

@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch import nn
 
 from vlmcompile.ir.contrastive_loss import rows_loss
-from vlmcompile.ir.contrastive_plan import MemoryPolicy, TowerPlan
+from vlmcompile.ir.contrastive_plan import ContrastivePlan, MemoryPolicy
 from vlmcompile.ir.errors import ArgumentError
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
 from vlmcompile.runtime.collectives import Deadline, sum_gradients
@@ -58,7 +58,7 @@ class ContrastiveStep:
         self,
         towers: Mapping[int, tuple[Tower, Tower]],
         scalars: fx.GraphModule | None,
-        plan: TowerPlan,
+        plan: ContrastivePlan,
         *,
         timeout_s: float = 60.0,
         prefix: str = "",
