@@ -199,37 +199,46 @@ def test_a_server_that_cannot_start_leaves_the_ranks_spawned_and_is_not_tried_ag
     assert rank_server._server is None and rank_server._failed_key is not None
 
 
-@pytest.mark.skipif(not rank_server._supported(), reason="no rank server on this platform or Python")
-def test_the_module_the_ranks_run_is_imported_once_by_the_server_not_by_every_rank(tmp_path):
-    # The module of the function the ranks run (with what it imports) is imported by the server
-    # before its first fork: two launches of two ranks import it once, in the server; a module
-    # the launcher imported from another file than the server would find is imported by the
-    # ranks themselves (their code is the launcher's).
-    imports = tmp_path / "imports.txt"
-    (tmp_path / "ranked.py").write_text(
-        textwrap.dedent(
-            f"""
-            import os
-            with open({str(imports)!r}, "a") as f:
-                f.write(f"{{os.getpid()}}\\n")
+def _seen_at_start(payload):
+    import sys
 
-            def rank_fn(payload):
-                import torch.distributed as dist
-                return dist.get_rank()
-            """
-        )
+    import torch.distributed as dist
+
+    return dist.get_rank(), "transformers" in sys.modules, os.environ.get("RANK_AT_IMPORT")
+
+
+@pytest.mark.skipif(not rank_server._supported(), reason="no rank server on this platform or Python")
+def test_the_server_imports_the_launchers_libraries_once_and_retires_when_one_changed(tmp_path):
+    """A library the launcher has imported (transformers here) is already there when a forked rank
+    starts; a user's module is imported by each rank itself, in its own environment (RANK set);
+    a module the server imported that has changed since retires it: that launch spawns its
+    ranks, the next forks from a fresh server."""
+    (tmp_path / "users_module.py").write_text(
+        "import os\nos.environ['RANK_AT_IMPORT'] = os.environ.get('RANK', 'unset')\n"
+        "from tests.runtime.test_rank_server import _seen_at_start\n"
     )
-    script = tmp_path / "launch_twice.py"
+    script = tmp_path / "launch_thrice.py"
     script.write_text(
         textwrap.dedent(
             f"""
             import sys
             sys.path.insert(0, {str(tmp_path)!r})
-            import ranked
+            sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+            from vlmcompile.runtime import rank_server
             from vlmcompile.runtime.launch import launch
 
+            def rank_fn(payload):
+                import users_module
+                return users_module._seen_at_start(payload)
+
             if __name__ == "__main__":
-                print(launch(ranked.rank_fn, None, 2, timeout_s=30), launch(ranked.rank_fn, None, 2, timeout_s=30))
+                import transformers  # here, not at the top: the ranks run this file's top (as __mp_main__)
+                print(launch(rank_fn, None, 2, timeout_s=30))
+                first = rank_server._server
+                name = next(iter(first.preloaded))
+                first.preloaded[name] = ("another copy", 0)  # as if the launcher's file had changed
+                print(launch(rank_fn, None, 2, timeout_s=30), rank_server._server is None)
+                print(launch(rank_fn, None, 2, timeout_s=30), rank_server._server not in (None, first))
             """
         )
     )
@@ -237,6 +246,7 @@ def test_the_module_the_ranks_run_is_imported_once_by_the_server_not_by_every_ra
         [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["[0,", "1]", "[0,", "1]"], out.stdout
-    pids = imports.read_text().split()
-    assert len(pids) == 2, f"imported by {len(pids)} processes (the launcher and the server expected): {pids}"
+    lines = out.stdout.splitlines()
+    assert lines[0] == "[(0, True, '0'), (1, True, '1')]", lines
+    assert lines[1].endswith("True") and "(0, " in lines[1], "the stale server is retired; the ranks spawn"
+    assert lines[2] == "[(0, True, '0'), (1, True, '1')] True", "a fresh server forks the next launch"

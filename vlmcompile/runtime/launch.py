@@ -334,10 +334,10 @@ def launch(
 
 
 def _rank_modules(fn: Callable[..., Any]) -> tuple[str, ...]:
-    """The modules a rank imports first: this one (its main) and ``fn``'s, with all they import:
-    the rank server imports them once, before it forks (:mod:`~vlmcompile.runtime.rank_server`)."""
-    own = getattr(fn, "__module__", None)
-    return (__name__,) if own in (None, "__main__", __name__) else (__name__, own)
+    """The modules a rank imports first: this one (its main) and ``fn``'s where it is vlmcompile's
+    (the rank server imports those once, before it forks: :mod:`~vlmcompile.runtime.rank_server`)."""
+    own = getattr(fn, "__module__", None) or ""
+    return (__name__, own) if own.startswith("vlmcompile.") and own != __name__ else (__name__,)
 
 
 def _run(
@@ -415,8 +415,9 @@ def _start_ranks(
                 return _fork_ranks(
                     server, nprocs, timeout_s, port, store_socket, alive, procs, reports, modules
                 )
-            except rank_server.Unavailable:
-                rank_server.forget(server)
+            except rank_server.Unavailable as err:
+                # Stale code: a fresh server next launch; anything else: spawn from now on.
+                (rank_server.retire if isinstance(err, rank_server.Stale) else rank_server.forget)(server)
                 _stop(procs)
                 for r in reports:
                     r.close()

@@ -5,8 +5,11 @@ idle cores), and CI's tests launch ranks some hundred times.
 What a rank forked from it starts with is what a spawned rank would: the launcher's standard
 output and error as they are at the launch, its ``sys.path``, working directory and main module
 (multiprocessing's ``spawn.prepare``), SIGINT and SIGUSR1 ignored and SIGTERM at its default.
-The server itself imports torch and nothing of vlmcompile (:mod:`rank_server_process`), so the
-vlmcompile a rank runs is the launcher's.
+The server starts with torch alone (:mod:`rank_server_process`); before it forks, it imports the
+vlmcompile modules (and :data:`~rank_server_process.PRELOAD`'s) the launcher has, from the files
+the launcher loaded them from, as they were then: a rank runs the launcher's code. A module the
+launcher has since loaded from another file, or whose file changed, retires the server: the
+next launch starts a fresh one.
 
 It is this process's own, never multiprocessing's global forkserver (whose state other code
 shares): started at the first launch, before the launcher holds any signal, with this process's
@@ -71,6 +74,8 @@ class RankServer:
         self.lock = threading.Lock()
         self.users = 0
         self.retired = False
+        self.preloaded: dict[str, tuple[str, int]] = {}
+        """Module -> (file, mtime) of every module sent to the server to import."""
         try:
             launcher_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         except OSError as err:  # no SOCK_SEQPACKET here, or out of descriptors
@@ -121,6 +126,11 @@ class RankServer:
         """Fork a rank that runs ``fn(passed, *args)`` (``call`` pickles ``(fn, args)``), where
         ``passed`` are its own copies of ``fds``; the server imports ``modules`` (this process's
         copies) before, once for every launch after."""
+        preload = _preload(modules)
+        changed = sorted(n for n, seen in preload.items() if self.preloaded.get(n, seen) != seen)
+        if changed:
+            raise Stale(f"the rank server holds older copies of {', '.join(changed[:3])}")
+        self.preloaded.update(preload)
         preparation = multiprocessing.spawn.get_preparation_data(name)
         preparation["authkey"] = bytes(multiprocessing.process.current_process().authkey)
         request = pickle.dumps(
@@ -129,7 +139,7 @@ class RankServer:
                 "call": call,
                 "name": name,
                 "environ": dict(os.environ),
-                "preload": _preload(modules),
+                "preload": preload,
             }
         )
         status_r, status_w = os.pipe()
@@ -148,15 +158,26 @@ class RankServer:
         return ServedRank(pid, status_r)
 
 
-def _preload(modules: tuple[str, ...]) -> dict[str, str]:
-    """The modules the server is to import before it forks -> their files here: ``modules``, then
-    those of its own list (:data:`PRELOAD`) this process has imported."""
+def _preload(modules: tuple[str, ...]) -> dict[str, tuple[str, int]]:
+    """The modules the server is to import before it forks -> (their file here, its mtime):
+    ``modules``, the vlmcompile modules this process has imported, and those of the server's own
+    list (:data:`PRELOAD`) it has. Never a user's or test module: its top-level code must run in
+    the rank (its environment, folder and outputs), as it would in a spawned one."""
+    names = [*modules, *(n for n in list(sys.modules) if n.startswith("vlmcompile.")), *PRELOAD]
     found = {}
-    for name in (*modules, *PRELOAD):
+    for name in dict.fromkeys(names):
         file = getattr(sys.modules.get(name), "__file__", None)
-        if file:
-            found[name] = file
+        if not file or not (name.startswith("vlmcompile.") or name in PRELOAD):
+            continue
+        try:
+            found[name] = (file, os.stat(file).st_mtime_ns)
+        except OSError:  # gone since: the rank imports whatever it finds, as a spawned one would
+            continue
     return found
+
+
+class Stale(Unavailable):
+    """A module the server imported has changed here since (another file, or the file edited)."""
 
 
 @contextlib.contextmanager
@@ -303,6 +324,16 @@ def _acquire() -> RankServer | None:
         if _server is not None:
             _server.users += 1
         return _server
+
+
+def retire(server: RankServer) -> None:
+    """Start no more ranks from ``server`` (it holds stale modules); the next launch starts a new
+    one."""
+    global _server
+    with _server_lock:
+        if _server is server:
+            _server = None
+        _retire(server)
 
 
 def forget(server: RankServer) -> None:

@@ -6,13 +6,14 @@ It is run by path (``python -P rank_server_process.py FD``) and starts with the 
 and torch alone: a rank takes the launcher's ``sys.path``, working directory and main module first
 (multiprocessing's ``spawn.prepare``, as a spawned process does), so the vlmcompile and the user
 code it imports are the launcher's, whichever checkout the server started in. What a request
-names to import before the fork (``preload``: the module of the function the ranks run, and
-:data:`PRELOAD`) the server imports on the launcher's ``sys.path``, each only where it finds the
-file the launcher has: the same code, imported once for every launch instead of in every rank.
+names to import before the fork (``preload``: the launcher's vlmcompile modules and
+:data:`PRELOAD`'s) the server imports on the launcher's ``sys.path``, each only where it finds the
+file the launcher has, unchanged: the same code, imported once for every launch instead of in
+every rank. A user's or test module is never imported here: its top-level code runs in the rank.
 
 A request is one ``SOCK_SEQPACKET`` message: a pickle of builtins (``preparation``, multiprocessing's
 preparation data; ``environ``, the launcher's environment; ``call``, the pickled ``(fn, args)`` the rank runs as ``fn(passed_fds, *args)``;
-``name``, the rank's process name; ``preload``, module name -> the launcher's file) with descriptors attached: the launcher's standard output and
+``name``, the rank's process name; ``preload``, module name -> the launcher's file and its mtime) with descriptors attached: the launcher's standard output and
 error as they are at the request, the pipe the server reports on, then the call's own.
 """
 
@@ -43,10 +44,12 @@ _MAX_FDS = 16
 _MAX_REQUEST = 1 << 20
 PRELOAD = ("torch._dynamo", "torch.optim", "sympy", "transformers")
 """Modules a rank imports after its fork when the launcher has them (torch.optim's AdamW imports
-torch._dynamo, 2-3 s; shape formulas sympy; a transformers model transformers). With the module
-of the function the ranks run (and so everything it imports: vlmcompile's runtime, a test module's
-imports), the server imports them before it forks, once, instead of every rank of every launch:
-in CI's multi-process lane ranks spent a third of their time importing (2026-11-28)."""
+torch._dynamo, 2-3 s; shape formulas sympy; a transformers model transformers). With the
+launcher's vlmcompile modules, the server imports them before it forks, once, instead of every
+rank of every launch: in CI's multi-process lane ranks spent a third of their time importing
+(2026-11-28)."""
+_tried: set[tuple[str, str, int]] = set()
+"""(module, file, mtime) imports tried, done or failed: never tried again."""
 
 
 def main(control_fd: int) -> None:
@@ -98,29 +101,40 @@ def _take_request(control: socket.socket, statuses: dict[int, int], server_fds: 
         for fd in fds:
             os.close(fd)
         return True
-    _preload(request.get("preload", {}), request["preparation"].get("sys_path"))
+    _preload(request.get("preload", {}), request["preparation"].get("sys_path"), server_fds[-1])
     _fork_rank(request, fds, statuses, server_fds)
     return True
 
 
-def _preload(modules: dict[str, str], sys_path: list[str] | None) -> None:
-    """Import the modules the launcher named (name -> its file there), each where this process
-    finds the same file on the launcher's ``sys.path``: a rank must run the launcher's code, never
-    another copy (this server is the launcher's alone, so its code does not change under it)."""
+def _preload(modules: dict[str, tuple[str, int]], sys_path: list[str] | None, wake_w: int) -> None:
+    """Import the modules the launcher named (name -> its file there and the file's mtime), each
+    where this process finds the same file, unchanged, on the launcher's ``sys.path``: a rank must
+    run the launcher's code, never another copy (the launcher retires this server when a module
+    it named changes). The server's own signal set-up is put back after: an import may change it."""
     import importlib
     import importlib.util
 
     if sys_path is not None:
         sys.path[:] = sys_path
-    for name, file in modules.items():
-        if name in sys.modules:
-            continue
-        try:
-            spec = importlib.util.find_spec(name)
-            if spec is not None and spec.origin == file:
-                importlib.import_module(name)
-        except BaseException:  # noqa: BLE001 - the rank imports it itself, and meets the error there
-            pass
+    importlib.invalidate_caches()
+    handlers = {signum: signal.getsignal(signum) for signum in (*_IGNORED, signal.SIGCHLD)}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    try:
+        for name, (file, mtime) in modules.items():
+            if name in sys.modules or (name, file, mtime) in _tried:
+                continue
+            _tried.add((name, file, mtime))
+            try:
+                spec = importlib.util.find_spec(name)
+                if spec is not None and spec.origin == file and os.stat(file).st_mtime_ns == mtime:
+                    importlib.import_module(name)
+            except BaseException:  # noqa: BLE001 - the rank imports it itself, and meets the error there
+                pass
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(wake_w)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _fork_rank(request: dict, fds: list[int], statuses: dict[int, int], server_fds: tuple[int, ...]) -> None:
