@@ -328,27 +328,16 @@ def launch(
     work = _work(fn, payload, args, arg_names)
     # Started (or found running) before any signal is held: it takes seconds the first time.
     with rank_server.in_use() as server:
-        return _run(
-            server, work, nprocs, timeout_s, limit_s, grace_s, forward_stop_requests, _rank_modules(fn)
-        )
+        return _run(server, work, nprocs, timeout_s, limit_s, grace_s, forward_stop_requests)
 
 
-def _rank_modules(fn: Callable[..., Any]) -> tuple[str, ...]:
-    """The modules a rank imports first: this one (its main) and ``fn``'s where it is vlmcompile's
-    (the rank server imports those once, before it forks: :mod:`~vlmcompile.runtime.rank_server`)."""
-    own = getattr(fn, "__module__", None) or ""
-    return (__name__, own) if own.startswith("vlmcompile.") and own != __name__ else (__name__,)
-
-
-def _run(
-    server, work: bytes, nprocs, timeout_s, limit_s, grace_s, forward_stop_requests, modules: tuple[str, ...]
-) -> list[Any]:
+def _run(server, work: bytes, nprocs, timeout_s, limit_s, grace_s, forward_stop_requests) -> list[Any]:
     procs: list[Any] = []
     reports: list[Any] = []
     alive_r, alive_w = _alive_pipe()
     previous = interrupt_on_stop_signals((signal.SIGINT,) if forward_stop_requests else _STOP_SIGNALS)
     try:
-        senders = _start_ranks(server, nprocs, timeout_s, alive_r, procs, reports, modules)
+        senders = _start_ranks(server, nprocs, timeout_s, alive_r, procs, reports)
         _send_work(senders, work)
         return _watch(procs, reports, limit_s, grace_s, timeout_s, forward_stop_requests)
     finally:
@@ -400,7 +389,6 @@ def _start_ranks(
     alive: int,
     procs: list[Any],
     reports: list[Any],
-    modules: tuple[str, ...] = (),
 ) -> list[Any]:
     """Start the ranks (appended to ``procs``, their report pipes to ``reports``, so that the
     caller reaps them whatever happens); return the pipes their work goes down. They fork from
@@ -412,9 +400,7 @@ def _start_ranks(
         port = store_socket.getsockname()[1]
         if server is not None:
             try:
-                return _fork_ranks(
-                    server, nprocs, timeout_s, port, store_socket, alive, procs, reports, modules
-                )
+                return _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, reports)
             except rank_server.Unavailable as err:
                 # Stale code: a fresh server next launch; anything else: spawn from now on.
                 (rank_server.retire if isinstance(err, rank_server.Stale) else rank_server.forget)(server)
@@ -427,7 +413,7 @@ def _start_ranks(
             return _spawn_ranks(nprocs, timeout_s, port, store_socket, procs, reports)
 
 
-def _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, reports, modules) -> list[Any]:
+def _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, reports) -> list[Any]:
     senders: list[Any] = []
     try:
         for rank in range(nprocs):
@@ -440,7 +426,7 @@ def _fork_ranks(server, nprocs, timeout_s, port, store_socket, alive, procs, rep
                 fds.append(store_socket.fileno())
             try:
                 call = pickle.dumps((_served_rank_main, (rank, nprocs, port, timeout_s)))
-                procs.append(server.start(f"vlmcompile-r{rank}", call, fds, modules))
+                procs.append(server.start(f"vlmcompile-r{rank}", call, fds))
             finally:
                 # The rank's ends close here, or a dead rank's pipes would never break.
                 work_r.close()

@@ -122,11 +122,11 @@ class RankServer:
             self.process.kill()
             self.process.wait()
 
-    def start(self, name: str, call: bytes, fds: list[int], modules: tuple[str, ...] = ()) -> ServedRank:
+    def start(self, name: str, call: bytes, fds: list[int]) -> ServedRank:
         """Fork a rank that runs ``fn(passed, *args)`` (``call`` pickles ``(fn, args)``), where
-        ``passed`` are its own copies of ``fds``; the server imports ``modules`` (this process's
-        copies) before, once for every launch after."""
-        preload = _preload(modules)
+        ``passed`` are its own copies of ``fds``; the server first imports what this process has of
+        :func:`_preload`'s modules (once for every launch after)."""
+        preload = _preload()
         changed = sorted(n for n, seen in preload.items() if self.preloaded.get(n, seen) != seen)
         if changed:
             raise Stale(f"the rank server holds older copies of {', '.join(changed[:3])}")
@@ -158,16 +158,15 @@ class RankServer:
         return ServedRank(pid, status_r)
 
 
-def _preload(modules: tuple[str, ...]) -> dict[str, tuple[str, int]]:
-    """The modules the server is to import before it forks -> (their file here, its mtime):
-    ``modules``, the vlmcompile modules this process has imported, and those of the server's own
-    list (:data:`PRELOAD`) it has. Never a user's or test module: its top-level code must run in
+def _preload() -> dict[str, tuple[str, int]]:
+    """The modules the server is to import before it forks -> (their file here, its mtime): the
+    vlmcompile modules this process has imported (the launch module and the rank's function's
+    among them), and those of the server's own list (:data:`PRELOAD`) it has. Never a user's or test module: its top-level code must run in
     the rank (its environment, folder and outputs), as it would in a spawned one."""
-    names = [*modules, *(n for n in list(sys.modules) if n.startswith("vlmcompile.")), *PRELOAD]
     found = {}
-    for name in dict.fromkeys(names):
+    for name in [*(n for n in list(sys.modules) if n.startswith("vlmcompile.")), *PRELOAD]:
         file = getattr(sys.modules.get(name), "__file__", None)
-        if not file or not (name.startswith("vlmcompile.") or name in PRELOAD):
+        if not file:
             continue
         try:
             found[name] = (file, os.stat(file).st_mtime_ns)
