@@ -2,7 +2,7 @@
 dataset (and a manifest), measured by Pad Ratio and Dist Ratio as OmniBal's Table 3 does.
 
 Each sample is its LLM tokens and its vision rows (tiles or patches) under a released model's
-image layout (``vlmcompile.data.families.RELEASED``; each synthetic dataset under the family it
+image layout (``vlmcompile.families.released_layouts()``; each synthetic dataset under the family it
 models unless ``--family`` says otherwise). The three methods, like with like:
 
 * random: the samples in random order, mini-batches of ``B`` samples;
@@ -36,9 +36,9 @@ import numpy as np
 from readme_section import github_table, write_readme_section
 
 from vlmcompile.data.balance import IsfTargets, SampleSizes, isf_epoch, measure
-from vlmcompile.data.families import RELEASED
 from vlmcompile.data.manifest import read_manifest
 from vlmcompile.data.synthetic import DISTRIBUTIONS, draw_sizes
+from vlmcompile.families import released_layouts
 
 RESULTS = Path(__file__).parent / "results" / "data_balance.json"
 OWN_FAMILY = {
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "--manifest", help="a JSONL manifest of sample sizes, measured instead of the synthetic datasets"
     )
     parser.add_argument(
-        "--family", choices=sorted(RELEASED), help="the image layout (default: each dataset's own)"
+        "--family", choices=sorted(released_layouts()), help="the image layout (default: each dataset's own)"
     )
     parser.add_argument("--json", type=Path, default=RESULTS)
     parser.add_argument("--readme", action="store_true")
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, (samples, family) in datasets.items():
         print(f"{name}: {len(samples)} samples as {family}'s ...", file=sys.stderr, flush=True)
-        rows += compare(name, _sizes(samples, RELEASED[family]), args.dp)
+        rows += compare(name, _sizes(samples, released_layouts()[family]), args.dp)
         isf = rows[-1]
         print(
             f"  ISF in {isf['seconds']:.1f} s, {isf['balanced_share']:.0%} balanced ({isf['targets']})",

@@ -5,7 +5,7 @@ global batches of each synthetic dataset.
 Setups: the Optimus strong-scaling runs (ViT-22B + GPT-175B on 1536, 2048 and 3072 H100s) and
 two OmniBal runs (InternViT-6B + Llama3-8B and + InternLM2-20B), at the papers' degrees, v and
 microbatches (``vlmcompile.planning.setups``). Samples: each synthetic dataset under the
-released model it describes (``data.families.RELEASED``: LLaVA's tiles, InternVL's dynamic tiles,
+released model it describes (``families.released_layouts()``: LLaVA's tiles, InternVL's dynamic tiles,
 Qwen2-VL's native-resolution patches, Idefics3's split tiles), its vision rows as patches of the
 setup's ViT (a tile is one of the setup's images; Qwen's patches as they are) and its image
 tokens at the setup's tokens per image; text as drawn. A microbatch holds the setup's
@@ -67,9 +67,9 @@ from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.stage_costs import plan_costs
 from vlmcompile.data.balance import IsfTargets, SampleSizes, isf_epoch
 from vlmcompile.data.distribution import Spread
-from vlmcompile.data.families import RELEASED
 from vlmcompile.data.microbatches import assign
 from vlmcompile.data.synthetic import DISTRIBUTIONS, draw_sizes
+from vlmcompile.families import released_layouts
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.passes.planning.bubbles import bubbles
@@ -166,7 +166,7 @@ def plan_setup(name: str, dataset: str, samples: int) -> Planned:
 def sample_sizes(dataset: str, count: int, cfg, capacity: int) -> tuple[SampleSizes, float]:
     """``count`` samples of ``dataset`` as (the setup's LLM tokens, its ViT's patches), none longer
     than a microbatch, and the share of drawn samples that were."""
-    family = RELEASED[OWN_FAMILY[dataset]]
+    family = released_layouts()[OWN_FAMILY[dataset]]
     encoder = cfg.encoders[0]
     per_image = cfg.image_tokens // cfg.images_per_sample
     tokens, patches = [], []
@@ -359,7 +359,7 @@ def assignment_row(dataset: str, steps: int = 20, step_samples: int = 64, time_l
     """Token packing, the greedy assignment and CP-SAT's on ``steps`` steps of ``dataset`` (its own
     family, rows of 8K tokens, two replicas): the heaviest microbatch's image rows over the mean,
     the heavier replica's over half, and the time each took (medians over the steps)."""
-    family = RELEASED[OWN_FAMILY[dataset]]
+    family = released_layouts()[OWN_FAMILY[dataset]]
     drawn = [family.sized(draw_sizes(dataset, i, seed=0)) for i in range(steps * step_samples)]
     budget = 8192
     out = {"dataset": dataset, "methods": {}}

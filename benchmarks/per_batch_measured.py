@@ -30,9 +30,8 @@ from pathlib import Path
 import torch
 from readme_section import github_table, write_readme_section
 
-from vlmcompile import compile, models
+from vlmcompile import compile, families, models
 from vlmcompile.data.distribution import Spread
-from vlmcompile.data.families import family_of
 from vlmcompile.data.steps import PaddedSteps
 from vlmcompile.data.synthetic import SyntheticDataset
 from vlmcompile.planning.request import SearchSpace
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             "--steps takes 2 or more (the first is left out of the timings), --repeats 1 or more, --ranks 2 or more"
         )
     model = models.build(MODEL)
-    family = family_of(model)
+    family = families.layout_of(model)
     data, given = _data(family, 5), _data(family, 1, 40)
     samples = [given[i] for i in range(8)]
     lengths = [s["input_ids"].numel() for s in samples]

@@ -41,8 +41,7 @@ import torch
 import torch.distributed as dist
 from readme_section import github_table, write_readme_section
 
-from vlmcompile import compile, models
-from vlmcompile.data.families import family_of
+from vlmcompile import compile, families, models
 from vlmcompile.data.packing import padded_batch, sample_length
 from vlmcompile.data.synthetic import SyntheticDataset
 from vlmcompile.ir.regions import ENCODER_SIDE
@@ -75,7 +74,7 @@ def _padded_steps(model_state, cfg_name, dataset, global_batch: int, steps: int,
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.1)
     batches = GlobalBatches(dataset, global_batch, seed=2, collate=list)
     rank, world = dist.get_rank(), dist.get_world_size()
-    family = family_of(model)
+    family = families.layout_of(model)
     times, positions = [], 0
     for step in range(steps):
         samples = batches(step)
@@ -96,11 +95,11 @@ def _padded_steps(model_state, cfg_name, dataset, global_batch: int, steps: int,
 
 def _padded_run(name: str, global_batch: int, steps: int) -> dict:
     model = models.build(MODEL)
-    dataset = _dataset(name, family_of(model), global_batch * steps)
+    dataset = _dataset(name, families.layout_of(model), global_batch * steps)
     per_rank = launch(
         _padded_steps, copy.deepcopy(model.state_dict()), 2, args=(MODEL, dataset, global_batch, steps, 1e-4)
     )
-    tokens = _sample_tokens(dataset, family_of(model), global_batch, steps)
+    tokens = _sample_tokens(dataset, families.layout_of(model), global_batch, steps)
     step_s = statistics.median(per_rank[0]["step_s"][2:])
     positions = sum(r["positions"] for r in per_rank)
     return {
@@ -118,7 +117,7 @@ def _sample_tokens(dataset, family, global_batch: int, steps: int) -> list[int]:
 
 def _packed_run(name: str, global_batch: int, steps: int) -> dict:
     model = models.build(MODEL)
-    family = family_of(model)
+    family = families.layout_of(model)
     dataset = _dataset(name, family, global_batch * steps)
     pipe = compile(
         model,

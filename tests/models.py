@@ -22,9 +22,9 @@ needs_transformers = pytest.mark.skipif(
 def build(name: str, batch_size: int = 2):
     """(model with real CPU weights, sample batch)."""
     if name.startswith("hf-"):
-        from vlmcompile.models import hf_tiny
+        from vlmcompile import families
 
-        return hf_tiny.build(name)
+        return families.build_tiny_by_name(name)
     return models.build(name), models.sample_batch(name, batch_size=batch_size)
 
 

@@ -126,12 +126,12 @@ class _OddNames(nn.Module):
 
 def _llava_batch_keyed(key: str):
     """A tiny transformers LLaVA and its batch with ``pixel_values`` under another key."""
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
     def run(tmp: Path):
         from vlmcompile import compile
 
-        model, batch = hf_tiny.build("hf-llava")
+        model, batch = families.build_tiny("llava")
         batch[key] = batch.pop("pixel_values")
         return compile(model, batch, log=None)
 

@@ -117,9 +117,9 @@ def test_a_users_mistake_through_the_api_prints_one_short_error(tmp_path, mistak
         textwrap.dedent(
             f"""
             import vlmcompile
-            from vlmcompile.models import hf_tiny
+            from vlmcompile import families
 
-            model, batch = hf_tiny.build("hf-llava")
+            model, batch = families.build_tiny("llava")
             {mistake}
             vlmcompile.compile(model, batch, log=None)
             """

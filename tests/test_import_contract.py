@@ -1,5 +1,5 @@
 """Imports point one way: ir <- cost_models <- sim <- planning <- passes <- compiler <- cli, demo, train_command
-(graph and runtime read ir only; models read ir). Planning sits above the simulator: a policy's
+(graph and runtime read ir only; models read ir; families read ir, data and models). Planning sits above the simulator: a policy's
 result is its plan simulated, and the simulator knows nothing of how plans are made.
 
 Every import of a vlmcompile module is read from the source (inside functions and under
@@ -38,8 +38,21 @@ ALLOWED = {
     "runtime": {"ir", "runtime"},
     "models": {"ir", "models"},
     "data": {"ir", "data"},
-    "passes": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "data", "passes"},
-    "top": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "models", "data", "passes", "top"},
+    "families": {"ir", "data", "models", "families"},
+    "passes": {"ir", "cost_models", "graph", "planning", "sim", "runtime", "data", "families", "passes"},
+    "top": {
+        "ir",
+        "cost_models",
+        "graph",
+        "planning",
+        "sim",
+        "runtime",
+        "models",
+        "data",
+        "families",
+        "passes",
+        "top",
+    },
 }
 COMPILER_USERS = {"vlmcompile", "vlmcompile.cli", "vlmcompile.demo", "vlmcompile.train_command"}
 """The package's own __init__ (``vlmcompile.compile``), the CLI, the demo and the train command."""

@@ -265,8 +265,8 @@ def test_a_run_saved_under_torchrun_resumes_on_local_ranks_with_the_same_losses(
 def test_plan_and_train_with_data_of_any_shape_train_like_eager(tmp_path, capsys):
     """``plan --data`` and ``train --data`` on local ranks: samples of a synthetic dataset with
     their images and lengths, packed; the losses equal eager's on the same steps' samples."""
+    from vlmcompile import families
     from vlmcompile.compiler import compile
-    from vlmcompile.data.families import family_of
     from vlmcompile.data.steps import PaddedSteps
     from vlmcompile.data.synthetic import dataset_from_spec
     from vlmcompile.ir.plan import Plan
@@ -299,7 +299,9 @@ def test_plan_and_train_with_data_of_any_shape_train_like_eager(tmp_path, capsys
     )
     got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     model = models.build("tiny")
-    dataset = dataset_from_spec("synthetic:interleaved", family_of(model), num_samples=64, text_scale=0.02)
+    dataset = dataset_from_spec(
+        "synthetic:interleaved", families.layout_of(model), num_samples=64, text_scale=0.02
+    )
     pipe = compile(model, dataset=dataset, global_batch=8, log=None)
     steps = pipe.packed_steps(GlobalBatches(dataset, 8), Plan.load(str(plan)))
     expected = eager_training(models.build("tiny"), PaddedSteps(steps), TrainConfig(steps=6, lr=3e-3))

@@ -20,6 +20,8 @@ import torch
 from tests.models import needs_transformers
 from tests.pipeline_helpers import check_equal_to_eager
 from vlmcompile import compile
+from vlmcompile.families import ATTENTION, tiny_names
+from vlmcompile.families import build_tiny_by_name as build
 from vlmcompile.ir.regions import ENCODER_SIDE, Region
 from vlmcompile.planning.encoder_plans import encoder_layer_count
 from vlmcompile.runtime.launch import launch
@@ -29,12 +31,7 @@ from vlmcompile.runtime.timed_steps import one_step
 # and more with another worker beside it, 2026-11-28): more than the suite's 300 s a test.
 pytestmark = [needs_transformers, pytest.mark.hf, pytest.mark.multiproc, pytest.mark.timeout(900)]
 
-try:
-    from vlmcompile.models.hf_tiny import ATTENTION, BUILDERS, build
-except ImportError:  # pragma: no cover - without transformers the module is skipped above
-    ATTENTION, BUILDERS = (), {}
-
-FAMILIES = list(BUILDERS)
+FAMILIES = tiny_names()
 CONTRASTIVE = {"hf-clip", "hf-siglip"}
 # Where the transformers classes keep each part (their module paths, from their modeling files):
 # a layer's region is that of the longest path it sits under.

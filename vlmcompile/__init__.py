@@ -17,8 +17,9 @@ The modules here are the top of the import order (docs/architecture.md tours the
 Below them, in import order: ``ir`` (the data every stage hands the next), ``cost_models`` and
 ``sim`` (what a plan costs; its simulated step), ``planning`` (requests, CP-SAT models, schedules,
 bounds), ``passes`` (capture, annotate, our planning passes, the baselines, codegen), and beside
-them ``graph`` (FX machinery), ``data`` (samples of any shape), ``models`` (the zoo and tiny
-transformers VLMs) and ``runtime`` (a plan run on torch.distributed).
+them ``graph`` (FX machinery), ``data`` (samples of any shape), ``models`` (the zoo),
+``families`` (every model family in one spec each: regions, sample layout, image features, tiny
+model) and ``runtime`` (a plan run on torch.distributed).
 """
 
 import importlib

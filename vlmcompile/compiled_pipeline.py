@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from vlmcompile import families
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.data.families import family_of
 from vlmcompile.data.packed_step import pack_step
 from vlmcompile.data.packing import samples_of
 from vlmcompile.data.steps import PackedSteps, check_run
@@ -178,7 +178,7 @@ class CompiledPipeline:
             raise DataError("packing needs a plan and the model: compile with a cluster and real weights")
         dp = runnable_degrees(plan).dp
         return PackedSteps(
-            data, family_of(self.model), self.packed.tokens, dp * plan.num_microbatches, replicas=dp
+            data, families.layout_of(self.model), self.packed.tokens, dp * plan.num_microbatches, replicas=dp
         )
 
     @user_facing
@@ -192,7 +192,7 @@ class CompiledPipeline:
             )
         if plan is None or self.model is None:
             raise DataError("packing needs a plan and the model: compile with a cluster and real weights")
-        family = family_of(self.model)
+        family = families.layout_of(self.model)
         return pack_step(
             samples_of(samples, family),
             family,
@@ -381,7 +381,7 @@ class CompiledPipeline:
         (their image rows -> the step's :class:`~vlmcompile.ir.packed.BatchPlan`)."""
         plan = plan or self.plan
         self._re_plans(plan, True)
-        rows = int(self.sample_batch[family_of(self.model).image_keys[0]].shape[0])
+        rows = int(self.sample_batch[families.layout_of(self.model).image_keys[0]].shape[0])
         replicas = runnable_degrees(plan).dp
         # Rank 0 re-plans every replica's schedule: the step's share of time is theirs together.
         scheduler = per_batch_scheduler(

@@ -29,13 +29,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from vlmcompile import models
+from vlmcompile import families, models
 from vlmcompile.compiled_pipeline import CompiledPipeline, CompileReport, frozen_parameters
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.data.distribution import DatasetScan, backlog_limit, scan
-from vlmcompile.data.families import family_of
 from vlmcompile.data.manifest import read_manifest
-from vlmcompile.data.packing import check_samples, packs_dict_batches, split_batch
+from vlmcompile.data.packing import check_samples, split_batch
 from vlmcompile.data.synthetic import ManifestDataset
 from vlmcompile.graph.export import check_loss
 from vlmcompile.graph.loss_split import LossSplit
@@ -109,7 +108,7 @@ def _capture_pass(state: CompileState, *, region_overrides, method) -> None:
     if state.dataset is not None:
         state.scan = scan(
             state.dataset,
-            family_of(state.model),
+            families.layout_of(state.model),
             global_batch=state.global_batch,
             tokens=state.tokens_per_microbatch,
         )
@@ -384,7 +383,7 @@ def compile(
             or a list of samples of different shapes (one dict per example, as a transformers
             processor returns it: any number of images, any length), for a pipeline captured
             once that packs every step's samples into microbatches of ``tokens_per_microbatch``
-            LLM tokens (the families :func:`~vlmcompile.data.families.family_of` packs: LLaVA,
+            LLM tokens (the families :func:`~vlmcompile.families.layout_of` packs: LLaVA,
             LLaVA-NeXT, InternVL, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and the zoo's
             VLMs).
         cluster: the cluster to plan for: a :class:`Cluster` or a preset name ("h100x64", "cpu:2").
@@ -490,14 +489,18 @@ def _samples_or_dataset(model: nn.Module, sample_batch: Any, dataset: Any, globa
                 "give a sample batch (a dict), a list of samples of different shapes, or dataset=..."
             )
         if isinstance(sample_batch, Mapping):
-            return (split_batch(sample_batch, family_of(model)) if packs_dict_batches(model) else None), None
+            return (
+                split_batch(sample_batch, families.layout_of(model))
+                if families.packs_dict_batches(model)
+                else None
+            ), None
         return check_samples(sample_batch), None
     if sample_batch is not None:
         raise VlmCompileError("give either a sample batch or dataset=..., not both")
     if global_batch is None:
         raise VlmCompileError("compiling for a dataset needs global_batch= (the samples of a training step)")
     if isinstance(dataset, (str, os.PathLike)):
-        dataset = ManifestDataset(tuple(read_manifest(dataset)), family_of(model))
+        dataset = ManifestDataset(tuple(read_manifest(dataset)), families.layout_of(model))
     return None, dataset
 
 

@@ -52,11 +52,10 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-from vlmcompile import model_source
+from vlmcompile import families, model_source
 from vlmcompile.compiler import compile, freeze_layers
 from vlmcompile.cost_models.cluster import Cluster
 from vlmcompile.cost_models.memory import usable_memory_bytes
-from vlmcompile.data.packing import packs_dict_batches
 from vlmcompile.ir.errors import ArgumentError, PlanError
 from vlmcompile.ir.layer_graph import format_bytes
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
@@ -567,7 +566,7 @@ def _demo_model(model_name: str, global_batch: int, *, given: str | None):
             "the demo trains one batch of one shape: return (model, batch) with the batch a dict keyed by the "
             "forward's argument names"
         )
-    if packs_dict_batches(built.model):
+    if families.packs_dict_batches(built.model):
         raise ArgumentError(
             f"--model {model_name}'s batch is captured as its samples, packed (a Qwen-VL family); the demo measures "
             "plans on one batch of one shape: compare plans with vlmcompile plan --search, train with vlmcompile train"

@@ -56,13 +56,13 @@ class BuiltModel:
     def samples(self) -> list | None:
         """The samples the model trains packed: a list the source gave, or a dict batch of a
         model whose dict batches are captured as their samples (a Qwen-VL family); else None."""
-        from vlmcompile.data.families import family_of
-        from vlmcompile.data.packing import packs_dict_batches, split_batch
+        from vlmcompile import families
+        from vlmcompile.data.packing import split_batch
 
         if isinstance(self.batch, list):
             return self.batch
-        if isinstance(self.batch, Mapping) and packs_dict_batches(self.model):
-            return split_batch(self.batch, family_of(self.model))
+        if isinstance(self.batch, Mapping) and families.packs_dict_batches(self.model):
+            return split_batch(self.batch, families.layout_of(self.model))
         return None
 
 
@@ -78,10 +78,10 @@ def build(
     if is_function(spec):
         return _from_function(spec, device=device, dtype=dtype, seed=seed)
     if spec.startswith("hf-"):
-        from vlmcompile.models import hf_tiny
+        from vlmcompile import families
 
         torch.manual_seed(seed)
-        model, batch = hf_tiny.build(spec, batch=batch_size, device=device)
+        model, batch = families.build_tiny_by_name(spec, batch=batch_size, device=device)
         return BuiltModel(spec, _cast(model, dtype), _cast_batch(batch, dtype))
     from vlmcompile import models
 
@@ -216,9 +216,9 @@ def data(
                 "samples: drop --text-scale"
             )
         return dataset(spec, seed)
-    from vlmcompile.data.families import family_of
+    from vlmcompile import families
     from vlmcompile.data.synthetic import dataset_from_spec
 
     return dataset_from_spec(
-        spec, family_of(model), num_samples=num_samples, seed=seed, text_scale=text_scale
+        spec, families.layout_of(model), num_samples=num_samples, seed=seed, text_scale=text_scale
     )

@@ -28,7 +28,7 @@ import torch.fx as fx
 from tabulate import tabulate
 from torch import nn
 
-from vlmcompile.data.families import family_of
+from vlmcompile import families
 from vlmcompile.graph.contrastive import CouplingCut, find_coupling
 from vlmcompile.graph.export import (
     DATA_DEPENDENT_HELP,
@@ -368,7 +368,7 @@ def capture(
     if _is_transformers_model(model):
         root = LossOf(model, takes_use_cache(model))
     eager = root  # what the loss-split check runs: export may wrap root further
-    assigner = LayerAssigner(model, overrides)
+    assigner = LayerAssigner(model, overrides, families.region_keywords(model))
 
     graph = _first_that_captures(model, root, batch, assigner, method, specialise_first)
     gm, used, root, specialized = graph.gm, graph.method, graph.root, graph.specialized
@@ -453,7 +453,7 @@ def _what_to_try(model: nn.Module) -> str:
     """The way out of a failed capture: samples, for a model the packed path takes (captured once
     for any images), else what makes a forward capturable."""
     try:
-        family = family_of(model)
+        family = families.layout_of(model)
     except VlmCompileError:
         return DATA_DEPENDENT_HELP
     return (

@@ -20,8 +20,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from vlmcompile import families
 from vlmcompile.data.distribution import Spread
-from vlmcompile.data.families import Family, family_of
+from vlmcompile.data.families import Family
 from vlmcompile.data.packed_step import PackedStep, capturable, dynamic_shapes, export_example, step_inputs
 from vlmcompile.data.packing import Packing, check_samples, fewest_rows, pack, padded_batch, sample_length
 from vlmcompile.graph.export import WRAPPED, export_graph, loss_of, on_meta
@@ -63,7 +64,7 @@ def capture_packed(
     """Capture ``model`` once for packed microbatches of ``tokens`` LLM tokens (default:
     :func:`default_tokens`) and check the graph against eager on every microbatch of ``samples``."""
     samples = check_samples(samples)
-    family = family_of(model)
+    family = families.layout_of(model)
     overrides = parse_overrides(region_overrides)
     check_override_paths(overrides, [p for p, _ in model.named_modules()])
     tokens = tokens or default_tokens(samples, family)
@@ -73,7 +74,7 @@ def capture_packed(
     example = export_example(
         max(inputs, key=lambda b: (b["pixel_values"].shape[0], b["image_token_index"].numel())), family
     )
-    root = PackedStep(model, family)
+    root = PackedStep(model, family, families.spec_of(model).image_features)
     dynamic = dynamic_shapes(example, family)
     try:
         with capturable(model, family):
@@ -86,7 +87,16 @@ def capture_packed(
             f"{type(err).__name__}: {str(err).strip().splitlines()[0][:400]}"
         ) from err
     assert WRAPPED == "inner"  # PackedStep holds the model where LossOf does
-    layers = _tag_layers(model, gm, root, LayerAssigner(model, overrides), overrides, "export", None, example)
+    layers = _tag_layers(
+        model,
+        gm,
+        root,
+        LayerAssigner(model, overrides, families.region_keywords(model)),
+        overrides,
+        "export",
+        None,
+        example,
+    )
     gm.meta[PACKED_META] = _layout(gm, family, tokens, dynamic)
     if on_meta(model, example):
         numerics = "not checked (meta tensors hold no values)"

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.models import needs_transformers
-from vlmcompile.data.families import PatchStreamFamily, TileFamily, family_of, mrope_positions
+from vlmcompile import families
+from vlmcompile.data.families import PatchStreamFamily, TileFamily, mrope_positions
 from vlmcompile.data.packing import sample_length
 from vlmcompile.ir.errors import DataError
 
@@ -24,16 +25,14 @@ FAMILIES = [
 
 
 def _model(name):
-    from vlmcompile.models import hf_tiny
-
-    return hf_tiny.build(name, batch=1)[0]
+    return families.build_tiny_by_name(name, batch=1)[0]
 
 
 @needs_transformers
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_synthesized_sample_is_one_the_model_trains_on(name):
     model = _model(name)
-    family = family_of(model)
+    family = families.layout_of(model)
     g = torch.Generator().manual_seed(0)
     sample = family.synthesize(9, [(40, 60), (28, 28)], g)
     assert sample_length(sample, family, 0) == sample["input_ids"].numel()
@@ -45,7 +44,9 @@ def test_a_synthesized_sample_is_one_the_model_trains_on(name):
 
 @needs_transformers
 def test_families_read_from_the_models():
-    llava, internvl, qwen = (family_of(_model(n)) for n in ("hf-llava", "hf-internvl", "hf-qwen2-vl"))
+    llava, internvl, qwen = (
+        families.layout_of(_model(n)) for n in ("hf-llava", "hf-internvl", "hf-qwen2-vl")
+    )
     assert isinstance(llava, TileFamily) and (llava.side, llava.tokens_per_tile, llava.max_tiles) == (
         28,
         4,
@@ -54,7 +55,7 @@ def test_families_read_from_the_models():
     assert isinstance(internvl, TileFamily) and (internvl.side, internvl.tokens_per_tile) == (28, 4)
     assert isinstance(qwen, PatchStreamFamily) and (qwen.patch, qwen.merge, qwen.patch_dim) == (14, 2, 1176)
     with pytest.raises(DataError, match="no sample layout for Linear"):
-        family_of(torch.nn.Linear(2, 2))
+        families.layout_of(torch.nn.Linear(2, 2))
 
 
 grids = st.lists(st.tuples(st.just(1), st.integers(1, 4), st.integers(1, 4)), max_size=3)
@@ -67,7 +68,7 @@ grids = st.lists(st.tuples(st.just(1), st.integers(1, 4), st.integers(1, 4)), ma
 def test_mrope_positions_are_the_models_own(name, merged, text, seed):
     model = _model(name) if name not in _CACHE else _CACHE[name]
     _CACHE[name] = model
-    family = family_of(model)
+    family = families.layout_of(model)
     g = torch.Generator().manual_seed(seed)
     # An image of (2h, 2w) patches: h x w tokens after the 2 x 2 merge.
     sizes = [(2 * h * family.patch, 2 * w * family.patch) for _, h, w in merged]

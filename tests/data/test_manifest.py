@@ -3,6 +3,7 @@ field, and its samples in a family's tokens."""
 
 import pytest
 
+from vlmcompile import families
 from vlmcompile.data.manifest import ManifestSample, read_manifest, sample_size
 from vlmcompile.ir.errors import DataError
 
@@ -12,9 +13,9 @@ def test_a_manifest_reads_into_samples_and_a_familys_tokens(tmp_path):
     path.write_text('{"text_tokens": 412, "images": [[768, 1024], [448, 448]]}\n\n{"text_tokens": 30}\n')
     samples = read_manifest(path)
     assert samples == [ManifestSample(412, ((768, 1024), (448, 448))), ManifestSample(30)]
-    first = sample_size(samples[0], "internvl")
+    first = sample_size(samples[0], families.get("internvl").image_tokens)
     assert first.llm_tokens == 412 + sum(i.llm_tokens for i in first.images) and first.images[1].tiles == 1
-    text_only = sample_size(samples[1], "qwen2-vl")
+    text_only = sample_size(samples[1], families.get("qwen2-vl").image_tokens)
     assert text_only.llm_tokens == 30 and text_only.patches == 0
 
 

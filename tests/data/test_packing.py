@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.models import needs_transformers
-from vlmcompile.data.families import TileFamily, family_of
+from vlmcompile import families
+from vlmcompile.data.families import TileFamily
 from vlmcompile.data.packing import assign_rows, pack, packed_attention_mask, padded_batch, sample_length
 from vlmcompile.data.synthetic import SyntheticDataset
 from vlmcompile.ir.errors import DataError
@@ -36,10 +37,8 @@ def _gradients(model):
 @needs_transformers
 @pytest.mark.parametrize("name", sorted(DATASETS))
 def test_packed_microbatches_train_like_the_padded_batch(name):
-    from vlmcompile.models import hf_tiny
-
-    model = hf_tiny.build(name, batch=1)[0]
-    family = family_of(model)
+    model = families.build_tiny_by_name(name, batch=1)[0]
+    family = families.layout_of(model)
     distribution, pixel_scale = DATASETS[name]
     dataset = SyntheticDataset(
         distribution, family, 64, seed=1, text_only=0.25, text_scale=1 / 30, pixel_scale=pixel_scale
@@ -167,7 +166,7 @@ def test_the_zoos_vlms_pack_like_their_padded_batch(name, assignment):
     from vlmcompile.data.packing import pack_assigned
 
     model = models.build(name)
-    family = family_of(model)
+    family = families.layout_of(model)
     assert family.name == "zoo" and family.image_token_id == model.cfg.llm.vocab - 1
     data = SyntheticDataset(
         "interleaved", family, 40, seed=1, text_only=0.3, text_scale=1 / 30, pixel_scale=16 / 640
@@ -219,10 +218,8 @@ def test_a_sample_s_own_padding_is_dropped_as_eager_masks_it(name, side):
     if name == "tiny":
         model = models.build(name)
     else:
-        from vlmcompile.models import hf_tiny
-
-        model = hf_tiny.build(name, batch=1)[0]
-    family = family_of(model)
+        model = families.build_tiny_by_name(name, batch=1)[0]
+    family = families.layout_of(model)
     data = SyntheticDataset(
         "interleaved", family, 16, seed=3, text_only=0.3, text_scale=1 / 30, pixel_scale=28 / 640
     )
@@ -268,10 +265,10 @@ def test_padding_packing_cannot_reproduce_is_refused_naming_the_sample():
 
 
 def test_a_qwen_dict_batch_splits_into_its_samples_and_refuses_what_it_would_drop():
-    from vlmcompile.data.families import RELEASED
     from vlmcompile.data.packing import split_batch
+    from vlmcompile.families import released_layouts
 
-    family = RELEASED["qwen2-vl"]
+    family = released_layouts()["qwen2-vl"]
     ids = torch.tensor([[5, 2, 1, 1, 3, 6, 0], [7, 2, 1, 3, 2, 1, 3]])  # row 0: one image, padded; row 1: two
     batch = {
         "input_ids": ids,

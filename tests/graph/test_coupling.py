@@ -35,9 +35,9 @@ def test_the_zoo_pair_is_an_infonce_loss_over_its_two_embeddings():
     ("name", "kind", "bias"), [("hf-clip", LossKind.INFONCE, False), ("hf-siglip", LossKind.SIGMOID, True)]
 )
 def test_transformers_pairs_are_found_with_their_temperature_and_bias(name, kind, bias):
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
-    model, batch = hf_tiny.build(name, batch=4)
+    model, batch = families.build_tiny_by_name(name, batch=4)
     cut = _cut(model, batch)
     assert cut.loss is not None, cut.refusal
     assert cut.loss.kind is kind and cut.loss.scale is not None

@@ -171,15 +171,14 @@ def test_orders_and_relabelling_are_permutations():
 
 
 def test_re_planning_a_plan_without_an_encoder_plan_of_its_own_is_refused():
-    from vlmcompile import compile, models
-    from vlmcompile.data.families import family_of
+    from vlmcompile import compile, families, models
     from vlmcompile.data.synthetic import SyntheticDataset
     from vlmcompile.ir.errors import ArgumentError
     from vlmcompile.planning.request import SearchSpace
 
     model = models.build("tiny")
     data = SyntheticDataset(
-        "interleaved", family_of(model), 8, seed=1, text_scale=1 / 30, pixel_scale=16 / 640
+        "interleaved", families.layout_of(model), 8, seed=1, text_scale=1 / 30, pixel_scale=16 / 640
     )
     samples = [data[i] for i in range(8)]
     tokens = max(s["input_ids"].numel() for s in samples) * 3

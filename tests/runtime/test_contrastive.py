@@ -34,9 +34,9 @@ would choose)."""
 
 def _compiled(name: str, samples: int = 7):
     if name.startswith("hf-"):
-        from vlmcompile.models import hf_tiny
+        from vlmcompile import families
 
-        model, batch = hf_tiny.build(name, batch=samples)
+        model, batch = families.build_tiny_by_name(name, batch=samples)
     else:
         model, batch = build(name, batch_size=samples)
     pipe = compile(model, batch, "cpu:2", search_space=COLOCATED_2, log=None)

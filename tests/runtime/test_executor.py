@@ -242,9 +242,9 @@ def test_cli_run_trains_a_zoo_model_on_local_ranks(policy, capsys):
 @pytest.mark.hf
 @pytest.mark.extended  # outside CI's 15 minutes (the README's test command runs it)
 def test_llama4s_complex_rotary_frequencies_cross_a_stage_cut():
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
-    model, batch = hf_tiny.build("hf-llama4")
+    model, batch = families.build_tiny("llama4")
     pipe = compile(model, batch, log=None)
     names = [layer.name for layer in pipe.layer_graph.layers]
     cut = names.index("language_model.model.layers.0")  # right after the rotary embedding
@@ -256,9 +256,9 @@ def test_llama4s_complex_rotary_frequencies_cross_a_stage_cut():
 @needs_transformers
 @pytest.mark.hf
 def test_batch_values_the_graph_is_fixed_to_must_come_back_unchanged():
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
-    model, batch = hf_tiny.build("hf-clip")
+    model, batch = families.build_tiny("clip")
     pipe = compile(model, batch, log=None)
     runner = pipe.runner(even_plan(pipe.layer_graph, pp=1, microbatch_size=2, global_batch=2))
     runner.check_batch(batch)  # the compiled batch itself, return_loss=True included
@@ -269,7 +269,7 @@ def test_batch_values_the_graph_is_fixed_to_must_come_back_unchanged():
 
     # Eager attention: the one-shape capture, specialised on the grids (with sdpa a Qwen dict
     # batch is captured as its samples, packed, and fixes no grid).
-    model, batch = hf_tiny.build("hf-qwen2-vl", attn_implementation="eager")
+    model, batch = families.build_tiny("qwen2-vl", attn_implementation="eager")
     pipe = compile(model, batch, log=None)
     assert pipe.packed is None
     runner = pipe.runner(even_plan(pipe.layer_graph, pp=1, global_batch=2))

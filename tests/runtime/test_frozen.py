@@ -92,9 +92,9 @@ RECIPES = {
 def _frozen(name: str, recipe: str):
     """(model, batch, data, names of the frozen parameters) for a training recipe's freezing."""
     if name.startswith("hf-"):
-        from vlmcompile.models import hf_tiny
+        from vlmcompile import families
 
-        model, batch = hf_tiny.build(name, batch=GLOBAL_BATCH)
+        model, batch = families.build_tiny_by_name(name, batch=GLOBAL_BATCH)
         data = [batch] * 3
     else:
         model, batch = build(name, batch_size=GLOBAL_BATCH)

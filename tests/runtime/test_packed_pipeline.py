@@ -63,15 +63,15 @@ def compiled(request):
     """Model name -> (model, its family, the samples it compiled with, the pipeline, the dataset
     it trains on), for the models of one group. The token budget fits the dataset's longest
     sample and rows of 1 to 4 samples."""
-    from vlmcompile import compile, models
-    from vlmcompile.data.families import family_of
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import compile, families, models
     from vlmcompile.planning.request import SearchSpace
 
     out = {}
     for name in GROUPS[request.param]:
-        model = hf_tiny.build(name, batch=1)[0] if name.startswith("hf-") else models.build(name)
-        family = family_of(model)
+        model = (
+            families.build_tiny_by_name(name, batch=1)[0] if name.startswith("hf-") else models.build(name)
+        )
+        family = families.layout_of(model)
         data = _dataset(family, name, seed=5)
         given = _dataset(family, name, seed=1)
         text_only = [i for i in range(len(given)) if not given.sizes(i).images]
@@ -271,13 +271,13 @@ def test_a_packed_step_without_label_tokens_stops_saying_so_or_is_skipped(compil
 
 
 def _qwen_as_released():
-    from vlmcompile.models.hf_tiny.qwen import qwen2_5_vl
+    from vlmcompile.families.qwen2_5_vl import tiny as qwen2_5_vl
 
     return qwen2_5_vl(1, patch_size=14, window_size=56)[0]  # windows of 2 x 2 merge units, reordered
 
 
 def _qwen3():
-    from vlmcompile.models.hf_tiny.qwen import qwen3_vl
+    from vlmcompile.families.qwen3_vl import tiny as qwen3_vl
 
     return qwen3_vl(1)[0]
 
@@ -287,15 +287,15 @@ def test_a_qwen_dict_batch_is_captured_as_its_samples_and_trains_like_eager():
     Qwen2.5-VL as released and of Qwen3-VL: export cannot capture it as one batch (the window
     index and 3-D positions read the grids as values), so it is split into its samples and goes
     the packed path; one step on 2 ranks equals eager on the dict batch itself."""
+    from vlmcompile import families
     from vlmcompile.compiler import compile
-    from vlmcompile.data.families import family_of
     from vlmcompile.data.packing import padded_batch
     from vlmcompile.data.synthetic import SyntheticDataset
 
     cases = []
     for build, scale in ((_qwen_as_released, 1 / 8), (_qwen3, 1 / 16)):
         model = build()
-        family = family_of(model)
+        family = families.layout_of(model)
         data = SyntheticDataset(
             "qwen-native", family, 40, seed=3, text_only=0.3, text_scale=1 / 30, pixel_scale=scale
         )

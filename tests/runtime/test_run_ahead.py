@@ -28,9 +28,9 @@ CONFIG = dict(lr=3e-3, weight_decay=0.1, max_grad_norm=0.5)
 
 def _frozen_vision(name: str):
     if name.startswith("hf-"):
-        from vlmcompile.models import hf_tiny
+        from vlmcompile import families
 
-        model, batch = hf_tiny.build(name, batch=GLOBAL_BATCH)
+        model, batch = families.build_tiny_by_name(name, batch=GLOBAL_BATCH)
         model.model.vision_tower.requires_grad_(False)
         # Other images each step (the text, and so the shapes, stay).
         return (

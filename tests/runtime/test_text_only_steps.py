@@ -10,8 +10,7 @@ import dataclasses
 
 import torch
 
-from vlmcompile import models
-from vlmcompile.data.families import family_of
+from vlmcompile import families, models
 from vlmcompile.data.packed_step import PackedStep
 from vlmcompile.data.steps import PackedSteps, PaddedSteps
 from vlmcompile.data.synthetic import SyntheticDataset
@@ -31,7 +30,7 @@ def test_an_optimizer_with_state_over_a_text_only_step_matches_eager_only_with_t
     # without AdamW's scaling of gradients that are zero but for rounding (a key bias's) up to
     # a step of lr, which would hide what this checks.
     model = models.build("tiny")
-    family = family_of(model)
+    family = families.layout_of(model)
     data = SyntheticDataset(
         "interleaved", family, 24, seed=3, text_only=0.5, text_scale=1 / 30, pixel_scale=16 / 640
     )

@@ -1,7 +1,8 @@
 """How one model family lays out a sample's images, as its transformers processor returns them
 for one example, and the per-sample facts the packer needs from it.
 
-Four layouts cover the families :func:`family_of` packs:
+Four layouts cover the families that pack samples (each family's own module in
+:mod:`vlmcompile.families` picks its layout and reads it off a model's config):
 * :class:`TileFamily` - ``pixel_values`` of shape (tiles, channels, side, side), every tile the
   same number of image tokens in ``input_ids`` (LLaVA-1.5 and the zoo's VLMs: one tile an image;
   InternVL: 1-12 tiles and a thumbnail). The tiles of several samples are joined along the
@@ -631,81 +632,6 @@ def _chat(blocks: list[torch.Tensor], text_tokens: int, image_token_id: int, gen
     return {"input_ids": ids[None], "labels": labels[None]}
 
 
-def family_of(model: Any) -> Family:
-    """The data family of a transformers VLM, read from its config."""
-    zoo = getattr(model, "cfg", None)
-    if getattr(zoo, "encoders", None) and hasattr(model, "image_features"):  # the zoo's VLM
-        first = zoo.encoders[0]
-        tokens = sum((e.grid // p.pixel_shuffle) ** 2 for e, p in zip(zoo.encoders, zoo.projectors))
-        # OmniBal's InternViT models tile images as InternVL does, up to 4 tiles and a thumbnail
-        # (its max_patch_num, paper_setups.json); the others take one image a tile.
-        tiles = 4 if first.family == "omnibal" else 1
-        return TileFamily(
-            "zoo", model.image_token_id, first.image_px, first.channels, tokens, tiles, empty_images=True
-        )
-    config = getattr(model, "config", None)
-    kind = getattr(config, "model_type", None)
-    vision = getattr(config, "vision_config", None)
-    if kind == "llava" and vision is not None:
-        side, patch = _int(vision.image_size), _int(vision.patch_size)
-        extra = 1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0
-        return TileFamily(
-            "llava", config.image_token_id, side, vision.num_channels, (side // patch) ** 2 + extra, 1
-        )
-    if kind == "llava_next" and vision is not None:
-        side, patch = _int(vision.image_size), _int(vision.patch_size)
-        strategy = config.vision_feature_select_strategy
-        tokens = (side // patch) ** 2 + (1 if strategy == "full" else 0)
-        return AnyresFamily(
-            "llava-next", config.image_token_id, side, vision.num_channels, tokens, strategy, config
-        )
-    if kind in ("idefics3", "smolvlm") and vision is not None:
-        side, patch = _int(vision.image_size), _int(vision.patch_size)
-        tokens = (side // patch) ** 2 // config.scale_factor**2
-        return SplitTileFamily(kind, config.image_token_id, side, vision.num_channels, tokens)
-    if kind == "internvl" and vision is not None:
-        side, patch = _int(vision.image_size), _int(vision.patch_size)
-        tokens = int((side // patch) ** 2 * config.downsample_ratio**2)
-        return TileFamily("internvl", config.image_token_id, side, vision.num_channels, tokens, 12)
-    if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") and vision is not None:
-        factor = vision.patch_size * vision.spatial_merge_size
-        table = getattr(vision, "num_position_embeddings", None)
-        return PatchStreamFamily(
-            kind.replace("_", "-").replace("2-5", "2.5"),
-            config.image_token_id,
-            config.vision_start_token_id,
-            config.vision_end_token_id,
-            vision.patch_size,
-            vision.spatial_merge_size,
-            vision.temporal_patch_size,
-            vision.in_channels,
-            min_pixels=factor * factor,
-            max_pixels=vision.patch_size**2 * vision.spatial_merge_size**2 * 1280,
-            window_size=getattr(vision, "window_size", None),
-            position_grid=int(table**0.5) if table else None,
-        )
-    raise DataError(
-        f"vlmcompile.data has no sample layout for {type(model).__name__} (model_type {kind!r}); the families it "
-        "packs are LLaVA, LLaVA-NeXT, InternVL, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and the zoo's VLMs. For another model, give one batch dict whose "
-        "samples share one shape (pad or crop them) as the sample batch"
-    )
-
-
-RELEASED: dict[str, Family] = {
-    # InternVL2/2.5: 448 px tiles, 14 px patches, pixel shuffle 0.5 -> 256 tokens, 1-12 tiles.
-    "internvl": TileFamily("internvl", 1, 448, 3, 256, 12),
-    # LLaVA-1.5: CLIP ViT-L/14 at 336 px, the class token dropped -> 576 tokens an image.
-    "llava": TileFamily("llava", 1, 336, 3, 576, 1),
-    # Qwen2-VL: 14 px patches, 2 x 2 merge, 2 frames; its processor's min and max pixels.
-    "qwen2-vl": PatchStreamFamily(
-        "qwen2-vl", 1, 2, 3, 14, 2, 2, 3, min_pixels=56 * 56, max_pixels=28 * 28 * 1280
-    ),
-    # Idefics3: 364 px tiles, 14 px patches, pixel shuffle 2 -> 169 tokens, longest edge 4 tiles.
-    "idefics3": SplitTileFamily("idefics3", 1, 364, 3, 169),
-}
-"""Image layouts of released models, by family name: sizes for data without a model at hand
-(``benchmarks/data_balance.py --family``). Token ids are placeholders."""
-
-
-def _int(value: Any) -> int:
+def whole(value: Any) -> int:
+    """A config's size as one integer (transformers gives some as a pair: ``[28, 28]``)."""
     return int(value[0] if isinstance(value, (list, tuple)) else value)

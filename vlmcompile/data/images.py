@@ -1,4 +1,5 @@
-"""What one image of a given height and width becomes in each VLM family: how many tiles or
+"""What one image of a given height and width becomes in the VLM families whose released models
+size images by rule (each family's ``image_tokens``, :mod:`vlmcompile.families`): how many tiles or
 patches its vision encoder runs, and how many LLM tokens stand for it. Each rule is the family's
 image processor's, restated (and tested against transformers' own processors where they exist):
 
@@ -18,7 +19,6 @@ image processor's, restated (and tested against transformers' own processors whe
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from vlmcompile.ir.errors import DataError
@@ -119,17 +119,3 @@ def qwen2_vl(height: int, width: int, *, patch: int = 14, merge: int = 2) -> Ima
     h, w = qwen2_vl_size(height, width, factor=patch * merge)
     patches = (h // patch) * (w // patch)
     return ImageTokens(tiles=0, patches=patches, llm_tokens=patches // (merge * merge))
-
-
-FAMILIES: dict[str, Callable[[int, int], ImageTokens]] = {
-    "llava": llava,
-    "internvl": internvl,
-    "qwen2-vl": qwen2_vl,
-}
-"""Family name -> what one image of (height, width) pixels becomes."""
-
-
-def image_tokens(family: str, height: int, width: int) -> ImageTokens:
-    if family not in FAMILIES:
-        raise DataError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
-    return FAMILIES[family](height, width)

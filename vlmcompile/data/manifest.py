@@ -11,10 +11,11 @@ downloaded. Every fault is refused naming the line and the field.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmcompile.data.images import ImageTokens, image_tokens
+from vlmcompile.data.images import ImageTokens
 from vlmcompile.ir.errors import DataError
 
 
@@ -87,6 +88,7 @@ def _sample(line: str, where: str) -> ManifestSample:
     return ManifestSample(text, tuple((h, w) for h, w in images), where)
 
 
-def sample_size(sample: ManifestSample, family: str) -> SampleSize:
-    """The sample in ``family``'s tokens and patches."""
-    return SampleSize(sample.text_tokens, tuple(image_tokens(family, h, w) for h, w in sample.images))
+def sample_size(sample: ManifestSample, image_tokens: Callable[[int, int], ImageTokens]) -> SampleSize:
+    """The sample in a family's tokens and patches, given what one image of (height, width)
+    pixels becomes in it (a family's ``image_tokens``, :mod:`vlmcompile.families`)."""
+    return SampleSize(sample.text_tokens, tuple(image_tokens(h, w) for h, w in sample.images))

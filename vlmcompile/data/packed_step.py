@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from torch import nn
 
 from vlmcompile.data.families import Family, PatchStreamFamily
 from vlmcompile.data.packing import PackedMicrobatch, pack
+from vlmcompile.ir.errors import ModelError
 from vlmcompile.ir.packed import PackedBatch
 
 SEGMENT_ATTENTION = "vlmcompile_flash_segments"
@@ -116,15 +117,46 @@ def dynamic_shapes(example: Mapping[str, torch.Tensor], family: Family) -> dict[
     return shapes
 
 
+ImageFeatures = Callable[[nn.Module, Mapping[str, torch.Tensor]], types.SimpleNamespace]
+"""``(model, packed inputs) -> encoder output``: what a family's ``get_image_features`` returns,
+for the features of the image tokens alone (:func:`encoder_output`)."""
+
+
+def encoder_output(
+    features: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    *,
+    joined: bool = False,
+    deepstack: Sequence[torch.Tensor] | None = None,
+) -> types.SimpleNamespace:
+    """What a model's own ``get_image_features`` returns, made of ``features`` (one row a
+    feature of every image) by keeping the rows ``image_token_index`` picks: a sequence of
+    per-image features (joined by the model's forward), or one tensor where the model takes it
+    ``joined`` (InternVL); with the features of Qwen3-VL's ``deepstack`` layers, the same rows."""
+    pick = inputs["image_token_index"]
+    features = features.index_select(0, pick)
+    out = types.SimpleNamespace(pooler_output=features if joined else (features,))
+    if deepstack is not None:
+        out.deepstack_features = [(layer.index_select(0, pick),) for layer in deepstack]
+    return out
+
+
 class PackedStep(nn.Module):
     """The loss of one packed microbatch: the family's image features, the ones ``image_token_index``
     picks placed at the image tokens, and the model's own forward and loss from there (it takes
     precomputed encoder outputs as ``mm_encoder_outputs``)."""
 
-    def __init__(self, inner: nn.Module, family: Family):
+    def __init__(self, inner: nn.Module, family: Family, features: ImageFeatures | None = None):
         super().__init__()
+        if features is None and family.name != "zoo":
+            raise ModelError(
+                f"PackedStep of a {family.name} model needs its family's image_features "
+                "(vlmcompile.families.spec_of(model).image_features)"
+            )
         self.inner = inner
-        self.family_name = family.name
+        self.features = features
+        """The family's image features (:attr:`~vlmcompile.families.spec.FamilySpec.image_features`);
+        None for the zoo's VLM, which takes packed inputs itself."""
 
     def forward(
         self,
@@ -145,7 +177,7 @@ class PackedStep(nn.Module):
     ) -> torch.Tensor:
         # Named, not **inputs: torch.export matches dynamic shapes to the parameters' names.
         inputs = {k: v for k, v in locals().items() if isinstance(v, torch.Tensor)}
-        if self.family_name == "zoo":  # the zoo's VLM takes packed inputs itself
+        if self.features is None:  # the zoo's VLM takes packed inputs itself
             return self.inner(
                 pixel_values,
                 input_ids,
@@ -155,18 +187,7 @@ class PackedStep(nn.Module):
                 image_token_index=image_token_index,
                 num_items_in_batch=num_items_in_batch,
             )
-        features, deepstack = IMAGE_FEATURES[self.family_name](self.inner, inputs), None
-        if isinstance(features, tuple):  # Qwen3-VL: features, then those of its deepstack layers
-            features, deepstack = features
-        pick = inputs["image_token_index"]
-        # What the model's own get_image_features returns: a sequence of per-image features
-        # (joined by its forward), or InternVL's one tensor.
-        features = features.index_select(0, pick)
-        encoded = types.SimpleNamespace(
-            pooler_output=features if self.family_name == "internvl" else (features,)
-        )
-        if deepstack is not None:
-            encoded.deepstack_features = [(layer.index_select(0, pick),) for layer in deepstack]
+        encoded = self.features(self.inner, inputs)
         out = self.inner(
             input_ids=inputs["input_ids"],
             labels=inputs["labels"],
@@ -177,88 +198,6 @@ class PackedStep(nn.Module):
             mm_encoder_outputs={"image": encoded},
         )
         return out.loss
-
-
-def _llava_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """LLaVA's ``get_image_features`` without its split into a list of images (a Python list
-    as long as a dynamic size cannot be captured): the selected hidden states, projected, one
-    row a feature. LLaVA-NeXT's crops are the same."""
-    config, inner = model.config, model.model
-    out = inner.vision_tower(inputs["pixel_values"], output_hidden_states=True)
-    layers = config.vision_feature_layer
-    chosen = [out.hidden_states[k] for k in (layers if isinstance(layers, list) else [layers])]
-    if config.vision_feature_select_strategy == "default":
-        chosen = [h[:, 1:] for h in chosen]
-    return inner.multi_modal_projector(torch.cat(chosen, dim=-1)).flatten(0, 1)
-
-
-def _llava_next_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """LLaVA-NeXT's crop features and its newline embedding as the last row: the table
-    ``image_token_index`` gathers the image tokens from (the unpadding and row ends of
-    ``pack_image_features``, done on the host)."""
-    features = _llava_features(model, inputs)
-    return torch.cat([features, model.model.image_newline[None].to(features.dtype)])
-
-
-def _split_tile_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Idefics3's / SmolVLM's ``get_image_features`` on tiles that are all real and whole (the
-    host dropped the padding tiles, which the model finds by their values): every patch of
-    every tile attends."""
-    inner, pixels = model.model, inputs["pixel_values"]
-    side = model.config.vision_config.patch_size
-    patches = torch.ones(pixels.shape[0], pixels.shape[2] // side, pixels.shape[3] // side, dtype=torch.bool)
-    hidden = inner.vision_model(
-        pixel_values=pixels, patch_attention_mask=patches.to(pixels.device)
-    ).last_hidden_state
-    return inner.connector(hidden).flatten(0, 1)
-
-
-def _internvl_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    config = model.config
-    out = model.model.get_image_features(
-        inputs["pixel_values"],
-        vision_feature_layer=config.vision_feature_layer,
-        vision_feature_select_strategy=config.vision_feature_select_strategy,
-    )
-    return out.pooler_output.flatten(0, 1)
-
-
-def _qwen_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]):
-    """The merged patch features of Qwen's vision tower, given what the host computed from the
-    grids; Qwen3-VL's with its deepstack layers' features."""
-    given = {}
-    if "window_index" in inputs:
-        given = {
-            "window_index": inputs["window_index"],
-            "cu_window_seqlens": inputs["cu_window_seqlens"],
-            "max_window_seqlen": 1,  # read by flash kernels only; segment_attention needs none
-        }
-    if "interp_indices" in inputs:
-        given |= {"interp_indices": inputs["interp_indices"], "interp_weights": inputs["interp_weights"]}
-    out = model.model.visual(
-        inputs["pixel_values"],
-        grid_thw=inputs["image_grid_thw"],
-        cu_seqlens=inputs["cu_seqlens"],
-        position_ids=inputs["vision_position_ids"],
-        max_seqlen=1,
-        **given,
-    )
-    deepstack = getattr(out, "deepstack_features", None)
-    return out.pooler_output if deepstack is None else (out.pooler_output, deepstack)
-
-
-IMAGE_FEATURES = {
-    "llava": _llava_features,
-    "llava-next": _llava_next_features,
-    "idefics3": _split_tile_features,
-    "smolvlm": _split_tile_features,
-    "internvl": _internvl_features,
-    "qwen2-vl": _qwen_features,
-    "qwen2.5-vl": _qwen_features,
-    "qwen3-vl": _qwen_features,
-}
-"""Family -> (model, inputs) -> the image features of every image token, in token order (and
-Qwen3-VL's deepstack layers' features, the same rows each)."""
 
 
 def segment_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):

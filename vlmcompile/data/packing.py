@@ -35,7 +35,6 @@ from vlmcompile.data.families import (
     PatchStreamFamily,
     Sample,
     attended,
-    family_of,
     labels_of,
     raw_labels,
     tokens_of,
@@ -81,23 +80,6 @@ def samples_of(batch: Any, family: Family) -> list[Mapping[str, Any]]:
     if isinstance(batch, Mapping):
         return split_batch(batch, family)
     return check_samples(batch)
-
-
-def packs_dict_batches(model: Any) -> bool:
-    """Whether a dict batch of ``model`` is captured as its samples, packed: a Qwen-VL model's
-    forward reads its images' grids and token types as values (window index, 3-D positions), so
-    a graph of one batch would be specialised on that batch's images and train no other."""
-    try:
-        family = family_of(model)
-    except DataError:
-        return False
-    # With eager attention transformers' Qwen decoder does not keep packed samples apart (their
-    # losses differ, which capture's check refuses for a list of samples too): a dict batch of
-    # such a model stays whole, the one-shape capture it had before.
-    if not isinstance(family, PatchStreamFamily):
-        return False
-    text = getattr(model.config, "text_config", model.config)
-    return getattr(text, "_attn_implementation", None) != "eager"
 
 
 def split_batch(batch: Mapping[str, Any], family: Family) -> list[dict[str, Any]]:

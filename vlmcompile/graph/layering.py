@@ -76,8 +76,12 @@ def module_path(node: fx.Node, strip_prefix: str = "") -> str | None:
 class LayerAssigner:
     """Maps module paths of one model to layer names and regions."""
 
-    def __init__(self, model: nn.Module, overrides: Mapping[str, Region]):
+    def __init__(
+        self, model: nn.Module, overrides: Mapping[str, Region], keywords: Mapping[str, Region] | None = None
+    ):
         self.modules = dict(model.named_modules())
+        self.keywords = dict(keywords or {})
+        """The model's family's own path components (``vlmcompile.families``), matched first."""
         self.blocks = find_blocks(model)
         self.containers = {p for b in self.blocks for p in _prefixes(b)} | {""}
         self.overrides = dict(overrides)
@@ -109,7 +113,7 @@ class LayerAssigner:
             attr = getattr(type(self.modules.get(".".join(parts[:i]))), REGION_ATTR, None)
             if attr is not None:
                 return Region(attr), "module attribute"
-        found = region_from_keywords(layer, generative=self.generative)
+        found = region_from_keywords(layer, generative=self.generative, family=self.keywords)
         if found is not None:
             return found, "path keyword"
         return Region.OTHER, "undetected"

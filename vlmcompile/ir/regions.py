@@ -8,8 +8,9 @@ Assignment order, first match wins:
 
 1. a user override: module-path prefix -> region (longest prefix wins);
 2. a ``vlmcompile_region`` attribute on a module's class (the reference zoo sets it);
-3. a keyword in the module path, innermost component first, so ``visual.merger`` (Qwen2-VL)
-   is a projector inside a vision tower (rules below, covering the transformers VLMs);
+3. a keyword in the module path, innermost component first: the words of the model's family
+   (``vlmcompile.families``: ``visual.merger`` is Qwen2-VL's projector inside its vision tower),
+   then the common ones below;
 4. the data flow (:func:`vlmcompile.graph.layering.regions_by_flow`): a layer still unplaced that
    reads from an encoder tower and from nothing of the LLM is a projector, whatever its name.
 """
@@ -44,32 +45,37 @@ LANGUAGE_REGIONS = frozenset({Region.LLM, Region.TEXT})
 REGION_ATTR = "vlmcompile_region"
 """Class attribute a plain-PyTorch module sets to declare its region."""
 
-# Path components of the transformers VLMs (LLaVA, InternVL, Idefics3, PaliGemma, Qwen2-VL,
-# CLIP, SigLIP) mapped to regions. Matched against whole components, innermost first.
+# Path components most VLMs name their parts with, mapped to regions (``mlp1``: InternVL's
+# projector in its own code, a model of no family here). Matched against whole
+# components, innermost first. A family's own words (Qwen-VL's ``merger``, Idefics3's
+# ``connector``, CLIP's ``visual_projection``) live in its spec (``vlmcompile.families``) and are
+# matched first.
 _KEYWORD_REGIONS: tuple[tuple[re.Pattern[str], Region], ...] = tuple(
     (re.compile(pattern), region)
     for pattern, region in (
-        (
-            r"^(multi_modal_projector|mm_projector|connector|projector|merger|mlp1|visual_projection)$",
-            Region.PROJECTOR,
-        ),
-        (r"^(vision_tower|vision_model|visual|vision_encoder|image_encoder|vision)$", Region.VISION),
-        (r"^(lm_head|head|logit_scale)$", Region.HEAD),
+        (r"^(multi_modal_projector|mm_projector|projector|mlp1)$", Region.PROJECTOR),
+        (r"^(vision_tower|vision_model|vision_encoder|image_encoder|vision)$", Region.VISION),
+        (r"^(lm_head|head)$", Region.HEAD),
         (r"^(text_model|text_encoder)$", Region.TEXT),
         (r"^(language_model|llm|decoder)$", Region.LLM),
     )
 )
 
 
-def region_from_keywords(path: str, *, generative: bool = False) -> Region | None:
+def region_from_keywords(
+    path: str, *, generative: bool = False, family: Mapping[str, Region] | None = None
+) -> Region | None:
     """The region a module path names by keyword, innermost component first, or None.
+    ``family`` maps the components the model's family names its parts with to their regions,
+    matched before the common words.
 
     In a generative model (one with an ``lm_head``) a ``text_model`` is the LLM (Idefics3);
     otherwise it is the text tower of a contrastive pair (CLIP). A ``head`` inside an encoder
     tower is the tower's (SigLIP's pooling head in PaliGemma's ``vision_tower``), not the model's
     output head.
     """
-    found = [_keyword_region(component, generative) for component in reversed(path.split("."))]
+    family = family or {}
+    found = [family[c] if c in family else _keyword_region(c, generative) for c in reversed(path.split("."))]
     named = [region for region in found if region is not None]
     if not named:
         return None

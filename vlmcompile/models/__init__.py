@@ -5,7 +5,6 @@
 * ``vlm`` - whole models: the generative VLM (one or more encoders) and the contrastive pair.
 * ``configs`` - the zoo's configurations and every model of the papers' setups.
 * ``synthetic_batches`` - a fresh random global batch per step, with the sample batch's shapes.
-* ``hf_tiny`` - tiny transformers VLMs from configs (random weights, nothing downloaded).
 * ``hf_scale`` - transformers LLaVA at the sizes people plan, on the meta device.
 
 >>> from vlmcompile import models

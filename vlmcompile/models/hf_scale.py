@@ -8,7 +8,7 @@
   32768, GPT-3's 4 x 12288 at the same parameters): 197 B parameters.
 
 The batch keeps token ids and labels on the CPU and the images on meta (see
-:func:`vlmcompile.models.hf_tiny._common.finish`). Needs transformers.
+:func:`vlmcompile.families.tiny.finish`). Needs transformers.
 """
 
 from __future__ import annotations

@@ -235,10 +235,10 @@ def test_megatron_has_no_v_shaped_placement(demo_graph):
 @needs_transformers
 @pytest.mark.hf
 def test_decoder_layers_are_found_by_structure_whatever_the_attention_kernel():
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
     # Eager attention is matmul + softmax: no attention kernel for the FLOP counter to see.
-    model, batch = hf_tiny.build("hf-llava", attn_implementation="eager")
+    model, batch = families.build_tiny("llava", attn_implementation="eager")
     graph = compile(model, batch, log=None).layer_graph
     llm_blocks = [layer.name for layer in graph.layers if layer.region is Region.LLM and layer.block]
     assert llm_blocks == ["model.language_model.layers.0", "model.language_model.layers.1"]

@@ -37,9 +37,9 @@ def test_the_zoo_pair_splits_into_its_two_towers():
 @needs_transformers
 @pytest.mark.hf
 def test_an_exported_pair_is_captured_again_for_each_microbatch_size():
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
-    model, batch = hf_tiny.build("hf-clip", batch=5)
+    model, batch = families.build_tiny("clip", batch=5)
     pipe = compile(model, batch, "cpu:2", search_space=COLOCATED, log=None)
     plan = dataclasses.replace(pipe.tower_plan, split=SampleSplit.even(5, 2, 2))  # 2+1, 1+1
     _, report = codegen_towers(pipe.gm, plan, model=model, sample_batch=batch)

@@ -253,9 +253,9 @@ def test_shapes_that_depend_on_input_values_are_followed_on_fake_tensors():
 @needs_transformers
 @pytest.mark.hf
 def test_meta_pixels_are_taken_as_ones_and_the_report_says_so():
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
-    model, batch = hf_tiny.build("hf-idefics3", device="meta")
+    model, batch = families.build_tiny("idefics3", device="meta")
     assert batch["pixel_values"].device.type == "meta" and batch["input_ids"].device.type == "cpu"
     report = _annotate(model, batch).report
     assert report.assumptions == (
@@ -270,9 +270,9 @@ def test_meta_pixels_are_taken_as_ones_and_the_report_says_so():
 @needs_transformers
 @pytest.mark.hf
 def test_a_shape_from_meta_token_ids_names_the_input_to_give():
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
-    model, batch = hf_tiny.build("hf-qwen3-vl", device="meta")
+    model, batch = families.build_tiny("qwen3-vl", device="meta")
     batch = {**batch, "input_ids": batch["input_ids"].to("meta")}  # which tokens are image tokens: unknown
     with pytest.raises(
         ModelError, match=r"depends on the values of batch inputs \['input_ids'\], which are meta"
@@ -353,9 +353,9 @@ def test_layers_that_differ_in_ops_or_share_parameters_are_measured_apart():
     [("hf-gemma3", True), ("hf-qwen2-vl", False), ("hf-mllama", False), ("hf-llava", True)],
 )
 def test_transformers_layers_that_repeat_take_the_figures_of_the_first(name, repeats):
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
-    model, batch = hf_tiny.build(name, device="meta")
+    model, batch = families.build_tiny_by_name(name, device="meta")
     shared = _annotate(model, batch)
     _same_figures(shared, _annotate(model, batch, every_layer=True))
     assert (shared.report.repeated_backwards > 0) == repeats

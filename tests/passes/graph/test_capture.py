@@ -176,9 +176,9 @@ def test_an_override_naming_a_missing_module_is_rejected():
 @needs_transformers
 @pytest.mark.hf
 def test_shapes_from_image_grids_specialise_the_capture_on_their_values():
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
-    model, batch = hf_tiny.build("hf-qwen2-vl")
+    model, batch = families.build_tiny("qwen2-vl")
     result = capture(model, batch)
     spec = result.report.specialized
     # torch.split(..., lengths.tolist()) on the grid; the rope index walks the token types.
@@ -194,11 +194,11 @@ def test_shapes_from_image_grids_specialise_the_capture_on_their_values():
 def test_a_capture_at_another_batch_size_specialises_at_once_on_what_the_first_needed(monkeypatch):
     """Codegen captures an exported model again at its microbatch size: on the inputs the first
     capture specialised on, in one export, where trying the tiers again took three."""
+    from vlmcompile import families
     from vlmcompile.graph import export as export_module
     from vlmcompile.ir.microbatch import rows_per_sample, take
-    from vlmcompile.models import hf_tiny
 
-    model, batch = hf_tiny.build("hf-qwen2-vl")
+    model, batch = families.build_tiny("qwen2-vl")
     real, calls = export_module.export_graph, []
     monkeypatch.setattr(export_module, "export_graph", lambda *a, **k: calls.append(1) or real(*a, **k))
     first = capture(model, batch)
@@ -287,9 +287,9 @@ def test_capture_does_not_need_real_weights():
 @needs_transformers
 @pytest.mark.hf
 def test_python_values_in_the_batch_are_constants_of_the_graph():
-    from vlmcompile.models import hf_tiny
+    from vlmcompile import families
 
-    model, batch = hf_tiny.build("hf-llava-next")
+    model, batch = families.build_tiny("llava-next")
     batch["image_sizes"] = batch["image_sizes"].tolist()  # as a list: no per-sample rows to split
     result = capture(model, batch)
     placeholders = {str(n.target) for n in result.gm.graph.nodes if n.op == "placeholder"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.models import needs_transformers
-from vlmcompile.data.families import family_of
+from vlmcompile import families
 from vlmcompile.data.synthetic import SyntheticDataset
 from vlmcompile.ir.errors import DataError
 from vlmcompile.passes.graph.capture_packed import capture_packed
@@ -15,9 +15,7 @@ pytestmark = [needs_transformers, pytest.mark.hf]
 
 
 def _model(name):
-    from vlmcompile.models import hf_tiny
-
-    return hf_tiny.build(name, batch=1)[0]
+    return families.build_tiny_by_name(name, batch=1)[0]
 
 
 def _samples(family, seed, count=6):
@@ -29,7 +27,7 @@ def _samples(family, seed, count=6):
 
 def test_bad_samples_are_refused_naming_them():
     model = _model("hf-llava")
-    family = family_of(model)
+    family = families.layout_of(model)
     good = _samples(family, seed=1, count=3)
     with pytest.raises(DataError, match="the sample list is empty"):
         capture_packed(model, [])
@@ -62,7 +60,7 @@ def test_compile_plans_for_a_dataset_or_a_manifest(tmp_path):
     from vlmcompile.planning.request import SearchSpace
 
     model = _model("hf-qwen2-vl")
-    family = family_of(model)
+    family = families.layout_of(model)
     data = SyntheticDataset(
         "qwen-native", family, 60, seed=1, text_only=0.1, text_scale=1 / 30, pixel_scale=1 / 16
     )
@@ -89,7 +87,7 @@ def test_compile_refuses_what_it_cannot_plan_for(tmp_path):
     from vlmcompile.ir.errors import VlmCompileError
 
     model = _model("hf-llava")
-    family = family_of(model)
+    family = families.layout_of(model)
     data = SyntheticDataset("llava-chat", family, 8, text_scale=1 / 30, pixel_scale=28 / 640)
     with pytest.raises(VlmCompileError, match="give a sample batch"):
         compile(model, log=None)
@@ -103,7 +101,7 @@ def test_compile_refuses_what_it_cannot_plan_for(tmp_path):
     bad.write_text('{"text_tokens": -3}\n')
     with pytest.raises(DataError, match="bad.jsonl:1: text_tokens=-3"):
         compile(model, dataset=str(bad), global_batch=2, log=None)
-    qwen = family_of(_model("hf-qwen2-vl"))
+    qwen = families.layout_of(_model("hf-qwen2-vl"))
     other = SyntheticDataset("qwen-native", qwen, 8, text_scale=1 / 30, pixel_scale=1 / 16)
     with pytest.raises(DataError, match="another model family"):
         compile(model, dataset=other, global_batch=2, log=None)
@@ -113,12 +111,11 @@ def _released_layout(name, device):
     """Qwen2.5-VL with the released models' vision windows (56 px over 14 px patches: 2 x 2 merge
     units a window, which the window index reorders; layer 1 full attention), or Qwen3-VL with its
     default vision attention, deepstack features and learned position table."""
-    from vlmcompile.models import hf_tiny
-    from vlmcompile.models.hf_tiny.qwen import qwen2_5_vl
+    from vlmcompile.families.qwen2_5_vl import tiny as qwen2_5_vl
 
     if name == "qwen2.5-vl":
         return qwen2_5_vl(1, device=device, patch_size=14, window_size=56)[0], 1 / 8
-    return hf_tiny.build("hf-qwen3-vl", batch=1, device=device)[0], 1 / 16
+    return families.build_tiny("qwen3-vl", batch=1, device=device)[0], 1 / 16
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
@@ -128,7 +125,7 @@ def test_qwen_as_released_captures_once(name, device):
     window index, ``lengths.tolist()`` in the vision attention): one capture, equal to eager on
     every packed microbatch (on real weights), with real and meta weights alike."""
     model, scale = _released_layout(name, device)
-    family = family_of(model)
+    family = families.layout_of(model)
     data = SyntheticDataset(
         "qwen-native", family, 24, seed=3, text_only=0.2, text_scale=1 / 30, pixel_scale=scale
     )

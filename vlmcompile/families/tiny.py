@@ -1,4 +1,9 @@
-"""What every tiny transformers builder shares: sizes, token ids, seeding, the batch's device."""
+"""What every tiny transformers builder shares: sizes, token ids, seeding, the batch's device.
+
+A tiny model has 2 layers a tower, width 32, 28 px images and a vocabulary of 128, seeded
+weights and inputs, the model in train mode and a batch whose loss is finite (image placeholder
+tokens match the image features the model makes). ``device="meta"`` builds the model without
+memory; see :func:`finish` for what a meta batch keeps on the CPU."""
 
 from __future__ import annotations
 
