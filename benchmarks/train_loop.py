@@ -30,7 +30,7 @@ import torch
 from vlmcompile import compile, models
 from vlmcompile.models.synthetic_batches import SyntheticBatches
 from vlmcompile.planning.request import SearchSpace
-from vlmcompile.runtime.executor import runnable_degrees
+from vlmcompile.runtime.capabilities import runnable
 from vlmcompile.runtime.train_loop import TrainConfig, eager_training
 
 RESULTS = Path(__file__).parent / "results" / "train_loop.json"
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.testing.assert_close(torch.tensor(losses[mode]), torch.tensor(eager))
     median = {m: statistics.median(steps[m]) for m in MODES}
     predicted = pipe.planned.sim.step_time_s
-    degrees = runnable_degrees(plan)
+    degrees = runnable(plan).parallel
     out = {
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores (this machine; shared and noisy)",
         "model": "demo",

@@ -53,9 +53,10 @@ from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOpti
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
 from vlmcompile.runtime import preemption
+from vlmcompile.runtime.capabilities import runnable
 from vlmcompile.runtime.checkpoint_dir import check_output_file, checkpoint_bytes
 from vlmcompile.runtime.contrastive import ContrastiveStep
-from vlmcompile.runtime.executor import PipelineRunner, runnable_degrees
+from vlmcompile.runtime.executor import PipelineRunner
 from vlmcompile.runtime.global_batches import GlobalBatches
 from vlmcompile.runtime.launch import check_launchable, launch
 from vlmcompile.runtime.saves import resumed_data
@@ -176,7 +177,7 @@ class CompiledPipeline:
             )
         if plan is None or self.model is None:
             raise DataError("packing needs a plan and the model: compile with a cluster and real weights")
-        dp = runnable_degrees(plan).dp
+        dp = plan.pipeline_parallel.dp
         return PackedSteps(
             data, families.layout_of(self.model), self.packed.tokens, dp * plan.num_microbatches, replicas=dp
         )
@@ -197,7 +198,7 @@ class CompiledPipeline:
             samples_of(samples, family),
             family,
             tokens=self.packed.tokens,
-            num_microbatches=runnable_degrees(plan).dp * plan.num_microbatches,
+            num_microbatches=plan.pipeline_parallel.dp * plan.num_microbatches,
         )
 
     def parameters(self) -> list:
@@ -382,7 +383,7 @@ class CompiledPipeline:
         plan = plan or self.plan
         self._re_plans(plan, True)
         rows = int(self.sample_batch[families.layout_of(self.model).image_keys[0]].shape[0])
-        replicas = runnable_degrees(plan).dp
+        replicas = plan.pipeline_parallel.dp
         # Rank 0 re-plans every replica's schedule: the step's share of time is theirs together.
         scheduler = per_batch_scheduler(
             plan, self.layer_graph, self.cluster, time_limit_s=time_limit_s, replicas_per_host=replicas
@@ -408,30 +409,8 @@ class CompiledPipeline:
         return why is None
 
     def throughput(self, runner: PipelineRunner, *, on_gpu: bool = False) -> Throughput:
-        """What turns the runner's step times into samples/s and MFU: the model's FLOPs per sample
-        (annotated) and one device's peak: on GPUs the plan's cluster's device (an H100 when it
-        names none), on CPU ranks this CPU's share (measured)."""
-        world = runner.parallel.world_size
-        totals = self.layer_graph.totals()
-        per_sample = (totals["fwd_flops"] + totals["bwd_flops"]) / float(
-            self.layer_graph.meta.get("batch_size", 1)
-        )
-        plan = runner.plan
-        named = [c for c in (self.cluster.name if self.cluster else None, plan.cluster) if c]
-        if on_gpu:
-            gpu = next((c for c in named if not c.startswith("cpu")), "h100x1")
-            cluster = Cluster.preset(gpu)
-        else:  # this CPU's measured peak, or the rate a profiled layer beat it by
-            rate = self.layer_graph.fastest_measured_rate()
-            cluster = Cluster.preset(f"cpu:{world}").with_peak(rate, "the fastest profiled layer's rate")
-        return Throughput(
-            global_batch=plan.global_batch,
-            flops_per_sample=per_sample,
-            tokens_per_sample=_sequence_length(self.layer_graph),
-            peak_flops_per_s=cluster.device.peak_flops_per_s,
-            world_size=world,
-            peak_of=cluster.device.name,
-        )
+        """What turns the runner's step times into samples/s and MFU (:func:`throughput_of`)."""
+        return throughput_of(self.layer_graph, self.cluster, runner, on_gpu=on_gpu)
 
     @user_facing
     def plan_png(self, path: str | Path, plan: Plan | None = None) -> Path:
@@ -523,9 +502,9 @@ def make_runner(pipe: CompiledPipeline, plan: Plan, *, timeout_s: float = 60.0) 
         warnings.warn(
             "the plan carries no model fingerprint; it is not checked against the model", stacklevel=3
         )
-    plan.validate(pipe.layer_graph)
+    checked = runnable(plan, pipe.layer_graph)  # the one check on the way to the ranks
     _check_trains_as_planned(pipe, plan)
-    parallel = check_cluster_size(plan, pipe.cluster)
+    parallel = check_cluster_size(plan, pipe.cluster, checked.parallel)
     _check_loss_splits(pipe.gm, parallel, plan)
     global_batch = plan.global_batch
     try:
@@ -543,7 +522,7 @@ def make_runner(pipe: CompiledPipeline, plan: Plan, *, timeout_s: float = 60.0) 
     made = made or codegen_for(pipe.gm, plan, model=pipe.model, sample_batch=pipe.sample_batch)
     constants = {k: v for k, v in pipe.sample_batch.items() if not isinstance(v, torch.Tensor)}
     return PipelineRunner(
-        plan,
+        checked,
         made.stages,
         batch_shapes=shapes,
         batch_constants=constants,
@@ -618,15 +597,45 @@ def _check_loss_splits(gm: fx.GraphModule, parallel: Parallel, plan: Plan) -> No
         )
 
 
+def throughput_of(
+    layer_graph: LayerGraph, compiled_for: Cluster | None, runner: PipelineRunner, *, on_gpu: bool = False
+) -> Throughput:
+    """What turns the runner's step times into samples/s and MFU: the model's FLOPs per sample
+    (annotated) and one device's peak: on GPUs the plan's cluster's device (an H100 when it
+    names none), on CPU ranks this CPU's share (measured)."""
+    world = runner.parallel.world_size
+    totals = layer_graph.totals()
+    per_sample = (totals["fwd_flops"] + totals["bwd_flops"]) / float(layer_graph.meta.get("batch_size", 1))
+    plan = runner.plan
+    named = [c for c in (compiled_for.name if compiled_for else None, plan.cluster) if c]
+    if on_gpu:
+        gpu = next((c for c in named if not c.startswith("cpu")), "h100x1")
+        cluster = Cluster.preset(gpu)
+    else:  # this CPU's measured peak, or the rate a profiled layer beat it by
+        rate = layer_graph.fastest_measured_rate()
+        cluster = Cluster.preset(f"cpu:{world}").with_peak(rate, "the fastest profiled layer's rate")
+    return Throughput(
+        global_batch=plan.global_batch,
+        flops_per_sample=per_sample,
+        tokens_per_sample=_sequence_length(layer_graph),
+        peak_flops_per_s=cluster.device.peak_flops_per_s,
+        world_size=world,
+        peak_of=cluster.device.name,
+    )
+
+
 def train(pipe: CompiledPipeline, data: Data, config: TrainConfig, **options: Any) -> TrainResult:
     """``pipe.train(data, config, **options)``: train a compiled pipeline (see :meth:`CompiledPipeline.train`)."""
     return pipe.train(data, config, **options)
 
 
-def check_cluster_size(plan: Plan, compiled_for: Cluster | None = None) -> Parallel:
-    """The degrees the plan's ranks run by (:func:`runnable_degrees`), refused when they need more
-    ranks than the cluster the plan names, or than ``compiled_for`` (the pipeline's) has."""
-    parallel = runnable_degrees(plan)
+def check_cluster_size(
+    plan: Plan, compiled_for: Cluster | None = None, parallel: Parallel | None = None
+) -> Parallel:
+    """The degrees the plan's ranks run by (``parallel``, a checked plan's; else the runtime's
+    check of ``plan``, :func:`~vlmcompile.runtime.capabilities.runnable`), refused when they need
+    more ranks than the cluster the plan names, or than ``compiled_for`` (the pipeline's) has."""
+    parallel = parallel or runnable(plan).parallel
     named = None
     if plan.cluster:
         try:

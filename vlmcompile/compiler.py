@@ -70,8 +70,8 @@ from vlmcompile.passes.planning.policies import search_and_compare
 from vlmcompile.planning.contrastive import predict_step
 from vlmcompile.planning.contrastive_placement import place_towers
 from vlmcompile.planning.request import SearchSpace, SolverOptions
+from vlmcompile.runtime.capabilities import RUNTIME
 from vlmcompile.runtime.contrastive import ContrastiveStep
-from vlmcompile.runtime.executor import RUNTIME
 from vlmcompile.runtime.launch import threads_per_rank
 
 

@@ -374,7 +374,9 @@ def test_kernel_level_encoder_work_runs_before_its_host_and_trains_like_eager():
 
 def _receives_posted_at_each_action(runner, batch):
     seen = []
-    runner.on_action = lambda rank, action: seen.append((action, frozenset(runner._state.posted) - {action}))
+    runner.on_action = lambda rank, action: seen.append(
+        (action, frozenset(t.consumer for t in runner._state.exchange.posted) - {action})
+    )
     out = one_step(runner, batch)
     return {**out, "posted_ahead": seen}
 

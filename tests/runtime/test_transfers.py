@@ -12,9 +12,9 @@ import torch
 from tests.pipeline_helpers import check_equal_to_eager, even_plan, first_forwards_swapped, separate_plan
 from tests.runtime.test_executor import CASES, SEPARATE, _pipe
 from vlmcompile.ir.actions import Action, ActionKind
+from vlmcompile.ir.program import Transfer, transfer_order
 from vlmcompile.runtime.launch import launch
 from vlmcompile.runtime.timed_steps import one_step
-from vlmcompile.runtime.transfers import Transfer, transfer_order
 
 
 def _ordered_step(pipe, plan, batch):
@@ -267,10 +267,10 @@ def test_the_nccl_model_catches_a_wrong_order():
 def test_what_goes_on_the_wire_shares_the_buffer_in_a_type_every_backend_has(value):
     """NCCL has no int16, gloo no complex: both travel as a view of the same storage, so a
     receive into the view fills the buffer."""
-    from vlmcompile.runtime.executor import _wire
+    from vlmcompile.runtime.wire import wire as on_the_wire
 
-    wire = _wire(value)
+    wire = on_the_wire(value)
     assert wire.dtype in (torch.uint8, torch.float32)
     assert wire.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
-    wire.copy_(_wire(torch.zeros_like(value)))
+    wire.copy_(on_the_wire(torch.zeros_like(value)))
     assert not value.any()

@@ -4,6 +4,7 @@ else of vlmcompile.
 * ``layer_graph`` - the LayerGraph every planning pass reads: layers with region and costs, edges with bytes.
 * ``plan`` - the Plan: stages, degrees, microbatches, action lists, recompute, and the decisions with reasons.
 * ``actions`` - one unit of pipeline work (a stage's forward or backward of a microbatch) and the order rules.
+* ``program`` - a plan's action lists with their transfers lowered in: the sends and receives each rank issues.
 * ``placement`` - which pipeline rank holds each virtual stage: the one placement rule.
 * ``regions`` - a VLM's regions (vision, projector, LLM, head) and how a module path gets one.
 * ``meta_keys`` - the keys vlmcompile writes into ``fx.Node.meta``.

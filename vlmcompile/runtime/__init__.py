@@ -4,8 +4,13 @@ runs a pass or reads a report.
 A step:
 
 * ``stage`` - the stage modules codegen makes and the runtime runs.
-* ``executor`` - :class:`PipelineRunner`: one rank's share of a plan, its actions run in order.
-* ``transfers`` - the order two pipeline ranks exchange their values in (for backends that pair by order).
+* ``capabilities`` - what the runtime can run, and the one check a plan passes on its way to the ranks.
+* ``executor`` - :class:`PipelineRunner`: one rank's share of a plan, its lowered list interpreted in order.
+* ``batches`` - a step's batch checked, cut into this rank's microbatches, a packed batch's sizes bound.
+* ``transport`` - sends and receives between two ranks: by tag (gloo) or in each pair's one order (NCCL).
+* ``wire`` - which values cross ranks, their shape header, their wire form.
+* ``groups`` - the process groups of a rank (data-parallel, tied parameters, transfer pairs), made in one place.
+* ``run_ahead`` - forwards one batch ahead: their outputs kept for the next step.
 * ``collectives`` - waits with a deadline, and the summed gradient all-reduce.
 * ``contrastive`` - one exact step of a two-tower model whose loss couples the global batch.
 

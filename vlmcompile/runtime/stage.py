@@ -8,7 +8,7 @@ so every stage parameter maps back to the original model's name (:meth:`StageMod
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,3 +196,46 @@ def load_original_state(stage: StageModule, state_dict: Mapping[str, torch.Tenso
         for name, orig in names.items():
             if orig in state_dict:  # buffers absent from a state dict are non-persistent (derived)
                 own[name].copy_(state_dict[orig])
+
+
+def parameters_of(stages: Iterable[StageModule]) -> list[torch.nn.Parameter]:
+    """The parameters of ``stages``, each once (a tied one is held by several), frozen ones included."""
+    seen, out = set(), []
+    for stage in stages:
+        for p in stage.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def original_parameters(stages: Iterable[StageModule]) -> dict[str, torch.nn.Parameter]:
+    """The parameters of ``stages`` under the original model's names."""
+    out = {}
+    for stage in stages:
+        own = dict(stage.named_parameters())
+        for name, orig in stage.original_names().items():
+            if name in own:
+                out[orig] = own[name]
+    return out
+
+
+def original_state(
+    stages: Iterable[StageModule], state_names: Mapping[str, tuple[str, ...]] | None
+) -> dict[str, torch.Tensor]:
+    """``stages``' share of the original model's ``state_dict``: their parameters and persistent
+    buffers under every name the original gives them (``state_names``: original name -> those
+    names; None: parameters under their captured names only)."""
+    out: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        own = {**dict(stage.named_parameters()), **dict(stage.named_buffers())}
+        for name, orig in stage.original_names().items():
+            if name not in own:
+                continue
+            if state_names is None:
+                if isinstance(own[name], torch.nn.Parameter):
+                    out[orig] = own[name]
+                continue
+            for alias in state_names.get(orig, ()):
+                out[alias] = own[name]
+    return out
