@@ -33,7 +33,6 @@ from vlmcompile.ir.meta_keys import (
 )
 from vlmcompile.ir.microbatch import num_samples, rows_per_sample, take
 from vlmcompile.ir.plan import Plan, Recompute, Stage
-from vlmcompile.ir.program import Op, lower
 from vlmcompile.ir.shape_plan import ShapeFormula
 from vlmcompile.passes.graph.capture import capture
 from vlmcompile.runtime.stage import LayerModule, LayerWiring, StageModule
@@ -76,9 +75,6 @@ class CodegenResult:
     report: CodegenReport
     gm: fx.GraphModule
     """The graph the stages were split from (its ``meta`` says what the runtime must check)."""
-    program: tuple[tuple[Op, ...], ...]
-    """Per pipeline rank: its actions with the sends and receives of its transfers lowered in
-    (:func:`vlmcompile.ir.program.lower`), what the rank's runner interprets."""
 
 
 def _layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
@@ -135,7 +131,7 @@ def codegen(gm: fx.GraphModule, plan: Plan) -> CodegenResult:
         module, summary = split.stage_module(stage)
         stages.append(module)
         summaries.append(summary)
-    return CodegenResult(tuple(stages), CodegenReport(tuple(summaries)), gm, lower(plan))
+    return CodegenResult(tuple(stages), CodegenReport(tuple(summaries)), gm)
 
 
 def _check_plan(gm: fx.GraphModule, plan: Plan) -> None:

@@ -57,6 +57,10 @@ def test_a_value_made_ahead_is_sent_as_the_next_step_starts(demo_graph):
     sender = plan.rank_of_action()[first]
     assert lowered[sender][0] == Comm(CommKind.SEND, lowered[sender][0].transfer)
     assert lowered[sender][0].transfer.producer == first
+    late = [list(ops) for ops in lowered]
+    late[sender].append(late[sender].pop(0))  # sent after the step's actions
+    with pytest.raises(PlanError, match="a value made the step before is sent first"):
+        check_lowered(ahead, late)
 
 
 def test_lists_that_do_not_carry_their_transfers_as_run_are_refused(demo_graph):

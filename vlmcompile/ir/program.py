@@ -229,11 +229,13 @@ def _fault(op: Comm, rank: int, ends, done: set[Action], carried, seen: set[Acti
         return f"belongs on pipeline rank {own}"
     consumer = ends[producer][1]
     if op.kind is CommKind.SEND:
-        return (
-            None
-            if producer in done or producer in carried
-            else f"comes before {producer}, which makes the value"
-        )
+        if producer in carried:  # made the step before: sent before this step computes anything
+            return (
+                f"comes after {len(done)} actions; a value made the step before is sent first"
+                if done
+                else None
+            )
+        return None if producer in done else f"comes before {producer}, which makes the value"
     if consumer in done or (
         t.kind is ActionKind.B and Action(consumer.stage, ActionKind.F, t.microbatch) not in done
     ):

@@ -62,6 +62,7 @@ def runnable(plan: Plan, layer_graph=None) -> RunnablePlan:
             "the runtime runs full backward actions (B); this plan splits backwards into I and W "
             "(zero_bubble) - plan with 1f1b, interleaved_1f1b or (a V-shaped placement) v_1f1b"
         )
+    check_run_ahead(plan, packed=False)  # a chain of run-ahead forwards on one rank
     program = lower(plan)
     check_lowered(plan, program)  # the lists with their sends and receives, as the ranks will run them
     return RunnablePlan(plan, plan.pipeline_parallel, program)

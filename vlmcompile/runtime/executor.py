@@ -40,7 +40,7 @@ from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.microbatch import label_weights
 from vlmcompile.ir.packed import BatchPlan, PackedBatch, PackedLayout
 from vlmcompile.ir.plan import Plan
-from vlmcompile.ir.program import Comm, CommKind, Transfer, transfer_order
+from vlmcompile.ir.program import Comm, CommKind, Transfer, lower, transfer_order
 from vlmcompile.runtime.batches import (
     BatchError,
     agreed_schedule,
@@ -410,8 +410,8 @@ class PipelineRunner:
         if tuple(actions[self.pp_rank]) == tuple(self.actions) and actions == self._step_plan.actions:
             return
         plan = dataclasses.replace(self.plan, actions=tuple(tuple(a) for a in actions), kernel_level={})
-        checked = runnable(plan)
-        self._use_plan(checked.plan, checked.program)
+        plan.validate()  # the plan's degrees and capabilities passed runnable(); its order is new
+        self._use_plan(plan, lower(plan))
 
     # ---- compute actions --------------------------------------------------------------------
     def _planned_shapes(self, stage: int, microbatch: int, state: _StepState) -> list[tuple[int, ...]] | None:

@@ -8,7 +8,7 @@ order, keeping those it is in:
   embedding and output layer, or an encoder stage replicated over pipeline ranks), whose
   gradient parts are summed;
 * pairs (ordered transfers only): a group per pair of pipeline ranks that exchange values, per
-  replica (:mod:`vlmcompile.runtime.transfers`).
+  replica (:mod:`vlmcompile.runtime.transport`).
 
 Ranks are laid out pipeline-major: global rank = pipeline rank x DP + data-parallel rank
 (:meth:`~vlmcompile.ir.plan.Parallel.global_rank`).

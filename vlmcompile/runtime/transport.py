@@ -152,13 +152,14 @@ class TaggedTransport(Transport):
     ) -> list[Work]:
         peer = self.peer(pp_rank)
         direction = "to" if op is dist.isend else "from"
+        verb = "sending" if op is dist.isend else "receiving"
         works = []
         for k, x in enumerate(tensors):
             try:
                 work = op(wire(x), peer, tag=self._tag(t, first + k, microbatch))
             except RuntimeError as err:
                 raise self.lost(
-                    f"the connection failed moving {what} {direction} rank {peer}", err, peer
+                    f"the connection failed {verb} {what} {direction} rank {peer}", err, peer
                 ) from None
             works.append((work, f"{what} {direction} rank {peer}", peer))
         return works
