@@ -86,3 +86,36 @@ def test_a_model_of_no_family_is_told_what_to_give():
         ModelError, match="unknown transformers model 'hf-gpt4v'; choose one of hf-aya-vision"
     ):
         families.build_tiny_by_name("hf-gpt4v")
+
+
+DEFAULT_CONFIGS = {
+    "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
+    "llava-next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration"),
+    "internvl": ("InternVLConfig", "InternVLForConditionalGeneration"),
+    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
+    "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration"),
+    "qwen2-vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2.5-vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3-vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+}
+"""transformers' own default configuration of each family that packs samples (their released
+sizes, not ours), built on the meta device."""
+
+
+@pytest.mark.parametrize("key", sorted(DEFAULT_CONFIGS))
+def test_a_models_own_default_config_is_found_and_laid_out_as_its_released_models(key):
+    import transformers
+
+    config, model_class = (getattr(transformers, name) for name in DEFAULT_CONFIGS[key])
+    with torch.device("meta"):
+        model = model_class._from_config(config())
+    assert families.spec_of(model) is families.get(key)
+    layout = families.layout_of(model)
+    assert layout.name == key
+    if key in ("llava", "internvl"):  # transformers' defaults are the released sizes there
+        released = families.get(key).released
+        assert (layout.side, layout.tokens_per_tile, layout.max_tiles) == (
+            released.side,
+            released.tokens_per_tile,
+            released.max_tiles,
+        )

@@ -632,6 +632,8 @@ def _chat(blocks: list[torch.Tensor], text_tokens: int, image_token_id: int, gen
     return {"input_ids": ids[None], "labels": labels[None]}
 
 
-def whole(value: Any) -> int:
-    """A config's size as one integer (transformers gives some as a pair: ``[28, 28]``)."""
-    return int(value[0] if isinstance(value, (list, tuple)) else value)
+def tile_and_patch(vision: Any) -> tuple[int, int]:
+    """A vision config's image side and patch side in pixels (transformers gives some sizes as a
+    pair: ``[28, 28]``)."""
+    whole = lambda value: int(value[0] if isinstance(value, (list, tuple)) else value)  # noqa: E731
+    return whole(vision.image_size), whole(vision.patch_size)

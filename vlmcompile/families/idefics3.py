@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from vlmcompile.data.families import SplitTileFamily, whole
+from vlmcompile.data.families import SplitTileFamily, tile_and_patch
 from vlmcompile.data.packed_step import encoder_output
 from vlmcompile.families.spec import FamilySpec
 from vlmcompile.families.tiny import (
@@ -47,7 +47,7 @@ def layout(model: nn.Module) -> SplitTileFamily:
     """Idefics3's layout, and SmolVLM's (its config says which)."""
     config = model.config
     vision = config.vision_config
-    side, patch = whole(vision.image_size), whole(vision.patch_size)
+    side, patch = tile_and_patch(vision)
     tokens = (side // patch) ** 2 // config.scale_factor**2
     return SplitTileFamily(config.model_type, config.image_token_id, side, vision.num_channels, tokens)
 

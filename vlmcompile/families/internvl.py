@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from vlmcompile.data.families import TileFamily, whole
+from vlmcompile.data.families import TileFamily, tile_and_patch
 from vlmcompile.data.images import internvl as internvl_image
 from vlmcompile.data.packed_step import encoder_output
 from vlmcompile.families.spec import FamilySpec
@@ -46,7 +46,7 @@ def tiny(batch: int = 2, *, attn_implementation: str = "sdpa", device="cpu"):
 def layout(model: nn.Module) -> TileFamily:
     config = model.config
     vision = config.vision_config
-    side, patch = whole(vision.image_size), whole(vision.patch_size)
+    side, patch = tile_and_patch(vision)
     tokens = int((side // patch) ** 2 * config.downsample_ratio**2)
     return TileFamily("internvl", config.image_token_id, side, vision.num_channels, tokens, 12)
 

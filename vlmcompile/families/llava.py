@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from vlmcompile.data.families import TileFamily, whole
+from vlmcompile.data.families import TileFamily, tile_and_patch
 from vlmcompile.data.images import llava as llava_image
 from vlmcompile.data.packed_step import encoder_output
 from vlmcompile.families.spec import FamilySpec
@@ -45,7 +45,7 @@ def tiny(batch: int = 2, *, attn_implementation: str = "sdpa", device="cpu"):
 def layout(model: nn.Module) -> TileFamily:
     config = model.config
     vision = config.vision_config
-    side, patch = whole(vision.image_size), whole(vision.patch_size)
+    side, patch = tile_and_patch(vision)
     extra = 1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0
     return TileFamily(
         "llava", config.image_token_id, side, vision.num_channels, (side // patch) ** 2 + extra, 1

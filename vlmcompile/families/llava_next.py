@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from vlmcompile.data.families import AnyresFamily, whole
+from vlmcompile.data.families import AnyresFamily, tile_and_patch
 from vlmcompile.data.packed_step import encoder_output
 from vlmcompile.families.llava import projected_patches
 from vlmcompile.families.spec import FamilySpec
@@ -55,7 +55,7 @@ def tiny(batch: int = 2, *, attn_implementation: str = "sdpa", device="cpu"):
 def layout(model: nn.Module) -> AnyresFamily:
     config = model.config
     vision = config.vision_config
-    side, patch = whole(vision.image_size), whole(vision.patch_size)
+    side, patch = tile_and_patch(vision)
     strategy = config.vision_feature_select_strategy
     tokens = (side // patch) ** 2 + (1 if strategy == "full" else 0)
     return AnyresFamily(

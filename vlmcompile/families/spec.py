@@ -71,5 +71,6 @@ class FamilySpec:
 
     @property
     def tiny_name(self) -> str:
-        """Its tiny model's name on the command line."""
+        """Its tiny model's name on the command line (``hf-<key>``; the zoo's models go by their own
+        names there, ``tiny`` and the rest)."""
         return f"hf-{self.key}" if self.model_types else self.key

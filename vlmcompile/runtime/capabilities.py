@@ -62,7 +62,7 @@ def runnable(plan: Plan, layer_graph=None) -> RunnablePlan:
             "the runtime runs full backward actions (B); this plan splits backwards into I and W "
             "(zero_bubble) - plan with 1f1b, interleaved_1f1b or (a V-shaped placement) v_1f1b"
         )
-    check_run_ahead(plan, packed=False)  # a chain of run-ahead forwards on one rank
+    check_run_ahead(plan)
     program = lower(plan)
     check_lowered(plan, program)  # the lists with their sends and receives, as the ranks will run them
     return RunnablePlan(plan, plan.pipeline_parallel, program)
@@ -99,16 +99,20 @@ def check_forward_only(
     return without
 
 
-def check_run_ahead(plan: Plan, packed: bool) -> None:
-    """The runtime runs a plan's run-ahead forwards on batches of one shape, each chain of them
-    on one rank (their outputs stay there until the next step starts)."""
-    if not plan.ahead:
-        return
-    if packed:
+def check_packed_run_ahead(plan: Plan, packed: bool) -> None:
+    """The runtime runs a plan's run-ahead forwards on batches of one shape only."""
+    if plan.ahead and packed:
         raise PlanError(
             "this plan runs encoder forwards one batch ahead, which the runtime does for batches of one "
             "shape only; plan packed pipelines without run-ahead (run_ahead=0)"
         )
+
+
+def check_run_ahead(plan: Plan) -> None:
+    """The runtime keeps each chain of a plan's run-ahead forwards on one rank (their outputs stay
+    there until the next step starts)."""
+    if not plan.ahead:
+        return
     rank_of = plan.rank_of_action()
     for a in sorted(a for a in plan.ahead if a.stage > 0):
         before = Action(a.stage - 1, ActionKind.F, a.microbatch)

@@ -53,7 +53,7 @@ from vlmcompile.runtime.batches import (
 from vlmcompile.runtime.capabilities import (
     RunnablePlan,
     check_forward_only,
-    check_run_ahead,
+    check_packed_run_ahead,
     runnable,
     stages_after_trainable,
 )
@@ -200,7 +200,7 @@ class PipelineRunner:
         self.stages = {s.index: self.stages_all[s.index] for s in self.plan.stages_on(self.pp_rank)}
         self._trains_before = stages_after_trainable(self.stages_all)
         self._forward_only = check_forward_only(self.plan, self.stages_all, self._trains_before)
-        check_run_ahead(self.plan, packed=self.packed is not None)
+        check_packed_run_ahead(self.plan, packed=self.packed is not None)  # runnable() checked the rest
         if self.device.type != "cpu":
             for stage in self.stages.values():
                 move_stage(stage, self.device)

@@ -74,6 +74,9 @@ class Buffers:
 class Transport:
     """What both transports share: peers, deadlines, shape headers, receive buffers."""
 
+    FIXED_HEADER = False
+    """Whether a shape header has one fixed size (its receive is posted before the shapes are known)."""
+
     def __init__(
         self, pp_rank: int, global_rank: Callable[[int], int], rank: int, timeout_s: float, device, plan
     ):
@@ -113,7 +116,7 @@ class Transport:
         head = None
         if (t.stage, t.src, t.dst) not in self.meta:
             self.meta[(t.stage, t.src, t.dst)] = meta_of(out, scalar)
-            head = header(t.stage, out, scalar, self.device, ordered=isinstance(self, OrderedTransport))
+            head = header(t.stage, out, scalar, self.device, ordered=self.FIXED_HEADER)
         return [x.detach().contiguous() for x in out], head
 
     def _receive_buffers(self, t: Transfer) -> list[torch.Tensor] | None:
@@ -213,6 +216,8 @@ class TaggedTransport(Transport):
 
 class OrderedTransport(Transport):
     """Every transfer of a pair issued in the pair's one order (NCCL)."""
+
+    FIXED_HEADER = True
 
     def __init__(self, *args, channels: dict[int, list[Transfer]], pair_groups: dict[int, Any]):
         super().__init__(*args)
