@@ -7,6 +7,7 @@ TYPE_CHECKING too), so a shortcut taken in a function body breaks this test like
 """
 
 import ast
+import functools
 from pathlib import Path
 
 import networkx as nx
@@ -92,11 +93,16 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-GRAPH = nx.DiGraph()
-for _name, _path in MODULES.items():
-    GRAPH.add_node(_name)
-    for _target in _imports(_path):
-        GRAPH.add_edge(_name, _target)
+@functools.cache
+def _graph() -> nx.DiGraph:
+    """Module -> the modules it imports (built when a test asks: parsing every source takes 2 s,
+    which each CI worker's collection would pay)."""
+    graph = nx.DiGraph()
+    for name, path in MODULES.items():
+        graph.add_node(name)
+        for target in _imports(path):
+            graph.add_edge(name, target)
+    return graph
 
 
 def test_the_sources_are_all_found():
@@ -106,25 +112,27 @@ def test_the_sources_are_all_found():
         "vlmcompile.cost_models.memory",
         "vlmcompile.cli",
     } <= set(MODULES)
-    unknown = sorted(t for _, t in GRAPH.edges if t not in MODULES)
+    unknown = sorted(t for _, t in _graph().edges if t not in MODULES)
     assert not unknown, f"imports of modules that do not exist: {unknown}"
 
 
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_each_layer_imports_only_the_layers_below_it(layer):
     wrong = sorted(
-        f"{a} imports {b}" for a, b in GRAPH.edges if _layer(a) == layer and _layer(b) not in ALLOWED[layer]
+        f"{a} imports {b}"
+        for a, b in _graph().edges
+        if _layer(a) == layer and _layer(b) not in ALLOWED[layer]
     )
     assert not wrong, "\n".join(wrong)
 
 
 def test_only_the_cli_the_demo_and_the_train_command_import_the_compiler():
-    users = {a for a, b in GRAPH.edges if b == "vlmcompile.compiler"}
+    users = {a for a, b in _graph().edges if b == "vlmcompile.compiler"}
     assert users <= COMPILER_USERS, sorted(users - COMPILER_USERS)
 
 
 def test_no_import_cycles():
-    cycles = list(nx.simple_cycles(GRAPH))
+    cycles = list(nx.simple_cycles(_graph()))
     assert not cycles, cycles[:5]
 
 

@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_flatten
 
+from vlmcompile.graph import export_memo
 from vlmcompile.graph.fake import fake_factory, swapped_tensors
 from vlmcompile.graph.specialize import KnownValues, value_input_tiers
 from vlmcompile.ir.errors import CaptureError, ModelError, SampleBatchError
@@ -116,7 +117,18 @@ def export_graph(
 
     A model or batch on meta is exported on fake tensors that claim the CPU: a graph exported
     on meta would name the meta device in its constants (``arange(device=meta)``), and small
-    CPU inputs whose values decide shapes could not meet meta tensors."""
+    CPU inputs whose values decide shapes could not meet meta tensors.
+
+    Within one process a model of the same code, configuration and shapes may be exported once
+    (:mod:`vlmcompile.graph.export_memo`, when asked for)."""
+    return export_memo.exported(
+        model, batch, dynamic_shapes, lambda: _export_graph(model, batch, dynamic_shapes), is_data_dependent
+    )
+
+
+def _export_graph(
+    model: nn.Module, batch: dict[str, Any], dynamic_shapes: Mapping[str, Any] | None
+) -> tuple[fx.GraphModule, tuple[str, ...]]:
     # On failure torch.export prints the whole partial graph to stderr; the CaptureError says
     # what matters, so keep stderr for a successful export only.
     buffer = io.StringIO()

@@ -12,10 +12,17 @@ from vlmcompile.planning.megatron_layout import megatron_layout
 from vlmcompile.planning.model_parts import model_parts
 from vlmcompile.planning.request import PlanRequest
 
-with warnings.catch_warnings():  # no Transformer Engine / Apex here: it says so and falls back
-    warnings.simplefilter("ignore")
-    from megatron.core.transformer.enums import LayerType
-    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+@pytest.fixture(scope="module")
+def megatron_core():
+    """megatron-core's layer types and layout parser, imported by the worker that runs this file
+    only (2 s of imports, not every worker's collection)."""
+    with warnings.catch_warnings():  # no Transformer Engine / Apex here: it says so and falls back
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    return LayerType, PipelineParallelLayerLayout
+
 
 CLUSTER = Cluster.preset("h100x16")
 
@@ -35,7 +42,8 @@ CLUSTER = Cluster.preset("h100x16")
         (4, 2, 2, 2),
     ],
 )
-def test_megatron_core_parses_our_layout_to_our_stages(demo_graph, pp, v, first, last):
+def test_megatron_core_parses_our_layout_to_our_stages(megatron_core, demo_graph, pp, v, first, last):
+    LayerType, PipelineParallelLayerLayout = megatron_core  # noqa: N806 (megatron-core's names)
     request = PlanRequest.on(CLUSTER, tp=2, pp=pp, v=v, global_batch=16)
     plan = megatron(demo_graph, CLUSTER, request, first_stage_layers=first, last_stage_layers=last).plan
     layout, note = megatron_layout(plan, demo_graph)

@@ -1,0 +1,272 @@
+"""A memo of torch.export within one process, for capturing a model of the same code, configuration
+and shapes again: the test suite's tiny families are compiled by many test files (an export is
+1-2 s of a tiny model's 4-5 s compile), and a notebook may compile one model for several clusters.
+
+Off unless ``VLMCOMPILE_EXPORT_MEMO=1`` (tests/conftest.py sets it): a model whose code was
+patched between two captures without its classes, configuration or module attributes changing
+(a module-level function of transformers replaced in place) would get the first capture's graph.
+The capture pass's numerics check runs on every capture, memoised or not, and compares the graph
+with eager on real tensors.
+
+What an export depends on, and so the key (:func:`structure_key`): every module's class and plain
+attributes (configurations included, recursively), its parameters' and buffers' names, shapes,
+dtypes, devices, ``requires_grad`` and which of them are one tensor, the values of tensors that
+are not parameters or buffers (known values a capture is specialised on, constants the graph
+lifts), the batch's tensors' shapes, dtypes and devices and the values of its integer tensors,
+the dynamic shapes asked for, and the global state export reads (grad mode, autocast, default
+dtype, torch's shape and export settings, the ``torch.export.export`` in use). Parameter and
+buffer values are not in it: a non-strict export traces them as fake tensors.
+
+A hit is a deep copy of the stored graph whose parameters and buffers are the new model's own
+tensors (by name), as a fresh export's are; a data-dependent failure (the capture's cue to
+specialise) is memoised as well and raised again.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import hashlib
+import os
+import types
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+MEMO_ENV = "VLMCOMPILE_EXPORT_MEMO"
+MAX_ENTRIES = 48
+"""Exports kept (least recently used dropped): a tiny family's graph is a few hundred kB."""
+_VALUE_BYTES = 1 << 22
+"""A tensor attribute larger than this (4 MiB) makes the model unkeyed: hashing it would cost
+more than the memo saves, and a model that large is not compiled twice in a test run."""
+
+Exported = tuple[fx.GraphModule, tuple[str, ...]]
+_memo: OrderedDict[str, tuple[fx.GraphModule, tuple[str, ...]] | BaseException] = OrderedDict()
+stats = {"hits": 0, "misses": 0}
+"""Counts since the process started (the test that the memo is used reads them)."""
+
+
+class Unkeyed(Exception):
+    """Something the export may depend on cannot be put in a key: export without the memo."""
+
+
+def enabled() -> bool:
+    return os.environ.get(MEMO_ENV) == "1"
+
+
+def exported(
+    root: nn.Module,
+    batch: Mapping[str, Any],
+    dynamic_shapes: Mapping[str, Any] | None,
+    export: Callable[[], Exported],
+    is_cue: Callable[[BaseException], bool],
+) -> Exported:
+    """``export()``'s result, or a copy of the one memoised under the same key for ``root``.
+    ``is_cue``: the failures to memoise (the data-dependent ones a capture retries specialised)."""
+    if not enabled():
+        return export()
+    try:
+        key = structure_key(root, batch, dynamic_shapes)
+    except Unkeyed:
+        return export()
+    if key in _memo:
+        _memo.move_to_end(key)
+        stats["hits"] += 1
+        found = _memo[key]
+        if isinstance(found, BaseException):
+            raise found
+        stored, checks = found
+        return _bind(stored, root), checks
+    stats["misses"] += 1
+    try:
+        gm, checks = export()
+    except Exception as err:
+        if is_cue(err):
+            _remember(key, err)
+        raise
+    _remember(key, (_unbound(gm, root), checks))
+    return gm, checks
+
+
+def clear() -> None:
+    _memo.clear()
+
+
+def _remember(key: str, value) -> None:
+    _memo[key] = value
+    while len(_memo) > MAX_ENTRIES:
+        _memo.popitem(last=False)
+
+
+def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+    }
+
+
+def _deepcopy(gm: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
+    with warnings.catch_warnings():
+        # Copying the graph's pytree specs goes through a deprecated LeafSpec check (torch 2.13).
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+        return copy.deepcopy(gm, memo)
+
+
+def _unbound(gm: fx.GraphModule, root: nn.Module) -> fx.GraphModule:
+    """A copy of ``gm`` that holds meta stand-ins of ``root``'s parameters and buffers (the memo
+    keeps no model alive), tied where they are tied."""
+    own = _own_tensors(root)
+    memo: dict[int, Any] = {}
+    for name, t in _own_tensors(gm).items():
+        if name in own and id(t) not in memo:
+            stand_in = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(stand_in, t.requires_grad) if isinstance(t, nn.Parameter) else stand_in
+    return _deepcopy(gm, memo)
+
+
+def _bind(stored: fx.GraphModule, root: nn.Module) -> fx.GraphModule:
+    """A copy of ``stored`` holding ``root``'s own parameters and buffers, by name."""
+    own = _own_tensors(root)
+    memo = {id(t): own[name] for name, t in _own_tensors(stored).items() if name in own}
+    return _deepcopy(stored, memo)
+
+
+def structure_key(root: nn.Module, batch: Mapping[str, Any], dynamic_shapes: Mapping[str, Any] | None) -> str:
+    """What an export of ``root`` on ``batch`` depends on (the module docstring), hashed;
+    :class:`Unkeyed` where part of it cannot be described."""
+    describe = _Describer()
+    parts: list[Any] = [_global_state()]
+    for path, module in root.named_modules(remove_duplicate=False):
+        parts.append((path, describe.type_of(type(module)), describe.attributes(module)))
+    first_name: dict[int, str] = {}
+    for name, t in _own_tensors(root).items():
+        parts.append(
+            (name, *_tensor_kind(t), isinstance(t, nn.Parameter), first_name.setdefault(id(t), name))
+        )
+    for key, value in batch.items():
+        values = isinstance(value, torch.Tensor) and not value.is_floating_point()
+        parts.append(
+            (
+                key,
+                describe.value(value)
+                if values or not isinstance(value, torch.Tensor)
+                else _tensor_kind(value),
+            )
+        )
+    parts.append(describe.value(dynamic_shapes))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _tensor_kind(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), str(t.dtype), t.device.type, t.requires_grad
+
+
+def _global_state() -> tuple:
+    import torch._export.config as export_config
+    import torch.fx.experimental._config as shape_config
+
+    return (
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        str(torch.get_autocast_dtype("cpu")),
+        str(torch.get_default_dtype()),
+        torch.are_deterministic_algorithms_enabled(),
+        sorted(shape_config.get_config_copy().items()),
+        sorted(export_config.get_config_copy().items()),
+        id(torch.export.export),
+    )
+
+
+_SKIPPED = frozenset({"_parameters", "_buffers", "_modules"})
+"""Held by the key otherwise: parameters and buffers by name, submodules by path."""
+
+
+class _Describer:
+    """Plain values of what a module holds, for the key; an object (not a container) met twice is
+    named by its first place (configurations are shared by many modules)."""
+
+    def __init__(self):
+        self.seen: dict[int, int] = {}
+        self.keep: list[Any] = []  # the objects seen stay alive, so their ids stay theirs
+
+    def type_of(self, cls: type) -> tuple:
+        return cls.__module__, cls.__qualname__, id(cls)
+
+    def attributes(self, module: nn.Module) -> tuple:
+        return tuple(
+            # Hooks are keyed by their handles' ids, a count over the process: their order and
+            # functions are what a forward runs.
+            (k, self.value(tuple(v.values()) if "hooks" in k and isinstance(v, Mapping) else v))
+            for k, v in sorted(vars(module).items())
+            if k not in _SKIPPED
+        )
+
+    def value(self, v: Any, depth: int = 0) -> Any:
+        if v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+            return repr(v)
+        if isinstance(v, enum.Enum):
+            return (self.type_of(type(v)), v.name)
+        if isinstance(v, torch.Tensor):
+            return self._tensor(v)
+        if depth > 12:
+            raise Unkeyed("nested too deep")
+        if isinstance(v, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)):
+            return self._callable(v, depth)
+        # Containers are described by value (a cycle ends at the depth limit): by identity, one
+        # shared with an earlier attribute would make two equal models' keys differ.
+        if isinstance(v, (list, tuple, set, frozenset)):
+            items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+            return (type(v).__name__, tuple(self.value(x, depth + 1) for x in items))
+        if isinstance(v, Mapping):
+            return (self.type_of(type(v)), tuple((repr(k), self.value(x, depth + 1)) for k, x in v.items()))
+        if isinstance(v, functools.partial):
+            return (
+                "partial",
+                self.value(v.func, depth + 1),
+                self.value(v.args, depth + 1),
+                self.value(v.keywords, depth + 1),
+            )
+        if isinstance(v, nn.Module):
+            return ("module", self.type_of(type(v)))  # a submodule: described under its own path
+        if id(v) in self.seen:  # a configuration many modules hold: described where first met
+            return ("seen", self.seen[id(v)])
+        self.seen[id(v)] = len(self.seen)
+        self.keep.append(v)
+        state = getattr(v, "__dict__", None)
+        if state is None:
+            text = repr(v)
+            if " at 0x" in text:
+                raise Unkeyed(f"a {type(v).__name__} with no state to describe")
+            return (self.type_of(type(v)), text)
+        return (self.type_of(type(v)), tuple((k, self.value(x, depth + 1)) for k, x in sorted(state.items())))
+
+    def _callable(self, f: Any, depth: int) -> tuple:
+        if isinstance(f, type):
+            return self.type_of(f)
+        if isinstance(f, types.MethodType):
+            return ("method", self._callable(f.__func__, depth), self.value(f.__self__, depth + 1))
+        code = getattr(f, "__code__", None)
+        # A closure's cells and a function's defaults are part of what it does.
+        cells = tuple(self.value(c.cell_contents, depth + 1) for c in getattr(f, "__closure__", None) or ())
+        defaults = self.value(getattr(f, "__defaults__", None), depth + 1)
+        name = (getattr(f, "__module__", None), getattr(f, "__qualname__", repr(f)))
+        return (*name, id(code) if code else id(f), cells, defaults)
+
+    def _tensor(self, t: torch.Tensor) -> tuple:
+        kind = _tensor_kind(t)
+        if t.device.type == "meta" or isinstance(t, FakeTensor):
+            return kind
+        if t.numel() * t.element_size() > _VALUE_BYTES:
+            raise Unkeyed(f"a tensor of {t.numel()} elements")
+        data = t.detach().reshape(-1).cpu()
+        return (
+            *kind,
+            hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest() if data.numel() else "",
+        )
