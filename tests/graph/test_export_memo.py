@@ -144,3 +144,25 @@ def test_off_unless_asked_for(monkeypatch):
     export_graph(_Scaled(2.0), x)
     export_graph(_Scaled(2.0), x)
     assert _counts() == before
+
+
+class _Borrowing(nn.Module):
+    """Holds a module outside its own tree, whose state the key could not describe."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.__dict__["other"] = nn.Linear(4, 4)  # an attribute, not a submodule
+
+    def forward(self, x):
+        return self.lin(x).sum()
+
+
+def test_what_the_key_cannot_describe_is_exported_every_time():
+    x = {"x": torch.randn(2, 4)}
+    with pytest.raises(export_memo.Unkeyed, match="outside the model's modules"):
+        export_memo.structure_key(_Borrowing(), x, None)
+    before = _counts()
+    for _ in range(2):
+        gm, _ = export_graph(_Borrowing(), x)
+    assert _counts() == before

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx as fx
 from torch import nn
@@ -141,7 +142,7 @@ def _bind(stored: fx.GraphModule, root: nn.Module) -> fx.GraphModule:
 def structure_key(root: nn.Module, batch: Mapping[str, Any], dynamic_shapes: Mapping[str, Any] | None) -> str:
     """What an export of ``root`` on ``batch`` depends on (the module docstring), hashed;
     :class:`Unkeyed` where part of it cannot be described."""
-    describe = _Describer()
+    describe = _Describer(root)
     parts: list[Any] = [_global_state()]
     for path, module in root.named_modules(remove_duplicate=False):
         parts.append((path, describe.type_of(type(module)), describe.attributes(module)))
@@ -150,16 +151,9 @@ def structure_key(root: nn.Module, batch: Mapping[str, Any], dynamic_shapes: Map
         parts.append(
             (name, *_tensor_kind(t), isinstance(t, nn.Parameter), first_name.setdefault(id(t), name))
         )
-    for key, value in batch.items():
-        values = isinstance(value, torch.Tensor) and not value.is_floating_point()
-        parts.append(
-            (
-                key,
-                describe.value(value)
-                if values or not isinstance(value, torch.Tensor)
-                else _tensor_kind(value),
-            )
-        )
+    for key, value in batch.items():  # integer tensors by value (token ids, grids), images by shape
+        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+        parts.append((key, _tensor_kind(value) if floating else describe.value(value)))
     parts.append(describe.value(dynamic_shapes))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
@@ -192,7 +186,8 @@ class _Describer:
     """Plain values of what a module holds, for the key; an object (not a container) met twice is
     named by its first place (configurations are shared by many modules)."""
 
-    def __init__(self):
+    def __init__(self, root: nn.Module):
+        self.modules = {id(m) for m in root.modules()}
         self.seen: dict[int, int] = {}
         self.keep: list[Any] = []  # the objects seen stay alive, so their ids stay theirs
 
@@ -234,7 +229,16 @@ class _Describer:
                 self.value(v.keywords, depth + 1),
             )
         if isinstance(v, nn.Module):
-            return ("module", self.type_of(type(v)))  # a submodule: described under its own path
+            if id(v) not in self.modules:  # its state would go undescribed
+                raise Unkeyed(f"a {type(v).__name__} held outside the model's modules")
+            return ("module", self.type_of(type(v)))  # described under its own path
+        if isinstance(v, np.ndarray):
+            return (
+                "ndarray",
+                v.shape,
+                str(v.dtype),
+                hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest(),
+            )
         if id(v) in self.seen:  # a configuration many modules hold: described where first met
             return ("seen", self.seen[id(v)])
         self.seen[id(v)] = len(self.seen)
@@ -242,7 +246,7 @@ class _Describer:
         state = getattr(v, "__dict__", None)
         if state is None:
             text = repr(v)
-            if " at 0x" in text:
+            if " at 0x" in text or "..." in text:  # an address, or a value cut short
                 raise Unkeyed(f"a {type(v).__name__} with no state to describe")
             return (self.type_of(type(v)), text)
         return (self.type_of(type(v)), tuple((k, self.value(x, depth + 1)) for k, x in sorted(state.items())))
