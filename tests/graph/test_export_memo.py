@@ -166,3 +166,34 @@ def test_what_the_key_cannot_describe_is_exported_every_time():
     for _ in range(2):
         gm, _ = export_graph(_Borrowing(), x)
     assert _counts() == before
+
+
+def test_a_hit_holds_the_models_tensor_attributes_and_metadata_of_its_own():
+    x = {"x": torch.randn(2, 4)}
+    first = _Scaled(2.0)
+    fresh, _ = export_graph(first, x)
+    assert fresh.scale is first.scale  # what a fresh export holds: the model's own tensor
+    second = _Scaled(2.0)
+    hit, _ = export_graph(second, x)
+    assert export_memo.stats["hits"] >= 1 and hit.scale is second.scale
+    assert hit.state_dict().keys() == fresh.state_dict().keys()  # the constant is no buffer
+    node = next(n for n in hit.graph.nodes if n.meta.get("nn_module_stack"))
+    node.meta["nn_module_stack"].clear()  # a pass that changed a copy's metadata in place
+    again, _ = export_graph(_Scaled(2.0), x)
+    assert all(n.meta.get("nn_module_stack") for n in again.graph.nodes if n.name == node.name), (
+        "the stored graph shares metadata with a copy it handed out"
+    )
+
+
+def test_a_torch_mode_or_a_default_device_leaves_the_model_unkeyed():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    model, x = _Scaled(2.0), {"x": torch.randn(2, 4)}
+    export_memo.structure_key(model, x, None)
+    for context in (_Passing(), torch.device("meta")):  # the device is a torch function mode
+        with context, pytest.raises(export_memo.Unkeyed, match="mode"):
+            export_memo.structure_key(model, x, None)

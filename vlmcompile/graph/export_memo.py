@@ -9,30 +9,37 @@ The capture pass's numerics check runs on every capture, memoised or not, and co
 with eager on real tensors.
 
 What an export depends on, and so the key (:func:`structure_key`): every module's class and plain
-attributes (configurations included, recursively), its parameters' and buffers' names, shapes,
-dtypes, devices, ``requires_grad`` and which of them are one tensor, the values of tensors that
-are not parameters or buffers (known values a capture is specialised on, constants the graph
-lifts), the batch's tensors' shapes, dtypes and devices and the values of its integer tensors,
-the dynamic shapes asked for, and the global state export reads (grad mode, autocast, default
-dtype, torch's shape and export settings, the ``torch.export.export`` in use). Parameter and
-buffer values are not in it: a non-strict export traces them as fake tensors.
+attributes (configurations included, recursively; a module held as an attribute by its path),
+its parameters' and buffers' names, kinds, shapes, strides, dtypes, devices, ``requires_grad``
+and which of them are one tensor, the values of tensors that are not parameters or buffers
+(known values a capture is specialised on, constants the graph lifts), the batch's tensors'
+kinds and the values of its integer tensors, the dynamic shapes asked for, and the global state
+export reads (grad and inference mode, autocast, default dtype and device, torch's shape and
+export settings, the ``torch.export.export`` in use, the functions transformers' attention and
+mask names resolve to). Parameter and buffer values are not in it: a non-strict export traces
+them as fake tensors. A model the key cannot describe (a module held from outside it, an object
+with no state to read, a torch mode active) is exported every time.
 
-A hit is a deep copy of the stored graph whose parameters and buffers are the new model's own
-tensors (by name), as a fresh export's are; a data-dependent failure (the capture's cue to
-specialise) is memoised as well and raised again.
+A hit is a deep copy of the stored graph whose parameters, buffers and held tensor attributes are
+the new model's own (by name), as a fresh export's are, and whose nodes' metadata is its own; a
+data-dependent failure (the capture's cue to specialise) is memoised as well and raised again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import functools
 import hashlib
 import os
+import sys
+import traceback
 import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,7 +56,21 @@ _VALUE_BYTES = 1 << 22
 more than the memo saves, and a model that large is not compiled twice in a test run."""
 
 Exported = tuple[fx.GraphModule, tuple[str, ...]]
-_memo: OrderedDict[str, tuple[fx.GraphModule, tuple[str, ...]] | BaseException] = OrderedDict()
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    gm: fx.GraphModule
+    """The graph, holding meta stand-ins for the model's own tensors."""
+    checks: tuple[str, ...]
+    attributes: tuple[str, ...]
+    """Tensor attributes of the model (not parameters or buffers) the graph holds as its own
+    constants, as a fresh export does: a hit binds the new model's."""
+    referents: tuple[Any, ...]
+    """The classes and functions the key names by id, kept alive so that no other takes their id."""
+
+
+_memo: OrderedDict[str, _Entry | BaseException] = OrderedDict()
 stats = {"hits": 0, "misses": 0}
 """Counts since the process started (the test that the memo is used reads them)."""
 
@@ -70,12 +91,13 @@ def exported(
     is_cue: Callable[[BaseException], bool],
 ) -> Exported:
     """``export()``'s result, or a copy of the one memoised under the same key for ``root``.
-    ``is_cue``: the failures to memoise (the data-dependent ones a capture retries specialised)."""
+    ``is_cue``: the failures to memoise (the data-dependent ones a capture retries specialised).
+    The memo never makes an export fail: whatever goes wrong in it leaves the export to torch."""
     if not enabled():
         return export()
     try:
-        key = structure_key(root, batch, dynamic_shapes)
-    except Unkeyed:
+        key, referents = _key(root, batch, dynamic_shapes)
+    except Exception:  # Unkeyed, or a value the description could not read
         return export()
     if key in _memo:
         _memo.move_to_end(key)
@@ -83,16 +105,19 @@ def exported(
         found = _memo[key]
         if isinstance(found, BaseException):
             raise found
-        stored, checks = found
-        return _bind(stored, root), checks
+        return _bind(found, root), found.checks
     stats["misses"] += 1
     try:
         gm, checks = export()
     except Exception as err:
         if is_cue(err):
+            # Its frames' locals (the model, the batch, the fake mode) go; their lines stay for
+            # the message that names the model's line.
+            traceback.clear_frames(err.__traceback__)
             _remember(key, err)
         raise
-    _remember(key, (_unbound(gm, root), checks))
+    with contextlib.suppress(Exception):  # a graph that does not copy is simply not memoised
+        _remember(key, _unbound(gm, root, checks, referents))
     return gm, checks
 
 
@@ -100,7 +125,7 @@ def clear() -> None:
     _memo.clear()
 
 
-def _remember(key: str, value) -> None:
+def _remember(key: str, value: _Entry | BaseException) -> None:
     _memo[key] = value
     while len(_memo) > MAX_ENTRIES:
         _memo.popitem(last=False)
@@ -113,37 +138,82 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _tensor_attributes(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors held as plain attributes (not parameters or buffers), by path."""
+    return {
+        f"{path}.{name}" if path else name: value
+        for path, m in module.named_modules(remove_duplicate=False)
+        for name, value in vars(m).items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
 def _deepcopy(gm: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
     with warnings.catch_warnings():
         # Copying the graph's pytree specs goes through a deprecated LeafSpec check (torch 2.13).
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-        return copy.deepcopy(gm, memo)
+        copied = copy.deepcopy(gm, memo)
+    # GraphModule's copy registers a tensor it holds as a plain attribute (a constant export
+    # lifted) as a buffer: put each back where a fresh export holds it, out of the state dict.
+    for path in _tensor_attributes(gm):
+        owner, _, name = path.rpartition(".")
+        module = copied.get_submodule(owner)
+        if name in module._buffers:
+            module._non_persistent_buffers_set.discard(name)
+            module.__dict__[name] = module._buffers.pop(name)
+    # The graph copy shares each node's meta values (a shallow copy): a pass that changed one in
+    # place would change every copy. The fake values are read only, and copying them is costly.
+    for old, new in zip(gm.graph.nodes, copied.graph.nodes, strict=True):
+        new.meta = {k: v if k in _SHARED_META else copy.deepcopy(v) for k, v in old.meta.items()}
+    return copied
 
 
-def _unbound(gm: fx.GraphModule, root: nn.Module) -> fx.GraphModule:
-    """A copy of ``gm`` that holds meta stand-ins of ``root``'s parameters and buffers (the memo
+_SHARED_META = frozenset({"val", "tensor_meta", "example_value"})
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    stand_in = torch.empty_like(t, device="meta")
+    return nn.Parameter(stand_in, t.requires_grad) if isinstance(t, nn.Parameter) else stand_in
+
+
+def _unbound(gm: fx.GraphModule, root: nn.Module, checks: tuple[str, ...], referents: tuple) -> _Entry:
+    """The entry of ``gm``: a copy that holds meta stand-ins of ``root``'s tensors (the memo
     keeps no model alive), tied where they are tied."""
-    own = _own_tensors(root)
+    own, attributes = _own_tensors(root), _tensor_attributes(root)
     memo: dict[int, Any] = {}
     for name, t in _own_tensors(gm).items():
         if name in own and id(t) not in memo:
-            stand_in = torch.empty_like(t, device="meta")
-            memo[id(t)] = nn.Parameter(stand_in, t.requires_grad) if isinstance(t, nn.Parameter) else stand_in
-    return _deepcopy(gm, memo)
+            memo[id(t)] = _stand_in(t)
+    held = tuple(
+        name for name, t in _tensor_attributes(gm).items() if attributes.get(name) is t and id(t) not in memo
+    )
+    for name in held:
+        t = attributes[name]
+        memo[id(t)] = _stand_in(t)
+    return _Entry(_deepcopy(gm, memo), checks, held, referents)
 
 
-def _bind(stored: fx.GraphModule, root: nn.Module) -> fx.GraphModule:
-    """A copy of ``stored`` holding ``root``'s own parameters and buffers, by name."""
-    own = _own_tensors(root)
-    memo = {id(t): own[name] for name, t in _own_tensors(stored).items() if name in own}
-    return _deepcopy(stored, memo)
+def _bind(entry: _Entry, root: nn.Module) -> fx.GraphModule:
+    """A copy of the entry's graph holding ``root``'s own tensors, by name."""
+    own, attributes = _own_tensors(root), _tensor_attributes(root)
+    memo = {id(t): own[name] for name, t in _own_tensors(entry.gm).items() if name in own}
+    stored = _tensor_attributes(entry.gm)
+    memo |= {id(stored[name]): attributes[name] for name in entry.attributes}
+    return _deepcopy(entry.gm, memo)
 
 
 def structure_key(root: nn.Module, batch: Mapping[str, Any], dynamic_shapes: Mapping[str, Any] | None) -> str:
     """What an export of ``root`` on ``batch`` depends on (the module docstring), hashed;
     :class:`Unkeyed` where part of it cannot be described."""
+    return _key(root, batch, dynamic_shapes)[0]
+
+
+def _key(
+    root: nn.Module, batch: Mapping[str, Any], dynamic_shapes: Mapping[str, Any] | None
+) -> tuple[str, tuple]:
+    """:func:`structure_key`, and the objects it names by id."""
     describe = _Describer(root)
-    parts: list[Any] = [_global_state()]
+    parts: list[Any] = [_global_state(describe)]
     for path, module in root.named_modules(remove_duplicate=False):
         parts.append((path, describe.type_of(type(module)), describe.attributes(module)))
     first_name: dict[int, str] = {}
@@ -155,26 +225,56 @@ def structure_key(root: nn.Module, batch: Mapping[str, Any], dynamic_shapes: Map
         floating = isinstance(value, torch.Tensor) and value.is_floating_point()
         parts.append((key, _tensor_kind(value) if floating else describe.value(value)))
     parts.append(describe.value(dynamic_shapes))
-    return hashlib.sha256(repr(parts).encode()).hexdigest()
+    return hashlib.sha256(repr(parts).encode()).hexdigest(), tuple(describe.referents)
 
 
 def _tensor_kind(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), str(t.dtype), t.device.type, t.requires_grad
+    return (
+        type(t).__qualname__,
+        tuple(t.shape),
+        tuple(t.stride()),
+        str(t.dtype),
+        str(t.device),
+        t.requires_grad,
+    )
 
 
-def _global_state() -> tuple:
+def _global_state(describe: _Describer) -> tuple:
     import torch._export.config as export_config
     import torch.fx.experimental._config as shape_config
 
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        raise Unkeyed("a torch function or dispatch mode is active")
     return (
         torch.is_grad_enabled(),
-        torch.is_autocast_enabled("cpu"),
-        str(torch.get_autocast_dtype("cpu")),
+        torch.is_inference_mode_enabled(),
+        tuple(
+            (kind, torch.is_autocast_enabled(kind), str(torch.get_autocast_dtype(kind)))
+            for kind in ("cpu", "cuda")
+        ),
         str(torch.get_default_dtype()),
+        str(torch.get_default_device()),
         torch.are_deterministic_algorithms_enabled(),
         sorted(shape_config.get_config_copy().items()),
         sorted(export_config.get_config_copy().items()),
-        id(torch.export.export),
+        describe.value(torch.export.export),
+        _transformers_registries(describe),
+    )
+
+
+def _transformers_registries(describe: _Describer) -> Any:
+    """The functions transformers' attention and mask names resolve to (a capture registers its
+    own under a name: the name alone does not say what runs)."""
+    utils = sys.modules.get("transformers.modeling_utils")
+    masks = sys.modules.get("transformers.masking_utils")
+    registries = [
+        getattr(utils, "ALL_ATTENTION_FUNCTIONS", None),
+        getattr(masks, "ALL_MASK_ATTENTION_FUNCTIONS", None),
+    ]
+    return tuple(
+        describe.value({**getattr(r, "_global_mapping", {}), **getattr(r, "_local_mapping", {})})
+        for r in registries
+        if r is not None
     )
 
 
@@ -187,11 +287,14 @@ class _Describer:
     named by its first place (configurations are shared by many modules)."""
 
     def __init__(self, root: nn.Module):
-        self.modules = {id(m) for m in root.modules()}
+        self.paths = {id(m): path for path, m in root.named_modules()}
         self.seen: dict[int, int] = {}
-        self.keep: list[Any] = []  # the objects seen stay alive, so their ids stay theirs
+        self.keep: list[Any] = []  # the objects seen stay alive while the key is made
+        self.referents: list[Any] = []
+        """Classes and code named by id: the memo keeps them alive with the entry."""
 
     def type_of(self, cls: type) -> tuple:
+        self.referents.append(cls)
         return cls.__module__, cls.__qualname__, id(cls)
 
     def attributes(self, module: nn.Module) -> tuple:
@@ -229,9 +332,9 @@ class _Describer:
                 self.value(v.keywords, depth + 1),
             )
         if isinstance(v, nn.Module):
-            if id(v) not in self.modules:  # its state would go undescribed
+            if id(v) not in self.paths:  # its state would go undescribed
                 raise Unkeyed(f"a {type(v).__name__} held outside the model's modules")
-            return ("module", self.type_of(type(v)))  # described under its own path
+            return ("module", self.paths[id(v)])  # described under its own path
         if isinstance(v, np.ndarray):
             return (
                 "ndarray",
@@ -257,6 +360,7 @@ class _Describer:
         if isinstance(f, types.MethodType):
             return ("method", self._callable(f.__func__, depth), self.value(f.__self__, depth + 1))
         code = getattr(f, "__code__", None)
+        self.referents.append(code if code is not None else f)
         # A closure's cells and a function's defaults are part of what it does.
         cells = tuple(self.value(c.cell_contents, depth + 1) for c in getattr(f, "__closure__", None) or ())
         defaults = self.value(getattr(f, "__defaults__", None), depth + 1)
