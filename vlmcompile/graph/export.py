@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_flatten
 
 from vlmcompile.graph import export_memo
-from vlmcompile.graph.fake import fake_factory, swapped_tensors
+from vlmcompile.graph.fake import fake_factory, named_tensors, swapped_tensors
 from vlmcompile.graph.specialize import KnownValues, value_input_tiers
 from vlmcompile.ir.errors import CaptureError, ModelError, SampleBatchError
 from vlmcompile.ir.meta_keys import RUNTIME_CHECK_META, SPECIALIZED_META
@@ -161,8 +161,8 @@ def _export_on_fake_cpu(
 def _restore_meta_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
     """The exported module holds the fake stand-ins; put the model's own meta tensors back
     (by name), so nothing of a dead fake mode outlives the capture."""
-    own = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
-    for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]:
+    own = named_tensors(model)
+    for name, t in named_tensors(gm).items():
         if name in own and own[name] is not t:
             owner, _, attr = name.rpartition(".")
             sub = gm.get_submodule(owner)

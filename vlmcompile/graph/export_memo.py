@@ -48,6 +48,8 @@ import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from vlmcompile.graph.fake import named_tensors
+
 MEMO_ENV = "VLMCOMPILE_EXPORT_MEMO"
 MAX_ENTRIES = 48
 """Exports kept (least recently used dropped): a tiny family's graph is a few hundred kB."""
@@ -131,13 +133,6 @@ def _remember(key: str, value: _Entry | BaseException) -> None:
         _memo.popitem(last=False)
 
 
-def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        **dict(module.named_parameters(remove_duplicate=False)),
-        **dict(module.named_buffers(remove_duplicate=False)),
-    }
-
-
 def _tensor_attributes(module: nn.Module) -> dict[str, torch.Tensor]:
     """Tensors held as plain attributes (not parameters or buffers), by path."""
     return {
@@ -179,9 +174,9 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
 def _unbound(gm: fx.GraphModule, root: nn.Module, checks: tuple[str, ...], referents: tuple) -> _Entry:
     """The entry of ``gm``: a copy that holds meta stand-ins of ``root``'s tensors (the memo
     keeps no model alive), tied where they are tied."""
-    own, attributes = _own_tensors(root), _tensor_attributes(root)
+    own, attributes = named_tensors(root), _tensor_attributes(root)
     memo: dict[int, Any] = {}
-    for name, t in _own_tensors(gm).items():
+    for name, t in named_tensors(gm).items():
         if name in own and id(t) not in memo:
             memo[id(t)] = _stand_in(t)
     held = tuple(
@@ -195,8 +190,8 @@ def _unbound(gm: fx.GraphModule, root: nn.Module, checks: tuple[str, ...], refer
 
 def _bind(entry: _Entry, root: nn.Module) -> fx.GraphModule:
     """A copy of the entry's graph holding ``root``'s own tensors, by name."""
-    own, attributes = _own_tensors(root), _tensor_attributes(root)
-    memo = {id(t): own[name] for name, t in _own_tensors(entry.gm).items() if name in own}
+    own, attributes = named_tensors(root), _tensor_attributes(root)
+    memo = {id(t): own[name] for name, t in named_tensors(entry.gm).items() if name in own}
     stored = _tensor_attributes(entry.gm)
     memo |= {id(stored[name]): attributes[name] for name in entry.attributes}
     return _deepcopy(entry.gm, memo)
@@ -217,7 +212,7 @@ def _key(
     for path, module in root.named_modules(remove_duplicate=False):
         parts.append((path, describe.type_of(type(module)), describe.attributes(module)))
     first_name: dict[int, str] = {}
-    for name, t in _own_tensors(root).items():
+    for name, t in named_tensors(root).items():
         parts.append(
             (name, *_tensor_kind(t), isinstance(t, nn.Parameter), first_name.setdefault(id(t), name))
         )
@@ -289,7 +284,6 @@ class _Describer:
     def __init__(self, root: nn.Module):
         self.paths = {id(m): path for path, m in root.named_modules()}
         self.seen: dict[int, int] = {}
-        self.keep: list[Any] = []  # the objects seen stay alive while the key is made
         self.referents: list[Any] = []
         """Classes and code named by id: the memo keeps them alive with the entry."""
 
@@ -345,7 +339,6 @@ class _Describer:
         if id(v) in self.seen:  # a configuration many modules hold: described where first met
             return ("seen", self.seen[id(v)])
         self.seen[id(v)] = len(self.seen)
-        self.keep.append(v)
         state = getattr(v, "__dict__", None)
         if state is None:
             text = repr(v)

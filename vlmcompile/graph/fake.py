@@ -28,6 +28,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 
+def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` under each of its names (a tied one under each)."""
+    return {
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+    }
+
+
 @contextlib.contextmanager
 def swapped_tensors(module: nn.Module, make: Any) -> Iterator[None]:
     """Swap every parameter and buffer of ``module`` for ``make(t)``; the same object maps to the
