@@ -11,9 +11,10 @@ settings.register_profile("explore", max_examples=300, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vlmcompile"))
 
 # Many test files compile the same tiny families: each process exports a model of one code,
-# configuration and shapes once (vlmcompile/graph/export_memo.py). Set before any rank server
-# starts, so that the ranks and the command-line runs the tests start have it as well.
-os.environ.setdefault("VLMCOMPILE_EXPORT_MEMO", "1")
+# configuration and shapes once, and annotates its graph once (vlmcompile/graph/export_memo.py,
+# annotate_memo.py). Set before any rank server starts, so that the ranks and the command-line
+# runs the tests start have it as well.
+os.environ.setdefault("VLMCOMPILE_MEMO", "1")
 
 
 SHARED_CAPTURES = frozenset(

@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from vlmcompile.cost_models.flops import cpu_sdpa_flop_mapping
+from vlmcompile.graph import annotate_memo
 from vlmcompile.graph.fake import ShapesFromKnownValues, fake_factory, known_batch, swapped_tensors
 from vlmcompile.ir.errors import ModelError
 from vlmcompile.ir.layer_graph import Layer, LayerGraph, NodeCost, TensorSpec, format_count
@@ -614,24 +615,67 @@ def annotate(
             "tensor_mode='real' needs real CPU weights and inputs; use tensor_mode='fake' for meta models"
         )
 
-    fallback = None
-    try:
-        measured = _measure(gm, sample_batch, tensor_mode, model_name, every_layer)
-    except _DataDependentNode as err:
-        where = f"node {err.node.name} ({err.node.target}, layer {err.node.meta.get(LAYER_META)})"
-        if tensor_mode == "real" or not has_values:
-            raise ModelError(
-                f"fake tensors cannot follow the data-dependent operation at {where}: "
-                f"{type(err.cause).__name__}. {_what_to_give(gm, err.node, sample_batch)}"
-            ) from err.cause
-        fallback = f"data-dependent operation at {where}: {type(err.cause).__name__}"
-        tensor_mode = "real"
-        measured = _measure(gm, sample_batch, tensor_mode, model_name, every_layer)
+    def measure() -> tuple[_Measured, str | None]:
+        try:
+            return _measure(gm, sample_batch, tensor_mode, model_name, every_layer), None
+        except _DataDependentNode as err:
+            where = f"node {err.node.name} ({err.node.target}, layer {err.node.meta.get(LAYER_META)})"
+            if tensor_mode == "real" or not has_values:
+                raise ModelError(
+                    f"fake tensors cannot follow the data-dependent operation at {where}: "
+                    f"{type(err.cause).__name__}. {_what_to_give(gm, err.node, sample_batch)}"
+                ) from err.cause
+            fallback = f"data-dependent operation at {where}: {type(err.cause).__name__}"
+            return _measure(gm, sample_batch, "real", model_name, every_layer), fallback
+
+    measured, fallback = annotate_memo.measured(
+        gm,
+        sample_batch,
+        _what_it_reads(gm, tensor_mode, model_name, every_layer),
+        measure,
+        writes=annotate_memo.Writes(node=(NODE_COST_META,), graph=(OUTPUT_META,)),
+        # On fake tensors the figures are of shapes alone; on real ones the values may decide some.
+        storable=lambda result: result[0].layer_graph.meta["tensor_mode"] == "fake",
+    )
     m = measured
     report = AnnotateReport(
-        m.layer_graph, tensor_mode, m.fwd_s, m.bwd_s, fallback, tuple(m.assumed), m.repeats, m.replayed
+        m.layer_graph,
+        m.layer_graph.meta["tensor_mode"],
+        m.fwd_s,
+        m.bwd_s,
+        fallback,
+        tuple(m.assumed),
+        m.repeats,
+        m.replayed,
     )
     return AnnotateResult(gm, m.layer_graph, report)
+
+
+def _what_it_reads(
+    gm: fx.GraphModule, tensor_mode: TensorMode, model_name: str | None, every_layer: bool
+) -> tuple:
+    """What a measurement depends on besides the graph's code, tensors and batch (the key of
+    :mod:`vlmcompile.graph.annotate_memo`): the options, each node's tags, the graph's layer order,
+    blocks and loss-split verdict."""
+    tags = tuple(
+        (
+            n.name,
+            str(n.meta.get(LAYER_META)),
+            str(n.meta.get(REGION_META)),
+            bool(n.meta.get(RUNTIME_CHECK_META)),
+        )
+        for n in gm.graph.nodes
+    )
+    split = gm.meta.get(LOSS_SPLIT_META)
+    return (
+        tensor_mode,
+        model_name,
+        every_layer,
+        tags,
+        tuple(gm.meta[LAYER_ORDER_META]),
+        tuple(sorted(gm.meta.get(BLOCK_LAYERS_META, ()))),
+        "unchecked" if split is None else str(split.verdict),
+    )
 
 
 def _what_to_give(gm: fx.GraphModule, node: fx.Node, batch: Mapping[str, Any]) -> str:

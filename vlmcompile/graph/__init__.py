@@ -2,6 +2,7 @@
 
 * ``export`` - torch.export of (meta) models on fake CPU tensors, with the loss wrapper.
 * ``export_memo`` - one export of a model's code, configuration and shapes a process (when asked for).
+* ``annotate_memo`` - one annotation of a graph's code, tags, tensors and batch a process (asked for likewise).
 * ``fake`` - fake tensors that claim the CPU, standing in for a model's meta or real tensors.
 * ``specialize`` - a capture specialised on the batch values that decide shapes.
 * ``layering`` - the captured graph's nodes grouped into layers, each with its region.

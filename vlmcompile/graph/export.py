@@ -132,7 +132,7 @@ def _export_graph(
     # On failure torch.export prints the whole partial graph to stderr; the CaptureError says
     # what matters, so keep stderr for a successful export only.
     buffer = io.StringIO()
-    with contextlib.redirect_stderr(buffer), warnings.catch_warnings():
+    with contextlib.redirect_stderr(buffer), warnings.catch_warnings(), _no_stack_traces():
         # Qwen-VL caches its rope deltas on the module in forward, for generation; a training
         # step never reads them back.
         warnings.filterwarnings("ignore", message="The tensor attribute .* was assigned during export")
@@ -146,6 +146,20 @@ def _export_graph(
     if meta:
         _restore_meta_tensors(gm, model)
     return gm, mark_runtime_checks(gm)
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Export without the Python stack of every node (``node.meta["stack_trace"]``): nothing here
+    reads it, and extracting and symbolising one per node was about a tenth of the test suite's
+    export time (2026-11-29). A failure's message still names the model's line
+    (:func:`model_frame`, read off the exception's own traceback)."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
 
 
 def _export_on_fake_cpu(

@@ -2,7 +2,7 @@
 and shapes again: the test suite's tiny families are compiled by many test files (an export is
 1-2 s of a tiny model's 4-5 s compile), and a notebook may compile one model for several clusters.
 
-Off unless ``VLMCOMPILE_EXPORT_MEMO=1`` (tests/conftest.py sets it): a model whose code was
+Off unless ``VLMCOMPILE_MEMO=1`` (tests/conftest.py sets it): a model whose code was
 patched between two captures without its classes, configuration or module attributes changing
 (a module-level function of transformers replaced in place) would get the first capture's graph.
 The capture pass's numerics check runs on every capture, memoised or not, and compares the graph
@@ -50,7 +50,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from vlmcompile.graph.fake import named_tensors
 
-MEMO_ENV = "VLMCOMPILE_EXPORT_MEMO"
+MEMO_ENV = "VLMCOMPILE_MEMO"
+"""The switch of this memo and of :mod:`vlmcompile.graph.annotate_memo`."""
 MAX_ENTRIES = 48
 """Exports kept (least recently used dropped): a tiny family's graph is a few hundred kB."""
 _VALUE_BYTES = 1 << 22
@@ -207,23 +208,21 @@ def _key(
     root: nn.Module, batch: Mapping[str, Any], dynamic_shapes: Mapping[str, Any] | None
 ) -> tuple[str, tuple]:
     """:func:`structure_key`, and the objects it names by id."""
-    describe = _Describer(root)
-    parts: list[Any] = [_global_state(describe)]
+    describe = Describer(root)
+    parts: list[Any] = [global_state(describe)]
     for path, module in root.named_modules(remove_duplicate=False):
         parts.append((path, describe.type_of(type(module)), describe.attributes(module)))
     first_name: dict[int, str] = {}
     for name, t in named_tensors(root).items():
-        parts.append(
-            (name, *_tensor_kind(t), isinstance(t, nn.Parameter), first_name.setdefault(id(t), name))
-        )
+        parts.append((name, *tensor_kind(t), isinstance(t, nn.Parameter), first_name.setdefault(id(t), name)))
     for key, value in batch.items():  # integer tensors by value (token ids, grids), images by shape
         floating = isinstance(value, torch.Tensor) and value.is_floating_point()
-        parts.append((key, _tensor_kind(value) if floating else describe.value(value)))
+        parts.append((key, tensor_kind(value) if floating else describe.value(value)))
     parts.append(describe.value(dynamic_shapes))
     return hashlib.sha256(repr(parts).encode()).hexdigest(), tuple(describe.referents)
 
 
-def _tensor_kind(t: torch.Tensor) -> tuple:
+def tensor_kind(t: torch.Tensor) -> tuple:
     return (
         type(t).__qualname__,
         tuple(t.shape),
@@ -234,7 +233,7 @@ def _tensor_kind(t: torch.Tensor) -> tuple:
     )
 
 
-def _global_state(describe: _Describer) -> tuple:
+def global_state(describe: Describer) -> tuple:
     import torch._export.config as export_config
     import torch.fx.experimental._config as shape_config
 
@@ -257,7 +256,7 @@ def _global_state(describe: _Describer) -> tuple:
     )
 
 
-def _transformers_registries(describe: _Describer) -> Any:
+def _transformers_registries(describe: Describer) -> Any:
     """The functions transformers' attention and mask names resolve to (a capture registers its
     own under a name: the name alone does not say what runs)."""
     utils = sys.modules.get("transformers.modeling_utils")
@@ -277,7 +276,7 @@ _SKIPPED = frozenset({"_parameters", "_buffers", "_modules"})
 """Held by the key otherwise: parameters and buffers by name, submodules by path."""
 
 
-class _Describer:
+class Describer:
     """Plain values of what a module holds, for the key; an object (not a container) met twice is
     named by its first place (configurations are shared by many modules)."""
 
@@ -361,7 +360,7 @@ class _Describer:
         return (*name, id(code) if code else id(f), cells, defaults)
 
     def _tensor(self, t: torch.Tensor) -> tuple:
-        kind = _tensor_kind(t)
+        kind = tensor_kind(t)
         if t.device.type == "meta" or isinstance(t, FakeTensor):
             return kind
         if t.numel() * t.element_size() > _VALUE_BYTES:

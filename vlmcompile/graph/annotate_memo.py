@@ -1,0 +1,125 @@
+"""A memo of the annotate pass within one process: a graph of the same code, tags, tensors and batch
+is measured once. The test suite annotates the same captures of its tiny families again and again
+(298 annotations, 97 s of their 240 repeating one already made in the same process, 2026-11-29).
+Asked for by the switch of :mod:`vlmcompile.graph.export_memo` (``VLMCOMPILE_MEMO=1``), and off
+for users for the same reason: a function patched in place between two compiles goes unseen.
+
+What a measurement depends on, and so the key: the graph's code; every module it calls (class and
+plain attributes, described as the export memo describes them) or, for a graph, its code; the
+kinds of its parameters and buffers (name, shape, stride, dtype, device, ``requires_grad``, which
+are one tensor) and the values of the tensors it holds as attributes; the batch (tensors by value,
+meta and fake ones by kind); what the pass reads besides (its options, the nodes' tags: the
+caller's ``reads``); and the global state the export memo keys on. Parameter and buffer values are
+not in it: on fake tensors the figures are of shapes alone, so only such measurements are kept
+(``storable``), never one on real tensors.
+
+A hit writes what the measurement wrote onto the new graph (its nodes' metadata by node name, the
+graph's) and returns the stored result, which must be immutable: frozen dataclasses are shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from vlmcompile.graph.export_memo import Describer, enabled, global_state, tensor_kind
+from vlmcompile.graph.fake import named_tensors
+
+MAX_ENTRIES = 64
+"""Measurements kept (least recently used dropped): a tiny family's is a few kB of figures."""
+
+Result = TypeVar("Result")
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    result: Any
+    node_meta: dict[str, dict[str, Any]]
+    """Node name -> the metadata the measurement wrote on it."""
+    graph_meta: dict[str, Any]
+    referents: tuple[Any, ...]
+    """The classes and functions the key names by id, kept alive so that no other takes their id."""
+
+
+_memo: OrderedDict[str, _Entry] = OrderedDict()
+stats = {"hits": 0, "misses": 0}
+"""Counts since the process started."""
+
+
+@dataclass(frozen=True, slots=True)
+class Writes:
+    """The metadata keys a measurement writes: on nodes, and on the graph."""
+
+    node: tuple[str, ...]
+    graph: tuple[str, ...]
+
+
+def measured(
+    gm: fx.GraphModule,
+    batch: Mapping[str, Any],
+    reads: Any,
+    measure: Callable[[], Result],
+    *,
+    writes: Writes,
+    storable: Callable[[Result], bool],
+) -> Result:
+    """``measure()``'s result, or the one memoised under the same key, its metadata written onto
+    ``gm``. ``reads``: plain values of what else the measurement depends on. A result is kept only
+    where ``storable`` says it depends on nothing the key leaves out. Whatever goes wrong in the
+    memo leaves the measurement to ``measure``."""
+    if not enabled():
+        return measure()
+    try:
+        key, referents = _key(gm, batch, reads)
+    except Exception:  # Unkeyed, or a value the description could not read
+        return measure()
+    found = _memo.get(key)
+    if found is not None:
+        _memo.move_to_end(key)
+        stats["hits"] += 1
+        nodes = {n.name: n for n in gm.graph.nodes}
+        for name, meta in found.node_meta.items():
+            nodes[name].meta.update(meta)
+        gm.meta.update(found.graph_meta)
+        return found.result
+    stats["misses"] += 1
+    result = measure()
+    if storable(result):
+        node_meta = {
+            n.name: written
+            for n in gm.graph.nodes
+            if (written := {k: n.meta[k] for k in writes.node if k in n.meta})
+        }
+        graph_meta = {k: gm.meta[k] for k in writes.graph if k in gm.meta}
+        _memo[key] = _Entry(result, node_meta, graph_meta, referents)
+        while len(_memo) > MAX_ENTRIES:
+            _memo.popitem(last=False)
+    return result
+
+
+def clear() -> None:
+    _memo.clear()
+
+
+def _key(gm: fx.GraphModule, batch: Mapping[str, Any], reads: Any) -> tuple[str, tuple]:
+    describe = Describer(gm)
+    parts: list[Any] = [global_state(describe), describe.value(reads)]
+    for path, module in gm.named_modules(remove_duplicate=False):
+        if isinstance(module, fx.GraphModule):
+            # A graph's class is made for it alone: its code and held tensors say what it runs.
+            held = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
+            parts.append((path, "graph", module.code, describe.value(held)))
+        else:
+            parts.append((path, describe.type_of(type(module)), describe.attributes(module)))
+    first_name: dict[int, str] = {}
+    for name, t in named_tensors(gm).items():
+        parts.append((name, *tensor_kind(t), isinstance(t, nn.Parameter), first_name.setdefault(id(t), name)))
+    parts.extend((k, describe.value(v)) for k, v in batch.items())
+    return hashlib.sha256(repr(parts).encode()).hexdigest(), tuple(describe.referents)
