@@ -13,13 +13,7 @@ from vlmcompile.ir.meta_keys import NODE_COST_META, OUTPUT_META
 from vlmcompile.passes.graph.annotate import annotate
 from vlmcompile.passes.graph.capture import capture
 
-
-@pytest.fixture(autouse=True)
-def _memo(monkeypatch):
-    monkeypatch.setenv(export_memo.MEMO_ENV, "1")
-    annotate_memo.clear()
-    yield
-    annotate_memo.clear()
+pytestmark = pytest.mark.usefixtures("memos")
 
 
 def _counts() -> tuple[int, int]:

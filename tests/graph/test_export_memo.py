@@ -13,13 +13,7 @@ from vlmcompile.graph import export_memo
 from vlmcompile.graph.export import LossOf, export_graph, is_data_dependent, takes_use_cache
 from vlmcompile.graph.specialize import KnownValues
 
-
-@pytest.fixture(autouse=True)
-def _memo(monkeypatch):
-    monkeypatch.setenv(export_memo.MEMO_ENV, "1")
-    export_memo.clear()
-    yield
-    export_memo.clear()
+pytestmark = pytest.mark.usefixtures("memos")
 
 
 def _counts() -> tuple[int, int]:

@@ -20,7 +20,6 @@ graph's) and returns the stored result, which must be immutable: frozen dataclas
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from vlmcompile.graph.export_memo import Describer, enabled, global_state, tensor_kind
+from vlmcompile.graph.export_memo import Describer, Memo, global_state, tensor_kind
 from vlmcompile.graph.fake import named_tensors
 
 MAX_ENTRIES = 64
@@ -48,9 +47,8 @@ class _Entry:
     """The classes and functions the key names by id, kept alive so that no other takes their id."""
 
 
-_memo: OrderedDict[str, _Entry] = OrderedDict()
-stats = {"hits": 0, "misses": 0}
-"""Counts since the process started."""
+_memo = Memo(MAX_ENTRIES)
+stats = _memo.stats
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,22 +72,17 @@ def measured(
     ``gm``. ``reads``: plain values of what else the measurement depends on. A result is kept only
     where ``storable`` says it depends on nothing the key leaves out. Whatever goes wrong in the
     memo leaves the measurement to ``measure``."""
-    if not enabled():
+    keyed = _memo.key(lambda: _key(gm, batch, reads))
+    if keyed is None:
         return measure()
-    try:
-        key, referents = _key(gm, batch, reads)
-    except Exception:  # Unkeyed, or a value the description could not read
-        return measure()
+    key, referents = keyed
     found = _memo.get(key)
     if found is not None:
-        _memo.move_to_end(key)
-        stats["hits"] += 1
         nodes = {n.name: n for n in gm.graph.nodes}
         for name, meta in found.node_meta.items():
             nodes[name].meta.update(meta)
         gm.meta.update(found.graph_meta)
         return found.result
-    stats["misses"] += 1
     result = measure()
     if storable(result):
         node_meta = {
@@ -98,14 +91,12 @@ def measured(
             if (written := {k: n.meta[k] for k in writes.node if k in n.meta})
         }
         graph_meta = {k: gm.meta[k] for k in writes.graph if k in gm.meta}
-        _memo[key] = _Entry(result, node_meta, graph_meta, referents)
-        while len(_memo) > MAX_ENTRIES:
-            _memo.popitem(last=False)
+        _memo.put(key, _Entry(result, node_meta, graph_meta, referents))
     return result
 
 
 def clear() -> None:
-    _memo.clear()
+    _memo.entries.clear()
 
 
 def _key(gm: fx.GraphModule, batch: Mapping[str, Any], reads: Any) -> tuple[str, tuple]:

@@ -73,17 +73,50 @@ class _Entry:
     """The classes and functions the key names by id, kept alive so that no other takes their id."""
 
 
-_memo: OrderedDict[str, _Entry | BaseException] = OrderedDict()
-stats = {"hits": 0, "misses": 0}
-"""Counts since the process started (the test that the memo is used reads them)."""
-
-
 class Unkeyed(Exception):
     """Something the export may depend on cannot be put in a key: export without the memo."""
 
 
 def enabled() -> bool:
     return os.environ.get(MEMO_ENV) == "1"
+
+
+class Memo:
+    """Entries by key, the least recently used dropped past ``max_entries``, with hit and miss
+    counts since the process started (the tests that a memo is used read them)."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self.entries: OrderedDict[str, Any] = OrderedDict()
+        self.stats = {"hits": 0, "misses": 0}
+
+    def key(self, describe: Callable[[], tuple[str, tuple]]) -> tuple[str, tuple] | None:
+        """``describe()``'s key and referents; None when the switch is off or the description
+        fails (:class:`Unkeyed`, or a value it could not read): then the work is done without."""
+        if not enabled():
+            return None
+        try:
+            return describe()
+        except Exception:
+            return None
+
+    def get(self, key: str) -> Any | None:
+        found = self.entries.get(key)
+        if found is None:
+            self.stats["misses"] += 1
+        else:
+            self.entries.move_to_end(key)
+            self.stats["hits"] += 1
+        return found
+
+    def put(self, key: str, value: Any) -> None:
+        self.entries[key] = value
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
+
+
+_memo = Memo(MAX_ENTRIES)
+stats = _memo.stats
 
 
 def exported(
@@ -96,20 +129,15 @@ def exported(
     """``export()``'s result, or a copy of the one memoised under the same key for ``root``.
     ``is_cue``: the failures to memoise (the data-dependent ones a capture retries specialised).
     The memo never makes an export fail: whatever goes wrong in it leaves the export to torch."""
-    if not enabled():
+    keyed = _memo.key(lambda: _key(root, batch, dynamic_shapes))
+    if keyed is None:
         return export()
-    try:
-        key, referents = _key(root, batch, dynamic_shapes)
-    except Exception:  # Unkeyed, or a value the description could not read
-        return export()
-    if key in _memo:
-        _memo.move_to_end(key)
-        stats["hits"] += 1
-        found = _memo[key]
-        if isinstance(found, BaseException):
-            raise found
+    key, referents = keyed
+    found = _memo.get(key)
+    if isinstance(found, BaseException):
+        raise found
+    if found is not None:
         return _bind(found, root), found.checks
-    stats["misses"] += 1
     try:
         gm, checks = export()
     except Exception as err:
@@ -117,21 +145,15 @@ def exported(
             # Its frames' locals (the model, the batch, the fake mode) go; their lines stay for
             # the message that names the model's line.
             traceback.clear_frames(err.__traceback__)
-            _remember(key, err)
+            _memo.put(key, err)
         raise
     with contextlib.suppress(Exception):  # a graph that does not copy is simply not memoised
-        _remember(key, _unbound(gm, root, checks, referents))
+        _memo.put(key, _unbound(gm, root, checks, referents))
     return gm, checks
 
 
 def clear() -> None:
-    _memo.clear()
-
-
-def _remember(key: str, value: _Entry | BaseException) -> None:
-    _memo[key] = value
-    while len(_memo) > MAX_ENTRIES:
-        _memo.popitem(last=False)
+    _memo.entries.clear()
 
 
 def _tensor_attributes(module: nn.Module) -> dict[str, torch.Tensor]:
