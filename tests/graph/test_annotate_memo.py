@@ -40,9 +40,12 @@ def test_a_second_capture_takes_the_first_figures_equal_to_a_fresh_measurement(n
     assert OUTPUT_META in again.meta
     for field in ("tensor_mode", "fallback", "assumptions", "repeated_backwards", "replayed_forwards"):
         assert getattr(got.report, field) == getattr(fresh.report, field), field
+    assert got.report.memoised and not fresh.report.memoised
 
 
 def test_what_a_measurement_reads_changes_the_key():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     model, batch = build("tiny")
     annotate(capture(model, batch).gm, batch)
     frozen = build("tiny")[0]
@@ -57,11 +60,17 @@ def test_what_a_measurement_reads_changes_the_key():
         "other token ids": lambda: annotate(
             capture(model, batch).gm, {**batch, "labels": batch["labels"] * 0}
         ),
+        "another attention kernel": lambda: _under(sdpa_kernel(SDPBackend.MATH), model, batch),
     }
     for what, run in cases.items():
         hits, misses = _counts()
         run()
         assert _counts() == (hits, misses + 1), what
+
+
+def _under(context, model, batch):
+    with context:
+        return annotate(capture(model, batch).gm, batch)
 
 
 def test_a_measurement_on_real_tensors_is_never_kept():

@@ -14,11 +14,13 @@ not in it: on fake tensors the figures are of shapes alone, so only such measure
 (``storable``), never one on real tensors.
 
 A hit writes what the measurement wrote onto the new graph (its nodes' metadata by node name, the
-graph's) and returns the stored result, which must be immutable: frozen dataclasses are shared.
+graph's) and returns the stored result, which must be immutable: frozen dataclasses are shared. The
+attention kernel CPU would run is in the global state (flash or math: other FLOPs and saved bytes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,32 +69,42 @@ def measured(
     *,
     writes: Writes,
     storable: Callable[[Result], bool],
-) -> Result:
-    """``measure()``'s result, or the one memoised under the same key, its metadata written onto
-    ``gm``. ``reads``: plain values of what else the measurement depends on. A result is kept only
-    where ``storable`` says it depends on nothing the key leaves out. Whatever goes wrong in the
-    memo leaves the measurement to ``measure``."""
+) -> tuple[Result, bool]:
+    """``measure()``'s result, or the one memoised under the same key with its metadata written
+    onto ``gm``; and whether it was memoised. ``reads``: plain values of what else the measurement
+    depends on. A result is kept only where ``storable`` says it depends on nothing the key leaves
+    out. The memo never fails a measurement: whatever goes wrong in it leaves the work to
+    ``measure``."""
     keyed = _memo.key(lambda: _key(gm, batch, reads))
     if keyed is None:
-        return measure()
+        return measure(), False
     key, referents = keyed
     found = _memo.get(key)
-    if found is not None:
-        nodes = {n.name: n for n in gm.graph.nodes}
-        for name, meta in found.node_meta.items():
-            nodes[name].meta.update(meta)
-        gm.meta.update(found.graph_meta)
-        return found.result
+    if found is not None and _written(found, gm):
+        return found.result, True
     result = measure()
-    if storable(result):
-        node_meta = {
-            n.name: written
-            for n in gm.graph.nodes
-            if (written := {k: n.meta[k] for k in writes.node if k in n.meta})
-        }
-        graph_meta = {k: gm.meta[k] for k in writes.graph if k in gm.meta}
-        _memo.put(key, _Entry(result, node_meta, graph_meta, referents))
-    return result
+    with contextlib.suppress(Exception):  # a result that cannot be kept is simply not kept
+        if storable(result):
+            node_meta = {
+                n.name: written
+                for n in gm.graph.nodes
+                if (written := {k: n.meta[k] for k in writes.node if k in n.meta})
+            }
+            graph_meta = {k: gm.meta[k] for k in writes.graph if k in gm.meta}
+            _memo.put(key, _Entry(result, node_meta, graph_meta, referents))
+    return result, False
+
+
+def _written(entry: _Entry, gm: fx.GraphModule) -> bool:
+    """Write the entry's metadata onto ``gm``; False (nothing written) where a node it names is
+    missing."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    if not all(name in nodes for name in entry.node_meta):
+        return False
+    for name, meta in entry.node_meta.items():
+        nodes[name].meta.update(meta)
+    gm.meta.update(entry.graph_meta)
+    return True
 
 
 def clear() -> None:

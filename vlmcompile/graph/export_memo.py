@@ -271,6 +271,16 @@ def global_state(describe: Describer) -> tuple:
         str(torch.get_default_dtype()),
         str(torch.get_default_device()),
         torch.are_deterministic_algorithms_enabled(),
+        # The attention kernel CPU runs (flash or math; sdpa_kernel sets these) decides FLOPs and saved bytes.
+        tuple(
+            f()
+            for f in (
+                torch.backends.cuda.flash_sdp_enabled,
+                torch.backends.cuda.math_sdp_enabled,
+                torch.backends.cuda.mem_efficient_sdp_enabled,
+                torch.backends.cuda.cudnn_sdp_enabled,
+            )
+        ),
         sorted(shape_config.get_config_copy().items()),
         sorted(export_config.get_config_copy().items()),
         describe.value(torch.export.export),
