@@ -365,3 +365,21 @@ def test_a_rank_error_is_the_first_line_of_the_launch_error():
     assert first.startswith("rank 1: ") and "sample 7 has no labels" in first, str(info.value)
     assert any(line.startswith("rank 1 failed first") for line in rest), str(info.value)
     assert sum("sample 7 has no labels" in line for line in rest) == 0, str(info.value)
+
+
+def test_of_two_ranks_the_launcher_sees_end_at_once_the_one_that_raised_first_is_blamed():
+    """A loaded machine: rank 1 raised, and rank 0's collective then lost it, both exiting between
+    two polls of the launcher (CI, 2026-11-29, blamed rank 0's "Connection closed by peer")."""
+    from types import SimpleNamespace
+
+    from vlmcompile.runtime.launch import _Watch
+
+    watch = _Watch([SimpleNamespace(exitcode=1) for _ in range(2)], [], None, 1.0, False)
+    watch.errors = {0: "RuntimeError: Connection closed by peer", 1: "ValueError: sample 7 has no labels"}
+    watch.raised = {0: None, 1: None}
+    watch.ended = {0: 0.5, 1: 0.5}  # seen at one poll
+    watch.raised_at = {0: 0.42, 1: 0.31}
+    watch.codes = {0: 1, 1: 1}
+    first, *rest = str(watch.failure(timeout_s=30)).splitlines()
+    assert first == "rank 1: ValueError: sample 7 has no labels", first
+    assert any(line.startswith("rank 1 failed first") for line in rest), rest

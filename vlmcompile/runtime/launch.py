@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import math
 import multiprocessing
 import os
 import pickle
@@ -200,15 +201,18 @@ def _rank_main(rank, nprocs, store_socket, port, parent_pid, work, report, timeo
         dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs, timeout=timeout)
         # Plain pickles: torch's reductions would share tensors by file descriptor, which dies
         # with the process that made them.
-        message = pickle.dumps((True, pickle.dumps(fn(payload, *args)), None, None))
+        message = pickle.dumps((True, pickle.dumps(fn(payload, *args)), None, None, None))
     except BaseException as err:  # report anything, then exit non-zero
+        raised_at = time.monotonic()  # the machine's clock, the launcher's too: who failed first
         frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
         where = f" (at {frame.filename}:{frame.lineno})" if frame else ""
         # The peer a RankLostError gave up on; _COLLECTIVE when it waited on a group.
         lost = None
         if hasattr(err, "peer"):  # a RankLostError
             lost = _COLLECTIVE if err.peer is None else err.peer
-        message = pickle.dumps((False, f"{type(err).__name__}: {err}{where}", lost, _as_bytes(err)))
+        message = pickle.dumps(
+            (False, f"{type(err).__name__}: {err}{where}", lost, _as_bytes(err), raised_at)
+        )
         code = 1
     try:
         report.send_bytes(message)
@@ -582,6 +586,9 @@ class _Watch:
         self.raised: dict[int, bytes | None] = {}
         self.lost: dict[int, int] = {}
         self.ended: dict[int, float] = {}
+        self.raised_at: dict[int, float] = {}
+        """When each rank that reported an error raised it: two ranks that end between two polls
+        of the launcher end at once to it, but the one whose error made the other's came first."""
         self.killed: set[int] = set()
         self.open_reports = dict(enumerate(reports))
         self.first_failure: float | None = None
@@ -617,7 +624,7 @@ class _Watch:
                 continue
             del self.open_reports[rank]
             try:
-                ok, value, peer, error = pickle.loads(conn.recv_bytes())
+                ok, value, peer, error, raised_at = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 continue  # the rank died before or while reporting
             if ok:
@@ -625,6 +632,7 @@ class _Watch:
             else:
                 self.errors[rank] = value
                 self.raised[rank] = error
+                self.raised_at[rank] = raised_at - self.start
                 if peer is not None:
                     self.lost[rank] = peer
                     self.gave_up.append(time.monotonic())
@@ -676,7 +684,8 @@ class _Watch:
         # A rank that reported its result has finished, even if it was killed afterwards (rank
         # 0 keeps the store for a peer that then died without signing off).
         failed = [r for r in range(nprocs) if r not in self.values]
-        first, header = _blame(failed, errors, self.lost, killed, ended, codes)
+        failed_at = {r: min(ended.get(r, math.inf), self.raised_at.get(r, math.inf)) for r in failed}
+        first, header = _blame(failed, errors, self.lost, killed, failed_at, codes)
         died_silently = any(r not in errors and r not in killed for r in failed)
         paused = (
             self.pauses.explain(min(self.gave_up), timeout_s) if self.gave_up and not died_silently else None
