@@ -145,7 +145,25 @@ def _export_graph(
     gm = program.module(check_guards=False)
     if meta:
         _restore_meta_tensors(gm, model)
+    drop_metadata_asserts(gm)
     return gm, mark_runtime_checks(gm)
+
+
+def drop_metadata_asserts(gm: fx.GraphModule) -> int:
+    """Erase the ``aten._assert_tensor_metadata`` checks export puts before each ``.to()``: they
+    hold the dtype and device the trace saw (float32, cpu), which a stage run under bf16 autocast
+    or on a GPU does not have ("Tensor dtype mismatch! Expected: Float, Got: BFloat16"). The
+    ``.to()`` calls stay, so a run converts as eager does. Returns how many were erased."""
+    asserts = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default
+    ]
+    for n in asserts:
+        gm.graph.erase_node(n)
+    if asserts:
+        gm.recompile()
+    return len(asserts)
 
 
 @contextlib.contextmanager

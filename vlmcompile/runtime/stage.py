@@ -89,8 +89,8 @@ class StageModule(nn.Module):
 def move_stage(stage: nn.Module, device: torch.device) -> None:
     """Move a stage's parameters and buffers to ``device`` and point the devices its graphs name
     there too: capture records the device it ran on in calls like ``arange(device=cpu)`` and
-    ``_assert_tensor_metadata(device=cpu)`` (transformers' LLaVA, Gemma3, Qwen2.5-VL), which on a
-    GPU would make CPU tensors or fail the assertion."""
+    ``to(device=cpu)`` (transformers' LLaVA, Gemma3, Qwen2.5-VL), which on a GPU would make CPU
+    tensors. (Export's ``_assert_tensor_metadata(device=cpu)`` checks are dropped at capture.)"""
     stage.to(device)
     for module in stage.modules():
         if isinstance(module, fx.GraphModule) and retarget_devices(module.graph, device):

@@ -27,6 +27,24 @@ from vlmcompile.passes.graph.capture import capture, layer_nodes
 
 
 @pytest.mark.parametrize("name", ALL)
+def test_a_captured_graph_runs_under_bf16_autocast_as_eager_does(name):
+    """Export asserts the dtype and device it traced before every ``.to()``; the capture drops
+    those checks (keeping the conversions), so a stage under bf16 autocast computes what eager
+    computes under it (issue 65: "Tensor dtype mismatch! Expected: Float, Got: BFloat16")."""
+    model, batch = build(name)
+    gm = capture(model, batch).gm
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    with torch.autocast("cpu", torch.bfloat16):
+        torch.manual_seed(0)
+        expected = model(**batch)
+        expected = expected if isinstance(expected, torch.Tensor) else expected.loss
+        torch.manual_seed(0)
+        got = gm(**batch)
+    assert expected.dtype == got.dtype
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_captured_graph_equals_eager_and_tags_every_node(name):
     model, batch = build(name)
     result = capture(model, batch)
