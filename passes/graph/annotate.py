@@ -635,7 +635,7 @@ def annotate(
     (measured, fallback), memoised = annotate_memo.measured(
         gm,
         sample_batch,
-        _what_it_reads(gm, tensor_mode, model_name, every_layer),
+        lambda: _what_it_reads(gm, tensor_mode, model_name, every_layer),
         measure,
         writes=annotate_memo.Writes(node=(NODE_COST_META,), graph=(OUTPUT_META,)),
         # On fake tensors the figures are of shapes alone; on real ones the values may decide some.

@@ -9,7 +9,7 @@ plain attributes, described as the export memo describes them) or, for a graph, 
 kinds of its parameters and buffers (name, shape, stride, dtype, device, ``requires_grad``, which
 are one tensor) and the values of the tensors it holds as attributes; the batch (tensors by value,
 meta and fake ones by kind); what the pass reads besides (its options, the nodes' tags: the
-caller's ``reads``); and the global state the export memo keys on. Parameter and buffer values are
+caller's ``reads()``); and the global state the export memo keys on. Parameter and buffer values are
 not in it: on fake tensors the figures are of shapes alone, so only such measurements are kept
 (``storable``), never one on real tensors.
 
@@ -64,15 +64,15 @@ class Writes:
 def measured(
     gm: fx.GraphModule,
     batch: Mapping[str, Any],
-    reads: Any,
+    reads: Callable[[], Any],
     measure: Callable[[], Result],
     *,
     writes: Writes,
     storable: Callable[[Result], bool],
 ) -> tuple[Result, bool]:
     """``measure()``'s result, or the one memoised under the same key with its metadata written
-    onto ``gm``; and whether it was memoised. ``reads``: plain values of what else the measurement
-    depends on. A result is kept only where ``storable`` says it depends on nothing the key leaves
+    onto ``gm``; and whether it was memoised. ``reads()``: plain values of what else the
+    measurement depends on (called only when the memo is on). A result is kept only where ``storable`` says it depends on nothing the key leaves
     out. The memo never fails a measurement: whatever goes wrong in it leaves the work to
     ``measure``."""
     keyed = _memo.key(lambda: _key(gm, batch, reads))
@@ -111,9 +111,9 @@ def clear() -> None:
     _memo.entries.clear()
 
 
-def _key(gm: fx.GraphModule, batch: Mapping[str, Any], reads: Any) -> tuple[str, tuple]:
+def _key(gm: fx.GraphModule, batch: Mapping[str, Any], reads: Callable[[], Any]) -> tuple[str, tuple]:
     describe = Describer(gm)
-    parts: list[Any] = [global_state(describe), describe.value(reads)]
+    parts: list[Any] = [global_state(describe), describe.value(reads())]
     for path, module in gm.named_modules(remove_duplicate=False):
         if isinstance(module, fx.GraphModule):
             # A graph's class is made for it alone: its code and held tensors say what it runs.

@@ -791,14 +791,15 @@ def _is_stopped(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
 
 
-def _blame(failed, errors, lost, killed, ended, codes) -> tuple[int, str]:
+def _blame(failed, errors, lost, killed, failed_at, codes) -> tuple[int, str]:
     """The rank the failure started at, and the header line that says so. A rank that died
-    without a report went first; otherwise the earliest to end - unless it timed out waiting for
-    a peer that never failed on its own (the launcher had to kill it): that peer hung."""
+    without a report went first; otherwise the earliest to fail (``failed_at``: when it raised
+    or, sooner, ended) - unless it timed out waiting for a peer that never failed on its own
+    (the launcher had to kill it): that peer hung."""
     silent = [r for r in failed if r not in errors and r not in killed]
-    first = min(silent or failed, key=lambda r: ended.get(r, float("inf")))
+    first = min(silent or failed, key=lambda r: failed_at.get(r, float("inf")))
     if first in silent:
-        return first, f"rank {first} failed first: {_how(codes[first])} after {ended.get(first, 0):.1f} s"
+        return first, f"rank {first} failed first: {_how(codes[first])} after {failed_at.get(first, 0):.1f} s"
     seen = {first}
     waiter = first
     while waiter in lost and lost[waiter] not in seen:
@@ -808,17 +809,17 @@ def _blame(failed, errors, lost, killed, ended, codes) -> tuple[int, str]:
             if hung:
                 return hung[0], (
                     f"rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} hung: rank {waiter} gave up "
-                    f"waiting for a collective after {ended.get(waiter, 0):.1f} s and the launcher killed "
+                    f"waiting for a collective after {failed_at.get(waiter, 0):.1f} s and the launcher killed "
                     f"{'them' if len(hung) > 1 else 'it'}"
                 )
             break
         seen.add(peer)
         if peer in killed:
             return peer, (
-                f"rank {peer} hung: rank {waiter} gave up waiting for it after {ended.get(waiter, 0):.1f} s "
+                f"rank {peer} hung: rank {waiter} gave up waiting for it after {failed_at.get(waiter, 0):.1f} s "
                 "and the launcher killed it"
             )
         if peer not in lost:
             break
         waiter = peer
-    return first, f"rank {first} failed first: {_how(codes[first])} after {ended.get(first, 0):.1f} s"
+    return first, f"rank {first} failed first: {_how(codes[first])} after {failed_at.get(first, 0):.1f} s"
