@@ -172,6 +172,15 @@ def _pipe():
     return _PIPE["pipe"], _PIPE["batch"]
 
 
+def _train_tiny(**options):
+    """``pipe.train`` of the tiny model's 2-stage plan, one step, with ``options``."""
+    from vlmcompile import TrainConfig
+
+    pipe, batch = _pipe()
+    plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)
+    return pipe.train([batch], TrainConfig(steps=1), plan=plan, timeout_s=20, **options)
+
+
 def _plan_json():
     pipe, _ = _pipe()
     return even_plan(pipe.layer_graph, pp=2, global_batch=4).to_json()
@@ -631,6 +640,13 @@ CASES = {
         "TrainConfig over an earlier run's checkpoints (found when made, before compile)",
         _config_over_earlier_run,
         "holds checkpoints of an earlier run (steps 4)",
+    ),
+    "api-train-fp16": Case(
+        "API",
+        "pipe.train(autocast_dtype=torch.float16): fp16 without a gradient scaler (before any rank starts)",
+        lambda tmp: _train_tiny(autocast_dtype=torch.float16),
+        "fp16 gradients underflow without a gradient scaler, which the runtime does not run; train in "
+        "torch.bfloat16",
     ),
     "api-model-no-params": Case(
         "API",

@@ -14,18 +14,23 @@ is compiled only where one of its tests was selected.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 
 from tests.models import needs_transformers
-from tests.pipeline_helpers import check_equal_to_eager
+from tests.pipeline_helpers import check_bf16_losses, check_equal_to_eager
 from vlmcompile import compile
 from vlmcompile.families import ATTENTION, tiny_names
 from vlmcompile.families import build_tiny_by_name as build
 from vlmcompile.ir.regions import ENCODER_SIDE, Region
 from vlmcompile.planning.encoder_plans import encoder_layer_count
+from vlmcompile.runtime.checkpoint_dir import Start
 from vlmcompile.runtime.launch import launch
 from vlmcompile.runtime.timed_steps import one_step
+from vlmcompile.runtime.train_loop import TrainConfig, eager_training, train_on_rank
 
 # The first test's setup compiles every selected case (all 36 where nothing is deselected: 300 s
 # and more with another worker beside it, 2026-11-28): more than the suite's 300 s a test.
@@ -136,9 +141,35 @@ def compiled(request):
     return out
 
 
-def _every_step(runners: dict, batches: dict) -> dict:
-    """On each rank: one training step of every runner, by case."""
-    return {case: one_step(runner, batches[case]) for case, runner in runners.items()}
+BF16_STEPS = 3
+
+
+def _bf16_trained(name: str, pipe) -> bool:
+    """Whether the family trains 3 AdamW steps in bf16 here: an LLM pipeline on dict batches (the
+    packed ones train in bf16 on variable data in tests/runtime/test_packed_pipeline.py)."""
+    return name not in CONTRASTIVE and pipe.packed is None
+
+
+def _bf16_steps(batch: dict) -> list[dict]:
+    """The batch's images made other for each of :data:`BF16_STEPS` steps (its tokens stay: the
+    graph is specialised on where the image tokens sit)."""
+    steps = []
+    for k in range(BF16_STEPS):
+        noise = torch.randn(batch["pixel_values"].shape, generator=torch.Generator().manual_seed(k))
+        steps.append({**batch, "pixel_values": batch["pixel_values"] + 0.5 * noise})
+    return steps
+
+
+def _every_step(runners: dict, batches: dict, bf16: dict) -> dict:
+    """On each rank: one training step of every runner, by case; then, per case in ``bf16``
+    ((steps, throughput)), the losses of bf16 autocast training on those steps."""
+    out = {case: one_step(runner, batches[case]) for case, runner in runners.items()}
+    for case, (steps, throughput) in bf16.items():
+        runner = runners[case]
+        runner.autocast_dtype = torch.bfloat16
+        config = TrainConfig(steps=len(steps), lr=3e-3, max_grad_norm=0.5)
+        out[(case, "bf16")] = train_on_rank(runner, steps, config, throughput, start=Start()).losses
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +184,13 @@ def launched(compiled):
     batches = {
         case: pipe.pack(batch) if pipe.packed else dict(batch) for case, (_, batch, pipe) in ok.items()
     }
-    per_rank = launch(_every_step, runners, 2, args=(batches,), timeout_s=60)
-    return {case: [rank[case] for rank in per_rank] for case in ok}
+    bf16 = {
+        case: (_bf16_steps(batches[case]), pipe.throughput(runners[case]))
+        for case, (_, _, pipe) in ok.items()
+        if case[1] == "sdpa" and _bf16_trained(case[0], pipe)
+    }
+    per_rank = launch(_every_step, runners, 2, args=(batches, bf16), timeout_s=60)
+    return {key: [rank[key] for rank in per_rank] for key in per_rank[0]}
 
 
 def _pipeline(compiled, case):
@@ -196,6 +232,24 @@ def test_one_step_equals_eager(compiled, launched, name, attn):
     model, batch, _ = _pipeline(compiled, (name, attn))
     assert model.config._attn_implementation == attn
     check_equal_to_eager(model, batch, launched[(name, attn)])
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in FAMILIES if n not in CONTRASTIVE])
+def test_three_bf16_adamw_steps_equal_eager_under_autocast(compiled, launched, name):
+    """bf16 autocast on 2 CPU ranks (PP = 2): fp32 weights, gradients and AdamW states, the
+    forwards in bf16, the losses of 3 steps on other images each equal eager training's under
+    ``torch.autocast("cpu", torch.bfloat16)`` (within :data:`~tests.pipeline_helpers.BF16_RTOL`)."""
+    model, batch, pipe = _pipeline(compiled, (name, "sdpa"))
+    if not _bf16_trained(name, pipe):
+        pytest.skip("a packed pipeline: its bf16 training is tests/runtime/test_packed_pipeline.py's")
+    assert pipe.plan.pipeline_parallel.pp == 2
+    got = launched[((name, "sdpa"), "bf16")]
+    assert got[0] == got[1]
+    config = TrainConfig(steps=BF16_STEPS, lr=3e-3, max_grad_norm=0.5)
+    steps = _bf16_steps(dict(batch))
+    expected = eager_training(copy.deepcopy(model), steps, config, autocast_dtype=torch.bfloat16)
+    fp32 = eager_training(copy.deepcopy(model), steps[:1], dataclasses.replace(config, steps=1))
+    check_bf16_losses(got[0], expected, fp32[0], name)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n, in_ci=n in META_IN_CI)) for n in FAMILIES])

@@ -53,6 +53,7 @@ from vlmcompile.planning.request import GlobalRecompute, PlanRequest, SolverOpti
 from vlmcompile.planning.result import PolicyResult
 from vlmcompile.planning.schedules import Schedule
 from vlmcompile.runtime import preemption
+from vlmcompile.runtime.autocast import check_autocast
 from vlmcompile.runtime.capabilities import runnable
 from vlmcompile.runtime.checkpoint_dir import check_output_file, checkpoint_bytes
 from vlmcompile.runtime.contrastive import ContrastiveStep
@@ -306,19 +307,7 @@ class CompiledPipeline:
         _no_towers_in_train(self if plan is None else None)
         runner = self.runner(plan, timeout_s=timeout_s)
         data = self._training_data(runner, data, per_batch_schedule)
-        on_gpu = _on_gpu(device)
-        if on_gpu and not dist.is_initialized():
-            raise ArgumentError(
-                "the local launcher starts CPU ranks over gloo; to train on GPUs start one process per GPU with "
-                "torchrun (it initialises NCCL), and call train() in each"
-            )
-        if on_gpu and torch.device(device or "cuda").index is None:
-            local = os.environ.get("LOCAL_RANK")
-            device = torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
-        runner.device = torch.device(device) if device is not None else None
-        if autocast_dtype == "auto":
-            autocast_dtype = torch.bfloat16 if on_gpu and runner.plan.precision.param_bytes == 2 else None
-        runner.autocast_dtype = autocast_dtype
+        on_gpu = _placed(runner, device, autocast_dtype)
         runner.transfers = transfers
         world = runner.parallel.world_size
         throughput = self.throughput(runner, on_gpu=on_gpu)
@@ -666,6 +655,28 @@ def _no_towers_in_train(pipe: CompiledPipeline | None) -> None:
 
 def _on_meta_batch(batch: Mapping[str, Any]) -> bool:
     return any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in batch.values())
+
+
+def _placed(runner: PipelineRunner, device, autocast_dtype) -> bool:
+    """Set the runner's device (under torchrun, the GPU ``LOCAL_RANK`` names) and compute dtype
+    (checked: :func:`~vlmcompile.runtime.autocast.check_autocast`); whether it trains on GPUs."""
+    on_gpu = _on_gpu(device)
+    if on_gpu and not dist.is_initialized():
+        raise ArgumentError(
+            "the local launcher starts CPU ranks over gloo; to train on GPUs start one process per GPU with "
+            "torchrun (it initialises NCCL), and call train() in each"
+        )
+    if on_gpu and torch.device(device or "cuda").index is None:
+        local = os.environ.get("LOCAL_RANK")
+        device = torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+    runner.device = torch.device(device) if device is not None else None
+    if autocast_dtype == "auto":
+        autocast_dtype = torch.bfloat16 if on_gpu and runner.plan.precision.param_bytes == 2 else None
+    note = check_autocast(autocast_dtype, runner.device or torch.device("cuda" if on_gpu else "cpu"))
+    if note and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(note, file=sys.stderr, flush=True)
+    runner.autocast_dtype = autocast_dtype
+    return on_gpu
 
 
 def _on_gpu(device: str | torch.device | None) -> bool:

@@ -414,3 +414,54 @@ def test_a_v_shaped_plan_is_built_simulated_and_trains_like_eager():
     runs = {r.action: r for r in sim.runs}
     assert runs[Action(2, ActionKind.F, 0)].start_s == runs[Action(1, ActionKind.F, 0)].end_s
     check_equal_to_eager(model, batch, pipe.launch(plan=plan, timeout_s=30))
+
+
+def _bf16_casts_of_one_step(runner, batch):
+    """One bf16 step, counting every bf16 cast of each of this rank's parameters."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = {p.untyped_storage().data_ptr(): n for n, p in runner.named_parameters().items()}
+    casts = dict.fromkeys(names.values(), 0)
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+                name = names.get(args[0].untyped_storage().data_ptr())
+                if name is not None:
+                    casts[name] += 1
+            return func(*args, **kwargs)
+
+    runner.autocast_dtype = torch.bfloat16
+    with Casts():
+        out = one_step(runner, batch)
+    trains = {n for n, p in runner.named_parameters().items() if p.requires_grad}
+    return {"casts": casts, "trains": trains, "loss": out["loss"]}
+
+
+def test_a_bf16_step_casts_each_weight_once_whatever_its_microbatches():
+    """Autocast casts a weight for each forward that reads it; the step keeps the first cast
+    (torch's autocast cache, held for the step) so 4 microbatches in flight hold one bf16 copy
+    of each trainable weight, not four, recomputed layers included. A frozen weight is cast
+    where it is read (torch caches only leaves that take gradients), and its copies are dropped
+    with the forward that made them."""
+    model, batch = build("tiny", batch_size=4)
+    model.encoders.requires_grad_(False)
+    pipe = compile(model, batch, log=None)
+    plan = even_plan(pipe.layer_graph, pp=2, global_batch=4, recompute=(3, 6))
+    assert plan.num_microbatches == 4
+    per_rank = launch(
+        _bf16_casts_of_one_step, pipe.runner(plan, timeout_s=30), 2, args=(batch,), timeout_s=30
+    )
+    cast = set()
+    for rank in per_rank:
+        trained = {n: c for n, c in rank["casts"].items() if n in rank["trains"] and c}
+        assert trained and set(trained.values()) == {1}, rank["casts"]
+        cast |= set(trained)
+        frozen = {n: c for n, c in rank["casts"].items() if n not in rank["trains"] and c}
+        assert all(c == 4 for c in frozen.values()), frozen
+    assert any(n.startswith("encoders.") for r in per_rank for n, c in r["casts"].items() if c == 4)
+    assert len(cast) > 4
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model(**batch)
+    torch.testing.assert_close(per_rank[0]["loss"], expected.detach(), rtol=2**-7, atol=0.0)

@@ -14,8 +14,8 @@ from vlmcompile import families, models
 from vlmcompile.data.packed_step import PackedStep
 from vlmcompile.data.steps import PackedSteps, PaddedSteps
 from vlmcompile.data.synthetic import SyntheticDataset
-from vlmcompile.runtime.executor import drop_unused_gradients
 from vlmcompile.runtime.global_batches import GlobalBatches
+from vlmcompile.runtime.gradients import drop_unused_gradients
 
 
 def test_only_all_zero_gradients_are_dropped():

@@ -60,7 +60,7 @@ class PackedBatch:
     """Whether any of its samples has an image. Without one, eager training never runs the
     vision encoder (its parameters get no gradient, and AdamW leaves them alone), while each
     microbatch here still runs it on the family's smallest image: the runtime then drops the
-    all-zero gradients that gives (:func:`vlmcompile.runtime.executor.drop_unused_gradients`)."""
+    all-zero gradients that gives (:func:`vlmcompile.runtime.gradients.drop_unused_gradients`)."""
 
 
 @dataclass(frozen=True, slots=True)

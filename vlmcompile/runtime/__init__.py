@@ -12,6 +12,8 @@ A step:
 * ``groups`` - the process groups of a rank (data-parallel, tied parameters, transfer pairs), made in one place.
 * ``run_ahead`` - forwards one batch ahead: their outputs kept for the next step.
 * ``collectives`` - waits with a deadline, and the summed gradient all-reduce.
+* ``gradients`` - a step's gradients: reduced apart from those held before, dropped where eager has none.
+* ``autocast`` - mixed precision: forwards under autocast, one bf16 copy of a weight a step, dtypes checked.
 * ``contrastive`` - one exact step of a two-tower model whose loss couples the global batch.
 
 Training:

@@ -41,6 +41,7 @@ from vlmcompile.ir.microbatch import label_weights
 from vlmcompile.ir.packed import BatchPlan, PackedBatch, PackedLayout
 from vlmcompile.ir.plan import Plan
 from vlmcompile.ir.program import Comm, CommKind, Transfer, lower, transfer_order
+from vlmcompile.runtime.autocast import forward_context, step_context
 from vlmcompile.runtime.batches import (
     BatchError,
     agreed_schedule,
@@ -58,6 +59,7 @@ from vlmcompile.runtime.capabilities import (
     stages_after_trainable,
 )
 from vlmcompile.runtime.collectives import Deadline, RankLostError
+from vlmcompile.runtime.gradients import added_to_held, drop_unused_gradients
 from vlmcompile.runtime.groups import make_groups
 from vlmcompile.runtime.run_ahead import RunAhead
 from vlmcompile.runtime.stage import (
@@ -70,7 +72,7 @@ from vlmcompile.runtime.stage import (
 from vlmcompile.runtime.transport import Buffers, Exchange, OrderedTransport, TaggedTransport
 from vlmcompile.runtime.wire import floats
 
-__all__ = ["BatchError", "PipelineRunner", "RankLostError", "drop_unused_gradients", "keep_freed_memory"]
+__all__ = ["BatchError", "PipelineRunner", "RankLostError", "keep_freed_memory"]
 
 
 def keep_freed_memory() -> bool:
@@ -163,9 +165,7 @@ class PipelineRunner:
         self.device = torch.device(device) if device is not None else None
         """Where this rank's stages run (None: CUDA device ``torch.cuda.current_device()`` under
         NCCL, else the CPU); set by :meth:`setup`."""
-        self.autocast_dtype = autocast_dtype
-        """Mixed precision: the stages' forwards run under ``torch.autocast`` in this dtype
-        (bf16), while parameters, their gradients and the gradient reduction stay fp32."""
+        self._autocast_dtype = autocast_dtype
         self.transfers = transfers
         """``tagged`` (gloo), ``ordered`` (NCCL), ``auto``: tagged on gloo, ordered otherwise
         (:mod:`vlmcompile.runtime.transport`)."""
@@ -181,6 +181,20 @@ class PipelineRunner:
         parameters have several; non-persistent buffers none); None: parameters under their
         captured names only."""
         self._ready = False
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """Mixed precision: the stages' forwards run under ``torch.autocast`` in this dtype
+        (bf16), while parameters, their gradients and the gradient reduction stay fp32. Set it
+        alike on every rank, between steps."""
+        return self._autocast_dtype
+
+    @autocast_dtype.setter
+    def autocast_dtype(self, dtype: torch.dtype | None) -> None:
+        if dtype != self._autocast_dtype and self._ready:
+            # The values sent between stages change dtype: the receivers learn them again.
+            self.transport.meta.clear()
+        self._autocast_dtype = dtype
 
     # ---- set-up --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -310,24 +324,19 @@ class PipelineRunner:
                 self.check_batch(next_batch)
                 ahead = self._ahead_state(next_batch)
         self._state = state  # what the on_action hook may look at (tests: the receives posted ahead)
-        params = self.parameters()
-        stash = [p.grad for p in params]
-        for p in params:
-            p.grad = None
         self.transport.buffers = Buffers(
-            planned=lambda stage, i: self._planned_shapes(stage, i, state),
+            planned=lambda stage, i: planned_shapes(self.stages_all[stage], state.sizes, i),
             outputs=lambda stage, i: floats(state.saved[(stage, i)][1]),
         )
-        self._interpret(state, ahead)
-        if ahead is not None:
-            self.run_ahead.keep(next_batch, ahead)
-        self.transport.finish(state.exchange)
-        self.groups.reduce_gradients(params, Deadline(self.rank, self.timeout_s), self._flat, self.device)
-        if isinstance(batch, PackedBatch) and not batch.images:
-            drop_unused_gradients(params)
-        for p, old in zip(params, stash):
-            if old is not None:
-                p.grad = old if p.grad is None else p.grad + old
+        params = self.parameters()
+        with added_to_held(params), step_context(self.autocast_dtype, self.device):
+            self._interpret(state, ahead)
+            if ahead is not None:
+                self.run_ahead.keep(next_batch, ahead)
+            self.transport.finish(state.exchange)
+            self.groups.reduce_gradients(params, Deadline(self.rank, self.timeout_s), self._flat, self.device)
+            if isinstance(batch, PackedBatch) and not batch.images:
+                drop_unused_gradients(params)
         loss = state.loss_sum.clone()
         self._wait(dist.all_reduce(loss, async_op=True), "the loss all-reduce")
         return loss.float()
@@ -414,13 +423,6 @@ class PipelineRunner:
         self._use_plan(plan, lower(plan))
 
     # ---- compute actions --------------------------------------------------------------------
-    def _planned_shapes(self, stage: int, microbatch: int, state: _StepState) -> list[tuple[int, ...]] | None:
-        """The shapes of what ``stage`` sends for ``microbatch``, known before the step (packed
-        pipelines), or None."""
-        if state.sizes is None:
-            return None
-        return [f.evaluate(state.sizes[microbatch]) for f in self.stages_all[stage].send_shapes]
-
     def _forward(self, action: Action, state: _StepState) -> None:
         s, i = action.stage, action.microbatch
         if s == 0:
@@ -461,9 +463,7 @@ class PipelineRunner:
             else x
             for x in received
         )
-        if self.autocast_dtype is None:
-            return leaves, self.stages[s](leaves, microbatch)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+        with forward_context(self.autocast_dtype, self.device):
             return leaves, self.stages[s](leaves, microbatch)
 
     def _backward(self, action: Action, state: _StepState) -> None:
@@ -555,12 +555,11 @@ def _backend(parallel, device: torch.device | None, transfers: str) -> tuple[str
     return backend, device
 
 
-def drop_unused_gradients(params: Sequence[torch.nn.Parameter]) -> None:
-    """``grad = None`` for the parameters whose gradient is zero everywhere, after a packed step
-    without a single image: eager training on that step never runs the vision encoder, so its
-    parameters get no gradient and AdamW skips them (no momentum step, no weight decay); here each
-    microbatch ran the encoder on a stand-in image whose features reach no token, which gives
-    exact zeros. Every rank holds the reduced gradients, so every rank drops the same ones."""
-    for p in params:
-        if p.grad is not None and not bool(p.grad.any()):
-            p.grad = None
+def planned_shapes(
+    stage, sizes: list[dict[str, int]] | None, microbatch: int
+) -> list[tuple[int, ...]] | None:
+    """The shapes of what ``stage`` sends for ``microbatch``, known before the step from the step's
+    size symbols (``sizes``: per microbatch; packed pipelines), or None."""
+    if sizes is None:
+        return None
+    return [f.evaluate(sizes[microbatch]) for f in stage.send_shapes]

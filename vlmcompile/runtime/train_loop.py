@@ -723,11 +723,13 @@ def eager_training(
     config: TrainConfig,
     device: str = "cpu",
     optimizer_factory: OptimizerFactory | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> list[float]:
     """The losses of ``config.steps`` steps of the eager loop a user would write: the same
     optimizer (AdamW by default) and LR schedule, ``clip_grad_norm_`` over the model, the same
     batches (on ``device``), a step with a non-finite loss or norm skipped when
-    ``config.on_nonfinite`` says so; ``model`` is trained. What :func:`train_on_rank` must equal."""
+    ``config.on_nonfinite`` says so, the forward under ``torch.autocast`` in ``autocast_dtype``
+    (None: none); ``model`` is trained. What :func:`train_on_rank` must equal."""
     optimizer = (optimizer_factory or config.adamw)(list(model.parameters()))
     scheduler = config.scheduler(optimizer)
     batches = _batches(data, 0)
@@ -735,7 +737,8 @@ def eager_training(
     for _ in range(config.steps):
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(batches).items()}
         optimizer.zero_grad(set_to_none=True)
-        out = model(**batch)
+        with torch.autocast(torch.device(device).type, autocast_dtype, enabled=autocast_dtype is not None):
+            out = model(**batch)
         loss = out if isinstance(out, torch.Tensor) else out.loss  # transformers' ModelOutput
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
