@@ -118,12 +118,12 @@ class Cluster:
     """Its ranks are processes on this machine (started by the local launcher, sharing its
     cores): a plan for it is meant to run here, on the runtime as it is."""
 
-    @property
-    def zero_stage(self) -> int:
-        """The ZeRO stage plans for this cluster use unless asked otherwise: Megatron-LM's
-        distributed optimizer (ZeRO-1) on GPU clusters; none on local ranks, as our runtime, which
-        runs their plans, all-reduces every gradient and keeps whole optimizer states."""
-        return 0 if self.ranks_on_this_machine else 1
+    def zero_stage(self, dp: int) -> int:
+        """The ZeRO stage plans for this cluster use at data-parallel degree ``dp`` unless asked
+        otherwise: ZeRO-1 on GPU clusters (Megatron-LM's distributed optimizer; our runtime's
+        ``ZeroRedundancyOptimizer``); none on local ranks, which share one machine's memory (ask
+        for it: ``PlanRequest.on(..., zero_stage=1)``), and none at DP = 1 (nothing to shard over)."""
+        return 0 if self.ranks_on_this_machine or dp == 1 else 1
 
     def __post_init__(self):
         if self.num_gpus < 1 or self.gpus_per_node < 1:

@@ -2,7 +2,8 @@
 
 Model states follow Rajbhandari et al. 2020 (ZeRO) with Megatron-LM's mixed precision: bf16
 parameters (2 B), fp32 main gradients (4 B) and Adam's fp32 master weights and two moments
-(12 B) per parameter; ZeRO stage 1 (Megatron's distributed optimizer) shards the optimizer
+(12 B) per parameter (our runtime's, :meth:`Precision.runtime`: fp32 parameters, gradients and
+two moments, 16 B, and under bf16 autocast a 2 B copy of each trainable weight for the step); ZeRO stage 1 (Megatron's distributed optimizer) shards the optimizer
 states over the data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters.
 
 Activations are the annotate pass's measured saved bytes, scaled to the microbatch, on one TP
@@ -50,10 +51,12 @@ class ModelStateBytes:
     params: float
     grads: float
     optimizer: float
+    compute_copy: float = 0.0
+    """The low-precision copy of the trainable weights a step holds (:attr:`Precision.compute_copy_bytes`)."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.compute_copy
 
 
 def model_state_bytes(
@@ -71,6 +74,7 @@ def model_state_bytes(
         params=num_params * precision.param_bytes / (dp if zero_stage >= 3 else 1),
         grads=trainable * precision.grad_bytes / (dp if zero_stage >= 2 else 1),
         optimizer=trainable * precision.optimizer_bytes / (dp if zero_stage >= 1 else 1),
+        compute_copy=trainable * precision.compute_copy_bytes,
     )
 
 

@@ -25,6 +25,7 @@ def even_plan(
     recompute: tuple[int, ...] = (),
     cuts: list[int] | None = None,
     placement: str = "loop",
+    zero_stage: int = 0,
 ) -> Plan:
     """pp x v stages of about equal layer counts (or cut before the given layer indices), 1F1B or
     interleaved 1F1B (V-shaped 1F1B with ``placement="v"``), full recompute on the layers at the
@@ -42,7 +43,7 @@ def even_plan(
         global_batch=global_batch,
         microbatch_size=microbatch_size,
         sequence_parallel=False,
-        zero_stage=0,
+        zero_stage=zero_stage,
         placement=placement,
     )
     return build_plan(

@@ -42,7 +42,7 @@ from vlmcompile.ir.layer_graph import LayerGraph
 from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, PACKED_META, SPECIALIZED_META
 from vlmcompile.ir.microbatch import rows_per_sample
 from vlmcompile.ir.packed import PackedBatch, PackedLayout
-from vlmcompile.ir.plan import check_frozen
+from vlmcompile.ir.plan import Precision, check_frozen
 from vlmcompile.ir.regions import LANGUAGE_REGIONS
 from vlmcompile.pass_runner import RunReport
 from vlmcompile.passes.codegen.contrastive import codegen_towers
@@ -75,6 +75,7 @@ from vlmcompile.runtime.train_loop import (
     stop_line,
     train_on_rank,
 )
+from vlmcompile.sim.simulator import peak_memory_bytes
 
 if TYPE_CHECKING:
     from vlmcompile.ir.plan import Parallel, Plan
@@ -610,7 +611,19 @@ def throughput_of(
         peak_flops_per_s=cluster.device.peak_flops_per_s,
         world_size=world,
         peak_of=cluster.device.name,
+        predicted_peak_bytes=predicted_peaks(runner, layer_graph, compiled_for or cluster),
     )
+
+
+def predicted_peaks(runner: PipelineRunner, layer_graph: LayerGraph, cluster: Cluster) -> tuple[int, ...]:
+    """Per global rank, the peak memory the simulator predicts for the runner's plan as the
+    runtime holds it (:meth:`~vlmcompile.ir.plan.Precision.runtime`: fp32 states, and a bf16
+    copy of the trainable weights under autocast), whatever precision the plan was made for."""
+    precision = Precision.runtime(autocast=runner.autocast_dtype is not None)
+    plan = dataclasses.replace(runner.plan, precision=precision)
+    per_pp_rank = peak_memory_bytes(plan, layer_graph, cluster)
+    parallel = runner.parallel
+    return tuple(int(per_pp_rank[parallel.coords(r)[0]]) for r in range(parallel.world_size))
 
 
 def train(pipe: CompiledPipeline, data: Data, config: TrainConfig, **options: Any) -> TrainResult:

@@ -215,7 +215,7 @@ def candidates(
                         continue
                     out.append(
                         PlanRequest(
-                            parallel=Parallel(dp=dp, tp=tp, pp=pp, v=v, zero_stage=cluster.zero_stage),
+                            parallel=Parallel(dp=dp, tp=tp, pp=pp, v=v, zero_stage=cluster.zero_stage(dp)),
                             global_batch=batch,
                             microbatch_size=mbs,
                         )

@@ -196,6 +196,20 @@ class Precision:
     """fp32 master weights + Adam's two moments."""
     dp_grad_bytes: int = 4
     """Bytes per gradient element on the wire in the DP reduction."""
+    compute_copy_bytes: int = 0
+    """Bytes per trainable parameter element of a low-precision copy the step computes with,
+    held from the weight's first forward to the step's end: 2 where fp32 parameters train under
+    bf16 autocast (our runtime keeps one cast a weight a step); 0 where the parameters are kept
+    in the compute dtype (Megatron-LM's bf16 parameters) or the step runs in fp32."""
+
+    @classmethod
+    def runtime(cls, autocast: bool) -> Precision:
+        """What our runtime holds: fp32 parameters, gradients and AdamW's two moments (the
+        parameters are the master weights), and under bf16 autocast one bf16 copy of each
+        trainable weight a step."""
+        return cls(
+            param_bytes=4, grad_bytes=4, optimizer_bytes=8, dp_grad_bytes=4, compute_copy_bytes=2 * autocast
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,6 +550,7 @@ _PRECISION_FIELDS = {
     "grad_bytes": (int, 4),
     "optimizer_bytes": (int, 12),
     "dp_grad_bytes": (int, 4),
+    "compute_copy_bytes": (int, 0),
 }
 
 

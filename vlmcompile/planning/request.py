@@ -67,7 +67,7 @@ class PlanRequest:
         placement: PlacementStyle | str = PlacementStyle.LOOP,
     ) -> PlanRequest:
         """The request Megatron-LM's flags make on ``cluster``: DP is what TP x PP leave; ZeRO
-        the cluster's (:attr:`Cluster.zero_stage`) unless given; ``placement`` the virtual
+        the cluster's (:meth:`Cluster.zero_stage`) unless given; ``placement`` the virtual
         stages' (:mod:`vlmcompile.ir.placement`: ``loop``, or ``v`` with the v_1f1b schedule)."""
         for name, value in (("tp", tp), ("pp", pp), ("v", v)):
             positive_int(name, value, f"the {name.upper()} degree")
@@ -79,7 +79,7 @@ class PlanRequest:
             pp=pp,
             v=v,
             sequence_parallel=sequence_parallel,
-            zero_stage=cluster.zero_stage if zero_stage is None else zero_stage,
+            zero_stage=cluster.zero_stage(dp) if zero_stage is None else zero_stage,
             placement=placement,
         )
         return cls(

@@ -20,6 +20,8 @@ Training:
 
 * ``global_batches`` - global batches from a dataset of samples, the same on every rank.
 * ``train_loop`` - the loop a user keeps: optimizer, LR schedule, clipping, checkpoints, metrics.
+* ``memory`` - each rank's peak tensor memory over a step, measured (GPU statistics, CPU allocator events).
+* ``optimizers`` - the optimizer a rank trains with: whole (ZeRO-0) or its states sharded over DP (ZeRO-1).
 * ``timed_steps`` - one step returning the gradients, and timed steps of runners (measured comparisons).
 * ``checkpoint`` - checkpoints in DCP format, under the original model's names.
 * ``checkpoint_dir`` - a run's checkpoint folder: checked first, held by one run, where a run starts.

@@ -28,6 +28,8 @@ class RuntimeCapabilities:
     tensor_parallel: bool
     split_backward: bool
     """Separate input- and weight-gradient actions (I, W: zero-bubble schedules)."""
+    zero_stages: frozenset[int] = frozenset({0, 1})
+    """ZeRO stages it runs (:mod:`vlmcompile.runtime.optimizers`)."""
 
 
 RUNTIME = RuntimeCapabilities(tensor_parallel=False, split_backward=False)
@@ -55,6 +57,7 @@ def runnable(plan: Plan, layer_graph=None) -> RunnablePlan:
                 f"the runtime has no tensor parallelism yet; this plan's group {name!r} has TP={par.tp} "
                 "(plan with tp=1)"
             )
+    check_zero(plan)
     if not RUNTIME.split_backward and any(
         a.kind in (ActionKind.I, ActionKind.W) for acts in plan.actions for a in acts
     ):
@@ -66,6 +69,30 @@ def runnable(plan: Plan, layer_graph=None) -> RunnablePlan:
     program = lower(plan)
     check_lowered(plan, program)  # the lists with their sends and receives, as the ranks will run them
     return RunnablePlan(plan, plan.pipeline_parallel, program)
+
+
+def check_zero(plan: Plan) -> None:
+    """The plan's ZeRO stages are ones the runtime runs, each over a data-parallel group it
+    shards over: the pipeline's, which every group's parameters are replicated on."""
+    pipeline = plan.pipeline_parallel
+    for name, par in plan.parallel.items():
+        if par.zero_stage not in RUNTIME.zero_stages:
+            raise PlanError(
+                f"group {name!r} of the plan has zero_stage={par.zero_stage}; the runtime runs ZeRO stages "
+                f"{', '.join(map(str, sorted(RUNTIME.zero_stages)))} (gradients reduced whole, optimizer "
+                "states sharded at 1): plan with zero_stage=1"
+            )
+        if par.zero_stage and par.dp == 1:
+            raise PlanError(
+                f"group {name!r} of the plan has zero_stage={par.zero_stage} at DP=1: there is no data-parallel "
+                "group to shard over; plan with zero_stage=0"
+            )
+        if par.zero_stage and par.dp != pipeline.dp:
+            raise PlanError(
+                f"group {name!r} of the plan has zero_stage={par.zero_stage} over DP={par.dp}, but its stages run "
+                f"replicated over the pipeline's ranks, whose data-parallel groups hold {pipeline.dp}: the runtime "
+                "shards optimizer states over those only; plan that group with zero_stage=0"
+            )
 
 
 def stages_after_trainable(stages: Sequence[torch.nn.Module]) -> list[bool]:

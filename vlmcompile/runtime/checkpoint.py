@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from vlmcompile.ir.errors import VlmCompileError, user_facing
+from vlmcompile.runtime.optimizers import local_states, param_groups
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.api import CheckpointException
@@ -436,7 +437,7 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
                 for p in _optimizer_params(optimizer)
                 if state["optimizer"].get(names[id(p)])
             },
-            "param_groups": optimizer.state_dict()["param_groups"],
+            "param_groups": param_groups(optimizer),
         }
     )
     if scheduler is not None and state["trainer"]["scheduler"]:
@@ -591,13 +592,14 @@ def _optimizer_params(optimizer) -> list[torch.nn.Parameter]:
 
 def _optimizer_state(runner, optimizer) -> dict[str, dict[str, Any]]:
     names = _canonical_names(runner)
+    held = local_states(optimizer)  # under ZeRO-1, each rank saves the states it owns
     out = {}
     for p in _optimizer_params(optimizer):
         if id(p) not in names:
             raise CheckpointError(
                 "the optimizer holds a parameter that is not the pipeline's: build it from runner.parameters()"
             )
-        state = optimizer.state.get(p)
+        state = held.get(p)
         if state:
             out[names[id(p)]] = dict(state)
     return out

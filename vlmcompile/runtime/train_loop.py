@@ -48,9 +48,10 @@ from vlmcompile.runtime import checkpoint, preemption
 from vlmcompile.runtime.checkpoint_dir import Start, check_start, claim, kept_saves
 from vlmcompile.runtime.executor import BatchError, PipelineRunner
 from vlmcompile.runtime.launch import LOCAL_RANK_ENV
+from vlmcompile.runtime.memory import StepMemory
+from vlmcompile.runtime.optimizers import OptimizerFactory, local_states, make_optimizer
 from vlmcompile.runtime.saves import RunSaves, epochs_of
 
-OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 Data = Callable[[int], Mapping[str, Any]] | Iterable[Mapping[str, Any]]
 """Global batches: a function of the step number, or an iterable giving one per step."""
@@ -92,6 +93,11 @@ class TrainConfig:
     """Rank 0 appends one JSON object per step here."""
     progress: bool | None = None
     """Rank 0 draws a progress bar (None: when stderr is a terminal)."""
+    measure_memory: Literal["once", "every", "off"] = "once"
+    """Which steps measure each rank's peak tensor memory on CPU ranks (GPUs measure every step,
+    for free): "once", the run's first step with optimizer states (its second, or a resumed run's
+    first), "every" step (each measured CPU step takes longer: :mod:`vlmcompile.runtime.memory`),
+    or "off"."""
 
     @user_facing
     def __post_init__(self):
@@ -127,6 +133,8 @@ class TrainConfig:
         check_start(self.checkpoint_dir, resume=self.resume, overwrite=self.overwrite)
         if self.on_nonfinite not in ("stop", "skip"):
             raise ArgumentError(f"on_nonfinite={self.on_nonfinite!r}; give 'stop' or 'skip'")
+        if self.measure_memory not in ("once", "every", "off"):
+            raise ArgumentError(f"measure_memory={self.measure_memory!r}; give 'once', 'every' or 'off'")
 
     def lr_factor(self, step: int) -> float:
         """The LR at ``step`` (0-based) over ``lr``: linear warm-up, then the decay to ``min_lr_ratio``."""
@@ -178,6 +186,13 @@ class StepMetrics:
     peak_mem_bytes: tuple[int, ...]
     """Per rank: the most memory it held in the step's forward and backward (GPU: allocated by
     torch; CPU: the process's peak resident set so far, which only grows)."""
+    peak_tensor_bytes: tuple[int, ...] | None = None
+    """Per rank: the most tensor memory it held in the step, forward to optimizer update
+    (:mod:`vlmcompile.runtime.memory`); None: not measured this step
+    (:attr:`TrainConfig.measure_memory`)."""
+    predicted_peak_bytes: tuple[int, ...] | None = None
+    """Per rank: the plan's predicted peak memory for the precision trained in (the simulator's,
+    states and activations), beside a measured ``peak_tensor_bytes``."""
     skipped_steps: int = 0
     """Steps skipped so far for a non-finite loss or gradient norm (``on_nonfinite="skip"``),
     this one included."""
@@ -211,6 +226,11 @@ class StepMetrics:
             + (
                 f", {self.deferred_samples} sample{'s' if self.deferred_samples > 1 else ''} deferred to the next step"
                 if self.deferred_samples
+                else ""
+            )
+            + (
+                _memory_line(self.peak_tensor_bytes, self.predicted_peak_bytes)
+                if self.peak_tensor_bytes
                 else ""
             )
             + (
@@ -306,6 +326,20 @@ class TrainResult:
         return line
 
 
+def _memory_line(measured: tuple[int, ...], predicted: tuple[int, ...] | None) -> str:
+    """The peak tensor memory of the rank that held the most, against its prediction."""
+    rank = max(range(len(measured)), key=measured.__getitem__)
+    line = f", tensors {_gib(measured[rank])} GiB on rank {rank}"
+    if predicted:
+        line += f" (predicted {_gib(predicted[rank])}, {memory_error(measured[rank], predicted[rank]):+.0%})"
+    return line
+
+
+def memory_error(measured: float, predicted: float) -> float:
+    """Predicted over measured, less one: +10 % predicts a tenth more than the rank held."""
+    return predicted / measured - 1 if measured else 0.0
+
+
 def _rate(x: float) -> str:
     return f"{x / 1e3:.1f} K" if x >= 1e4 else f"{x:.0f}"
 
@@ -316,7 +350,8 @@ def _gib(n: float) -> str:
 
 @dataclass(slots=True)
 class Throughput:
-    """What turns a step time into samples/s and MFU."""
+    """What a step's measurements are read against: what turns its time into samples/s and MFU,
+    and the plan's predicted peak memory."""
 
     global_batch: int
     flops_per_sample: float
@@ -328,6 +363,8 @@ class Throughput:
     world_size: int = 1
     peak_of: str = ""
     """The device whose peak MFU is over."""
+    predicted_peak_bytes: tuple[int, ...] = ()
+    """Per global rank: the plan's predicted peak memory, for the precision trained in."""
 
     def mfu(self, step_s: float) -> float:
         capacity = step_s * self.world_size * self.peak_flops_per_s
@@ -379,12 +416,18 @@ def claim_for(config: TrainConfig, checkpoint_bytes: int | None):
 
 
 def _train(runner, data, config, throughput, optimizer, scheduler, start: Start) -> TrainResult:
-    opt = (optimizer or config.adamw)(_optimized_parameters(runner))
+    opt = make_optimizer(
+        _optimized_parameters(runner),
+        optimizer or config.adamw,
+        zero_stage=runner.parallel.zero_stage,
+        dp_group=runner.groups.dp,
+    )
     sched = (scheduler or config.scheduler)(opt)
     first = 0
     if start.checkpoint is not None:
         first = checkpoint.load(start.checkpoint, runner, opt, sched, config.schedule)
     log = _StepLog(runner.rank == 0, config, start)
+    memory = StepMemory(runner.device)
     saves = RunSaves(
         config, runner, opt, sched, data, log, start, (DataError, BatchError, NonFiniteStepError)
     )
@@ -407,12 +450,16 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
             ahead = runner.plan.ahead and step + 1 < config.steps
             upcoming = _checked_batch(runner, step + 1, lambda: next(batches, None)) if ahead else None
         opt.zero_grad(set_to_none=True)
-        loss = float(runner.step(batch, next_batch=upcoming))
-        stats = clip_grad_norm(runner, config.max_grad_norm, _peak_memory(runner), preemption.requested())
-        lr = opt.param_groups[0]["lr"]
-        finite = math.isfinite(loss) and math.isfinite(stats.norm)
+        measured = _measures(config, step, first, runner.device)
+        with memory.window(measured, held=held_tensors(runner, opt) if measured else ()):
+            loss = float(runner.step(batch, next_batch=upcoming))
+            stats = clip_grad_norm(runner, config.max_grad_norm, _peak_memory(runner), preemption.requested())
+            lr = opt.param_groups[0]["lr"]
+            finite = math.isfinite(loss) and math.isfinite(stats.norm)
+            if finite:
+                opt.step()
+        peaks = _every_rank(runner, memory.peak_bytes) if measured else None
         if finite:
-            opt.step()
             sched.step()
         elif config.on_nonfinite == "skip":
             opt.zero_grad(set_to_none=True)
@@ -424,7 +471,7 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)  # the update's kernels are part of the step
         metrics = _step_metrics(
-            step, loss, lr, stats, time.perf_counter() - began, batch, throughput, skipped, finite
+            step, loss, lr, stats, time.perf_counter() - began, batch, throughput, skipped, finite, peaks
         )
         out.append(metrics)
         log.write(metrics)
@@ -445,7 +492,7 @@ def _train(runner, data, config, throughput, optimizer, scheduler, start: Start)
 
 
 def _step_metrics(
-    step, loss, lr, stats: StepStats, step_s: float, batch, throughput, skipped: int, finite: bool
+    step, loss, lr, stats: StepStats, step_s: float, batch, throughput, skipped: int, finite: bool, peaks
 ) -> StepMetrics:
     # A packed step's samples are not its microbatches: count the samples it trained.
     samples = batch.num_samples if isinstance(batch, PackedBatch) else throughput.global_batch
@@ -459,6 +506,8 @@ def _step_metrics(
         tokens_per_s=throughput.global_batch * throughput.tokens_per_sample / step_s,
         mfu=throughput.mfu(step_s),
         peak_mem_bytes=stats.peak_mem_bytes,
+        peak_tensor_bytes=peaks,
+        predicted_peak_bytes=(throughput.predicted_peak_bytes or None) if peaks else None,
         skipped_steps=skipped,
         skipped=not finite,
         samples=samples,
@@ -582,6 +631,35 @@ def _checked_batch(
     except VlmCompileError as err:  # a collate failure, or a batch of other shapes
         raise type(err)(f"the data's global batch for step {step + 1}: {err}") from None
     return batch
+
+
+def _measures(config: TrainConfig, step: int, first: int, device: torch.device) -> bool:
+    """Whether ``step`` (0-based; the run starts at ``first``) measures peak tensor memory: alike
+    on every rank (the peaks are all-reduced)."""
+    if config.measure_memory == "off":
+        return False
+    if config.measure_memory == "every" or device.type == "cuda":
+        return True
+    # The second step holds the optimizer's states, which the first makes at its end.
+    return step == min(first + 1, config.steps - 1)
+
+
+def held_tensors(runner: PipelineRunner, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What a rank holds between steps: parameters, gradients, buffers, optimizer states."""
+    params = runner.parameters()
+    states = [
+        t for state in local_states(optimizer).values() for t in state.values() if isinstance(t, torch.Tensor)
+    ]
+    buffers = [b for stage in runner.stages.values() for b in stage.buffers()]
+    return [*params, *(p.grad for p in params if p.grad is not None), *buffers, *states]
+
+
+def _every_rank(runner: PipelineRunner, value: int | None) -> tuple[int, ...]:
+    """Every rank's ``value`` (one all-reduce; float64 holds byte counts exactly)."""
+    out = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=runner.device)
+    out[runner.rank] = value or 0
+    runner._wait(dist.all_reduce(out, async_op=True), "the peak-memory all-reduce")
+    return tuple(int(x) for x in out.tolist())
 
 
 def _peak_memory(runner: PipelineRunner) -> int:
