@@ -78,6 +78,9 @@ MASKS: tuple[tuple[re.Pattern[str], str], ...] = (
     # the simulator's are written "MFU (model FLOPs) 31.0 %" and "peak memory: 53.47 GiB" and stay
     (re.compile(r"(MFU )\d+(?:\.\d+)?(?= %)"), r"\1<mfu>"),
     (re.compile(r"(peak mem(?:ory)? )\d+(?:\.\d+)?(?= GiB)"), r"\1<mem>"),
+    # measured peak tensor memory against its prediction ("tensors at their peak (step 2) 499.54 KiB on
+    # rank 0 (predicted 476.62 KiB, -5%)"): the measured side, and so the rank and error, vary
+    (re.compile(r"(tensors(?: at their peak \(step \d+\))?) [^;(]*\(predicted [^)]*\)"), r"\1 <tensors>"),
 )
 """Figures that differ between two runs of the same command: (pattern, replacement)."""
 

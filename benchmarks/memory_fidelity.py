@@ -78,7 +78,9 @@ CASES = [
         "transformers LLaVA (6 M), PP=2 x DP=2, ZeRO-1, LLM recomputed",
         4,
     ),
-    Case("demo-packed", "demo-packed", None, "packed variable data (text-only samples too), the compiled plan"),
+    Case(
+        "demo-packed", "demo-packed", None, "packed variable data (text-only samples too), the compiled plan"
+    ),
     Case("tiny-llava-1f1b", "hf-llava", _even(pp=2), "transformers LLaVA (65 K), 1F1B, PP=2"),
 ]
 

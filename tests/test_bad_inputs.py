@@ -172,11 +172,17 @@ def _pipe():
     return _PIPE["pipe"], _PIPE["batch"]
 
 
-def _train_tiny(**options):
-    """``pipe.train`` of the tiny model's 2-stage plan, one step, with ``options``."""
+def _train_tiny(cap_bytes: float | None = None, **options):
+    """``pipe.train`` of the tiny model's 2-stage plan, one step, with ``options`` (``cap_bytes``:
+    the pipeline's cluster given that much memory a rank)."""
+    import dataclasses
+
     from vlmcompile import TrainConfig
+    from vlmcompile.cost_models.cluster import Cluster
 
     pipe, batch = _pipe()
+    if cap_bytes is not None:
+        pipe = dataclasses.replace(pipe, cluster=Cluster.preset("cpu:2").with_memory_cap(cap_bytes))
     plan = even_plan(pipe.layer_graph, pp=2, global_batch=4)
     return pipe.train([batch], TrainConfig(steps=1), plan=plan, timeout_s=20, **options)
 
@@ -647,6 +653,13 @@ CASES = {
         lambda tmp: _train_tiny(autocast_dtype=torch.float16),
         "fp16 gradients underflow without a gradient scaler, which the runtime does not run; train in "
         "torch.bfloat16",
+    ),
+    "api-train-over-memory": Case(
+        "API",
+        "pipe.train of a plan predicted over a rank's memory as the runtime holds it (before any rank starts)",
+        lambda tmp: _train_tiny(cap_bytes=400 * 1024),
+        "as the runtime trains this plan (fp32), over the 400.00 KiB a rank of cpu:2 has: plan again with more "
+        "pipeline stages, recompute or ZeRO-1",
     ),
     "api-model-no-params": Case(
         "API",

@@ -25,6 +25,7 @@ from torch import nn
 
 from vlmcompile import families
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import ranks_over, usable_memory_bytes
 from vlmcompile.data.packed_step import pack_step
 from vlmcompile.data.packing import samples_of
 from vlmcompile.data.steps import PackedSteps, check_run
@@ -38,7 +39,7 @@ from vlmcompile.ir.errors import (
     SampleBatchError,
     user_facing,
 )
-from vlmcompile.ir.layer_graph import LayerGraph
+from vlmcompile.ir.layer_graph import LayerGraph, format_bytes
 from vlmcompile.ir.meta_keys import LOSS_SPLIT_META, PACKED_META, SPECIALIZED_META
 from vlmcompile.ir.microbatch import rows_per_sample
 from vlmcompile.ir.packed import PackedBatch, PackedLayout
@@ -312,6 +313,7 @@ class CompiledPipeline:
         runner.transfers = transfers
         world = runner.parallel.world_size
         throughput = self.throughput(runner, on_gpu=on_gpu)
+        check_memory(throughput.predicted_peak_bytes, self.cluster, runner)
         if not dist.is_initialized():
             check_launchable(world, timeout_s)
             check_trainable(runner)  # refused before any rank starts, as is a bad first batch
@@ -613,6 +615,24 @@ def throughput_of(
         peak_of=cluster.device.name,
         predicted_peak_bytes=predicted_peaks(runner, layer_graph, compiled_for or cluster),
     )
+
+
+def check_memory(predicted: Sequence[int], cluster: Cluster | None, runner: PipelineRunner) -> None:
+    """Refuse a plan whose peak, as the runtime holds it, is over the memory ``cluster`` gives a
+    rank (after :data:`~vlmcompile.cost_models.memory.MEMORY_RESERVE`): a plan made for one
+    precision runs out of memory in another (frozen weights stay fp32 under autocast)."""
+    if cluster is None or not predicted:
+        return
+    cap = usable_memory_bytes(cluster.device.mem_bytes)
+    over = ranks_over(predicted, cap)
+    if over:
+        r = max(over, key=lambda k: predicted[k])
+        held = "bf16 autocast, fp32 states" if runner.autocast_dtype is not None else "fp32"
+        raise PlanError(
+            f"rank {r} would hold {format_bytes(predicted[r])} as the runtime trains this plan ({held}), over the "
+            f"{format_bytes(cap)} a rank of {cluster.name} has: plan again with more pipeline stages, recompute "
+            "or ZeRO-1, or a larger memory cap"
+        )
 
 
 def predicted_peaks(runner: PipelineRunner, layer_graph: LayerGraph, cluster: Cluster) -> tuple[int, ...]:

@@ -42,6 +42,7 @@ from vlmcompile.ir.errors import (
     positive_number,
     user_facing,
 )
+from vlmcompile.ir.layer_graph import format_bytes
 from vlmcompile.ir.microbatch import IGNORE_INDEX
 from vlmcompile.ir.packed import PackedBatch, nonfinite_keys
 from vlmcompile.runtime import checkpoint, preemption
@@ -300,11 +301,23 @@ class TrainResult:
             f"medians over {which}: step {m['step_s']:.3f} s, {m['samples_per_s']:.2f} samples/s, "
             f"{_rate(m['tokens_per_s'])} tokens/s, MFU {100 * m['mfu']:.1f} %; peak memory {_gib(peak)} GiB "
             "on the busiest rank"
+            + self._tensors_line()
             + f"; {self._samples_line()}"
             + (f"; {self.skipped_steps} steps skipped (non-finite)" if self.skipped_steps else "")
             + (f"; checkpoints: {', '.join(self.checkpoints)}" if self.checkpoints else "")
             + (f"; stopped early by {self.stopped_by}" if self.stopped_by else "")
         )
+
+    def _tensors_line(self) -> str:
+        """The measured peak tensor memory against the plan's prediction, on the rank and step
+        that held the most (empty where no step measured it)."""
+        measured = [s for s in self.steps if s.peak_tensor_bytes]
+        if not measured:
+            return ""
+        top = max(measured, key=lambda s: max(s.peak_tensor_bytes))
+        return f"; tensors at their peak (step {top.step})" + _memory_line(
+            top.peak_tensor_bytes, top.predicted_peak_bytes
+        ).removeprefix(", tensors")
 
     def _samples_line(self) -> str:
         deferred = [m.deferred_samples for m in self.steps]
@@ -329,9 +342,9 @@ class TrainResult:
 def _memory_line(measured: tuple[int, ...], predicted: tuple[int, ...] | None) -> str:
     """The peak tensor memory of the rank that held the most, against its prediction."""
     rank = max(range(len(measured)), key=measured.__getitem__)
-    line = f", tensors {_gib(measured[rank])} GiB on rank {rank}"
+    line = f", tensors {format_bytes(measured[rank])} on rank {rank}"
     if predicted:
-        line += f" (predicted {_gib(predicted[rank])}, {memory_error(measured[rank], predicted[rank]):+.0%})"
+        line += f" (predicted {format_bytes(predicted[rank])}, {memory_error(measured[rank], predicted[rank]):+.0%})"
     return line
 
 
