@@ -15,7 +15,10 @@ On a machine with CUDA it
 3. times every layer of the demo in bf16 on the GPU (the profile pass) and fits the device's
    efficiencies (``cost_models/calibrate.py``), printing the fit and its error;
 4. does the same for each ``--calibrate-at`` model cut to two layers a tower (paper widths: the
-   demo's layers are too narrow to keep a GPU busy, so its fit measures launch overhead).
+   demo's layers are too narrow to keep a GPU busy, so its fit measures launch overhead);
+5. trains a transformers LLaVA (export capture) in bf16 on one GPU, and with N >= 2 GPUs the
+   demo's ZeRO-1 plan at DP = N against eager; every run records its step and each rank's peak
+   tensor memory against the plan's predictions.
 
 The figures go to ``benchmarks/results/gpu_check_<device>.json`` with the device named.
 ``--device cpu`` runs the same steps on CPU ranks over gloo: a dry run of this script on a
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import platform
 import re
 import statistics
@@ -45,6 +49,8 @@ from vlmcompile.models.synthetic_batches import SyntheticBatches
 from vlmcompile.passes.graph.profile import profile
 from vlmcompile.runtime.train_loop import TrainConfig, eager_training
 
+LLAVA = "hf-llava"
+"""The transformers model trained in bf16 (captured by torch.export, as every transformers family)."""
 MODEL = "demo"
 """The model checked (``--model`` takes another zoo model: the test suite's dry run uses ``tiny``)."""
 GLOBAL_BATCH = 8
@@ -108,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     with tempfile.TemporaryDirectory() as tmp:
+        result["runs"] += _plan_checks(Path(tmp), args, cluster_of, gpus, eager)
         for n in sorted({1, gpus} if gpus >= 2 else {1}):
             cluster = f"{cluster_of}{n}" if args.device == "cpu" else f"{cluster_of}x{n}"
             plan = _plan_file(Path(tmp), cluster, pp=n, model=args.model)
@@ -243,16 +250,50 @@ def refit(path: Path) -> int:
     return 0
 
 
-def _plan_file(tmp: Path, cluster: str, pp: int, model: str = MODEL) -> str:
-    path = tmp / f"plan_{cluster.replace(':', '')}.json"
-    command = [sys.executable, "-m", "vlmcompile", "plan", "--model", model, "--cluster", cluster]
+def _plan_checks(tmp: Path, args, cluster_of: str, gpus: int, eager: list[float]) -> list[dict]:
+    """What the plan promises beyond the demo's fp32 and bf16 runs: a transformers LLaVA trained
+    in bf16 autocast on one device (the capture's dtype checks once crashed every transformers
+    model there), and with 2 devices or more the demo's ZeRO-1 plan at DP = N (optimizer states
+    sharded) against eager training. Each with its step and peak tensor memory per rank against
+    the plan's prediction."""
+
+    def cluster(n: int) -> str:
+        return f"{cluster_of}{n}" if args.device == "cpu" else f"{cluster_of}x{n}"
+
+    out = []
+    llava = _plan_file(tmp, cluster(1), pp=1, model=LLAVA)
+    run = _torchrun(1, llava, args, "bf16", tmp)
+    run.update(
+        cluster=cluster(1), precision="bf16", model=LLAVA, finite=all(map(math.isfinite, run["losses"]))
+    )
+    run.update(_prediction_error(llava, run))
+    print(f"  {LLAVA} {run['cluster']} bf16: {run['summary']}", flush=True)
+    out.append(run)
+    if gpus >= 2:
+        zero = _plan_file(tmp, cluster(gpus), pp=1, model=args.model, extra=("--zero-stage", "1"))
+        run = _torchrun(gpus, zero, args, "fp32", tmp)
+        run.update(cluster=cluster(gpus), precision="fp32", zero_stage=1)
+        try:
+            torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(eager))
+            run["equals_eager"] = True
+        except AssertionError as err:
+            run["equals_eager"], run["mismatch"] = False, str(err)
+        run.update(_prediction_error(zero, run))
+        print(f"  {run['cluster']} ZeRO-1 at DP={gpus}: {run['summary']}", flush=True)
+        out.append(run)
+    return out
+
+
+def _plan_file(tmp: Path, cluster: str, pp: int, model: str = MODEL, extra: tuple[str, ...] = ()) -> str:
+    path = tmp / f"plan_{model}_{cluster.replace(':', '')}{''.join(extra).replace('-', '_')}.json"
+    command = [sys.executable, "-m", "vlmcompile", "plan", "--model", model, "--cluster", cluster, *extra]
     command += ["--tp", "1", "--pp", str(pp), "--global-batch", str(GLOBAL_BATCH), "--json", str(path)]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
     return str(path)
 
 
 def _torchrun(n: int, plan: str, args, precision: str, tmp: Path) -> dict:
-    log = tmp / f"steps_{n}_{precision}.jsonl"
+    log = tmp / f"steps_{Path(plan).stem}_{precision}.jsonl"  # one a run: --log-jsonl appends
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
     command += ["-m", "vlmcompile", "train", "--plan", plan, "--steps", str(args.steps), "--lr", "1e-4"]
     command += [
@@ -277,8 +318,24 @@ def _torchrun(n: int, plan: str, args, precision: str, tmp: Path) -> dict:
         "median_step_s_after_first": statistics.median(s["step_s"] for s in timed),
         "median_mfu_after_first": statistics.median(s["mfu"] for s in timed),
         "peak_mem_bytes_per_rank": [max(col) for col in zip(*(s["peak_mem_bytes"] for s in steps))],
+        **_tensor_memory(steps),
         "wall_s": time.perf_counter() - start,
         "summary": done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "",
+    }
+
+
+def _tensor_memory(steps: list[dict]) -> dict:
+    """Each rank's measured peak tensor memory (the steps that measured it; every step on a GPU)
+    against the runtime's prediction for the precision trained in."""
+    measured = [s for s in steps[1:] or steps if s.get("peak_tensor_bytes")]
+    if not measured:
+        return {}
+    peaks = [max(col) for col in zip(*(s["peak_tensor_bytes"] for s in measured))]
+    predicted = measured[-1]["predicted_peak_bytes"]
+    return {
+        "peak_tensor_bytes_per_rank": peaks,
+        "runtime_predicted_peak_bytes_per_rank": predicted,
+        "tensor_memory_error_per_rank": [p / m - 1 if m else None for p, m in zip(predicted, peaks)],
     }
 
 

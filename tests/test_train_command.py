@@ -199,7 +199,8 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int:
 @pytest.mark.extended  # 26 s: not in .ci/run (CI time); run by the README's test command
 def test_the_gpu_check_runs_dry_on_cpu_ranks(tmp_path):
     """benchmarks/gpu_check.py waits for a GPU; its dry run takes every step of it on CPU ranks
-    (plans, torchrun in fp32 and bf16 on 1 and 2 ranks, eager comparison, calibration)."""
+    (plans, torchrun in fp32 and bf16 on 1 and 2 ranks, a transformers LLaVA in bf16, ZeRO-1 at DP = 2,
+    eager comparison, measured against predicted memory, calibration)."""
     out = tmp_path / "check.json"
     script = Path(__file__).parent.parent / "benchmarks" / "gpu_check.py"
     command = [
@@ -220,9 +221,20 @@ def test_the_gpu_check_runs_dry_on_cpu_ranks(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["device"].startswith("CPU") and result["backend"] == "gloo"
-    runs = {(r["cluster"], r["precision"]): r for r in result["runs"]}
-    assert set(runs) == {("cpu:1", "fp32"), ("cpu:1", "bf16"), ("cpu:2", "fp32")}
-    assert all(runs[k]["equals_eager"] for k in runs if k[1] == "fp32")
+    runs = {
+        (r.get("model", "tiny"), r["cluster"], r["precision"], r.get("zero_stage", 0)): r
+        for r in result["runs"]
+    }
+    assert set(runs) == {
+        ("tiny", "cpu:1", "fp32", 0),
+        ("tiny", "cpu:1", "bf16", 0),
+        ("tiny", "cpu:2", "fp32", 0),
+        ("tiny", "cpu:2", "fp32", 1),
+        ("hf-llava", "cpu:1", "bf16", 0),
+    }
+    assert all(runs[k]["equals_eager"] for k in runs if k[2] == "fp32")
+    assert runs[("hf-llava", "cpu:1", "bf16", 0)]["finite"]
+    assert all(len(r["tensor_memory_error_per_rank"]) == int(r["cluster"][4:]) for r in runs.values())
     assert (
         result["calibration"]["layers"] > 0 and 0 < result["calibration"]["fitted_efficiency"]["matmul"] <= 1
     )

@@ -306,6 +306,7 @@ def _plan_run(args: argparse.Namespace, graph, cluster):
         microbatch_size=args.microbatch_size or 1,
         schedule=args.schedule,
         placement=args.stage_placement or "loop",
+        zero_stage=args.zero_stage,
     )
     recompute = (
         "auto"
@@ -370,8 +371,9 @@ _SEARCHED = (
     "placement",
     "first_stage_layers",
     "last_stage_layers",
+    "zero_stage",
 )
-"""Flags of ``plan`` that ``--search`` chooses itself."""
+"""Flags of ``plan`` that ``--search`` chooses itself (ZeRO: the cluster's)."""
 _MEGATRON_ONLY = ("placement", "first_stage_layers", "last_stage_layers")
 
 
@@ -605,6 +607,13 @@ def _add_plan(sub) -> None:
     q.add_argument("--v", type=_positive_int, help="virtual stages per rank (interleaved 1F1B when > 1)")
     q.add_argument("--global-batch", type=_positive_int, help="samples per step")
     q.add_argument("--microbatch-size", type=_positive_int, help="samples per microbatch (default 1)")
+    q.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(0, 1),
+        help="ZeRO stage (0: optimizer states whole on every data-parallel rank, 1: sharded over them); "
+        "default: 1 on GPU clusters at DP > 1, else 0",
+    )
     _add_layout_flags(q)
     q.add_argument(
         "--dtype",

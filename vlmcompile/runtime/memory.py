@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -44,12 +45,11 @@ class StepMemory:
         profiler = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         )
-        with _quiet_stderr():  # Kineto prints a line as it starts and stops, on every step measured
+        with _profiler_lines_dropped():
             profiler.start()
-        try:
-            yield
-        finally:
-            with _quiet_stderr():
+            try:
+                yield
+            finally:
                 profiler.stop()
         self.peak_bytes = before + allocated_peak(profiler)
 
@@ -85,15 +85,33 @@ def allocated_peak(profiler: torch.profiler.profile) -> int:
     return max(0, max(e.extra_fields.total_allocated for e in events) - base)
 
 
+NOISE = (
+    "SyncActivityProfilerHandler.cpp",  # Kineto's "profiler_start" and "profiler_stop" lines
+    "Memory block of unknown size was allocated before the profiling started",  # a free the profiler did not see allocated
+)
+"""What the profiler writes to stderr on every step it records, which says nothing to a user."""
+
+
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 sent to /dev/null within (C++ logging writes there directly)."""
+def _profiler_lines_dropped() -> Iterator[None]:
+    """Within, what is written to file descriptor 2 (C++ logging writes there directly) goes to
+    a file; after, its lines go on to stderr, but for the profiler's own (:data:`NOISE`)."""
     sys.stderr.flush()
     saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
             yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [
+                line
+                for line in held.read().decode(errors="replace").splitlines(True)
+                if not any(n in line for n in NOISE)
+            ]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
