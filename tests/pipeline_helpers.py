@@ -26,6 +26,7 @@ def even_plan(
     cuts: list[int] | None = None,
     placement: str = "loop",
     zero_stage: int = 0,
+    schedule: str | None = None,
 ) -> Plan:
     """pp x v stages of about equal layer counts (or cut before the given layer indices), 1F1B or
     interleaved 1F1B (V-shaped 1F1B with ``placement="v"``), full recompute on the layers at the
@@ -45,6 +46,7 @@ def even_plan(
         sequence_parallel=False,
         zero_stage=zero_stage,
         placement=placement,
+        schedule=schedule,
     )
     return build_plan(
         layer_graph,

@@ -1,4 +1,5 @@
-"""torch's pipeline engine as a second opinion: our chain plans' action lists run through
+"""torch's pipeline engine as a second opinion: our chain plans' action lists (1F1B, interleaved,
+zero-bubble with its split backwards) run through
 ``torch.distributed.pipelining``'s schedule runtime (``_PipelineScheduleRuntime``, our stage
 modules wrapped in ``PipelineStage``) give the loss and every gradient our runtime gives, so our
 lists and torch's lowering of them keep one meaning.
@@ -8,8 +9,7 @@ order (every stage must run its forwards in microbatch order: chain 1F1B and int
 do); it sums no gradient over ranks that share a parameter, computes ``0 x NaN`` for a
 microbatch without label tokens where ours skips it, and asks gradients of every received
 float; the tiny model's plans here have none of those. Encoder-in-bubbles plans stay ours: torch
-refuses a stage on two ranks and forward-only stages. Zero-bubble plans (I and W actions) join
-when the runtime runs them.
+refuses a stage on two ranks and forward-only stages.
 """
 
 from __future__ import annotations
@@ -66,7 +66,12 @@ def _both(runner, batch):
     schedule = _PipelineScheduleRuntime(
         stages, m, loss_fn=lambda out, weight: out * weight, scale_grads=False
     )
-    kinds = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
+    kinds = {
+        "F": _ComputationType.FORWARD,
+        "B": _ComputationType.FULL_BACKWARD,
+        "I": _ComputationType.BACKWARD_INPUT,
+        "W": _ComputationType.BACKWARD_WEIGHT,
+    }
     compute = {
         r: [_Action(a.stage, kinds[a.kind.value], a.microbatch) for a in acts]
         for r, acts in enumerate(plan.actions)
@@ -99,6 +104,7 @@ def test_our_chain_plans_run_on_torchs_schedule_runtime_with_our_loss_and_gradie
     pipe = compile(model, batch, log=None)
     plans = {"1f1b": even_plan(pipe.layer_graph, pp=2, global_batch=4)}
     plans["interleaved"] = even_plan(pipe.layer_graph, pp=2, v=2, global_batch=4)
+    plans["zero_bubble"] = even_plan(pipe.layer_graph, pp=2, global_batch=4, schedule="zero_bubble")
     runners = [pipe.runner(plan, timeout_s=60) for plan in plans.values()]
     per_rank = launch(_both_engines, runners, 2, args=(batch,), timeout_s=60)
     for k, name in enumerate(plans):

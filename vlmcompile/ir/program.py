@@ -42,7 +42,8 @@ demo's 0.5 MB activations on a 2-core machine, against 0.14 ms unloaded."""
 
 class Transfer(NamedTuple):
     """One value crossing ranks: a forward's activations for the next stage (``kind`` F) or a
-    backward's input gradients for the stage before (``kind`` B). A tuple: lowering a
+    backward's input gradients for the stage before (``kind`` B, or I where the backward is
+    split into input- and weight-gradient actions). A tuple: lowering a
     paper-scale plan hashes some hundred thousand of them."""
 
     kind: ActionKind
@@ -102,12 +103,16 @@ def _ends(plan) -> list[tuple[Transfer, Action, Action]]:
     )
     last = plan.num_stages - 1
     carried = plan.carried()
+    split = plan.split_backward()
     out = []
     for a in sorted(carried) + [a for _, _, a in order if a not in carried]:
         if a.kind is ActionKind.F and a.stage < last:
             consumer = Action(a.stage + 1, ActionKind.F, a.microbatch)
-        elif a.kind is ActionKind.B and a.stage > 0:
-            consumer = Action(a.stage - 1, ActionKind.B, a.microbatch)
+        elif a.kind in (ActionKind.B, ActionKind.I) and a.stage > 0:
+            # a split backward's input gradients come from its I; the stage before takes them
+            # into its I or its whole B
+            grad = ActionKind.I if a.stage - 1 in split else ActionKind.B
+            consumer = Action(a.stage - 1, grad, a.microbatch)
         else:
             continue
         dst = rank_of.get(consumer)
@@ -145,7 +150,7 @@ def _lower(plan) -> tuple[tuple[Op, ...], ...]:
         else:
             sends[producer].append(send)
         at = index[consumer] - RECEIVE_AHEAD
-        if t.kind is ActionKind.B:  # its buffers take the shapes of this rank's own forward's output
+        if t.kind is not ActionKind.F:  # its buffers take the shapes of this rank's own forward's output
             at = max(at, index[Action(consumer.stage, ActionKind.F, t.microbatch)] + 1)
         receives[(t.dst, max(at, 0))].append(Comm(CommKind.RECV, t))
     out = []
@@ -237,7 +242,7 @@ def _fault(op: Comm, rank: int, ends, done: set[Action], carried, seen: set[Acti
             )
         return None if producer in done else f"comes before {producer}, which makes the value"
     if consumer in done or (
-        t.kind is ActionKind.B and Action(consumer.stage, ActionKind.F, t.microbatch) not in done
+        t.kind is not ActionKind.F and Action(consumer.stage, ActionKind.F, t.microbatch) not in done
     ):
         return f"comes after {consumer} or before the forward whose shapes it takes"
     return None

@@ -10,6 +10,7 @@ A step:
 * ``transport`` - sends and receives between two ranks: by tag (gloo) or in each pair's one order (NCCL).
 * ``wire`` - which values cross ranks, their shape header, their wire form.
 * ``groups`` - the process groups of a rank (data-parallel, tied parameters, transfer pairs), made in one place.
+* ``split_backward`` - a backward split into I (input gradients) and W (weight gradients), as zero-bubble plans run it.
 * ``run_ahead`` - forwards one batch ahead: their outputs kept for the next step.
 * ``collectives`` - waits with a deadline, and the summed gradient all-reduce.
 * ``gradients`` - a step's gradients: reduced apart from those held before, dropped where eager has none.

@@ -32,7 +32,7 @@ class RuntimeCapabilities:
     """ZeRO stages it runs (:mod:`vlmcompile.runtime.optimizers`)."""
 
 
-RUNTIME = RuntimeCapabilities(tensor_parallel=False, split_backward=False)
+RUNTIME = RuntimeCapabilities(tensor_parallel=False, split_backward=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,7 @@ from vlmcompile.runtime.collectives import Deadline, RankLostError
 from vlmcompile.runtime.gradients import added_to_held, drop_unused_gradients
 from vlmcompile.runtime.groups import make_groups
 from vlmcompile.runtime.run_ahead import RunAhead
+from vlmcompile.runtime.split_backward import backward_from, input_gradients, weight_gradients
 from vlmcompile.runtime.stage import (
     StageModule,
     move_stage,
@@ -121,6 +122,8 @@ class _StepState:
     produced: dict[Action, tuple] = field(default_factory=dict)
     """Action -> its output for another rank, until its ``SEND``."""
     exchange: Exchange = field(default_factory=Exchange)
+    pending: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """(stage, microbatch) -> what its W action computes, left by its I (:mod:`.split_backward`)."""
     """The transfers in flight (:mod:`vlmcompile.runtime.transport`)."""
 
 
@@ -258,6 +261,7 @@ class PipelineRunner:
         """This rank's lowered list: its actions, and the sends and receives between them."""
         self.actions = plan.actions[self.pp_rank]
         self.rank_of_action = plan.rank_of_action()
+        self._split = plan.split_backward()
 
     # ---- what the user's optimizer sees ----------------------------------------------------
     def parameter_owners(self) -> dict[int, bool]:
@@ -362,10 +366,10 @@ class PipelineRunner:
                     self.run_ahead.forward(op, ahead)
             elif op.kind is ActionKind.F:
                 self._forward(op, state)
-            elif op.kind is ActionKind.B:
+            elif op.kind is ActionKind.W:
+                weight_gradients(state.pending.pop((op.stage, op.microbatch), None))
+            else:  # B, or I
                 self._backward(op, state)
-            else:  # runnable() rejects I/W plans
-                raise AssertionError(op)
 
     def _step_state(self, batch: Mapping[str, Any] | PackedBatch) -> _StepState:
         """This rank's microbatches of ``batch`` and their loss weights."""
@@ -467,29 +471,28 @@ class PipelineRunner:
             return leaves, self.stages[s](leaves, microbatch)
 
     def _backward(self, action: Action, state: _StepState) -> None:
+        """A whole backward (B), or its input gradients alone (I: its W comes later)."""
         s, i = action.stage, action.microbatch
-        if s == self.plan.num_stages - 1:
-            leaves, out = state.saved.pop((s, i))
-            if out is not None and out.requires_grad:
-                out.backward()
-        else:
-            # a received gradient's buffers take the saved output's shapes
-            grads = self._input(
-                Transfer(ActionKind.B, s + 1, i, self._rank_running(s + 1, ActionKind.B, i), self.pp_rank),
-                state,
-            )
-            leaves, out = state.saved.pop((s, i))
-            pairs = [(o, g) for o, g in zip(floats(out), grads) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads: tuple = ()
+        if s < self.plan.num_stages - 1:  # a received gradient's buffers take the saved output's shapes
+            grads = self._input(self._gradient(s + 1, i), state)
+        leaves, out = state.saved.pop((s, i))
+        outputs, grads = backward_from(out, grads, last=s == self.plan.num_stages - 1)
+        if action.kind is ActionKind.B:
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+        elif outputs:
+            state.pending[(s, i)] = input_gradients(outputs, grads, floats(leaves), self.stages[s])
         if s == 0 or s - 1 in self._forward_only:
             return  # no gradient goes back to a stage with nothing to train in or before it
         input_grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in floats(leaves))
-        self._output(
-            Transfer(ActionKind.B, s, i, self.pp_rank, self._rank_running(s - 1, ActionKind.B, i)),
-            input_grads,
-            state,
-        )
+        self._output(self._gradient(s, i), input_grads, state)
+
+    def _gradient(self, s: int, i: int) -> Transfer:
+        """Stage ``s``'s input gradients of microbatch ``i``, from the rank that runs its backward
+        (B, or I where split) to the one that runs stage ``s - 1``'s."""
+        kind, before = (ActionKind.I if k in self._split else ActionKind.B for k in (s, s - 1))
+        return Transfer(kind, s, i, self._rank_running(s, kind, i), self._rank_running(s - 1, before, i))
 
     def _input(self, t: Transfer, state: _StepState) -> tuple:
         """The value ``t`` brings this rank: kept here when it was made here, else received."""

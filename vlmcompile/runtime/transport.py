@@ -103,7 +103,7 @@ class Transport:
 
     def _outgoing(self, t: Transfer, values: tuple, names) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The tensors of ``t`` to send, and its shape header when it is the pair's first."""
-        if t.kind is ActionKind.B:
+        if t.kind is not ActionKind.F:  # input gradients
             return [x.detach().contiguous() for x in values], None
         out, scalar = sendable(t.stage, names, values, self.device)
         planned = self.buffers.planned(t.stage, t.microbatch)
@@ -121,7 +121,7 @@ class Transport:
 
     def _receive_buffers(self, t: Transfer) -> list[torch.Tensor] | None:
         """Buffers for ``t``, or None for activations whose shapes have not arrived."""
-        if t.kind is ActionKind.B:
+        if t.kind is not ActionKind.F:  # input gradients
             return [
                 torch.empty(o.shape, dtype=o.dtype, device=o.device)
                 for o in self.buffers.outputs(t.stage - 1, t.microbatch)
@@ -137,7 +137,7 @@ class Transport:
 
     def _values(self, t: Transfer, buffers: list[torch.Tensor]) -> tuple:
         """The received values (activations' Python numbers as numbers again)."""
-        if t.kind is ActionKind.B:
+        if t.kind is not ActionKind.F:  # input gradients
             return tuple(buffers)
         meta = self.meta[(t.stage, t.src, t.dst)]
         return tuple(b.item() if flag else b for b, (_, _, flag) in zip(buffers, meta))
@@ -148,7 +148,7 @@ class TaggedTransport(Transport):
 
     def _tag(self, t: Transfer, k: int, microbatch: int | None = None) -> int:
         mb = t.microbatch if microbatch is None else microbatch
-        return ((t.stage * 2 + (t.kind is ActionKind.B)) * self.plan.num_microbatches + mb) * 1024 + k
+        return ((t.stage * 2 + (t.kind is not ActionKind.F)) * self.plan.num_microbatches + mb) * 1024 + k
 
     def _ops(
         self, op, tensors, t: Transfer, pp_rank: int, what: str, first: int = 0, microbatch=None
