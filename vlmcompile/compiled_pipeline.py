@@ -702,6 +702,8 @@ def _placed(runner: PipelineRunner, device, autocast_dtype) -> bool:
     if on_gpu and torch.device(device or "cuda").index is None:
         local = os.environ.get("LOCAL_RANK")
         device = torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+    if on_gpu:
+        torch.cuda.set_device(device)  # NCCL's collectives and every kernel launch use the current device
     runner.device = torch.device(device) if device is not None else None
     if autocast_dtype == "auto":
         autocast_dtype = torch.bfloat16 if on_gpu and runner.plan.precision.param_bytes == 2 else None

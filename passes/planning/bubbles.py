@@ -566,7 +566,7 @@ def _screen_one(
     if not fits([states], inputs.cap):
         verdict = f"pruned: model states {states / 2**30:.1f} GiB over the {inputs.cap / 2**30:.1f} GiB cap"
         return EncoderPlanRow(encoder, degrees, None, peak_gib=states / 2**30, verdict=verdict), None
-    problem = bs.problem_from(phased, costs, inputs.cap, local_ranks=cluster.ranks_on_this_machine)
+    problem = bs.problem_from(phased, costs, inputs.cap)
     phased_sim = simulate(phased, layer_graph, cluster, costs=costs)
     best = _Candidate(encoder, phased, phased_sim, costs, problem, phased, phased_sim, inputs.cap)
     best.layer_level_s = phased_sim.step_time_s if best.fits(phased_sim) else None

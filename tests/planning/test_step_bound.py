@@ -58,7 +58,6 @@ def problems(draw) -> PartitionProblem:
         num_microbatches=m,
         actions=make_schedule("interleaved_1f1b" if v > 1 else "1f1b", Placement(p, v), m),
         mem_cap_bytes=1e30,
-        local_ranks=draw(st.booleans()),
     )
 
 

@@ -33,14 +33,13 @@ def test_gradients_are_reduced_as_the_last_backward_passes_their_layers():
     # The last backward (20-24) walks b then a, 2 each: b's gradients at 22, a's at 24.
     assert [(e.start, e.end) for e in events] == [(22.0, 22.25), (24.0, 24.25)]
     assert ends == [24.25] and dp.step_end(24.0, ends) == 24.25
-    # Our runtime on local ranks reduces everything after the rank's last action.
-    ends, events = dp.reduction(backwards, STAGES, 1, after_last_action=[30.0])
-    assert [(e.start, e.end) for e in events] == [(30.0, 30.25), (30.25, 30.5)] and ends == [30.5]
 
 
-def test_a_weight_gradient_action_paces_the_reduction_by_its_own_share():
-    ends, events = dp.reduction([(0, Action(1, ActionKind.W, 0), 0.0, 2.0)], STAGES, 1)
-    assert [(e.start, e.end) for e in events] == [(2.0, 3.0)] and ends == [3.0]
+def test_a_weight_gradient_action_makes_every_layers_gradients_as_it_ends():
+    """torch's split backward (our W) writes the weights' gradients once it has them all."""
+    stage = (dp.DPLayer("a", 1.0, 2.0, 1.0, 0.5, 0.25), dp.DPLayer("b", 1.0, 2.0, 3.0, 0.5, 0.5))
+    ends, events = dp.reduction([(0, Action(0, ActionKind.W, 0), 0.0, 4.0)], [stage], 1)
+    assert [(e.start, e.end) for e in events] == [(4.0, 4.5), (4.5, 4.75)] and ends == [4.75]
     assert dp.step_end(5.0, []) == 5.0
 
 

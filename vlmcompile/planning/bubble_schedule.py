@@ -98,8 +98,6 @@ class BubbleProblem:
     dp_layers: tuple[tuple[dp.DPLayer, ...], ...] = ()
     """Per stage, its layers' figures for the DP stream, in units (:mod:`vlmcompile.sim.dp`);
     empty: no DP collectives."""
-    local_ranks: bool = False
-    """The ranks run on this machine: gradients are reduced after each rank's last action."""
     work: tuple[tuple[float, float], ...] = ()
     """Per microbatch, its (encoder, LLM) work over the stages' figures (variable data: a
     microbatch of half the image rows the stages were costed at is 0.5 on the encoder); empty:
@@ -210,11 +208,9 @@ def problem_from(
     mem_cap_bytes: float,
     *,
     unit_s: float | None = None,
-    local_ranks: bool = False,
 ) -> BubbleProblem:
     """The scheduling problem of a plan with a separate encoder group (its stages' costs from
-    :func:`~vlmcompile.cost_models.stage_costs.plan_costs`; ``mem_cap_bytes`` per rank;
-    ``local_ranks``: the cluster's ranks run on this machine)."""
+    :func:`~vlmcompile.cost_models.stage_costs.plan_costs`; ``mem_cap_bytes`` per rank)."""
     groups = [s.group for s in plan.stages]
     first_llm = groups.index(plan.stages[-1].group)
     encoder_groups = sorted(set(groups[:first_llm]))
@@ -264,7 +260,6 @@ def problem_from(
         limits,
         unit_s,
         dp_layers,
-        local_ranks,
         forward_only=plan.forward_only_stages(),
     )
 
@@ -336,7 +331,6 @@ def _step(problem: BubbleProblem, actions: RankActions) -> float:
         [(t.rank, t.action, t.start_s, t.end_s) for t in timed if t.action.kind is B],
         problem.dp_layers,
         problem.num_ranks,
-        after_last_action=last_end if problem.local_ranks else None,
     )
     return dp.step_end(max(last_end, default=0.0), reduced)
 

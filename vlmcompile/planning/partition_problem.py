@@ -78,9 +78,6 @@ class PartitionProblem:
     mem_cap_bytes: float
     placement: PlacementStyle = PlacementStyle.LOOP
     """Which rank holds each stage (:mod:`vlmcompile.ir.placement`)."""
-    local_ranks: bool = False
-    """The ranks run on this machine: our runtime reduces the gradients after each rank's last
-    action (:func:`vlmcompile.sim.dp.reduction`)."""
     memory_patterns: tuple[tuple[MemoryPattern, ...], ...] = field(init=False)
     """Per rank, the distinct in-flight patterns of its action list (see :func:`memory_patterns`)."""
     rank_of_stage: tuple[int, ...] = field(init=False)
@@ -289,7 +286,6 @@ def step_with_dp(
         [(t.rank, t.action, t.start_s, t.end_s) for t in timed if t.action.kind is ActionKind.B],
         stage_layers,
         problem.num_ranks,
-        after_last_action=last_end if problem.local_ranks else None,
     )
     return dp.step_end(max(last_end), reduced)
 
@@ -360,7 +356,6 @@ def partition_problem(layer_graph: LayerGraph, cluster: Cluster, request: PlanRe
         actions=actions,
         mem_cap_bytes=usable_memory_bytes(cluster.device.mem_bytes),
         placement=parallel.placement,
-        local_ranks=cluster.ranks_on_this_machine,
     )
 
 

@@ -311,7 +311,7 @@ def per_batch_scheduler(
     costed on ``layer_graph`` (annotated at the microbatch the work factors are relative to)."""
     costs = plan_costs(plan, layer_graph, cluster)
     cap = usable_memory_bytes(cluster.device.mem_bytes)
-    problem = bs.problem_from(plan, costs, cap, local_ranks=cluster.ranks_on_this_machine)
+    problem = bs.problem_from(plan, costs, cap)
 
     return PerBatchScheduler(
         problem,

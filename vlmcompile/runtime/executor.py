@@ -59,7 +59,7 @@ from vlmcompile.runtime.capabilities import (
     stages_after_trainable,
 )
 from vlmcompile.runtime.collectives import Deadline, RankLostError
-from vlmcompile.runtime.gradients import added_to_held, drop_unused_gradients
+from vlmcompile.runtime.gradients import OverlappedReduction, added_to_held, drop_unused_gradients
 from vlmcompile.runtime.groups import make_groups
 from vlmcompile.runtime.run_ahead import RunAhead
 from vlmcompile.runtime.split_backward import backward_from, input_gradients, weight_gradients
@@ -229,6 +229,8 @@ class PipelineRunner:
         self.groups = make_groups(
             self.plan, self.parallel, self.stages_all, self.rank, timeout=group_timeout, pair_peers=pairs
         )
+        tied = {id(p) for _, held in self.groups.tied for p in held}  # summed over their holders first
+        self.reduction = OverlappedReduction(self.stages, self.groups.dp, tied)
         self._flat: dict[int, torch.Tensor] = {}
         """Per gradient reduction (by its group's id): its flat buffer."""
         args = (self.pp_rank, self._peer, self.rank, self.timeout_s, self.device, self.plan)
@@ -262,6 +264,7 @@ class PipelineRunner:
         self.actions = plan.actions[self.pp_rank]
         self.rank_of_action = plan.rank_of_action()
         self._split = plan.split_backward()
+        self.reduction.use_actions(self.actions)
 
     # ---- what the user's optimizer sees ----------------------------------------------------
     def parameter_owners(self) -> dict[int, bool]:
@@ -292,20 +295,8 @@ class PipelineRunner:
 
     # ---- one training step -----------------------------------------------------------------
     def check_batch(self, batch: Mapping[str, Any] | PackedBatch) -> None:
-        if self.packed is not None or isinstance(batch, PackedBatch):
-            packed_sizes(
-                batch, self.plan, self.parallel, self.packed, range(len(getattr(batch, "microbatches", ())))
-            )
-            return
-        check_dict_batch(
-            batch,
-            self.plan,
-            self.parallel,
-            shapes=self.batch_shapes,
-            constants=self.batch_constants,
-            specialized=self.specialized,
-            sample_rows=self.sample_rows,
-        )
+        """A :class:`BatchError` naming the first way ``batch`` is not what the pipeline takes."""
+        check_step_batch(self, batch)
 
     def step(
         self, batch: Mapping[str, Any] | PackedBatch, next_batch: Mapping[str, Any] | None = None
@@ -332,13 +323,18 @@ class PipelineRunner:
             planned=lambda stage, i: planned_shapes(self.stages_all[stage], state.sizes, i),
             outputs=lambda stage, i: floats(state.saved[(stage, i)][1]),
         )
-        params = self.parameters()
+        params, deadline = self.parameters(), Deadline(self.rank, self.timeout_s)
         with added_to_held(params), step_context(self.autocast_dtype, self.device):
+            self.reduction.start_step()
             self._interpret(state, ahead)
             if ahead is not None:
                 self.run_ahead.keep(next_batch, ahead)
             self.transport.finish(state.exchange)
-            self.groups.reduce_gradients(params, Deadline(self.rank, self.timeout_s), self._flat, self.device)
+            rest = [p for p in params if id(p) not in self.reduction.bucket_of]  # tied: summed, then reduced
+            self.groups.reduce_gradients(rest, deadline, self._flat, self.device)
+            self.reduction.finish(
+                deadline, f"the data-parallel gradient all-reduce over ranks {list(self.groups.dp_ranks)}"
+            )
             if isinstance(batch, PackedBatch) and not batch.images:
                 drop_unused_gradients(params)
         loss = state.loss_sum.clone()
@@ -361,15 +357,19 @@ class PipelineRunner:
             self.transport.before(ex)
             if self.on_action is not None:
                 self.on_action(self.rank, op)
-            if op in self.plan.ahead:
-                if ahead is not None:  # without the next batch, the next step makes them
-                    self.run_ahead.forward(op, ahead)
-            elif op.kind is ActionKind.F:
-                self._forward(op, state)
-            elif op.kind is ActionKind.W:
-                weight_gradients(state.pending.pop((op.stage, op.microbatch), None))
-            else:  # B, or I
-                self._backward(op, state)
+            with self.reduction.action(op):
+                self._compute(op, state, ahead)
+
+    def _compute(self, op: Action, state: _StepState, ahead: _StepState | None) -> None:
+        if op in self.plan.ahead:
+            if ahead is not None:  # without the next batch, the next step makes them
+                self.run_ahead.forward(op, ahead)
+        elif op.kind is ActionKind.F:
+            self._forward(op, state)
+        elif op.kind is ActionKind.W:
+            weight_gradients(state.pending.pop((op.stage, op.microbatch), None))
+        else:  # B, or I
+            self._backward(op, state)
 
     def _step_state(self, batch: Mapping[str, Any] | PackedBatch) -> _StepState:
         """This rank's microbatches of ``batch`` and their loss weights."""
@@ -566,3 +566,21 @@ def planned_shapes(
     if sizes is None:
         return None
     return [f.evaluate(sizes[microbatch]) for f in stage.send_shapes]
+
+
+def check_step_batch(runner: PipelineRunner, batch: Mapping[str, Any] | PackedBatch) -> None:
+    """:meth:`PipelineRunner.check_batch`: a packed pipeline's :class:`PackedBatch`, or a dict
+    of the compiled shapes, constants and specialised values."""
+    if runner.packed is not None or isinstance(batch, PackedBatch):
+        microbatches = range(len(getattr(batch, "microbatches", ())))
+        packed_sizes(batch, runner.plan, runner.parallel, runner.packed, microbatches)
+        return
+    check_dict_batch(
+        batch,
+        runner.plan,
+        runner.parallel,
+        shapes=runner.batch_shapes,
+        constants=runner.batch_constants,
+        specialized=runner.specialized,
+        sample_rows=runner.sample_rows,
+    )

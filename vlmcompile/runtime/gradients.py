@@ -5,9 +5,15 @@ training would have none."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from vlmcompile.ir.actions import Action, ActionKind
+from vlmcompile.runtime.collectives import Deadline
 
 
 @contextlib.contextmanager
@@ -33,3 +39,131 @@ def drop_unused_gradients(params: Sequence[torch.nn.Parameter]) -> None:
     for p in params:
         if p.grad is not None and not bool(p.grad.any()):
             p.grad = None
+
+
+class OverlappedReduction:
+    """A rank's data-parallel gradient reduction overlapped with its backwards: a bucket per layer
+    (the parameters it holds that train and are reduced here alone), started as an asynchronous
+    all-reduce once the layer's last backward on this rank this step has passed it, as Megatron-LM's
+    ``--overlap-grad-reduce`` and DDP's buckets do; :mod:`vlmcompile.sim.dp` times the same rule.
+
+    A parameter's gradient is final when its last backward action on the rank (B, or W where the
+    backward is split) accumulates it: a hook after each accumulation marks it there. A W action
+    adds its gradients itself (torch's split runs no accumulation hook): its layers are marked as
+    it ends, as is any parameter the action left without a gradient. Every member of the group
+    starts the same buckets in the same order (a bucket waits for those before it), so their
+    collectives pair up. A parameter no member has a gradient for keeps ``grad = None``, as in
+    eager (:func:`~vlmcompile.runtime.collectives.sum_gradients`'s rule)."""
+
+    def __init__(self, stages: Mapping[int, torch.nn.Module], group: Any, skip: set[int]):
+        self.stages, self.group, self.skip = stages, group, skip
+        self.buckets: list[tuple[Action, list[torch.nn.Parameter]]] = []
+        self.bucket_of: dict[int, int] = {}
+        self.running: Action | None = None
+        """The compute action running now (the executor sets it)."""
+        self.works: list[tuple[Any, torch.Tensor]] | None = None
+        """The buckets started this step, in order; None outside a step."""
+        self._ready: list[set[int]] = []
+        self._buffers: dict[int, torch.Tensor] = {}
+        self.exposed_s = 0.0
+        """The last step's wait for its buckets after its last action."""
+        watched = {
+            id(p): p for s in stages.values() for p in s.parameters() if p.requires_grad and id(p) not in skip
+        }
+        for p in watched.values() if group is not None else ():  # DP = 1: nothing to reduce
+            p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def use_actions(self, actions: Sequence[Action]) -> None:
+        """The buckets of this rank's action list, in the order they complete (alike on every
+        member of the group: they run the same list)."""
+        final: dict[int, tuple[int, Action]] = {}
+        for k, a in enumerate(actions if self.group is not None else ()):
+            if a.kind in (ActionKind.B, ActionKind.W):
+                final[a.stage] = (k, a)  # the stage's last backward on this rank
+        order = sorted(final, key=lambda s: final[s][0])
+        owner = {}  # a parameter several stages here hold is complete after the last one's backward
+        for s in order:
+            owner.update({id(p): s for p in self.stages[s].parameters() if p.requires_grad})
+        buckets, seen = [], set(self.skip)
+        for s in order:
+            for layer in reversed(list(self.stages[s].layers)):  # a backward passes the last layer first
+                params = [p for p in layer.parameters() if owner.get(id(p)) == s and id(p) not in seen]
+                seen.update(id(p) for p in params)
+                if params:
+                    buckets.append((final[s][1], params))
+        if [(a, [id(p) for p in ps]) for a, ps in buckets] != [
+            (a, [id(p) for p in ps]) for a, ps in self.buckets
+        ]:
+            self.buckets, self._buffers = buckets, {}
+            self.bucket_of = {id(p): k for k, (_, params) in enumerate(buckets) for p in params}
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for _, params in self.buckets for p in params]
+
+    def start_step(self) -> None:
+        self._ready = [set() for _ in self.buckets]
+        self.works = []
+
+    def _accumulated(self, p: torch.nn.Parameter) -> None:
+        k = self.bucket_of.get(id(p))
+        if self.works is None or k is None or k < len(self.works) or self.running != self.buckets[k][0]:
+            return  # not in a step, or not the parameter's last backward
+        self._ready[k].add(id(p))
+        self._launch_ready()
+
+    @contextlib.contextmanager
+    def action(self, action: Action) -> Iterator[None]:
+        """Around each compute action: within, its accumulations are watched; after, the buckets
+        whose last backward it was are complete."""
+        self.running = action
+        yield
+        self.running = None
+        self.action_ended(action)
+
+    def action_ended(self, action: Action) -> None:
+        for k, (last, params) in enumerate(self.buckets):
+            if last == action:
+                self._ready[k].update(id(p) for p in params)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while len(self.works) < len(self.buckets):
+            k = len(self.works)
+            _, params = self.buckets[k]
+            if len(self._ready[k]) < len(params):
+                return
+            present = [p.grad is not None for p in params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            numel = sum(g.numel() for g in grads)
+            flat = self._buffers.get(k)
+            if flat is None or flat.numel() != numel + len(grads) or flat.dtype != grads[0].dtype:
+                flat = self._buffers[k] = torch.empty(
+                    numel + len(grads), dtype=grads[0].dtype, device=grads[0].device
+                )
+            torch.cat([g.reshape(-1) for g in grads], out=flat[:numel])
+            flat[numel:].copy_(torch.tensor(present, dtype=flat.dtype))
+            self.works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat))
+
+    def finish(self, deadline: Deadline, what: str) -> None:
+        """Wait for every bucket and write the sums into the gradients (:attr:`exposed_s`: how
+        long that took, the reduction the backwards did not hide)."""
+        began = time.perf_counter()
+        self._launch_ready()
+        if len(self.works) < len(self.buckets):
+            raise AssertionError(
+                f"gradient buckets {len(self.works)}.. never completed"
+            )  # every final action ran
+        for (work, flat), (_, params) in zip(self.works, self.buckets):
+            deadline.wait(work, what)
+            offset = 0
+            for p, holders in zip(params, flat[flat.numel() - len(params) :].tolist()):
+                if holders == 0:
+                    p.grad = None
+                else:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.works = None
+        self.exposed_s = time.perf_counter() - began

@@ -41,7 +41,9 @@ def backward_from(out: Any, grads: Sequence, *, last: bool) -> tuple[list[torch.
     return [o for o, _ in pairs], [g for _, g in pairs]
 
 
-def input_gradients(outputs: list, grads: list | None, leaves: Sequence, stage: torch.nn.Module) -> WeightWork:
+def input_gradients(
+    outputs: list, grads: list | None, leaves: Sequence, stage: torch.nn.Module
+) -> WeightWork:
     """The I action: the inputs' gradients into their ``.grad``; what its W needs, returned."""
     from torch.distributed.pipelining._backward import stage_backward_input
 

@@ -9,9 +9,10 @@ evaluation (:func:`vlmcompile.planning.partition_problem.evaluate`) and the bubb
   (:func:`parameter_wait`).
 * **Reduction** of the gradients: a layer's are complete when the last backward of its stage on
   the rank has passed it (a backward walks the stage's layers in reverse, each taking its share
-  of the action's time); the rank reduces them in the order they become complete, one after
-  another. Our runtime on local ranks reduces every gradient after the rank's last action
-  instead (``after_last_action``), which is what a plan for local ranks runs on.
+  of the action's time; a W action, torch's split, writes every layer's as it ends); the rank
+  reduces them in the order they become complete, one after another. Our runtime runs this rule
+  (:class:`vlmcompile.runtime.gradients.OverlappedReduction`: a bucket per layer, each an
+  asynchronous all-reduce started when it completes), as Megatron-LM's overlapped buckets do.
 
 The step ends when the last compute or the last reduction ends (:func:`step_end`). Times are in
 any unit, as long as all are in the same one (seconds, or a solver's integer units).
@@ -85,15 +86,11 @@ def reduction(
     backwards: Sequence[tuple[int, Action, float, float]],
     stage_layers: Sequence[Sequence[DPLayer]],
     num_ranks: int,
-    *,
-    after_last_action: Sequence[float] | None = None,
 ) -> tuple[list[float], list[Collective]]:
     """Per rank, when its last gradient reduction ends; and the reductions as run.
 
     Args:
         backwards: every backward (B or W) that ran, as (rank, action, start, end).
-        after_last_action: per rank, when its last action ends: reduce everything then (our
-            runtime on local ranks), instead of as the gradients become complete.
     """
     last: dict[tuple[int, int], tuple[Action, float, float]] = {}
     for rank, a, start, end in backwards:
@@ -103,12 +100,14 @@ def reduction(
     ready: list[tuple[float, int, DPLayer]] = []
     for (stage, rank), (a, start, end) in last.items():
         layers = stage_layers[stage]
-        share = [layer.weight_grad if a.kind is ActionKind.W else layer.bwd for layer in layers]
-        scale = (end - start) / max(sum(share), 1e-30)
+        if a.kind is ActionKind.W:  # torch's split writes every weight gradient as it ends
+            ready += [(end, rank, layer) for layer in reversed(layers)]
+            continue
+        scale = (end - start) / max(sum(layer.bwd for layer in layers), 1e-30)
         t = start
-        for layer, part in zip(reversed(layers), reversed(share)):  # the last layer's gradients first
-            t = min(t + part * scale, end)  # no rounding past the end
-            ready.append((after_last_action[rank] if after_last_action else t, rank, layer))
+        for layer in reversed(layers):  # the last layer's gradients first
+            t = min(t + layer.bwd * scale, end)  # no rounding past the end
+            ready.append((t, rank, layer))
     stream = [0.0] * num_ranks
     ends = [0.0] * num_ranks
     events = []

@@ -366,14 +366,7 @@ def _time_step(plan, layer_graph, cluster, costs: PlanCosts, work) -> _Timed:
         ahead=plan.ahead,
     )
     backwards = [(t.rank, t.action, t.start_s, t.end_s) for t in timed if t.action.kind in _BACKWARD]
-    # Our runtime (what a plan for local ranks runs on) reduces the gradients after the rank's last
-    # action, in one collective per group; Megatron-LM overlaps them bucket by bucket.
-    last_end = None
-    if cluster.ranks_on_this_machine:
-        last_end = [0.0] * num_ranks
-        for t in timed:
-            last_end[t.rank] = max(last_end[t.rank], t.end_s)
-    reduced_end, reductions = dp.reduction(backwards, stage_layers, num_ranks, after_last_action=last_end)
+    reduced_end, reductions = dp.reduction(backwards, stage_layers, num_ranks)
     compute_end = max(t.end_s for t in timed)
     step = dp.step_end(compute_end, reduced_end)
     return _Timed(layout, timed, waited, fills, scale, gathers, reductions, compute_end, step)
