@@ -3,7 +3,8 @@
 Model states follow Rajbhandari et al. 2020 (ZeRO) with Megatron-LM's mixed precision: bf16
 parameters (2 B), fp32 main gradients (4 B) and Adam's fp32 master weights and two moments
 (12 B) per parameter (our runtime's, :meth:`Precision.runtime`: fp32 parameters, gradients and
-two moments, 16 B, and under bf16 autocast a 2 B copy of each trainable weight for the step); ZeRO stage 1 (Megatron's distributed optimizer) shards the optimizer
+two moments, 16 B, a 4 B copy of the gradients to sum them in at DP > 1, and under bf16 autocast
+a 2 B copy of each trainable weight for the step); ZeRO stage 1 (Megatron's distributed optimizer) shards the optimizer
 states over the data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters.
 
 Activations are the annotate pass's measured saved bytes, scaled to the microbatch, on one TP
@@ -53,10 +54,12 @@ class ModelStateBytes:
     optimizer: float
     compute_copy: float = 0.0
     """The low-precision copy of the trainable weights a step holds (:attr:`Precision.compute_copy_bytes`)."""
+    reduction_copy: float = 0.0
+    """The buffers the gradients are summed in over DP (:attr:`Precision.reduction_copy_bytes`)."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.compute_copy
+        return self.params + self.grads + self.optimizer + self.compute_copy + self.reduction_copy
 
 
 def model_state_bytes(
@@ -75,6 +78,7 @@ def model_state_bytes(
         grads=trainable * precision.grad_bytes / (dp if zero_stage >= 2 else 1),
         optimizer=trainable * precision.optimizer_bytes / (dp if zero_stage >= 1 else 1),
         compute_copy=trainable * precision.compute_copy_bytes,
+        reduction_copy=trainable * precision.reduction_copy_bytes if dp > 1 else 0.0,
     )
 
 

@@ -28,7 +28,8 @@ def _step_watching_launches(runners, batch):
             before = len(reduction.works or ())
             launch_ready()
             for k in range(before, len(reduction.works or ())):
-                started.append((str(reduction.running), str(reduction.buckets[k][0])))
+                finals = {str(reduction.final_of[id(p)]) for p in reduction.buckets[k]}
+                started.append((str(reduction.running), finals))
 
         reduction._launch_ready = watched
         result = one_step(runner, batch)
@@ -55,5 +56,5 @@ def test_each_layers_reduction_starts_during_its_last_backward_and_the_sums_equa
             assert len(r["started"]) == r["buckets"] > 1
             # Each started by an accumulation hook while its layer's last backward ran (none
             # waited for the action's end), and each stage's last backward started some.
-            assert all(running == final for running, final in r["started"]), r["started"]
-            assert {final for _, final in r["started"]} == set(r["finals"].values())
+            assert all(finals == {running} for running, finals in r["started"]), r["started"]
+            assert {running for running, _ in r["started"]} == set(r["finals"].values())

@@ -201,14 +201,23 @@ class Precision:
     held from the weight's first forward to the step's end: 2 where fp32 parameters train under
     bf16 autocast (our runtime keeps one cast a weight a step); 0 where the parameters are kept
     in the compute dtype (Megatron-LM's bf16 parameters) or the step runs in fp32."""
+    reduction_copy_bytes: int = 0
+    """Bytes per trainable parameter element of the buffers a data-parallel reduction sums the
+    gradients in, kept between steps, at DP > 1: 4 for our runtime's flat buckets (a copy of the
+    gradients); 0 where the gradients are reduced in place (Megatron-LM's grad buffer)."""
 
     @classmethod
     def runtime(cls, autocast: bool) -> Precision:
         """What our runtime holds: fp32 parameters, gradients and AdamW's two moments (the
-        parameters are the master weights), and under bf16 autocast one bf16 copy of each
-        trainable weight a step."""
+        parameters are the master weights), the gradient buckets at DP > 1, and under bf16
+        autocast one bf16 copy of each trainable weight a step."""
         return cls(
-            param_bytes=4, grad_bytes=4, optimizer_bytes=8, dp_grad_bytes=4, compute_copy_bytes=2 * autocast
+            param_bytes=4,
+            grad_bytes=4,
+            optimizer_bytes=8,
+            dp_grad_bytes=4,
+            compute_copy_bytes=2 * autocast,
+            reduction_copy_bytes=4,
         )
 
 
@@ -551,6 +560,7 @@ _PRECISION_FIELDS = {
     "optimizer_bytes": (int, 12),
     "dp_grad_bytes": (int, 4),
     "compute_copy_bytes": (int, 0),
+    "reduction_copy_bytes": (int, 0),
 }
 
 

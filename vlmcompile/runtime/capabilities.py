@@ -58,6 +58,15 @@ def runnable(plan: Plan, layer_graph=None) -> RunnablePlan:
                 "(plan with tp=1)"
             )
     check_zero(plan)
+    split = plan.split_backward()
+    mixed = sorted(
+        {a.stage for acts in plan.actions for a in acts if a.kind is ActionKind.B and a.stage in split}
+    )
+    if mixed:
+        raise PlanError(
+            f"stage {mixed[0]} runs whole backwards (B) for some microbatches and split ones (I, W) for others; "
+            "the runtime runs one kind a stage: give each stage's backwards alike"
+        )
     if not RUNTIME.split_backward and any(
         a.kind in (ActionKind.I, ActionKind.W) for acts in plan.actions for a in acts
     ):

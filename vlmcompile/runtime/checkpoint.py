@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from vlmcompile.ir.errors import VlmCompileError, user_facing
-from vlmcompile.runtime.optimizers import local_states, param_groups
+from vlmcompile.runtime.optimizers import holds_state, local_states, param_groups
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.api import CheckpointException
@@ -405,6 +405,8 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
         if paths[key][0] == "optimizer" and len(paths[key]) == 3:
             optimizer_entries.setdefault(paths[key][1], {})[paths[key][2]] = meta
     for p in _optimizer_params(optimizer):
+        if not holds_state(optimizer, p):
+            continue  # ZeRO-1: another rank of the group loads it
         name = names[id(p)]
         state["optimizer"][name] = {
             key: _placeholder(meta, "cpu" if key == "step" else p.device)

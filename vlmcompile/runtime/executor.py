@@ -195,8 +195,10 @@ class PipelineRunner:
     @autocast_dtype.setter
     def autocast_dtype(self, dtype: torch.dtype | None) -> None:
         if dtype != self._autocast_dtype and self._ready:
-            # The values sent between stages change dtype: the receivers learn them again.
+            # The values sent between stages change dtype: the receivers learn them again, and
+            # outputs made a batch ahead are made again.
             self.transport.meta.clear()
+            self.drop_carried()
         self._autocast_dtype = dtype
 
     # ---- set-up --------------------------------------------------------------------------
@@ -264,7 +266,7 @@ class PipelineRunner:
         self.actions = plan.actions[self.pp_rank]
         self.rank_of_action = plan.rank_of_action()
         self._split = plan.split_backward()
-        self.reduction.use_actions(self.actions)
+        self.reduction.use_actions(self.actions, self.plan.actions[self.pp_rank])
 
     # ---- what the user's optimizer sees ----------------------------------------------------
     def parameter_owners(self) -> dict[int, bool]:

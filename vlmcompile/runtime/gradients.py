@@ -5,7 +5,9 @@ training would have none."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -57,31 +59,36 @@ class OverlappedReduction:
 
     def __init__(self, stages: Mapping[int, torch.nn.Module], group: Any, skip: set[int]):
         self.stages, self.group, self.skip = stages, group, skip
-        self.buckets: list[tuple[Action, list[torch.nn.Parameter]]] = []
+        self.buckets: list[list[torch.nn.Parameter]] = []
         self.bucket_of: dict[int, int] = {}
+        self.final_of: dict[int, Action] = {}
+        """id(parameter) -> its last backward on this rank this step (B, or W)."""
         self.running: Action | None = None
-        """The compute action running now (the executor sets it)."""
+        """The compute action running now (:meth:`action`)."""
         self.works: list[tuple[Any, torch.Tensor]] | None = None
         """The buckets started this step, in order; None outside a step."""
         self._ready: list[set[int]] = []
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffers: dict[tuple[int, ...], torch.Tensor] = {}
         self.exposed_s = 0.0
         """The last step's wait for its buckets after its last action."""
         watched = {
             id(p): p for s in stages.values() for p in s.parameters() if p.requires_grad and id(p) not in skip
         }
-        for p in watched.values() if group is not None else ():  # DP = 1: nothing to reduce
-            p.register_post_accumulate_grad_hook(self._accumulated)
+        # The hooks hold the reduction weakly: a runner that is gone takes its buckets with it.
+        hook = _weak_hook(weakref.ref(self))
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in watched.values() if group is not None]
+        weakref.finalize(self, lambda: [h.remove() for h in handles])
 
-    def use_actions(self, actions: Sequence[Action]) -> None:
-        """The buckets of this rank's action list, in the order they complete (alike on every
-        member of the group: they run the same list)."""
-        final: dict[int, tuple[int, Action]] = {}
-        for k, a in enumerate(actions if self.group is not None else ()):
-            if a.kind in (ActionKind.B, ActionKind.W):
-                final[a.stage] = (k, a)  # the stage's last backward on this rank
-        order = sorted(final, key=lambda s: final[s][0])
-        owner = {}  # a parameter several stages here hold is complete after the last one's backward
+    def use_actions(self, actions: Sequence[Action], shared: Sequence[Action]) -> None:
+        """Buckets for this rank's action list ``actions``. Their order is ``shared``'s (the plan's
+        list of this pipeline rank, the same on every member of the group even where each replica
+        runs a schedule of its own): the order their last backwards come in, each stage's layers
+        last first. Each parameter is complete after its last backward in ``actions``."""
+        if self.group is None:
+            return
+        finals = [_last_backwards(acts) for acts in (actions, shared)]
+        order = sorted(finals[1], key=lambda s: finals[1][s][0])
+        owner = {}  # a parameter several stages here hold goes with the last of them
         for s in order:
             owner.update({id(p): s for p in self.stages[s].parameters() if p.requires_grad})
         buckets, seen = [], set(self.skip)
@@ -90,56 +97,64 @@ class OverlappedReduction:
                 params = [p for p in layer.parameters() if owner.get(id(p)) == s and id(p) not in seen]
                 seen.update(id(p) for p in params)
                 if params:
-                    buckets.append((final[s][1], params))
-        if [(a, [id(p) for p in ps]) for a, ps in buckets] != [
-            (a, [id(p) for p in ps]) for a, ps in self.buckets
-        ]:
-            self.buckets, self._buffers = buckets, {}
-            self.bucket_of = {id(p): k for k, (_, params) in enumerate(buckets) for p in params}
+                    buckets.append(params)
+        self.buckets = buckets
+        self.bucket_of = {id(p): k for k, params in enumerate(buckets) for p in params}
+        self.final_of = {}
+        for s in sorted(finals[0], key=lambda s: finals[0][s][0]):
+            self.final_of.update(
+                {id(p): finals[0][s][1] for p in self.stages[s].parameters() if id(p) in self.bucket_of}
+            )
 
     @property
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for _, params in self.buckets for p in params]
+        return [p for params in self.buckets for p in params]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat buffers the buckets are reduced in (kept between steps)."""
+        return list(self._buffers.values())
 
     def start_step(self) -> None:
         self._ready = [set() for _ in self.buckets]
         self.works = []
 
-    def _accumulated(self, p: torch.nn.Parameter) -> None:
+    def accumulated(self, p: torch.nn.Parameter) -> None:
+        """After an accumulation into ``p.grad``: complete if this is its last backward."""
         k = self.bucket_of.get(id(p))
-        if self.works is None or k is None or k < len(self.works) or self.running != self.buckets[k][0]:
+        if self.works is None or k is None or k < len(self.works) or self.running != self.final_of.get(id(p)):
             return  # not in a step, or not the parameter's last backward
         self._ready[k].add(id(p))
         self._launch_ready()
 
     @contextlib.contextmanager
     def action(self, action: Action) -> Iterator[None]:
-        """Around each compute action: within, its accumulations are watched; after, the buckets
-        whose last backward it was are complete."""
+        """Around each compute action: within, its accumulations are watched; after, the
+        parameters whose last backward it was are complete."""
         self.running = action
-        yield
-        self.running = None
-        self.action_ended(action)
-
-    def action_ended(self, action: Action) -> None:
-        for k, (last, params) in enumerate(self.buckets):
+        try:
+            yield
+        finally:
+            self.running = None
+        for pid, last in self.final_of.items():
             if last == action:
-                self._ready[k].update(id(p) for p in params)
+                self._ready[self.bucket_of[pid]].add(pid)
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while len(self.works) < len(self.buckets):
+        while self.works is not None and len(self.works) < len(self.buckets):
             k = len(self.works)
-            _, params = self.buckets[k]
+            params = self.buckets[k]
             if len(self._ready[k]) < len(params):
                 return
             present = [p.grad is not None for p in params]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             numel = sum(g.numel() for g in grads)
-            flat = self._buffers.get(k)
-            if flat is None or flat.numel() != numel + len(grads) or flat.dtype != grads[0].dtype:
-                flat = self._buffers[k] = torch.empty(
-                    numel + len(grads), dtype=grads[0].dtype, device=grads[0].device
+            dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+            key = tuple(id(p) for p in params)
+            flat = self._buffers.get(key)
+            if flat is None or flat.dtype != dtype:
+                flat = self._buffers[key] = torch.empty(
+                    numel + len(grads), dtype=dtype, device=grads[0].device
                 )
             torch.cat([g.reshape(-1) for g in grads], out=flat[:numel])
             flat[numel:].copy_(torch.tensor(present, dtype=flat.dtype))
@@ -154,7 +169,7 @@ class OverlappedReduction:
             raise AssertionError(
                 f"gradient buckets {len(self.works)}.. never completed"
             )  # every final action ran
-        for (work, flat), (_, params) in zip(self.works, self.buckets):
+        for (work, flat), params in zip(self.works, self.buckets):
             deadline.wait(work, what)
             offset = 0
             for p, holders in zip(params, flat[flat.numel() - len(params) :].tolist()):
@@ -167,3 +182,17 @@ class OverlappedReduction:
                 offset += p.numel()
         self.works = None
         self.exposed_s = time.perf_counter() - began
+
+
+def _last_backwards(actions: Sequence[Action]) -> dict[int, tuple[int, Action]]:
+    """Stage -> (the position, the action) of its last backward (B or W) in ``actions``."""
+    return {a.stage: (k, a) for k, a in enumerate(actions) if a.kind in (ActionKind.B, ActionKind.W)}
+
+
+def _weak_hook(ref: weakref.ref):
+    def hook(p: torch.nn.Parameter) -> None:
+        reduction = ref()
+        if reduction is not None:
+            reduction.accumulated(p)
+
+    return hook

@@ -54,6 +54,14 @@ def local_states(optimizer: torch.optim.Optimizer) -> dict[torch.nn.Parameter, d
     return dict(optimizer.state)
 
 
+def holds_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> bool:
+    """Whether this rank keeps ``p``'s optimizer state (at ZeRO-1, only the rank that owns it)."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer._param_to_rank[p] == optimizer.rank
+    return True
+
+
 def param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The optimizer's parameter groups as ``state_dict`` gives them (parameters by index), which
     a sharded optimizer gives only after gathering every state to one rank."""

@@ -51,6 +51,8 @@ def input_gradients(
     inputs = [x for x in leaves if x.requires_grad]
     if not inputs:
         return WeightWork(weights, outputs=outputs, grads=grads)
+    # torch detaches the outputs in place once done, which a view refuses: start from a copy.
+    outputs = [o.clone() if o._is_view() else o for o in outputs]
     _, groups = stage_backward_input(outputs, grads, inputs, iter(weights))
     return WeightWork(weights, groups=groups)
 

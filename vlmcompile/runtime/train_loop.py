@@ -52,6 +52,7 @@ from vlmcompile.runtime.launch import LOCAL_RANK_ENV
 from vlmcompile.runtime.memory import StepMemory
 from vlmcompile.runtime.optimizers import OptimizerFactory, local_states, make_optimizer
 from vlmcompile.runtime.saves import RunSaves, epochs_of
+from vlmcompile.runtime.wire import floats
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 Data = Callable[[int], Mapping[str, Any]] | Iterable[Mapping[str, Any]]
@@ -658,13 +659,28 @@ def _measures(config: TrainConfig, step: int, first: int, device: torch.device) 
 
 
 def held_tensors(runner: PipelineRunner, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """What a rank holds between steps: parameters, gradients, buffers, optimizer states."""
+    """What a rank holds between steps: parameters, gradients, buffers, optimizer states, the
+    gradient reductions' buffers, outputs made a batch ahead."""
     params = runner.parameters()
     states = [
         t for state in local_states(optimizer).values() for t in state.values() if isinstance(t, torch.Tensor)
     ]
     buffers = [b for stage in runner.stages.values() for b in stage.buffers()]
-    return [*params, *(p.grad for p in params if p.grad is not None), *buffers, *states]
+    # the gradient reductions' flat buffers, kept from the steps before
+    reductions = [*runner.reduction.buffers(), *runner._flat.values()]
+    carried = [
+        t
+        for out in (runner.run_ahead.carry.outputs.values() if runner.run_ahead.carry else ())
+        for t in floats(out)
+    ]
+    return [
+        *params,
+        *(p.grad for p in params if p.grad is not None),
+        *buffers,
+        *states,
+        *reductions,
+        *carried,
+    ]
 
 
 def _every_rank(runner: PipelineRunner, value: int | None) -> tuple[int, ...]:
