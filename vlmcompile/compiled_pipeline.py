@@ -300,7 +300,7 @@ class CompiledPipeline:
         GPU ``LOCAL_RANK`` names under NCCL; otherwise the plan's ranks start on this machine's
         CPU (the local launcher), and ``data``, ``optimizer`` and ``scheduler`` must pickle
         (module-level functions, functools.partial). ``autocast_dtype``: "auto" runs bf16
-        autocast on a GPU when the plan's parameters are 2 bytes (its precision), else fp32;
+        autocast on a GPU when the plan computes in 2 bytes (its precision), else fp32;
         ``transfers`` is the runner's (:class:`~vlmcompile.runtime.executor.PipelineRunner`).
         ``per_batch_schedule``: re-plan the encoder-in-bubbles schedule for every batch
         (:mod:`vlmcompile.planning.per_batch`); None: where the pipeline is packed and its plan
@@ -706,7 +706,8 @@ def _placed(runner: PipelineRunner, device, autocast_dtype) -> bool:
         torch.cuda.set_device(device)  # NCCL's collectives and every kernel launch use the current device
     runner.device = torch.device(device) if device is not None else None
     if autocast_dtype == "auto":
-        autocast_dtype = torch.bfloat16 if on_gpu and runner.plan.precision.param_bytes == 2 else None
+        low = runner.plan.precision.param_bytes == 2 or runner.plan.precision.compute_copy_bytes == 2
+        autocast_dtype = torch.bfloat16 if on_gpu and low else None
     note = check_autocast(autocast_dtype, runner.device or torch.device("cuda" if on_gpu else "cpu"))
     if note and (not dist.is_initialized() or dist.get_rank() == 0):
         print(note, file=sys.stderr, flush=True)

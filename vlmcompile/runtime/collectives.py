@@ -54,36 +54,49 @@ def sum_gradients(
     group: Any,
     deadline: Deadline,
     what: str,
-    buffers: dict[int, torch.Tensor],
+    buffers: dict[Any, torch.Tensor],
     device: torch.device | None = None,
 ) -> None:
     """Sum the gradients of ``params`` over ``group`` in one collective (one per tensor would
     pay the collective's latency per tensor). Every member reduces the same list: a parameter
     without a gradient here (its stage ran no microbatch, or only ones without label tokens)
-    may have one on another member, so it takes zeros, and one count per parameter rides
-    along: a parameter no member has a gradient for keeps ``grad = None``, as in eager (where
-    AdamW then skips it: no weight decay, no state). ``buffers`` keeps one flat buffer per group
-    across steps: a fresh one costs page faults every step."""
+    may have one on another member (:func:`flat_gradients`, :func:`write_sums`)."""
     params = [p for p in params if p.requires_grad]  # frozen: no gradient, as in eager
     if not params:
         return
+    flat = flat_gradients(params, buffers, id(group), device)
+    deadline.wait(dist.all_reduce(flat, group=group, async_op=True), what)
+    write_sums(params, flat)
+
+
+def flat_gradients(
+    params: Sequence[torch.nn.Parameter], buffers: dict[Any, torch.Tensor], key: Any, device=None
+) -> torch.Tensor:
+    """The gradients of ``params`` in one flat buffer (zeros for a parameter without one), then
+    one count per parameter: 1 where it has a gradient. ``buffers`` keeps the buffer under
+    ``key`` across steps: a fresh one costs page faults every step."""
     present = [p.grad is not None for p in params]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     numel = sum(g.numel() for g in grads)
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
-    flat = buffers.get(id(group))
+    flat = buffers.get(key)
     if flat is None or flat.numel() != numel + len(grads) or flat.dtype != dtype:
-        flat = buffers[id(group)] = torch.empty(numel + len(grads), dtype=dtype, device=device)
+        flat = buffers[key] = torch.empty(numel + len(grads), dtype=dtype, device=device or grads[0].device)
     torch.cat([g.reshape(-1) for g in grads], out=flat[:numel])
     flat[numel:].copy_(torch.tensor(present, dtype=dtype))
-    deadline.wait(dist.all_reduce(flat, group=group, async_op=True), what)
+    return flat
+
+
+def write_sums(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """The sums in ``flat`` (:func:`flat_gradients`'s layout, reduced) into the gradients; a
+    parameter no member had a gradient for keeps ``grad = None``, as in eager (where AdamW then
+    skips it: no weight decay, no state)."""
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-    for p, holders in zip(params, flat[numel:].tolist()):
+    for p, holders in zip(params, flat[flat.numel() - len(params) :].tolist()):
         if holders == 0:
             p.grad = None
+        else:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()

@@ -122,9 +122,9 @@ class _StepState:
     produced: dict[Action, tuple] = field(default_factory=dict)
     """Action -> its output for another rank, until its ``SEND``."""
     exchange: Exchange = field(default_factory=Exchange)
+    """The transfers in flight (:mod:`vlmcompile.runtime.transport`)."""
     pending: dict[tuple[int, int], Any] = field(default_factory=dict)
     """(stage, microbatch) -> what its W action computes, left by its I (:mod:`.split_backward`)."""
-    """The transfers in flight (:mod:`vlmcompile.runtime.transport`)."""
 
 
 class PipelineRunner:

@@ -5,7 +5,6 @@ training would have none."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from vlmcompile.ir.actions import Action, ActionKind
-from vlmcompile.runtime.collectives import Deadline
+from vlmcompile.runtime.collectives import Deadline, flat_gradients, write_sums
 
 
 @contextlib.contextmanager
@@ -106,10 +105,6 @@ class OverlappedReduction:
                 {id(p): finals[0][s][1] for p in self.stages[s].parameters() if id(p) in self.bucket_of}
             )
 
-    @property
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for params in self.buckets for p in params]
-
     def buffers(self) -> list[torch.Tensor]:
         """The flat buffers the buckets are reduced in (kept between steps)."""
         return list(self._buffers.values())
@@ -146,18 +141,7 @@ class OverlappedReduction:
             params = self.buckets[k]
             if len(self._ready[k]) < len(params):
                 return
-            present = [p.grad is not None for p in params]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            numel = sum(g.numel() for g in grads)
-            dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
-            key = tuple(id(p) for p in params)
-            flat = self._buffers.get(key)
-            if flat is None or flat.dtype != dtype:
-                flat = self._buffers[key] = torch.empty(
-                    numel + len(grads), dtype=dtype, device=grads[0].device
-                )
-            torch.cat([g.reshape(-1) for g in grads], out=flat[:numel])
-            flat[numel:].copy_(torch.tensor(present, dtype=flat.dtype))
+            flat = flat_gradients(params, self._buffers, tuple(id(p) for p in params))
             self.works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat))
 
     def finish(self, deadline: Deadline, what: str) -> None:
@@ -165,21 +149,11 @@ class OverlappedReduction:
         long that took, the reduction the backwards did not hide)."""
         began = time.perf_counter()
         self._launch_ready()
-        if len(self.works) < len(self.buckets):
-            raise AssertionError(
-                f"gradient buckets {len(self.works)}.. never completed"
-            )  # every final action ran
+        if len(self.works) < len(self.buckets):  # every parameter's last backward ran
+            raise AssertionError(f"gradient buckets {len(self.works)} to {len(self.buckets)} never completed")
         for (work, flat), params in zip(self.works, self.buckets):
             deadline.wait(work, what)
-            offset = 0
-            for p, holders in zip(params, flat[flat.numel() - len(params) :].tolist()):
-                if holders == 0:
-                    p.grad = None
-                else:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            write_sums(params, flat)
         self.works = None
         self.exposed_s = time.perf_counter() - began
 
