@@ -81,6 +81,7 @@ def separate_plan(
     global_batch: int,
     assignment: tuple[int, ...] | None = None,
     recompute: tuple[int, ...] = (),
+    zero_stage: int = 0,
 ) -> Plan:
     """The encoders with a plan of their own (PP ``encoder_pp``, replicated over the rest) beside
     the LLM on ``pp`` ranks in even 1F1B stages; encoder work in phases before and after the LLM's."""
@@ -90,7 +91,7 @@ def separate_plan(
     bounds = [i * len(llm_names) // pp for i in range(pp + 1)]
     cluster = Cluster.preset(f"cpu:{pp * dp}")
     request = PlanRequest.on(
-        cluster, tp=1, pp=pp, global_batch=global_batch, sequence_parallel=False, zero_stage=0
+        cluster, tp=1, pp=pp, global_batch=global_batch, sequence_parallel=False, zero_stage=zero_stage
     )
     encoder = ep.EncoderPlan(pp=encoder_pp, tp=1, chunks=chunks)
     return build_separate_plan(

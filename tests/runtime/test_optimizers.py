@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.models import build
-from tests.pipeline_helpers import check_equal_to_eager, even_plan
+from tests.pipeline_helpers import check_equal_to_eager, even_plan, separate_plan
 from vlmcompile import compile
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.runtime.capabilities import runnable
@@ -42,10 +42,7 @@ def _step_then_train(runners, batch, steps, config, throughput):
         result = train_on_rank(runner, steps, config, throughput, start=Start())
         weights = {n: p.detach().clone() for n, p in runner.named_parameters().items()}
         # The optimizer the loop made, made again: which states does this rank hold after a step?
-        zero = runner.parallel.zero_stage
-        opt = make_optimizer(
-            runner.trainable_parameters(), config.adamw, zero_stage=zero, dp_group=runner.groups.dp
-        )
+        opt = make_optimizer(runner.trainable_parameters(), config.adamw, shards=runner.groups.shards)
         runner.step(batch)
         opt.step()
         names = {id(p): n for n, p in runner.named_parameters().items()}
@@ -127,4 +124,58 @@ def test_a_checkpoint_resumes_at_another_zero_stage_and_data_parallel_degree(tmp
         result = pipe.train(data, config, plan=plan, timeout_s=60)
         assert result.resumed_from == steps - 2
         losses += result.losses
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected))
+
+
+def test_zero1_shards_an_encoder_stage_over_every_rank_holding_it():
+    """The encoder on a plan of its own, its one stage replicated over both pipeline ranks at DP = 2:
+    the encoder group's DP is 4, and so is the group its AdamW states are sharded over (the memory
+    model's budget); the LLM stages' states over their data-parallel pairs. Trains as eager."""
+    model, batch = build("tiny-tied", batch_size=8)
+    pipe = compile(model, batch, log=None)
+    plan = separate_plan(pipe.layer_graph, pp=2, dp=2, encoder_pp=1, global_batch=8, zero_stage=1)
+    encoder = next(s for s in plan.stages if s.replicas)
+    assert plan.parallel[encoder.group].dp == 4 and plan.parallel[encoder.group].zero_stage == 1
+    config = TrainConfig(steps=3, **CONFIG)
+    steps = [batch, {**batch, "pixel_values": batch["pixel_values"] * -1}, batch]
+    runner = pipe.runner(plan, timeout_s=60)
+    per_rank = [
+        r[0]
+        for r in launch(
+            _step_then_train, [runner], 4, args=(batch, steps, config, pipe.throughput(runner)), timeout_s=60
+        )
+    ]
+    check_equal_to_eager(model, batch, per_rank)
+    expected = eager_training(copy.deepcopy(model), steps, config)
+    for result in per_rank:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected))
+    held = [set(r["states"]) for r in per_rank]
+    encoder_names = {n for n in per_rank[0]["weights"] if n.startswith(("encoders.", "projectors."))}
+    assert encoder_names
+    owners = [[rank for rank in range(4) if name in held[rank]] for name in sorted(encoder_names)]
+    assert all(len(o) == 1 for o in owners), owners
+    assert len({o[0] for o in owners}) > 1  # spread over the group, not all on one rank
+    for p_rank in range(2):
+        group = [held[p_rank * 2 + d] - encoder_names for d in range(2)]
+        assert not group[0] & group[1]
+        assert group[0] | group[1] == set(per_rank[p_rank * 2]["weights"]) - encoder_names
+
+
+def test_a_checkpoint_of_sharded_encoder_states_resumes_unsharded_and_back(tmp_path):
+    """Saved with the encoder's states sharded over 4 ranks and the LLM's over pairs, resumed at
+    ZeRO-0 and again at ZeRO-1: every loss is the uninterrupted eager run's."""
+    model, batch = build("tiny-tied", batch_size=8)
+    pipe = compile(model, batch, log=None)
+    data = [batch, {**batch, "pixel_values": batch["pixel_values"] * -1}] * 3
+    expected = eager_training(copy.deepcopy(model), data, TrainConfig(steps=6, **CONFIG))
+    plans = [
+        separate_plan(pipe.layer_graph, pp=2, dp=2, encoder_pp=1, global_batch=8, zero_stage=zero)
+        for zero in (1, 0, 1)
+    ]
+    losses = []
+    for steps, plan in zip((2, 4, 6), plans):
+        config = TrainConfig(
+            steps=steps, decay_steps=6, checkpoint_dir=str(tmp_path / "ckpt"), resume=steps > 2, **CONFIG
+        )
+        losses += pipe.train(data, config, plan=plan, timeout_s=60).losses
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected))

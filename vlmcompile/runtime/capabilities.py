@@ -81,9 +81,9 @@ def runnable(plan: Plan, layer_graph=None) -> RunnablePlan:
 
 
 def check_zero(plan: Plan) -> None:
-    """The plan's ZeRO stages are ones the runtime runs, each over a data-parallel group it
-    shards over: the pipeline's, which every group's parameters are replicated on."""
-    pipeline = plan.pipeline_parallel
+    """The plan's ZeRO stages are ones the runtime runs. Each group's states are sharded over the
+    DP it plans: the ranks holding each of its stages (:func:`vlmcompile.runtime.groups.make_groups`'
+    shards), which at TP = 1 are exactly that many (plan validation: DP x PP is the pipeline's)."""
     for name, par in plan.parallel.items():
         if par.zero_stage not in RUNTIME.zero_stages:
             raise PlanError(
@@ -95,12 +95,6 @@ def check_zero(plan: Plan) -> None:
             raise PlanError(
                 f"group {name!r} of the plan has zero_stage={par.zero_stage} at DP=1: there is no data-parallel "
                 "group to shard over; plan with zero_stage=0"
-            )
-        if par.zero_stage and par.dp != pipeline.dp:
-            raise PlanError(
-                f"group {name!r} of the plan has zero_stage={par.zero_stage} over DP={par.dp}, but its stages run "
-                f"replicated over the pipeline's ranks, whose data-parallel groups hold {pipeline.dp}: the runtime "
-                "shards optimizer states over those only; plan that group with zero_stage=0"
             )
 
 

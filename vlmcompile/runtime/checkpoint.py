@@ -443,7 +443,9 @@ def load(path: str | Path, runner, optimizer, scheduler, schedule: dict | None =
         }
     )
     if scheduler is not None and state["trainer"]["scheduler"]:
-        scheduler.load_state_dict(json.loads(state["trainer"]["scheduler"]))
+        scheduler.load_state_dict(
+            _per_group(json.loads(state["trainer"]["scheduler"]), len(optimizer.param_groups), path)
+        )
         # The scheduler sets the groups' LR only when it steps: the next step's LR is its last.
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr
@@ -536,6 +538,24 @@ def check_fits(
             f"the checkpoint {path} is not of this model: {' and '.join(problems)}. Resume from a checkpoint of "
             "the same model (any plan of it), or start without --resume"
         )
+
+
+def _per_group(saved: dict[str, Any], groups: int, path) -> dict[str, Any]:
+    """A scheduler's state with one entry a parameter group, for ``groups`` groups. A rank's
+    optimizer has one group per set of ranks its states are sharded over, so the saving rank's
+    count may differ from this one's; entries that are one value for every group stand for any
+    count of groups."""
+    out = dict(saved)
+    for key, value in saved.items():
+        if not isinstance(value, list) or len(value) in (0, groups):
+            continue
+        if any(v != value[0] for v in value):
+            raise CheckpointError(
+                f"the checkpoint {path} holds an LR schedule of {len(value)} parameter groups with different "
+                f"{key}; this rank's optimizer has {groups}: resume with the plan it was saved under"
+            )
+        out[key] = value[:1] * groups
+    return out
 
 
 def _scheduler_json(scheduler) -> str:

@@ -25,17 +25,29 @@ class RankLostError(VlmCompileError, RuntimeError):
 
 
 class Deadline:
-    """Waits on a rank's communication, each wait bounded by ``timeout_s``."""
+    """Waits on a rank's communication, each wait bounded by ``timeout_s``.
 
-    def __init__(self, rank: int, timeout_s: float):
+    On NCCL a wait does not block the host: ``work.wait()`` without a timeout only orders the
+    current CUDA stream after the collective, so the host goes on queueing kernels (a wait given
+    a timeout spins the host until the GPU is done, and no backward overlaps the gradient
+    reduction). The bound there is the process group's own, which NCCL's watchdog thread keeps
+    (``init_process_group(timeout=)``, and each ``new_group(timeout=)``): it aborts a collective
+    that overruns it and the rank with it, which the launcher or torchrun reports. On gloo the
+    host waits, at most ``timeout_s``."""
+
+    def __init__(self, rank: int, timeout_s: float, *, stream_ordered: bool | None = None):
         self.rank = rank
         self.timeout_s = timeout_s
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.stream_ordered = _nccl() if stream_ordered is None else stream_ordered
 
     def wait(self, work, what: str, peer: int | None = None) -> None:
         start = time.monotonic()
         try:
-            work.wait(self.timeout)
+            if self.stream_ordered:
+                work.wait()
+            else:
+                work.wait(self.timeout)
         except RuntimeError as err:
             waited = time.monotonic() - start
             cause = "timed out" if waited >= 0.9 * self.timeout_s else "the connection failed"
@@ -44,9 +56,15 @@ class Deadline:
     def lost(self, what: str, err: BaseException, peer: int | None) -> RankLostError:
         return RankLostError(
             f"rank {self.rank}: {what}; that rank died, hung or failed (see its own error). "
-            f"{dist.get_backend()} said: {(str(err).splitlines() or [''])[0][:200]}",
+            f"{dist.get_backend() if dist.is_initialized() else 'the backend'} said: "
+            f"{(str(err).splitlines() or [''])[0][:200]}",
             peer,
         )
+
+
+def _nccl() -> bool:
+    """Whether this process's default group runs on NCCL (its waits are stream-ordered)."""
+    return dist.is_initialized() and dist.get_backend() == "nccl"
 
 
 def sum_gradients(

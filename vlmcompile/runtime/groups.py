@@ -8,7 +8,10 @@ order, keeping those it is in:
   embedding and output layer, or an encoder stage replicated over pipeline ranks), whose
   gradient parts are summed;
 * pairs (ordered transfers only): a group per pair of pipeline ranks that exchange values, per
-  replica (:mod:`vlmcompile.runtime.transport`).
+  replica (:mod:`vlmcompile.runtime.transport`);
+* shards (ZeRO-1 only): per stage replicated over pipeline ranks, every rank holding it in any
+  replica, over which its parameters' optimizer states are sharded (its group's DP in the plan);
+  a stage on one pipeline rank shards over the data-parallel group.
 
 Ranks are laid out pipeline-major: global rank = pipeline rank x DP + data-parallel rank
 (:meth:`~vlmcompile.ir.plan.Parallel.global_rank`).
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.plan import Parallel, Plan
 from vlmcompile.runtime.collectives import Deadline, sum_gradients
 
@@ -42,6 +46,9 @@ class ProcessGroups:
     """id(parameter) -> the pipeline ranks that hold it."""
     pairs: dict[int, Any]
     """Peer pipeline rank -> the group of this rank and that peer (ordered transfers)."""
+    shards: tuple[tuple[Any, tuple[torch.nn.Parameter, ...]], ...] = ()
+    """(group its optimizer states are sharded over, or None: not sharded; this rank's
+    parameters in it), covering every parameter of the rank's stages once."""
 
     def reduce_gradients(
         self, params: list[torch.nn.Parameter], deadline: Deadline, flat: dict[int, torch.Tensor], device
@@ -88,7 +95,42 @@ def make_groups(
             group = dist.new_group([parallel.global_rank(a, d), parallel.global_rank(b, d)], timeout=timeout)
             if d == dp_rank and pp_rank in (a, b):
                 pairs[b if a == pp_rank else a] = group
-    return ProcessGroups(dp_group, dp_ranks, tied, holders, pairs)
+    shards = _shards(plan, parallel, stages, pp_rank, dp_group, timeout)
+    return ProcessGroups(dp_group, dp_ranks, tied, holders, pairs, shards)
+
+
+def _shards(plan, parallel, stages, pp_rank, dp_group, timeout):
+    """The groups the optimizer states of this rank's parameters are sharded over, as the memory
+    model budgets them (a group's ZeRO stage over its own DP): a stage on several pipeline ranks
+    (an encoder data-parallel inside the pipeline) over all its holders in every replica, any
+    other stage over the data-parallel group; none where the stage's group plans ZeRO-0."""
+    replicated = sorted(
+        {
+            tuple(sorted(s.ranks))
+            for s in plan.stages
+            if len(s.ranks) > 1 and plan.parallel[s.group].zero_stage
+        }
+    )
+    made = {}
+    for pp_ranks in replicated:  # every rank makes every group, in this order
+        ranks = [parallel.global_rank(r, d) for r in pp_ranks for d in range(parallel.dp)]
+        made[pp_ranks] = dist.new_group(ranks, timeout=timeout)
+    by_key: dict[Any, dict[int, torch.nn.Parameter]] = {}
+    key_of: dict[int, Any] = {}
+    for s in plan.stages:
+        if pp_rank not in s.ranks:
+            continue
+        zero = plan.parallel[s.group].zero_stage
+        key = None if not zero else ("dp" if len(s.ranks) == 1 else tuple(sorted(s.ranks)))
+        for p in stages[s.index].parameters():
+            if key_of.setdefault(id(p), key) != key:
+                raise PlanError(
+                    f"a parameter of stage {s.index} is also held by a stage whose optimizer states are "
+                    "sharded over other ranks; plan both stages' groups with zero_stage=0"
+                )
+            by_key.setdefault(key, {})[id(p)] = p
+    groups = {None: None, "dp": dp_group, **made}
+    return tuple((groups[k], tuple(params.values())) for k, params in by_key.items())
 
 
 def _tied(plan, parallel, stages, pp_rank, dp_rank, timeout):

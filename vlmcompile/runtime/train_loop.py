@@ -431,10 +431,7 @@ def claim_for(config: TrainConfig, checkpoint_bytes: int | None):
 
 def _train(runner, data, config, throughput, optimizer, scheduler, start: Start) -> TrainResult:
     opt = make_optimizer(
-        _optimized_parameters(runner),
-        optimizer or config.adamw,
-        zero_stage=runner.parallel.zero_stage,
-        dp_group=runner.groups.dp,
+        _optimized_parameters(runner), optimizer or config.adamw, shards=runner.groups.shards
     )
     sched = (scheduler or config.scheduler)(opt)
     first = 0
