@@ -142,12 +142,15 @@ class Cluster:
             raise ClusterError(f"cluster {self.name}: link latencies must not be negative")
 
     def with_memory_cap(self, cap_bytes: float) -> Cluster:
-        """The same cluster with every plan held to ``cap_bytes`` per rank: a device whose usable
-        memory (what is left of it after the allocator's reserve) is the cap, as on a GPU on which
-        the model does not fit whole."""
+        """The same cluster with every plan held to ``cap_bytes`` per rank: on GPUs a device whose
+        usable memory (what is left of it after the allocator's reserve) is the cap, as on a GPU on
+        which the model does not fit whole. On ranks of this machine the cap is the device: no
+        CUDA context or caching allocator takes the reserve there, so it is kept for what the
+        memory model misses (a few % on small models: ``benchmarks/memory_fidelity.py``), and
+        a plan said to fit holds at most ``cap_bytes`` of tensors when run."""
         if not cap_bytes > 0:
             raise ClusterError(f"memory cap {cap_bytes} B per rank; give a positive size")
-        mem_bytes = math.ceil(cap_bytes / (1 - MEMORY_RESERVE))
+        mem_bytes = math.ceil(cap_bytes if self.ranks_on_this_machine else cap_bytes / (1 - MEMORY_RESERVE))
         note = f"{self.note}; " if self.note else ""
         return replace(
             self,

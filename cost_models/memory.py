@@ -33,6 +33,17 @@ def usable_memory_bytes(device_mem_bytes: float) -> float:
     return device_mem_bytes * (1 - MEMORY_RESERVE)
 
 
+def plan_precision(ranks_on_this_machine: bool) -> Precision:
+    """The model-state bytes every policy's plans are held to on a cluster. On ranks of this
+    machine, what our runtime holds when it trains them, in fp32 (:meth:`Precision.runtime`), so
+    a plan said to fit a cap fits it when run. On GPUs, Megatron-LM's mixed precision with its
+    distributed optimizer (6 + 12 / DP bytes a parameter at ZeRO-1), which is what the baselines'
+    own systems hold; our runtime holds more there (10 + 8 / DP, and 4 more for its reduction
+    buckets, under bf16 autocast), and refuses before launch a plan that its own bytes do not fit
+    (:func:`vlmcompile.compiled_pipeline.check_memory`)."""
+    return Precision.runtime(autocast=False) if ranks_on_this_machine else Precision()
+
+
 def ranks_over(peaks: Sequence[float], cap: float | Sequence[float]) -> list[int]:
     """The ranks whose peak is over the cap (one cap for all, or one per rank): the one rule of
     "fits" that every policy, the solvers' evaluations and the simulator apply."""

@@ -25,7 +25,7 @@ from torch import nn
 
 from vlmcompile import families
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.cost_models.memory import ranks_over, usable_memory_bytes
+from vlmcompile.cost_models.memory import MEMORY_RESERVE, ranks_over, usable_memory_bytes
 from vlmcompile.data.packed_step import pack_step
 from vlmcompile.data.packing import samples_of
 from vlmcompile.data.steps import PackedSteps, check_run
@@ -630,8 +630,9 @@ def check_memory(predicted: Sequence[int], cluster: Cluster | None, runner: Pipe
         held = "bf16 autocast, fp32 states" if runner.autocast_dtype is not None else "fp32"
         raise PlanError(
             f"rank {r} would hold {format_bytes(predicted[r])} as the runtime trains this plan ({held}), over the "
-            f"{format_bytes(cap)} a rank of {cluster.name} has: plan again with more pipeline stages, recompute "
-            "or ZeRO-1, or a larger memory cap"
+            f"{format_bytes(cap)} a rank of {cluster.name} may hold (its {format_bytes(cluster.device.mem_bytes)} "
+            f"less the {MEMORY_RESERVE:.0%} reserve): plan again with more pipeline stages, recompute or ZeRO-1, or a "
+            "larger memory cap"
         )
 
 

@@ -489,6 +489,7 @@ def _llm_cut(inputs: _Inputs, rung: RecomputeRung) -> tuple[list[list[str]], dic
         llm,
         microbatch_size=inputs.request.microbatch_size,
         recompute=recompute_flags(inputs.layer_graph, inputs.parts, rung.base),
+        precision=inputs.request.precision,
     )
     llm_chunks = chunks_of(
         inputs.names[count:], balanced_split([c.f_s + c.b_s for c in llm_costs[count:]], llm.pp * llm.v)
@@ -545,7 +546,12 @@ def _screen_one(
     degrees = f"{enc_par.dp}/{enc_par.tp}/{enc_par.pp}"
     try:
         enc_costs = layer_costs(
-            layer_graph, cluster, enc_par, microbatch_size=request.microbatch_size, recompute=flags
+            layer_graph,
+            cluster,
+            enc_par,
+            microbatch_size=request.microbatch_size,
+            recompute=flags,
+            precision=request.precision,
         )
         pieces = ep.encoder_chunks(layer_graph, encoder, [c.f_s + c.b_s for c in enc_costs[: inputs.count]])
         phased = build_separate_plan(

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from tabulate import tabulate
 
 from vlmcompile.cost_models.cluster import Cluster
-from vlmcompile.cost_models.memory import usable_memory_bytes
+from vlmcompile.cost_models.memory import plan_precision, usable_memory_bytes
 from vlmcompile.ir.errors import ClusterError, PlanError, positive_int
 from vlmcompile.ir.layer_graph import LayerGraph, format_bytes
 from vlmcompile.ir.plan import Parallel, Plan, Reason
@@ -218,6 +218,7 @@ def candidates(
                             parallel=Parallel(dp=dp, tp=tp, pp=pp, v=v, zero_stage=cluster.zero_stage(dp)),
                             global_batch=batch,
                             microbatch_size=mbs,
+                            precision=plan_precision(cluster.ranks_on_this_machine),
                         )
                     )
     return list(dict.fromkeys(out))

@@ -381,6 +381,16 @@ def baselines_at(
     return planned[request]
 
 
+def _request_of(plan: Plan, global_batch: int) -> PlanRequest:
+    """The request ``plan`` answers, at ``global_batch``."""
+    return PlanRequest(
+        parallel=plan.pipeline_parallel,
+        global_batch=global_batch,
+        microbatch_size=plan.microbatch_size,
+        precision=plan.precision,
+    )
+
+
 def search_and_compare(
     layer_graph: LayerGraph,
     cluster: Cluster,
@@ -418,18 +428,14 @@ def search_and_compare(
     plan = result.plan
     # The batch the chosen candidate runs (packed microbatches round it up to its degrees).
     global_batch = plan.global_batch
-    request = PlanRequest(
-        parallel=plan.pipeline_parallel, global_batch=global_batch, microbatch_size=plan.microbatch_size
-    )
+    request = _request_of(plan, global_batch)
     searched, chain_s = result.report, result.sim.step_time_s
     # The bubbles fill best where the pipeline leaves the most: v = 1 is tried beside the v chosen.
     others = [request.with_degrees(v=1)] if request.parallel.v > 1 else []
     result = with_encoder_in_bubbles(result, layer_graph, cluster, request, solver, also=others)
     how = "the encoder-in-bubbles plan" if result.sim.step_time_s != chain_s else None
     plan = result.plan
-    request = PlanRequest(
-        parallel=plan.pipeline_parallel, global_batch=global_batch, microbatch_size=plan.microbatch_size
-    )
+    request = _request_of(plan, global_batch)
     runs, rows = baselines_at(layer_graph, cluster, request, planned)
     faster = fastest_baseline(runs, request)
     later: tuple = ()

@@ -53,3 +53,29 @@ def test_training_reports_each_ranks_peak_beside_the_plans_prediction(tmp_path):
         predicted
     )
     assert "tensors at their peak (step 2)" in str(result) and "predicted" in str(result)
+
+
+@pytest.mark.parametrize("share", [0.75, 0.6])
+def test_a_plan_said_to_fit_a_cap_fits_it_when_run(share):
+    """The planner holds local ranks' plans to the bytes the runtime keeps (fp32 states), with the
+    memory reserve kept for what the model misses, so the plan it says fits a cap below the
+    uncapped plan's peak (moving its cut or recomputing) predicts what the runtime predicts, and
+    each rank's measured peak stays under the cap."""
+    from vlmcompile.cost_models.cluster import Cluster
+    from vlmcompile.cost_models.memory import usable_memory_bytes
+    from vlmcompile.sim.simulator import peak_memory_bytes
+
+    model, batch = build("tiny", batch_size=8)
+    free = compile(model, batch, "cpu:2", log=None)
+    cap = share * max(peak_memory_bytes(free.plan, free.layer_graph, Cluster.local_cpu(2)))
+    cluster = Cluster.local_cpu(2).with_memory_cap(cap)
+    pipe = compile(model, batch, cluster, log=None)
+    said = peak_memory_bytes(pipe.plan, pipe.layer_graph, cluster)
+    # The model's reserve kept: planned to 95 % of the cap.
+    assert max(said) <= usable_memory_bytes(cluster.device.mem_bytes) <= 0.951 * cap
+    assert not pipe.plan.same_layout(free.plan)
+    result = pipe.train([batch] * 2, TrainConfig(steps=2), timeout_s=60)
+    step = result.steps[1]
+    torch.testing.assert_close([float(p) for p in step.predicted_peak_bytes], said, rtol=1e-6, atol=1.0)
+    for rank, measured in enumerate(step.peak_tensor_bytes):
+        assert measured <= cap, f"rank {rank}: {measured / MiB:.3f} MiB held, the cap {cap / MiB:.3f} MiB"

@@ -35,7 +35,12 @@ def build_plan(
     costs = {
         c.name: c
         for c in layer_costs(
-            layer_graph, cluster, par, microbatch_size=request.microbatch_size, recompute=recompute
+            layer_graph,
+            cluster,
+            par,
+            microbatch_size=request.microbatch_size,
+            recompute=recompute,
+            precision=request.precision,
         )
     }
     actions = make_schedule(schedule, par.stage_placement, m, stage_times=chunk_action_times(costs, chunks))
@@ -60,6 +65,7 @@ def build_plan(
         schedule=schedule.value,
         recompute=dict(recompute),
         decisions=(*decisions, said),
+        precision=request.precision,
     )
     plan.validate(layer_graph)
     return plan
@@ -94,7 +100,12 @@ def build_separate_plan(
         llm_costs = {
             c.name: c
             for c in layer_costs(
-                layer_graph, cluster, llm, microbatch_size=request.microbatch_size, recompute=recompute
+                layer_graph,
+                cluster,
+                llm,
+                microbatch_size=request.microbatch_size,
+                recompute=recompute,
+                precision=request.precision,
             )
         }
         llm_actions = make_schedule(
@@ -123,6 +134,7 @@ def build_separate_plan(
         schedule=schedule.value,
         recompute=dict(recompute),
         decisions=(*decisions, said),
+        precision=request.precision,
     )
     plan.validate(layer_graph)
     return plan

@@ -74,8 +74,11 @@ def candidate_bound(
     cache = {} if cache is None else cache
     par, mbs, m = request.parallel, request.microbatch_size, request.num_microbatches
     cluster.check_tensor_parallel(par.tp)
-    costed = _cached(cache, ("coster",), lambda: LayerCoster(layer_graph, cluster))
-    costs = _cached(cache, ("costs", par.tp, par.dp, mbs), lambda: _costs(layer_graph, costed, par, mbs))
+    precision = request.precision
+    costed = _cached(cache, ("coster", precision), lambda: LayerCoster(layer_graph, cluster, precision))
+    costs = _cached(
+        cache, ("costs", par.tp, par.dp, mbs, precision), lambda: _costs(layer_graph, costed, par, mbs)
+    )
     split = request.schedule_name is Schedule.ZERO_BUBBLE
     held = _cached(
         cache,
@@ -109,7 +112,7 @@ def stage_cut_bound(
     if bound.cannot_run or bound.stage_cut_s or not _cuts_matter(request, bound, len(layer_graph.layers)):
         return bound
     par, m = request.parallel, request.num_microbatches
-    costs = cache[("costs", par.tp, par.dp, request.microbatch_size)]
+    costs = cache[("costs", par.tp, par.dp, request.microbatch_size, request.precision)]
     held = _cached(
         cache,
         ("fullest moment", par.pp, par.v, _scanned_microbatches(request), request.schedule_name),
@@ -153,7 +156,7 @@ def _costs(
     out = []
     for layer in layer_graph.layers:
         c = costed.figures(layer, par, samples=samples)
-        state = layer_state_bytes(c, par)
+        state = layer_state_bytes(c, par, costed.precision)
         whole = kept_activation_bytes(layer, Recompute.NONE, **shard)
         least = kept_activation_bytes(layer, Recompute.FULL, **shard)
         if not c.b_s:  # no backward: nothing kept in flight (vlmcompile.sim.in_flight)

@@ -72,6 +72,7 @@ def llm_alone_plan(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> Pla
         global_batch=plan.global_batch,
         microbatch_size=plan.microbatch_size,
         schedule=plan.schedule,
+        precision=plan.precision,
     )
     recompute = {layer.name: plan.recompute_of(layer.name) for layer in graph.layers}
     costs = layer_costs(graph, cluster, par, microbatch_size=plan.microbatch_size, recompute=recompute)

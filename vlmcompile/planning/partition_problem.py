@@ -325,9 +325,12 @@ def partition_problem(layer_graph: LayerGraph, cluster: Cluster, request: PlanRe
     """The numbers of ``request``'s stage-cut choice, from the cost model (one TP rank, one
     microbatch)."""
     parallel, microbatch_size = request.parallel, request.microbatch_size
-    plain = layer_costs(layer_graph, cluster, parallel, microbatch_size=microbatch_size)
+    precision = request.precision
+    plain = layer_costs(layer_graph, cluster, parallel, microbatch_size=microbatch_size, precision=precision)
     every = {layer.name: Recompute.FULL for layer in layer_graph.layers}
-    full = layer_costs(layer_graph, cluster, parallel, microbatch_size=microbatch_size, recompute=every)
+    full = layer_costs(
+        layer_graph, cluster, parallel, microbatch_size=microbatch_size, recompute=every, precision=precision
+    )
     samples = samples_per_microbatch(layer_graph, microbatch_size)
     shard = {"samples": samples, "tp": parallel.tp, "sequence_parallel": parallel.sequence_parallel}
     p, v = parallel.pp, parallel.v
@@ -344,7 +347,7 @@ def partition_problem(layer_graph: LayerGraph, cluster: Cluster, request: PlanRe
         act_bytes=tuple(act),
         act_bytes_recompute=tuple(act_rc),
         transient_bytes=tuple(recompute_transient_bytes(x, Recompute.FULL, **shard) for x in layers),
-        state_bytes=tuple(layer_state_bytes(c, parallel) for c in plain),
+        state_bytes=tuple(layer_state_bytes(c, parallel, precision) for c in plain),
         reduce_s=tuple(c.dp_reduce_s for c in plain),
         gather_s=tuple(c.dp_all_gather_s for c in plain),
         send_fwd_s=tuple(tuple(f for f, _ in row) for row in sends),

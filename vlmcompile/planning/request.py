@@ -14,9 +14,10 @@ import os
 from dataclasses import dataclass, replace
 
 from vlmcompile.cost_models.cluster import Cluster
+from vlmcompile.cost_models.memory import plan_precision
 from vlmcompile.ir.errors import ClusterError, PlanError, positive_int, positive_number
 from vlmcompile.ir.placement import PlacementStyle
-from vlmcompile.ir.plan import Parallel, Recompute
+from vlmcompile.ir.plan import Parallel, Precision, Recompute
 from vlmcompile.planning.schedules import Schedule
 
 
@@ -37,6 +38,9 @@ class PlanRequest:
     """Samples per microbatch."""
     schedule: Schedule | None = None
     """None: Megatron-LM's default for ``parallel.v`` (1F1B, or interleaved 1F1B when v > 1)."""
+    precision: Precision = Precision()
+    """The model-state bytes its plans are held to: Megatron-LM's by default; :meth:`on` gives the
+    cluster's (:func:`~vlmcompile.cost_models.memory.plan_precision`)."""
 
     def __post_init__(self):
         positive_int("global_batch", self.global_batch, "the samples per training step")
@@ -83,7 +87,11 @@ class PlanRequest:
             placement=placement,
         )
         return cls(
-            parallel=parallel, global_batch=global_batch, microbatch_size=microbatch_size, schedule=schedule
+            parallel=parallel,
+            global_batch=global_batch,
+            microbatch_size=microbatch_size,
+            schedule=schedule,
+            precision=plan_precision(cluster.ranks_on_this_machine),
         )
 
     def with_degrees(self, **degrees: int) -> PlanRequest:
