@@ -33,6 +33,12 @@ def test_plan_prints_and_writes_everything(tmp_path, capsys):
     assert code == 0
     assert "plan 'megatron_balanced' for demo on h100x16" in printed
     assert "simulated step" in printed and "bubbles by cause" in printed and "pp_warmup" in printed
+    # Planned with Megatron-LM's bytes on GPUs: what our runtime would hold is said beside it.
+    assert (
+        "as our runtime trains it (bf16 autocast; fp32 parameters, gradients and AdamW states): peak"
+        in printed
+    )
+    assert "within it: pipe.train takes it" in printed
     data = json.loads(out.read_text())
     plan = Plan.from_json(data["plan"])
     assert plan.policy == "megatron_balanced" and plan.num_ranks == 4
@@ -172,3 +178,35 @@ def test_the_command_line_is_built_without_torch_and_planning_without_dcp():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+
+
+def test_a_gpu_plan_our_runtime_would_not_fit_is_said_to_be_refused(demo_graph):
+    """Between the plan's own peak (Megatron-LM's bytes) and our runtime's, the report says the
+    runtime refuses it; on local ranks, planned with the runtime's bytes, it says nothing."""
+    import dataclasses
+
+    from vlmcompile.cli import _runtime_memory
+    from vlmcompile.cost_models.cluster import Cluster
+    from vlmcompile.ir.plan import Precision
+    from vlmcompile.passes.planning.policies import plan_and_simulate
+    from vlmcompile.planning.request import PlanRequest
+    from vlmcompile.sim.simulator import peak_memory_bytes
+
+    cluster = Cluster.preset("h100x16")
+    run = plan_and_simulate(
+        demo_graph, cluster, "megatron_balanced", PlanRequest.on(cluster, tp=2, pp=4, global_batch=16)
+    )
+    planned = max(peak_memory_bytes(run.plan, demo_graph, cluster))
+    held = max(
+        peak_memory_bytes(
+            dataclasses.replace(run.plan, precision=Precision.runtime(autocast=True)), demo_graph, cluster
+        )
+    )
+    assert held > planned  # DP = 2 at ZeRO-1: 14 + 8 / 2 bytes a parameter against 6 + 12 / 2
+    said = _runtime_memory(run, demo_graph, cluster.with_memory_cap((planned + held) / 2))
+    assert "over it on" in said and "pipe.train refuses it before launch" in said
+    local = Cluster.preset("cpu:8")
+    on_local = plan_and_simulate(
+        demo_graph, local, "megatron_balanced", PlanRequest.on(local, tp=1, pp=4, global_batch=16)
+    )
+    assert _runtime_memory(on_local, demo_graph, local) is None

@@ -172,6 +172,9 @@ def _plan(args: argparse.Namespace) -> int:
             f"forward before it and backward after: {format_ms(bound_s)} ms "
             f"(this plan {run.sim.step_time_s / bound_s:.2f}x of it)"
         )
+    held = _runtime_memory(run, graph, cluster)
+    if held:
+        print(held)
     if not run.fits:
         print(f"\nwarning: the plan does not fit in {cluster.device.name} memory", file=sys.stderr)
     _write_plan_outputs(args, run, graph, alone_s, bound_s)
@@ -190,6 +193,36 @@ def _llm_alone_s(run, graph, cluster) -> tuple[float | None, float | None]:
         return None, None
     bound = dependency_bound(alone, graph, cluster).step_s
     return llm_alone_step_s(run.plan, graph, cluster, alone=alone), bound
+
+
+def _runtime_memory(run, graph, cluster) -> str | None:
+    """On GPUs, where every policy plans with Megatron-LM's model-state bytes, what our runtime
+    would hold training the plan under bf16 autocast, and whether ``pipe.train`` takes it."""
+    import dataclasses
+
+    from vlmcompile.cost_models.memory import ranks_over, usable_memory_bytes
+    from vlmcompile.ir.layer_graph import format_bytes
+    from vlmcompile.ir.plan import Precision
+    from vlmcompile.sim.simulator import peak_memory_bytes
+
+    plan = run.plan
+    runtime = Precision.runtime(autocast=True)
+    if plan is None or cluster.ranks_on_this_machine or plan.precision == runtime:
+        return None
+    peaks = peak_memory_bytes(dataclasses.replace(plan, precision=runtime), graph, cluster)
+    cap = usable_memory_bytes(cluster.device.mem_bytes)
+    top = max(range(len(peaks)), key=peaks.__getitem__)
+    over = ranks_over(peaks, cap)
+    verdict = (
+        f"over it on {len(over)} of {len(peaks)} pipeline ranks: pipe.train refuses it before launch until the "
+        "runtime keeps bf16 parameters and a sharded fp32 master copy (docs/training.md)"
+        if over
+        else "within it: pipe.train takes it"
+    )
+    return (
+        f"as our runtime trains it (bf16 autocast; fp32 parameters, gradients and AdamW states): peak "
+        f"{format_bytes(peaks[top])} on pipeline rank {top}, limit {format_bytes(cap)}; {verdict}"
+    )
 
 
 def _layer_graph(args: argparse.Namespace):
