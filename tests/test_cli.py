@@ -183,8 +183,6 @@ def test_the_command_line_is_built_without_torch_and_planning_without_dcp():
 def test_a_gpu_plan_our_runtime_would_not_fit_is_said_to_be_refused(demo_graph):
     """Between the plan's own peak (Megatron-LM's bytes) and our runtime's, the report says the
     runtime refuses it; on local ranks, planned with the runtime's bytes, it says nothing."""
-    import dataclasses
-
     from vlmcompile.cli import _runtime_memory
     from vlmcompile.cost_models.cluster import Cluster
     from vlmcompile.ir.plan import Precision
@@ -197,11 +195,7 @@ def test_a_gpu_plan_our_runtime_would_not_fit_is_said_to_be_refused(demo_graph):
         demo_graph, cluster, "megatron_balanced", PlanRequest.on(cluster, tp=2, pp=4, global_batch=16)
     )
     planned = max(peak_memory_bytes(run.plan, demo_graph, cluster))
-    held = max(
-        peak_memory_bytes(
-            dataclasses.replace(run.plan, precision=Precision.runtime(autocast=True)), demo_graph, cluster
-        )
-    )
+    held = max(peak_memory_bytes(run.plan, demo_graph, cluster, precision=Precision.runtime(autocast=True)))
     assert held > planned  # DP = 2 at ZeRO-1: 14 + 8 / 2 bytes a parameter against 6 + 12 / 2
     said = _runtime_memory(run, demo_graph, cluster.with_memory_cap((planned + held) / 2))
     assert "over it on" in said and "pipe.train refuses it before launch" in said

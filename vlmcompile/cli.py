@@ -198,8 +198,6 @@ def _llm_alone_s(run, graph, cluster) -> tuple[float | None, float | None]:
 def _runtime_memory(run, graph, cluster) -> str | None:
     """On GPUs, where every policy plans with Megatron-LM's model-state bytes, what our runtime
     would hold training the plan under bf16 autocast, and whether ``pipe.train`` takes it."""
-    import dataclasses
-
     from vlmcompile.cost_models.memory import ranks_over, usable_memory_bytes
     from vlmcompile.ir.layer_graph import format_bytes
     from vlmcompile.ir.plan import Precision
@@ -209,7 +207,7 @@ def _runtime_memory(run, graph, cluster) -> str | None:
     runtime = Precision.runtime(autocast=True)
     if plan is None or cluster.ranks_on_this_machine or plan.precision == runtime:
         return None
-    peaks = peak_memory_bytes(dataclasses.replace(plan, precision=runtime), graph, cluster)
+    peaks = peak_memory_bytes(plan, graph, cluster, precision=runtime)
     cap = usable_memory_bytes(cluster.device.mem_bytes)
     top = max(range(len(peaks)), key=peaks.__getitem__)
     over = ranks_over(peaks, cap)

@@ -641,8 +641,7 @@ def predicted_peaks(runner: PipelineRunner, layer_graph: LayerGraph, cluster: Cl
     runtime holds it (:meth:`~vlmcompile.ir.plan.Precision.runtime`: fp32 states, and a bf16
     copy of the trainable weights under autocast), whatever precision the plan was made for."""
     precision = Precision.runtime(autocast=runner.autocast_dtype is not None)
-    plan = dataclasses.replace(runner.plan, precision=precision)
-    per_pp_rank = peak_memory_bytes(plan, layer_graph, cluster)
+    per_pp_rank = peak_memory_bytes(runner.plan, layer_graph, cluster, precision=precision)
     parallel = runner.parallel
     return tuple(int(per_pp_rank[parallel.coords(r)[0]]) for r in range(parallel.world_size))
 

@@ -75,7 +75,14 @@ def llm_alone_plan(plan: Plan, layer_graph: LayerGraph, cluster: Cluster) -> Pla
         precision=plan.precision,
     )
     recompute = {layer.name: plan.recompute_of(layer.name) for layer in graph.layers}
-    costs = layer_costs(graph, cluster, par, microbatch_size=plan.microbatch_size, recompute=recompute)
+    costs = layer_costs(
+        graph,
+        cluster,
+        par,
+        microbatch_size=plan.microbatch_size,
+        recompute=recompute,
+        precision=plan.precision,
+    )
     num_stages = par.pp * par.v
     counts = balanced_split([c.f_s + c.b_s for c in costs], num_stages)
     said = Decision(

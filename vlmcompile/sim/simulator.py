@@ -43,7 +43,7 @@ from vlmcompile.cost_models.stage_costs import LayerCost, PlanCosts, StageCost, 
 from vlmcompile.ir.actions import Action, ActionKind
 from vlmcompile.ir.errors import PlanError
 from vlmcompile.ir.layer_graph import LayerGraph
-from vlmcompile.ir.plan import Plan
+from vlmcompile.ir.plan import Plan, Precision
 from vlmcompile.ir.regions import ENCODER_SIDE
 from vlmcompile.sim import dp
 from vlmcompile.sim.in_flight import MemoryPattern, held_across_steps, in_flight, pattern_bytes
@@ -421,10 +421,18 @@ def simulate_step(
 
 
 def peak_memory_bytes(
-    plan: Plan, layer_graph: LayerGraph, cluster: Cluster, *, costs: PlanCosts | None = None
+    plan: Plan,
+    layer_graph: LayerGraph,
+    cluster: Cluster,
+    *,
+    costs: PlanCosts | None = None,
+    precision: Precision | None = None,
 ) -> list[float]:
     """Per rank, the peak memory :func:`simulate` reports, without timing the step: what choosing
-    the least recompute that fits needs of the settings that do not fit."""
+    the least recompute that fits needs of the settings that do not fit. ``precision``: the
+    model-state bytes to count in place of the plan's (what a runtime holds training it)."""
+    if precision is not None:
+        plan = replace(plan, precision=precision)
     costs = costs or plan_costs(plan, layer_graph, cluster)
     peaks = _layout(plan).peak_memory(plan, costs)
     return [costs.static_bytes[r] + peaks[r][0] for r in range(plan.num_ranks)]
